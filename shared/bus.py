@@ -1,0 +1,126 @@
+"""NATS connection and the KV bucket, shared by every process (the only NATS plumbing)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import ssl
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import nats
+import structlog
+from nats.aio.client import Client
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.kv import KeyValue
+
+from shared.subjects import BUCKET
+
+log = structlog.get_logger("lanes.bus")
+
+
+@dataclass(frozen=True)
+class NatsAuth:
+    user: str | None = None
+    password: str | None = None
+    token: str | None = None
+    creds: str | None = None
+    nkey_seed: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    def connect_options(self) -> dict:
+        opts: dict = {}
+        if self.user:
+            opts["user"], opts["password"] = self.user, self.password or ""
+        if self.token:
+            opts["token"] = self.token
+        if self.creds:
+            opts["user_credentials"] = self.creds
+        if self.nkey_seed:
+            opts["nkeys_seed"] = self.nkey_seed
+        if self.tls_ca or self.tls_cert:
+            ctx = ssl.create_default_context(cafile=self.tls_ca)
+            if self.tls_cert:
+                ctx.load_cert_chain(self.tls_cert, self.tls_key)
+            opts["tls"] = ctx
+        return opts
+
+
+def add_auth_arguments(p: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    p.add_argument("--user", default=env("LANES_NATS_USER"))
+    p.add_argument("--password", default=env("LANES_NATS_PASSWORD"))
+    p.add_argument("--token", default=env("LANES_NATS_TOKEN"))
+    p.add_argument("--creds", default=env("LANES_NATS_CREDS"), help="NATS .creds file (JWT + nkey)")
+    p.add_argument("--nkey", default=env("LANES_NATS_NKEY"), help="nkey seed file")
+    p.add_argument("--tls-ca", default=env("LANES_NATS_TLS_CA"))
+    p.add_argument("--tls-cert", default=env("LANES_NATS_TLS_CERT"))
+    p.add_argument("--tls-key", default=env("LANES_NATS_TLS_KEY"))
+
+
+def auth_from_args(args: argparse.Namespace) -> NatsAuth:
+    return NatsAuth(
+        user=args.user,
+        password=args.password,
+        token=args.token,
+        creds=args.creds,
+        nkey_seed=args.nkey,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+    )
+
+
+async def connect(
+    servers: str | list[str],
+    *,
+    name: str,
+    auth: NatsAuth = NatsAuth(),
+    on_reconnect: Callable[[], Awaitable[None]] | None = None,
+    on_disconnect: Callable[[], Awaitable[None]] | None = None,
+    retry_forever: bool = True,
+) -> Client:
+    """Connect and keep reconnecting forever: a service outlives NATS restarts."""
+
+    async def error_cb(exc: Exception) -> None:
+        log.warning("nats error", error=str(exc))
+
+    async def reconnected_cb() -> None:
+        log.info("nats reconnected")
+        if on_reconnect:
+            await on_reconnect()
+
+    async def disconnected_cb() -> None:
+        log.warning("nats disconnected")
+        if on_disconnect:
+            await on_disconnect()
+
+    if isinstance(servers, str):
+        servers = [s.strip() for s in servers.split(",") if s.strip()]
+    return await nats.connect(
+        servers=servers,
+        name=name,
+        max_reconnect_attempts=-1 if retry_forever else 3,
+        reconnect_time_wait=0.5,
+        allow_reconnect=True,
+        connect_timeout=3,
+        error_cb=error_cb,
+        reconnected_cb=reconnected_cb,
+        disconnected_cb=disconnected_cb,
+        **auth.connect_options(),
+    )
+
+
+async def kv_bucket(nc: Client, *, create: bool = False, replicas: int = 1) -> KeyValue:
+    """The lanes bucket; only the planner creates it (agents may lack the permission)."""
+    js = nc.jetstream()
+    if create:
+        try:
+            return await js.create_key_value(
+                KeyValueConfig(bucket=BUCKET, history=5, storage=StorageType.FILE, replicas=replicas)
+            )
+        except Exception as exc:  # already exists with other settings, or no permission
+            log.info("kv bucket exists or cannot be created", error=str(exc))
+    return await js.key_value(BUCKET)

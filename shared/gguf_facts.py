@@ -1,0 +1,148 @@
+"""Model facts read from GGUF metadata with the `gguf` package (the edge that reads files)."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from gguf import GGUFReader
+
+from shared.messages import ModelFacts
+
+# llama.cpp's default sliding-window pattern per architecture when the GGUF has none
+# (llama_model_*::load_arch_hparams: gemma2 2, gemma3 6, cohere2 4).
+_DEFAULT_SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "cohere2": 4}
+_MLA_ARCHS = {"deepseek2", "deepseek3", "kimi_k2", "glm4_moe_lite"}
+
+
+class ModelError(ValueError):
+    """A file that is not a GGUF model lanes can plan for."""
+
+
+def model_name(path: str | os.PathLike[str]) -> str:
+    stem = Path(path).name
+    stem = stem[:-5] if stem.endswith(".gguf") else stem
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", stem).lstrip("._-") or "model"
+    return name[:128]
+
+
+def _value(reader: GGUFReader, key: str):
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def swa_layer_pattern(n_layer: int, n_pattern: int, dense_first: bool = False) -> tuple[bool, ...]:
+    """llama_hparams::set_swa_pattern: which layers use the sliding window."""
+    if dense_first:
+        return tuple(n_pattern == 0 or il % n_pattern != 0 for il in range(n_layer))
+    return tuple(n_pattern == 0 or il % n_pattern < n_pattern - 1 for il in range(n_layer))
+
+
+def read_model_facts(path: str | os.PathLike[str]) -> ModelFacts:
+    path = Path(path)
+    if not path.is_file():
+        raise ModelError(f"{path}: no such file")
+    try:
+        reader = GGUFReader(path, "r")
+    except Exception as exc:  # the gguf package raises ValueError/struct errors on junk
+        raise ModelError(f"{path}: not a GGUF file ({exc})") from None
+    arch = _value(reader, "general.architecture")
+    if not isinstance(arch, str):
+        raise ModelError(f"{path}: GGUF has no general.architecture")
+
+    def key(suffix: str, default=None):
+        value = _value(reader, f"{arch}.{suffix}")
+        return default if value is None else value
+
+    n_layer = int(key("block_count", 0))
+    n_embd = int(key("embedding_length", 0))
+    n_head_raw = key("attention.head_count", 0)
+    if n_layer <= 0 or n_embd <= 0:
+        raise ModelError(f"{path}: GGUF lacks {arch}.block_count or {arch}.embedding_length")
+    n_head_list = _per_layer(n_head_raw, n_layer)
+    n_head = max(n_head_list) if n_head_list else 0
+    n_head_kv = _per_layer(key("attention.head_count_kv", n_head_raw), n_layer)
+    head_dim_default = n_embd // n_head if n_head else 0
+    head_dim_k = int(key("attention.key_length", head_dim_default))
+    head_dim_v = int(key("attention.value_length", head_dim_default))
+
+    is_mla = arch in _MLA_ARCHS and key("attention.kv_lora_rank") is not None
+    n_swa = int(key("attention.sliding_window", 0) or 0)
+    swa_layers: tuple[bool, ...] = ()
+    if n_swa > 0:
+        pattern = key("attention.sliding_window_pattern")
+        if isinstance(pattern, list):
+            swa_layers = tuple(bool(x) for x in pattern[:n_layer])
+        elif pattern is not None or arch in _DEFAULT_SWA_PATTERN:
+            n_pattern = int(pattern) if pattern is not None else _DEFAULT_SWA_PATTERN[arch]
+            swa_layers = swa_layer_pattern(n_layer, n_pattern)
+        if not any(swa_layers):
+            n_swa, swa_layers = 0, ()
+    elif arch == "gemma2":
+        n_swa, swa_layers = 4096, swa_layer_pattern(n_layer, 2)
+
+    recurrent_layers, recurrent_bytes = _recurrent(arch, key, n_layer, n_head_kv)
+
+    tokens = _value(reader, "tokenizer.ggml.tokens")
+    n_vocab = len(tokens) if isinstance(tokens, list) else int(key("vocab_size", 0))
+    weight_bytes = sum(int(t.n_bytes) for t in reader.tensors)
+    return ModelFacts(
+        path=str(path.resolve()),
+        name=model_name(path),
+        architecture=arch,
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim_k=head_dim_k,
+        head_dim_v=head_dim_v,
+        n_ctx_train=int(key("context_length", 0)),
+        n_vocab=n_vocab,
+        n_ff=int(max(_per_layer(key("feed_forward_length", 0), n_layer) or (0,))),
+        n_swa=n_swa,
+        swa_layers=swa_layers,
+        is_mla=is_mla,
+        recurrent_layers=recurrent_layers,
+        recurrent_bytes_per_seq=recurrent_bytes,
+        weight_bytes=weight_bytes,
+        file_bytes=path.stat().st_size,
+    )
+
+
+def _per_layer(value, n_layer: int) -> tuple[int, ...]:
+    if isinstance(value, list):
+        values = [int(v) for v in value[:n_layer]]
+        return tuple(values + [values[-1] if values else 0] * (n_layer - len(values)))
+    return (int(value or 0),) * n_layer
+
+
+def _recurrent(arch: str, key, n_layer: int, n_head_kv: tuple[int, ...]) -> tuple[tuple[bool, ...], int]:
+    """Recurrent state per sequence, f32, for Mamba-style layers (llama_hparams::n_embd_r/s).
+
+    Hybrid models mark attention layers with head_count_kv > 0; pure SSM models have none.
+    """
+    d_inner = key("ssm.inner_size")
+    if d_inner is None:
+        return (), 0
+    d_conv = int(key("ssm.conv_kernel", 0))
+    d_state = int(key("ssm.state_size", 0))
+    n_group = int(key("ssm.group_count", 0))
+    d_inner = int(d_inner)
+    n_embd_r = max(d_conv - 1, 0) * (d_inner + 2 * n_group * d_state)
+    n_embd_s = d_state * d_inner
+    layers = tuple(kv == 0 for kv in n_head_kv)
+    return layers, sum(layers) * (n_embd_r + n_embd_s) * 4
+
+
+def scan_models(folders: list[str | os.PathLike[str]]) -> tuple[list[ModelFacts], list[str]]:
+    """Facts for every *.gguf under the folders, and one line per file that could not be read."""
+    found: list[ModelFacts] = []
+    problems: list[str] = []
+    for folder in folders:
+        for path in sorted(Path(folder).rglob("*.gguf")):
+            try:
+                found.append(read_model_facts(path))
+            except ModelError as exc:
+                problems.append(str(exc))
+    return found, problems

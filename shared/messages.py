@@ -1,0 +1,302 @@
+"""Every message lanes puts on the wire, as msgspec Structs.
+
+All structs are frozen and tagged (`kind`) and carry a `schema` version, so a
+reader can tell what it holds before trusting it. New fields must get
+defaults; a field's type never changes (see docs/schemas/).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, TypeVar
+
+import msgspec
+
+SCHEMA_VERSION = 1
+T = TypeVar("T")
+
+CacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"]
+FlashAttn = Literal["on", "off", "auto"]
+FlashAttnForm = Literal["value", "switch"]
+KvLayout = Literal["streams", "shared"]
+Device = Literal["cpu", "gpu"]
+LaneState = Literal["starting", "loading", "healthy", "mismatch", "crashed", "failed", "stopped"]
+FailureKind = Literal["oom", "unsupported", "over_plan", "crash_loop", "other"]
+
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+Bytes = Annotated[int, msgspec.Meta(ge=0)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
+
+
+class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
+    schema: int = SCHEMA_VERSION
+
+
+# ---------------------------------------------------------------- host facts
+
+
+class GpuInfo(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    vram_total: Bytes
+    vram_free: Bytes
+    backend: str = "cuda"
+
+
+class ServerCaps(msgspec.Struct, frozen=True, kw_only=True):
+    """What one llama-server binary accepts, read from its own --help/--version."""
+
+    build: int | None = None
+    version: str = ""
+    flash_attn_form: FlashAttnForm = "value"
+    cache_types: tuple[CacheType, ...] = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+    has_fit: bool = True
+    has_kv_unified: bool = True
+    has_swa_full: bool = True
+    # "streams": one KV stream per slot and a separate sliding-window cache (current builds).
+    # "shared": one cache shared by all slots and no SWA cache (builds of early 2025).
+    kv_layout: KvLayout = "streams"
+
+
+class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
+    """What the memory model needs from a GGUF file; per-layer lists have n_layer entries."""
+
+    path: str
+    name: Name
+    architecture: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: tuple[int, ...]
+    head_dim_k: int
+    head_dim_v: int
+    n_ctx_train: int
+    n_vocab: int = 0
+    n_ff: int = 0
+    n_swa: int = 0
+    swa_layers: tuple[bool, ...] = ()
+    is_mla: bool = False
+    recurrent_layers: tuple[bool, ...] = ()
+    recurrent_bytes_per_seq: int = 0
+    weight_bytes: Bytes = 0
+    file_bytes: Bytes = 0
+
+
+class HostReport(_Msg, tag="host_report", kw_only=True):
+    host_id: Name
+    cpu_cores: int
+    ram_total: Bytes
+    ram_available: Bytes
+    # Memory the host's own lanes hold now: the planner may hand it out again.
+    lanes_rss: Bytes = 0
+    lanes_vram: Bytes = 0
+    gpus: tuple[GpuInfo, ...] = ()
+    server: ServerCaps | None = None
+    models: tuple[ModelFacts, ...] = ()
+    port_base: Port = 8080
+    port_count: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 16
+    # Address lanes listen on: 127.0.0.1 keeps them local, 0.0.0.0 serves the network.
+    lane_bind: str = "127.0.0.1"
+    agent_version: str = ""
+
+
+# ---------------------------------------------------------------- fleet intent
+
+
+class FleetConfig(_Msg, tag="fleet_config", forbid_unknown_fields=True, kw_only=True):
+    """Fleet-wide knobs. Unset cache types / flash_attn mean: pass no flag at all."""
+
+    kv_cache_type: CacheType | None = None
+    kv_cache_type_k: CacheType | None = None
+    kv_cache_type_v: CacheType | None = None
+    flash_attn: FlashAttn | None = None
+    headroom_bytes: Bytes = 512 * 1024 * 1024
+    headroom_fraction: Annotated[float, msgspec.Meta(ge=0.0, le=0.9)] = 0.05
+    min_gain_fraction: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.10
+    n_ubatch: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 512
+    use_gpu: bool = True
+    max_restarts_per_host: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 1
+
+
+class Persona(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A model to serve. `model` matches a model's name (file stem) on the hosts."""
+
+    model: Name
+    alias: Name | None = None
+    # Lanes wanted fleet-wide; None means one on every host that holds the model.
+    lanes: Annotated[int, msgspec.Meta(ge=0, le=10000)] | None = None
+    parallel: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1
+    kv_unified: bool = False
+    ctx_min: Annotated[int, msgspec.Meta(ge=256)] = 2048
+    ctx_max: Annotated[int, msgspec.Meta(ge=256)] | None = None
+    priority: int = 0
+
+
+class Demand(_Msg, tag="demand", forbid_unknown_fields=True, kw_only=True):
+    personas: tuple[Persona, ...] = ()
+
+
+class LaneFeedback(msgspec.Struct, frozen=True, kw_only=True):
+    """What went wrong with a lane as the agent saw it; the planner corrects for it."""
+
+    lane_id: Name
+    model: Name
+    kind: FailureKind
+    cache_type_k: CacheType | None = None
+    cache_type_v: CacheType | None = None
+    ctx_total: int = 0
+    planned_bytes: Bytes = 0
+    actual_bytes: Bytes = 0
+    detail: str = ""
+
+
+# ---------------------------------------------------------------- the plan
+
+
+class MemoryBreakdown(msgspec.Struct, frozen=True, kw_only=True):
+    device: Device = "cpu"
+    weights_bytes: Bytes = 0
+    kv_bytes: Bytes = 0
+    kv_k_bytes: Bytes = 0
+    kv_v_bytes: Bytes = 0
+    kv_cells: int = 0
+    kv_streams: int = 1
+    swa_cells: int = 0
+    recurrent_bytes: Bytes = 0
+    compute_bytes: Bytes = 0
+    total_bytes: Bytes = 0
+
+
+class LaneSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """One llama-server instance, with every flag decided. `args` is the exact argv tail."""
+
+    lane_id: Name
+    model: Name
+    model_path: str
+    alias: Name
+    port: Port
+    bind: str = "127.0.0.1"
+    ctx_total: Annotated[int, msgspec.Meta(ge=256)]
+    ctx_per_slot: int
+    parallel: Annotated[int, msgspec.Meta(ge=1, le=256)]
+    kv_unified: bool = False
+    n_gpu_layers: Annotated[int, msgspec.Meta(ge=0)] = 0
+    cache_type_k: CacheType | None = None
+    cache_type_v: CacheType | None = None
+    flash_attn: FlashAttn | None = None
+    fit_off: bool = False
+    memory: MemoryBreakdown = MemoryBreakdown()
+    args: tuple[str, ...] = ()
+    reasons: tuple[str, ...] = ()
+
+
+class Unplaced(msgspec.Struct, frozen=True, kw_only=True):
+    model: str
+    reason: str
+
+
+class HostPlan(_Msg, tag="host_plan", kw_only=True):
+    host_id: Name
+    plan_revision: int = 0
+    config_revision: int = 0
+    budget_ram: Bytes = 0
+    budget_gpu: Bytes = 0
+    lanes: tuple[LaneSpec, ...] = ()
+    unplaced: tuple[Unplaced, ...] = ()
+    reasons: tuple[str, ...] = ()
+
+
+class FleetPlan(_Msg, tag="fleet_plan", kw_only=True):
+    hosts: tuple[HostPlan, ...] = ()
+    unplaced: tuple[Unplaced, ...] = ()
+
+
+# ---------------------------------------------------------------- what runs
+
+
+class LaneStatus(msgspec.Struct, frozen=True, kw_only=True):
+    lane_id: Name
+    state: LaneState
+    port: int = 0
+    pid: int | None = None
+    plan_revision: int = 0
+    ctx_total: int = 0
+    planned_bytes: Bytes = 0
+    planned_kv_bytes: Bytes = 0
+    kv_bytes: Bytes | None = None
+    rss_bytes: Bytes | None = None
+    restarts: int = 0
+    last_error: str = ""
+    stderr_tail: tuple[str, ...] = ()
+    argv: tuple[str, ...] = ()
+    failure: FailureKind | None = None
+
+
+class HostStatus(_Msg, tag="host_status", kw_only=True):
+    host_id: Name
+    plan_revision: int = 0
+    lanes: tuple[LaneStatus, ...] = ()
+    feedback: tuple[LaneFeedback, ...] = ()
+    nats_connected: bool = True
+
+
+class LaneEvent(_Msg, tag="lane_event", kw_only=True):
+    host_id: Name
+    lane_id: Name
+    event: Literal["started", "healthy", "crashed", "stopped", "failed", "mismatch", "rejected"]
+    detail: str = ""
+    pid: int | None = None
+
+
+class PlanRejected(_Msg, tag="plan_rejected", kw_only=True):
+    host_id: Name
+    plan_revision: int = 0
+    reason: str
+
+
+# ---------------------------------------------------------------- request/reply
+
+
+class ConfigSet(_Msg, tag="config_set", kw_only=True):
+    """Partial update: only the named fields change."""
+
+    changes: dict[str, str | int | float | bool | None]
+
+
+class HostQuery(_Msg, tag="host_query", kw_only=True):
+    host_id: Name
+
+
+class ErrorReply(_Msg, tag="error", kw_only=True):
+    error: str
+
+
+class FleetStatus(_Msg, tag="fleet_status", kw_only=True):
+    config_revision: int = 0
+    config: FleetConfig = FleetConfig()
+    reports: tuple[HostReport, ...] = ()
+    plans: tuple[HostPlan, ...] = ()
+    statuses: tuple[HostStatus, ...] = ()
+
+
+WIRE_TYPES: tuple[type, ...] = (
+    HostReport,
+    FleetConfig,
+    Demand,
+    HostPlan,
+    FleetPlan,
+    HostStatus,
+    LaneEvent,
+    PlanRejected,
+    ConfigSet,
+    HostQuery,
+    ErrorReply,
+    FleetStatus,
+)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return msgspec.json.encode(msg)
+
+
+def decode(data: bytes | str, kind: type[T]) -> T:
+    """Decode and validate; raises msgspec.ValidationError / DecodeError with the reason."""
+    return msgspec.json.decode(data, type=kind)

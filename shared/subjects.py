@@ -1,0 +1,88 @@
+"""Every NATS subject, KV bucket and KV key lanes uses, built in one place.
+
+Operators follow the fleet with:
+  nats kv watch lanes             # config, demand, plans, reports, status
+  nats sub 'lanes.>'              # events and telemetry
+  nats micro ls                   # the planner and every agent
+"""
+
+from __future__ import annotations
+
+import re
+
+PREFIX = "lanes"
+BUCKET = "lanes"
+
+PLANNER_SERVICE = "lanes-planner"
+AGENT_SERVICE = "lanes-agent"
+
+_TOKEN_BAD = re.compile(r"[^A-Za-z0-9_-]")
+
+
+def host_token(host_id: str) -> str:
+    """A host id as one subject token: dots and spaces would add tokens and break wildcards."""
+    token = _TOKEN_BAD.sub("_", host_id.strip())
+    if not token:
+        raise ValueError(f"host id {host_id!r} has no usable characters")
+    return token
+
+
+# ------------------------------------------------------------- KV keys (bucket BUCKET)
+
+CONFIG_KEY = "config"
+DEMAND_KEY = "demand"
+
+
+def plan_key(host_id: str) -> str:
+    return f"plan.{host_token(host_id)}"
+
+
+def report_key(host_id: str) -> str:
+    return f"report.{host_token(host_id)}"
+
+
+def status_key(host_id: str) -> str:
+    return f"status.{host_token(host_id)}"
+
+
+PLAN_KEYS = "plan.*"
+REPORT_KEYS = "report.*"
+STATUS_KEYS = "status.*"
+
+
+def kv_subject(key: str) -> str:
+    """The JetStream subject behind a KV key (what NATS permissions are written against)."""
+    return f"$KV.{BUCKET}.{key}"
+
+
+# ------------------------------------------------------------- plain subjects
+
+
+def event_subject(host_id: str, lane_id: str, event: str) -> str:
+    return f"{PREFIX}.event.{host_token(host_id)}.{host_token(lane_id)}.{event}"
+
+
+def telemetry_subject(host_id: str) -> str:
+    return f"{PREFIX}.telemetry.{host_token(host_id)}"
+
+
+def rejected_subject(host_id: str) -> str:
+    return f"{PREFIX}.rejected.{host_token(host_id)}"
+
+
+ALL_EVENTS = f"{PREFIX}.event.>"
+
+
+# ------------------------------------------------------------- request/reply (micro endpoints)
+
+PLANNER_GROUP = f"{PREFIX}.planner"
+CONFIG_GET = f"{PLANNER_GROUP}.config.get"
+CONFIG_SET = f"{PLANNER_GROUP}.config.set"
+DEMAND_SET = f"{PLANNER_GROUP}.demand.set"
+PLAN_GET = f"{PLANNER_GROUP}.plan.get"
+PLAN_EXPLAIN = f"{PLANNER_GROUP}.plan.explain"
+FLEET_STATUS = f"{PLANNER_GROUP}.fleet.status"
+
+
+def agent_group(host_id: str) -> str:
+    return f"{PREFIX}.agent.{host_token(host_id)}"

@@ -1,0 +1,121 @@
+"""Small random-weight GGUF models that the real llama-server loads (built with the gguf package)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+N_VOCAB = 259  # <unk> <s> </s> + 256 byte tokens: SPM needs every byte token
+
+
+def _tokenizer(writer: gguf.GGUFWriter) -> None:
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+
+
+def _mat(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
+    return (rng.standard_normal((rows, cols)) * 0.02).astype(np.float16)
+
+
+def _ones(n: int) -> np.ndarray:
+    return np.ones(n, dtype=np.float32)
+
+
+def write_llama(
+    path: str | Path,
+    *,
+    n_layer: int = 2,
+    n_embd: int = 256,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    head_dim: int = 64,
+    n_ff: int = 512,
+    n_ctx_train: int = 4096,
+    arch: str = "llama",
+    n_swa: int = 0,
+    seed: int = 0,
+) -> Path:
+    """A llama (GQA) model, or with arch="gemma3" and n_swa > 0 a sliding-window one."""
+    path = Path(path)
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(path.stem)
+    w.add_context_length(n_ctx_train)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(10000.0)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    if n_swa:
+        w.add_sliding_window(n_swa)
+    _tokenizer(w)
+
+    q, kv = n_head * head_dim, n_head_kv * head_dim
+    w.add_tensor("token_embd.weight", _mat(rng, N_VOCAB, n_embd))
+    w.add_tensor("output_norm.weight", _ones(n_embd))
+    if arch == "llama":
+        w.add_tensor("output.weight", _mat(rng, N_VOCAB, n_embd))
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", _ones(n_embd))
+        w.add_tensor(p + "attn_q.weight", _mat(rng, q, n_embd))
+        w.add_tensor(p + "attn_k.weight", _mat(rng, kv, n_embd))
+        w.add_tensor(p + "attn_v.weight", _mat(rng, kv, n_embd))
+        w.add_tensor(p + "attn_output.weight", _mat(rng, n_embd, q))
+        w.add_tensor(p + "ffn_norm.weight", _ones(n_embd))
+        w.add_tensor(p + "ffn_gate.weight", _mat(rng, n_ff, n_embd))
+        w.add_tensor(p + "ffn_up.weight", _mat(rng, n_ff, n_embd))
+        w.add_tensor(p + "ffn_down.weight", _mat(rng, n_embd, n_ff))
+        if arch == "gemma3":
+            w.add_tensor(p + "attn_q_norm.weight", _ones(head_dim))
+            w.add_tensor(p + "attn_k_norm.weight", _ones(head_dim))
+            w.add_tensor(p + "post_attention_norm.weight", _ones(n_embd))
+            w.add_tensor(p + "post_ffw_norm.weight", _ones(n_embd))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def write_gemma3(path: str | Path, *, n_layer: int = 6, n_swa: int = 512, **kw) -> Path:
+    return write_llama(path, arch="gemma3", n_layer=n_layer, n_swa=n_swa, **kw)
+
+
+def write_deepseek2_mla(path: str | Path, *, n_layer: int = 4, kv_lora_rank: int = 512, rope_dim: int = 64) -> Path:
+    """Metadata-only MLA model (no tensors): enough for the memory model, not for llama-server."""
+    path = Path(path)
+    w = gguf.GGUFWriter(str(path), "deepseek2")
+    w.add_context_length(163840)
+    w.add_embedding_length(2048)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(4096)
+    w.add_head_count(16)
+    w.add_head_count_kv(1)
+    w.add_key_length(kv_lora_rank + rope_dim)
+    w.add_value_length(kv_lora_rank)
+    w.add_kv_lora_rank(kv_lora_rank)
+    w.add_key_length_mla(192)
+    w.add_value_length_mla(128)
+    w.add_rope_dimension_count(rope_dim)
+    w.add_tensor("token_embd.weight", np.zeros((8, 2048), dtype=np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
