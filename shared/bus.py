@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import ssl
 from collections.abc import Awaitable, Callable
@@ -124,3 +125,55 @@ async def kv_bucket(nc: Client, *, create: bool = False, replicas: int = 1) -> K
         except Exception as exc:  # already exists with other settings, or no permission
             log.info("kv bucket exists or cannot be created", error=str(exc))
     return await js.key_value(BUCKET)
+
+
+async def watch_forever(
+    kv: KeyValue,
+    keys: str,
+    on_entry: Callable[[str, bytes | None, int], Awaitable[None]],
+    *,
+    resync: asyncio.Event,
+    stop: asyncio.Event,
+    on_caught_up: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """A KV watch that survives NATS restarts.
+
+    nats-py's watcher silently stops delivering after the server restarts, so the
+    watch is re-created whenever `resync` is set (from reconnected_cb) or it fails.
+    Each new watch starts with a full snapshot, which suits level-triggered reconciling.
+    on_entry gets (key, value or None when deleted, revision).
+    """
+    while not stop.is_set():
+        resync.clear()
+        watcher = None
+        try:
+            watcher = await kv.watch(keys)
+            while not stop.is_set() and not resync.is_set():
+                try:
+                    entry = await watcher.updates(timeout=1.0)
+                except nats.errors.TimeoutError:
+                    continue
+                if entry is None:
+                    if on_caught_up:
+                        await on_caught_up()
+                    continue
+                deleted = entry.operation in ("DEL", "PURGE")
+                await on_entry(entry.key, None if deleted else entry.value, entry.revision)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("kv watch failed; retrying", keys=keys, error=str(exc) or type(exc).__name__)
+            await _sleep_or(stop, 1.0)
+        finally:
+            if watcher is not None:
+                try:
+                    await asyncio.wait_for(watcher.stop(), 2)
+                except Exception:
+                    pass
+
+
+async def _sleep_or(event: asyncio.Event, seconds: float) -> None:
+    try:
+        await asyncio.wait_for(event.wait(), seconds)
+    except asyncio.TimeoutError:
+        pass

@@ -1,0 +1,174 @@
+"""The commands that talk to NATS: up, planner, agent, status, config, demand, explain."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+from pathlib import Path
+
+import msgspec
+
+from lanes.errors import UserError
+from lanes.tables import gib, mib, table
+from launcher_agent.probe import ProbeError, find_llama_server, probe
+from launcher_agent.service import AgentConfig, default_host_id, run_agent
+from planner_svc.service import run_planner
+from shared import subjects
+from shared.bus import NatsAuth, auth_from_args, connect
+from shared.logs import setup_logging
+from shared.messages import ConfigSet, Demand, FleetConfig, FleetStatus, HostQuery, encode
+from shared.natsserver import NatsServer, NatsServerError
+
+
+def _stop_event() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+def agent_config(args: argparse.Namespace, data_dir: Path) -> AgentConfig:
+    binary = find_llama_server(args.llama_server)
+    if binary is None:
+        raise UserError("no llama-server found: pass --llama-server, set LLAMA_SERVER_BIN, or run `lanes install-llama`")
+    try:
+        caps = probe(binary)
+    except ProbeError as exc:
+        raise UserError(str(exc)) from None
+    for folder in args.models:
+        if not Path(folder).is_dir():
+            raise UserError(f"--models {folder}: not a folder")
+    return AgentConfig(
+        host_id=args.host_id or default_host_id(),
+        model_dirs=[str(Path(m).resolve()) for m in args.models],
+        binary=binary,
+        caps=caps,
+        data_dir=data_dir,
+        port_base=args.port_base,
+        port_count=getattr(args, "port_count", 16),
+        bind=getattr(args, "bind", "127.0.0.1"),
+        report_interval=getattr(args, "report_interval", 30.0),
+    )
+
+
+async def run(args: argparse.Namespace) -> int:
+    setup_logging()
+    if args.command == "up":
+        return await cmd_up(args)
+    auth = auth_from_args(args)
+    if args.command == "planner":
+        await run_planner(args.nats, _stop_event(), auth)
+        return 0
+    if args.command == "agent":
+        cfg = agent_config(args, Path.home() / ".lanes" / "agent")
+        await run_agent(cfg, args.nats, _stop_event(), auth)
+        return 0
+    return await _request_command(args, auth)
+
+
+async def cmd_up(args: argparse.Namespace) -> int:
+    data = Path(args.data).resolve()
+    cfg = agent_config(args, data / "agent")
+    server = NatsServer(data / "nats", port=args.nats_port)
+    try:
+        server.start()
+    except NatsServerError as exc:
+        raise UserError(str(exc)) from None
+    stop = _stop_event()
+    print(f"lanes up: nats {server.url} (monitor {server.monitor}), data in {data}")
+    print(f"  lanes status --nats {server.url}")
+    print(f"  lanes config set --nats {server.url} kv_cache_type=q8_0")
+    print(f"  nats --server {server.url} kv watch {subjects.BUCKET}      # with the NATS CLI")
+    print("  Ctrl-C stops everything, lanes included")
+    try:
+        await asyncio.gather(run_planner(server.url, stop), run_agent(cfg, server.url, stop))
+    finally:
+        server.stop()
+    return 0
+
+
+async def _request(nc, subject: str, payload: bytes, timeout: float = 5.0) -> bytes:
+    try:
+        reply = await nc.request(subject, payload, timeout=timeout)
+    except Exception as exc:
+        raise UserError(f"no answer on {subject} (is the planner running?): {type(exc).__name__}") from None
+    error = (reply.headers or {}).get("Nats-Service-Error")
+    if error:
+        raise UserError(error)
+    return reply.data
+
+
+def _parse_pairs(pairs: list[str]) -> dict:
+    changes: dict = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise UserError(f"{pair!r}: expected key=value")
+        changes[key] = None if value.lower() in ("none", "null", "") else value
+    return changes
+
+
+async def _request_command(args: argparse.Namespace, auth: NatsAuth) -> int:
+    try:
+        nc = await connect(args.nats, name="lanes-cli", auth=auth, retry_forever=False)
+    except Exception as exc:
+        raise UserError(f"cannot connect to {args.nats}: {exc or type(exc).__name__}") from None
+    try:
+        if args.command == "config" and args.action == "get":
+            print(msgspec.json.format(await _request(nc, subjects.CONFIG_GET, b"")).decode())
+        elif args.command == "config":
+            body = encode(ConfigSet(changes=_parse_pairs(args.pairs)))
+            print(msgspec.json.format(await _request(nc, subjects.CONFIG_SET, body)).decode())
+        elif args.command == "demand":
+            from lanes.offline import load_file
+
+            demand = load_file(args.file, Demand)
+            await _request(nc, subjects.DEMAND_SET, encode(demand))
+            print(f"demand set: {len(demand.personas)} persona(s)")
+        elif args.command == "explain":
+            print((await _request(nc, subjects.PLAN_EXPLAIN, encode(HostQuery(host_id=args.host_id)))).decode())
+        elif args.command == "status":
+            raw = await _request(nc, subjects.FLEET_STATUS, b"")
+            if args.json:
+                print(raw.decode())
+            else:
+                print(render_status(msgspec.json.decode(raw, type=FleetStatus)))
+    finally:
+        await nc.close()
+    return 0
+
+
+def render_status(fleet: FleetStatus) -> str:
+    c: FleetConfig = fleet.config
+    out = [f"config r{fleet.config_revision}: kv {c.kv_cache_type_k or c.kv_cache_type or 'f16'}/"
+           f"{c.kv_cache_type_v or c.kv_cache_type or 'f16'}, flash_attn {c.flash_attn or 'unset'}"]  # fmt: skip
+    statuses = {s.host_id: s for s in fleet.statuses}
+    plans = {p.host_id: p for p in fleet.plans}
+    host_rows = []
+    for r in fleet.reports:
+        plan = plans.get(r.host_id)
+        status = statuses.get(r.host_id)
+        host_rows.append([r.host_id, r.cpu_cores, gib(r.ram_total), gib(r.ram_available),
+                          f"r{plan.plan_revision}" if plan else "-", f"r{status.plan_revision}" if status else "-",
+                          len(r.models)])  # fmt: skip
+    out.append(table(["host", "cores", "ram", "free", "plan", "applied", "models"], host_rows))
+    rows = []
+    for p in fleet.plans:
+        status = statuses.get(p.host_id)
+        live = {lane.lane_id: lane for lane in status.lanes} if status else {}
+        for s in p.lanes:
+            lane = live.get(s.lane_id)
+            rows.append([
+                p.host_id, s.lane_id, s.port, f"{s.ctx_per_slot}x{s.parallel}",
+                f"{s.cache_type_k or 'f16'}/{s.cache_type_v or 'f16'}", s.flash_attn or "-",
+                mib(s.memory.kv_bytes), mib(lane.kv_bytes) if lane else "-",
+                gib(s.memory.total_bytes), gib(lane.rss_bytes) if lane else "-",
+                lane.state if lane else "pending", (lane.last_error[:60] if lane else ""),
+            ])  # fmt: skip
+    out.append(table(["host", "lane", "port", "window", "kv k/v", "fa", "kv plan", "kv real", "mem plan", "rss", "state", "error"], rows))
+    for p in fleet.plans:
+        for u in p.unplaced:
+            out.append(f"unplaced on {p.host_id}: {u.model}: {u.reason}")
+    return "\n".join(out)

@@ -1,0 +1,184 @@
+"""One llama-server process: spawned from an argv list, its log file tailed, its health polled.
+
+The lane writes to its own log file rather than a pipe, so it survives the agent
+(no SIGPIPE when the agent is gone) and a restarted agent can adopt it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from collections import deque
+from pathlib import Path
+
+import psutil
+
+from launcher_agent.reconcile import kv_mib_from_log
+from shared.messages import LaneSpec
+
+TAIL_LINES = 40
+
+
+async def http_get(host: str, port: int, path: str, timeout: float = 2.0) -> tuple[int, dict | None]:
+    """A tiny HTTP/1.0 GET; (status, JSON body or None). Status 0 when nothing answers."""
+    host = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    except (OSError, asyncio.TimeoutError):
+        return 0, None
+    try:
+        writer.write(f"GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
+        await writer.drain()
+        raw = await asyncio.wait_for(reader.read(), timeout)
+    except (OSError, asyncio.TimeoutError):
+        return 0, None
+    finally:
+        writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    try:
+        status = int(head.split(b" ", 2)[1])
+    except (IndexError, ValueError):
+        return 0, None
+    try:
+        return status, json.loads(body)
+    except ValueError:
+        return status, None
+
+
+class LaneProcess:
+    def __init__(self, spec: LaneSpec, binary: str, log_path: Path) -> None:
+        self.spec = spec
+        self.binary = binary
+        self.log_path = log_path
+        self.proc: asyncio.subprocess.Process | None = None
+        self.adopted: psutil.Process | None = None
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self.kv_lines: list[str] = []
+        self._offset = 0
+
+    @property
+    def argv(self) -> list[str]:
+        return [self.binary, *self.spec.args]
+
+    async def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.proc = await asyncio.create_subprocess_exec(
+                *self.argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,  # Ctrl-C on the agent's terminal must not hit the lanes
+            )
+        self._offset = 0
+
+    @classmethod
+    def adopt(cls, spec: LaneSpec, binary: str, log_path: Path, pid: int) -> LaneProcess | None:
+        """Take over a lane a previous agent started, if it is still that very process."""
+        try:
+            p = psutil.Process(pid)
+            if p.cmdline() != [binary, *spec.args] or p.status() == psutil.STATUS_ZOMBIE:
+                return None
+        except (psutil.Error, OSError):
+            return None
+        lane = cls(spec, binary, log_path)
+        lane.adopted = p
+        lane.read_log()
+        return lane
+
+    @property
+    def pid(self) -> int | None:
+        if self.proc is not None:
+            return self.proc.pid
+        return self.adopted.pid if self.adopted else None
+
+    @property
+    def returncode(self) -> int | None:
+        if self.proc is not None:
+            return self.proc.returncode
+        if self.adopted is not None:
+            try:
+                if self.adopted.is_running() and self.adopted.status() != psutil.STATUS_ZOMBIE:
+                    return None
+            except psutil.Error:
+                pass
+            return -1
+        return -1
+
+    def rss(self) -> int | None:
+        try:
+            return psutil.Process(self.pid).memory_info().rss if self.pid else None
+        except psutil.Error:
+            return None
+
+    def read_log(self) -> None:
+        """Pick up new log lines: the tail for errors, and the KV size lines."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+        except OSError:
+            return
+        if not chunk:
+            return
+        complete, _, _ = chunk.rpartition(b"\n")
+        if not complete:
+            return
+        self._offset += len(complete) + 1
+        for line in complete.decode(errors="replace").splitlines():
+            self.tail.append(line)
+            if "llama_kv_cache" in line or "KV self size" in line:
+                self.kv_lines.append(line)
+
+    def kv_bytes(self) -> int | None:
+        mib = kv_mib_from_log(self.kv_lines)
+        return None if mib is None else round(mib * 1024 * 1024)
+
+    async def probe_health(self) -> tuple[str, str]:
+        """("loading" | "healthy" | "mismatch", detail) from /health and /props."""
+        status, _ = await http_get(self.spec.bind, self.spec.port, "/health")
+        if status != 200:
+            return "loading", f"/health answered {status or 'nothing'}"
+        status, props = await http_get(self.spec.bind, self.spec.port, "/props")
+        if status != 200 or not isinstance(props, dict):
+            return "loading", f"/props answered {status or 'nothing'}"
+        n_ctx = (props.get("default_generation_settings") or {}).get("n_ctx")
+        slots = props.get("total_slots")
+        if n_ctx != self.spec.ctx_per_slot or slots != self.spec.parallel:
+            return "mismatch", (
+                f"llama-server serves {n_ctx} per slot x {slots} slots;"
+                f" planned {self.spec.ctx_per_slot} x {self.spec.parallel}"
+            )
+        return "healthy", ""
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        pid = self.pid
+        if pid is None or self.returncode is not None:
+            return
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        if await self._wait(timeout):
+            return
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        await self._wait(5.0)
+
+    async def _wait(self, timeout: float) -> bool:
+        if self.proc is not None:
+            try:
+                await asyncio.wait_for(self.proc.wait(), timeout)
+                return True
+            except asyncio.TimeoutError:
+                return False
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(None, self.adopted.wait, timeout)
+            return True
+        except (psutil.TimeoutExpired, psutil.Error):
+            return isinstance(self.returncode, int)

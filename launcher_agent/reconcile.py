@@ -1,0 +1,172 @@
+"""The agent's pure decisions: is a plan acceptable, and what must change to reach it.
+
+No processes, no NATS, no clock: `now` is passed in. The service executes the
+actions this module returns, so a lost message or a restart converges.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared import subjects
+from shared.argv import lane_args
+from shared.memory import QUANTIZED
+from shared.messages import FailureKind, HostPlan, LaneSpec, LaneState, ServerCaps
+
+MAX_FAILURES = 5
+BACKOFF_BASE = 1.0
+BACKOFF_MAX = 60.0
+
+
+# ------------------------------------------------------------------ plan validation
+
+
+def validate_plan(
+    plan: HostPlan,
+    *,
+    host_id: str,
+    model_dirs: Sequence[str],
+    port_range: range,
+    caps: ServerCaps,
+    applied_revision: int,
+) -> str | None:
+    """Why this plan must not be applied, or None. A rejected plan starts nothing."""
+    if subjects.host_token(plan.host_id) != subjects.host_token(host_id):
+        return f"plan is for host {plan.host_id!r}, not {host_id!r}"
+    if plan.plan_revision < applied_revision:
+        return f"plan r{plan.plan_revision} is older than the applied r{applied_revision}"
+    roots = [Path(d).resolve() for d in model_dirs]
+    seen_ports: set[int] = set()
+    seen_ids: set[str] = set()
+    for spec in plan.lanes:
+        where = f"lane {spec.lane_id}"
+        if spec.lane_id in seen_ids:
+            return f"{where}: duplicate lane id"
+        seen_ids.add(spec.lane_id)
+        model = Path(spec.model_path).resolve()
+        if not any(model.is_relative_to(root) for root in roots):
+            return f"{where}: model {spec.model_path} is outside the model folders"
+        if not model.is_file():
+            return f"{where}: model {spec.model_path} does not exist"
+        if spec.port not in port_range:
+            return f"{where}: port {spec.port} outside {port_range.start}..{port_range.stop - 1}"
+        if spec.port in seen_ports:
+            return f"{where}: port {spec.port} used twice"
+        seen_ports.add(spec.port)
+        for t in (spec.cache_type_k, spec.cache_type_v):
+            if t is not None and t not in caps.cache_types:
+                return f"{where}: cache type {t} is not supported by this llama-server"
+        if spec.cache_type_v in QUANTIZED and spec.flash_attn != "on":
+            return f"{where}: quantized V cache without flash attention on would be refused"
+        expected = lane_args(spec, caps)
+        if tuple(spec.args) != expected:
+            extra = [a for a in spec.args if a not in expected]
+            return f"{where}: args disagree with the lane spec" + (f" (unexpected {extra[:3]})" if extra else "")
+    return None
+
+
+# ------------------------------------------------------------------ what runs
+
+
+@dataclass(frozen=True)
+class Observed:
+    spec: LaneSpec
+    state: LaneState
+    failures: int = 0
+    retry_at: float = 0.0  # when a crashed lane may start again
+
+
+@dataclass(frozen=True)
+class Start:
+    spec: LaneSpec
+    reason: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    lane_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Restart:
+    spec: LaneSpec
+    reason: str
+
+
+Action = Start | Stop | Restart
+_IN_TRANSITION = ("starting", "loading")
+
+
+def backoff(failures: int) -> float:
+    return min(BACKOFF_MAX, BACKOFF_BASE * 2 ** max(0, failures - 1))
+
+
+def decide(
+    desired: Sequence[LaneSpec],
+    observed: Mapping[str, Observed],
+    *,
+    now: float,
+    max_changes: int = 1,
+) -> list[Action]:
+    """Actions that move what runs toward the plan: stops first, then restarts, then starts.
+
+    Changed lanes restart at most `max_changes` at a time (counting lanes still
+    starting); a start never takes a port another kept lane holds.
+    """
+    wanted = {s.lane_id: s for s in desired}
+    actions: list[Action] = [
+        Stop(lane_id, "no longer in the plan") for lane_id in sorted(observed) if lane_id not in wanted
+    ]
+    freed = {a.lane_id for a in actions}
+    budget = max_changes - sum(1 for o in observed.values() if o.state in _IN_TRANSITION)
+    restarts: list[Restart] = []
+    for spec in desired:
+        obs = observed.get(spec.lane_id)
+        if obs is None:
+            continue
+        if obs.spec.args != spec.args:
+            if budget > 0:
+                restarts.append(Restart(spec, "spec changed"))
+                budget -= 1
+        elif obs.state == "crashed" and obs.failures < MAX_FAILURES and now >= obs.retry_at:
+            restarts.append(Restart(spec, f"crashed; retry {obs.failures} after backoff"))
+    actions += restarts
+    freed |= {r.spec.lane_id for r in restarts}
+    busy = {o.spec.port for lane_id, o in observed.items() if lane_id not in freed}
+    for spec in desired:
+        if spec.lane_id not in observed:
+            if spec.port in busy:
+                continue  # its port frees up once the lane holding it restarts
+            actions.append(Start(spec, "new in the plan"))
+            busy.add(spec.port)
+    return actions
+
+
+# ------------------------------------------------------------------ reading llama-server's log
+
+_KV_LINE = re.compile(r"(?:llama_kv_cache\w*:\s+size|KV self size)\s*=\s*([\d.]+) MiB")
+_OOM = re.compile(r"failed to allocate|out of memory|cudaMalloc failed|unable to allocate|std::bad_alloc", re.I)
+_UNSUPPORTED = re.compile(
+    r"Unsupported cache type|invalid argument|unknown value for|requires flash_attn|does not divide|"
+    r"V cache quantization requires|expected value for argument"
+)
+
+
+def kv_mib_from_log(lines: Sequence[str]) -> float | None:
+    """The KV size llama-server printed (sum of the SWA and non-SWA caches), in MiB."""
+    values = [float(m.group(1)) for line in lines if (m := _KV_LINE.search(line))]
+    return sum(values) if values else None
+
+
+def classify_failure(lines: Sequence[str]) -> tuple[FailureKind, str]:
+    """Why a lane died, and llama-server's own line saying so."""
+    for pattern, kind in ((_UNSUPPORTED, "unsupported"), (_OOM, "oom")):
+        for line in lines:
+            if pattern.search(line):
+                return kind, line.strip()
+    errors = [line.strip() for line in lines if " E " in f" {line} " or "error" in line.lower()]
+    return "other", (errors[0] if errors else (lines[-1].strip() if lines else "exited without output"))

@@ -1,0 +1,497 @@
+"""The launcher agent: reports this host, watches its plan, and supervises its lanes.
+
+Level-triggered: every tick compares the applied plan with what runs and acts on
+the difference (launcher_agent.reconcile.decide). Lanes keep serving while NATS
+is away; the last applied plan and the lanes' pids are kept on disk, so an agent
+that is killed and restarted adopts its running lanes instead of restarting them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import structlog
+from nats.aio.client import Client
+from nats.micro import add_service
+from nats.micro.request import Request
+
+from launcher_agent import hardware
+from launcher_agent.process import LaneProcess
+from launcher_agent.reconcile import (
+    MAX_FAILURES,
+    Observed,
+    Restart,
+    Start,
+    Stop,
+    backoff,
+    classify_failure,
+    decide,
+    validate_plan,
+)
+from shared import subjects
+from shared.bus import NatsAuth, connect, kv_bucket, watch_forever
+from shared.gguf_facts import scan_models
+from shared.messages import (
+    HostPlan,
+    HostReport,
+    HostStatus,
+    LaneEvent,
+    LaneFeedback,
+    LaneSpec,
+    LaneStatus,
+    PlanRejected,
+    ServerCaps,
+    encode,
+)
+
+log = structlog.get_logger("lanes.agent")
+VERSION = "0.1.0"
+HEALTHY_RESETS_FAILURES_AFTER = 30.0
+OVER_PLAN_TOLERANCE = 0.02
+
+
+@dataclass
+class Lane:
+    spec: LaneSpec
+    process: LaneProcess | None = None
+    state: str = "starting"
+    failures: int = 0
+    restarts: int = 0
+    retry_at: float = 0.0
+    healthy_since: float | None = None
+    last_error: str = ""
+    failure: str | None = None
+    plan_revision: int = 0
+
+
+class _Saved(msgspec.Struct):
+    """What survives an agent restart: the applied plan and which pid serves which lane."""
+
+    plan: HostPlan | None = None
+    pids: dict[str, int] = {}
+
+
+@dataclass
+class AgentConfig:
+    host_id: str
+    model_dirs: list[str]
+    binary: str
+    caps: ServerCaps
+    data_dir: Path
+    port_base: int = 8080
+    port_count: int = 16
+    bind: str = "127.0.0.1"
+    report_interval: float = 30.0
+    tick: float = 0.5
+
+
+@dataclass
+class Agent:
+    cfg: AgentConfig
+    lanes: dict[str, Lane] = field(default_factory=dict)
+    plan: HostPlan | None = None
+    feedback: dict[tuple, LaneFeedback] = field(default_factory=dict)
+    nc: Client | None = None
+    kv: object | None = None
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    resync: asyncio.Event = field(default_factory=asyncio.Event)
+    _last_status: bytes = b""
+
+    @property
+    def host(self) -> str:
+        return subjects.host_token(self.cfg.host_id)
+
+    @property
+    def state_file(self) -> Path:
+        return self.cfg.data_dir / "agent-state.json"
+
+    # ------------------------------------------------------------ the report
+
+    def report(self) -> HostReport:
+        cores, total, available = hardware.ram()
+        models, problems = scan_models(self.cfg.model_dirs)
+        for p in problems:
+            log.warning("skipped model file", problem=p)
+        rss = sum(lane.process.rss() or 0 for lane in self.lanes.values() if lane.process)
+        return HostReport(
+            host_id=self.cfg.host_id,
+            cpu_cores=cores,
+            ram_total=total,
+            ram_available=available,
+            lanes_rss=rss,
+            gpus=hardware.nvidia_gpus(),
+            server=self.cfg.caps,
+            models=tuple(models),
+            port_base=self.cfg.port_base,
+            port_count=self.cfg.port_count,
+            lane_bind=self.cfg.bind,
+            agent_version=VERSION,
+        )
+
+    # ------------------------------------------------------------ plans in
+
+    async def on_plan(self, key: str, value: bytes | None, revision: int) -> None:
+        if value is None:
+            return
+        try:
+            plan = msgspec.json.decode(value, type=HostPlan)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            await self._reject(0, f"malformed plan: {exc}")
+            return
+        applied = self.plan.plan_revision if self.plan else 0
+        if self.plan is not None and plan == self.plan:
+            return
+        reason = validate_plan(
+            plan,
+            host_id=self.cfg.host_id,
+            model_dirs=self.cfg.model_dirs,
+            port_range=range(self.cfg.port_base, self.cfg.port_base + self.cfg.port_count),
+            caps=self.cfg.caps,
+            applied_revision=applied,
+        )
+        if reason:
+            await self._reject(plan.plan_revision, reason)
+            return
+        log.info("plan applied", plan_revision=plan.plan_revision, lanes=[s.lane_id for s in plan.lanes])
+        self.plan = plan
+        self._save()
+        self.wake.set()
+
+    async def _reject(self, revision: int, reason: str) -> None:
+        log.warning("plan rejected", plan_revision=revision, reason=reason)
+        if self.nc is not None and self.nc.is_connected:
+            msg = PlanRejected(host_id=self.cfg.host_id, plan_revision=revision, reason=reason)
+            try:
+                await self.nc.publish(subjects.rejected_subject(self.host), encode(msg))
+            except Exception:
+                pass
+
+    # ------------------------------------------------------------ supervision
+
+    async def supervise(self, now: float) -> None:
+        """Fold what each process did since the last tick into its lane state."""
+        for lane in self.lanes.values():
+            proc = lane.process
+            if proc is None:
+                continue
+            proc.read_log()
+            if proc.returncode is not None and lane.state not in ("crashed", "failed", "stopped"):
+                await self._on_exit(lane, now)
+                continue
+            if lane.state in ("starting", "loading"):
+                state, detail = await proc.probe_health()
+                if state == "healthy":
+                    lane.state, lane.healthy_since, lane.last_error = "healthy", now, ""
+                    await self._event(lane, "healthy")
+                    self._check_against_plan(lane)
+                elif state == "mismatch":
+                    lane.state, lane.last_error = "mismatch", detail
+                    await self._event(lane, "mismatch", detail)
+                else:
+                    lane.state = "loading"
+            elif lane.state == "healthy":
+                if lane.failures and lane.healthy_since and now - lane.healthy_since > HEALTHY_RESETS_FAILURES_AFTER:
+                    lane.failures = 0
+                self._check_against_plan(lane)
+
+    async def _on_exit(self, lane: Lane, now: float) -> None:
+        proc = lane.process
+        assert proc is not None
+        lines = list(proc.tail)
+        kind, line = classify_failure(lines)
+        died_at_start = lane.state in ("starting", "loading")
+        lane.failures += 1
+        lane.last_error = f"exit {proc.returncode}: {line}"
+        if died_at_start and kind in ("unsupported", "oom"):
+            # llama-server refused this spec: restarting the same argv cannot help.
+            lane.state, lane.failure = "failed", kind
+            self._feedback(lane, kind, line)
+            await self._event(lane, "failed", lane.last_error)
+        elif lane.failures >= MAX_FAILURES:
+            lane.state, lane.failure = "failed", "crash_loop"
+            self._feedback(lane, "crash_loop", line)
+            await self._event(lane, "failed", f"crash loop: {lane.failures} failures; {lane.last_error}")
+        else:
+            lane.state, lane.failure = "crashed", kind
+            lane.retry_at = now + backoff(lane.failures)
+            await self._event(lane, "crashed", lane.last_error)
+        self._save()
+
+    def _check_against_plan(self, lane: Lane) -> None:
+        """Actual KV above the plan is fed back, so the next plan corrects the window."""
+        actual = lane.process.kv_bytes() if lane.process else None
+        planned = lane.spec.memory.kv_bytes
+        if actual is not None and planned and actual > planned * (1 + OVER_PLAN_TOLERANCE):
+            key = (lane.spec.model, "over_plan")
+            if key not in self.feedback:
+                log.warning("lane uses more KV than planned", lane=lane.spec.lane_id, actual=actual, planned=planned)
+                self.feedback[key] = LaneFeedback(
+                    lane_id=lane.spec.lane_id,
+                    model=lane.spec.model,
+                    kind="over_plan",
+                    ctx_total=lane.spec.ctx_total,
+                    planned_bytes=planned,
+                    actual_bytes=actual,
+                    detail="KV reported by llama-server",
+                )
+
+    def _feedback(self, lane: Lane, kind: str, detail: str) -> None:
+        s = lane.spec
+        self.feedback[(s.model, kind, s.cache_type_k, s.cache_type_v)] = LaneFeedback(
+            lane_id=s.lane_id,
+            model=s.model,
+            kind=kind,
+            cache_type_k=s.cache_type_k,
+            cache_type_v=s.cache_type_v,
+            ctx_total=s.ctx_total,
+            planned_bytes=s.memory.total_bytes,
+            detail=detail[:300],
+        )
+
+    # ------------------------------------------------------------ acting
+
+    def observed(self) -> dict[str, Observed]:
+        return {
+            lane_id: Observed(lane.spec, lane.state, lane.failures, lane.retry_at)
+            for lane_id, lane in self.lanes.items()
+        }
+
+    async def reconcile(self, now: float) -> None:
+        if self.plan is None:
+            return  # never act on "no plan yet": that would stop adopted lanes
+        for action in decide(self.plan.lanes, self.observed(), now=now, max_changes=1):
+            if isinstance(action, Stop):
+                await self._stop(action.lane_id, action.reason)
+            elif isinstance(action, Restart):
+                old = self.lanes.get(action.spec.lane_id)
+                await self._stop(action.spec.lane_id, action.reason, keep_counts=True)
+                await self._start(action.spec, previous=old)
+            elif isinstance(action, Start):
+                await self._start(action.spec)
+        self._save()
+
+    async def _start(self, spec: LaneSpec, previous: Lane | None = None) -> None:
+        log_path = self.cfg.data_dir / "lanes" / f"{spec.lane_id}.log"
+        process = LaneProcess(spec, self.cfg.binary, log_path)
+        lane = Lane(spec=spec, process=process, plan_revision=self.plan.plan_revision if self.plan else 0)
+        if previous is not None and previous.spec.args == spec.args:
+            lane.failures, lane.restarts = previous.failures, previous.restarts + 1
+        try:
+            await process.start()
+        except OSError as exc:
+            lane.state, lane.last_error, lane.failure = "failed", f"cannot start {self.cfg.binary}: {exc}", "other"
+            self.lanes[spec.lane_id] = lane
+            await self._event(lane, "failed", lane.last_error)
+            return
+        self.lanes[spec.lane_id] = lane
+        log.info("lane started", lane=spec.lane_id, pid=process.pid, argv=process.argv)
+        await self._event(lane, "started", " ".join(process.argv))
+
+    async def _stop(self, lane_id: str, reason: str, keep_counts: bool = False) -> None:
+        lane = self.lanes.pop(lane_id, None)
+        if lane is None or lane.process is None:
+            return
+        await lane.process.stop()
+        log.info("lane stopped", lane=lane_id, reason=reason)
+        if not keep_counts:
+            lane.state = "stopped"
+            await self._event(lane, "stopped", reason)
+
+    async def stop_all(self) -> None:
+        await asyncio.gather(*(self._stop(lane_id, "agent shutting down") for lane_id in list(self.lanes)))
+        self._save()
+
+    # ------------------------------------------------------------ persistence (restart adoption)
+
+    def _save(self) -> None:
+        saved = _Saved(plan=self.plan, pids={k: v.process.pid for k, v in self.lanes.items() if v.process and v.process.pid})
+        self.cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_bytes(msgspec.json.encode(saved))
+        tmp.replace(self.state_file)
+
+    def load_saved(self) -> None:
+        try:
+            saved = msgspec.json.decode(self.state_file.read_bytes(), type=_Saved)
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+            return
+        self.plan = saved.plan
+        specs = {s.lane_id: s for s in (saved.plan.lanes if saved.plan else ())}
+        for lane_id, pid in saved.pids.items():
+            spec = specs.get(lane_id)
+            log_path = self.cfg.data_dir / "lanes" / f"{lane_id}.log"
+            proc = LaneProcess.adopt(spec, self.cfg.binary, log_path, pid) if spec else None
+            if proc is not None:
+                self.lanes[lane_id] = Lane(spec=spec, process=proc, state="loading")
+                log.info("adopted running lane", lane=lane_id, pid=pid)
+
+    # ------------------------------------------------------------ status out
+
+    def status(self) -> HostStatus:
+        lanes = []
+        for lane_id, lane in sorted(self.lanes.items()):
+            p = lane.process
+            lanes.append(
+                LaneStatus(
+                    lane_id=lane_id,
+                    state=lane.state,
+                    port=lane.spec.port,
+                    pid=p.pid if p else None,
+                    plan_revision=lane.plan_revision,
+                    ctx_total=lane.spec.ctx_total,
+                    planned_bytes=lane.spec.memory.total_bytes,
+                    planned_kv_bytes=lane.spec.memory.kv_bytes,
+                    kv_bytes=p.kv_bytes() if p else None,
+                    rss_bytes=p.rss() if p and lane.state not in ("crashed", "failed", "stopped") else None,
+                    restarts=lane.restarts,
+                    last_error=lane.last_error,
+                    stderr_tail=tuple(list(p.tail)[-12:]) if p and lane.state in ("crashed", "failed", "mismatch") else (),
+                    argv=tuple(p.argv) if p else (),
+                    failure=lane.failure,
+                )
+            )
+        return HostStatus(
+            host_id=self.cfg.host_id,
+            plan_revision=self.plan.plan_revision if self.plan else 0,
+            lanes=tuple(lanes),
+            feedback=tuple(self.feedback[k] for k in sorted(self.feedback, key=str)),
+            nats_connected=bool(self.nc and self.nc.is_connected),
+        )
+
+    async def _event(self, lane: Lane, event: str, detail: str = "") -> None:
+        if self.nc is None or not self.nc.is_connected:
+            return
+        msg = LaneEvent(
+            host_id=self.cfg.host_id,
+            lane_id=lane.spec.lane_id,
+            event=event,
+            detail=detail[:2000],
+            pid=lane.process.pid if lane.process else None,
+        )
+        try:
+            await self.nc.publish(subjects.event_subject(self.host, lane.spec.lane_id, event), encode(msg))
+        except Exception:
+            pass
+
+    async def publish_status(self, force: bool = False) -> None:
+        if self.kv is None or self.nc is None or not self.nc.is_connected:
+            return
+        status = self.status()
+        data = encode(msgspec.structs.replace(status, nats_connected=True))
+        comparable = encode(msgspec.structs.replace(status, lanes=tuple(msgspec.structs.replace(lane, rss_bytes=None) for lane in status.lanes)))
+        if not force and comparable == self._last_status:
+            return
+        try:
+            await self.kv.put(subjects.status_key(self.host), data)
+            await self.nc.publish(subjects.telemetry_subject(self.host), data)
+            self._last_status = comparable
+        except Exception as exc:
+            log.info("status not published", error=str(exc) or type(exc).__name__)
+
+    async def publish_report(self) -> None:
+        if self.kv is None:
+            return
+        try:
+            report = await asyncio.get_running_loop().run_in_executor(None, self.report)
+            await self.kv.put(subjects.report_key(self.host), encode(report))
+        except Exception as exc:
+            log.info("report not published", error=str(exc) or type(exc).__name__)
+
+
+# ------------------------------------------------------------------ running it
+
+
+async def _nats_side(agent: Agent, servers: str, auth: NatsAuth, stop: asyncio.Event, stack: AsyncExitStack) -> None:
+    async def on_reconnect() -> None:
+        agent.resync.set()
+
+    while not stop.is_set():
+        try:
+            agent.nc = await connect(servers, name=f"lanes-agent-{agent.host}", auth=auth, on_reconnect=on_reconnect)
+            break
+        except Exception as exc:
+            log.warning("nats not reachable; lanes keep running, retrying", error=str(exc) or type(exc).__name__)
+            await asyncio.sleep(1.0)
+    if stop.is_set():
+        return
+    stack.push_async_callback(agent.nc.close)
+    while not stop.is_set():
+        try:
+            agent.kv = await kv_bucket(agent.nc)
+            break
+        except Exception as exc:
+            log.info("waiting for the lanes bucket (is the planner up?)", error=str(exc) or type(exc).__name__)
+            await asyncio.sleep(1.0)
+    svc = await add_service(
+        agent.nc,
+        name=subjects.AGENT_SERVICE,
+        version=VERSION,
+        description=f"lanes launcher agent on {agent.cfg.host_id}",
+        metadata={"host": agent.cfg.host_id},
+    )
+    stack.push_async_callback(svc.stop)
+    group = svc.add_group(name=subjects.agent_group(agent.host))
+
+    async def status_handler(req: Request) -> None:
+        await req.respond(encode(agent.status()))
+
+    async def info_handler(req: Request) -> None:
+        await req.respond(encode(agent.report()))
+
+    await group.add_endpoint(name="status", subject="status", handler=status_handler)
+    await group.add_endpoint(name="info", subject="info", handler=info_handler)
+    await agent.publish_report()
+    await watch_forever(agent.kv, subjects.plan_key(agent.host), agent.on_plan, resync=agent.resync, stop=stop)
+
+
+async def _report_loop(agent: Agent, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), agent.cfg.report_interval)
+        except asyncio.TimeoutError:
+            await agent.publish_report()
+            await agent.publish_status(force=True)
+
+
+async def _control_loop(agent: Agent, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        now = time.monotonic()
+        try:
+            await agent.supervise(now)
+            await agent.reconcile(now)
+            await agent.publish_status()
+        except Exception:
+            log.exception("control loop error")
+        agent.wake.clear()
+        try:
+            await asyncio.wait_for(agent.wake.wait(), agent.cfg.tick)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def run_agent(cfg: AgentConfig, servers: str, stop: asyncio.Event, auth: NatsAuth = NatsAuth()) -> None:
+    agent = Agent(cfg)
+    agent.load_saved()
+    async with AsyncExitStack() as stack:
+        tasks = [
+            asyncio.create_task(_control_loop(agent, stop)),
+            asyncio.create_task(_nats_side(agent, servers, auth, stop, stack)),
+            asyncio.create_task(_report_loop(agent, stop)),
+        ]
+        log.info("agent running", host=cfg.host_id, binary=cfg.binary, models=cfg.model_dirs)
+        await stop.wait()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await agent.stop_all()
+        await agent.publish_status(force=True)
+
+
+def default_host_id() -> str:
+    return subjects.host_token(socket.gethostname().split(".")[0])

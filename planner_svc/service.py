@@ -1,0 +1,280 @@
+"""The planner service: watches the lanes KV bucket, replans on change, writes plans.
+
+Everything it knows comes from KV (config, demand, host reports, host status and
+the plans themselves), so a restarted planner picks up exactly where it was.
+Plans are written with compare-and-set on the key's revision: two planners
+never interleave their writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import AsyncExitStack
+
+import msgspec
+import structlog
+from nats.aio.client import Client
+from nats.js.errors import KeyValueError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.kv import KeyValue
+from nats.micro import add_service
+from nats.micro.request import Request, ServiceError
+
+from planner_svc.planner import plan
+from shared import subjects
+from shared.bus import NatsAuth, connect, kv_bucket, watch_forever
+from shared.messages import (
+    ConfigSet,
+    Demand,
+    FleetConfig,
+    FleetStatus,
+    HostPlan,
+    HostQuery,
+    HostReport,
+    HostStatus,
+    encode,
+)
+
+log = structlog.get_logger("lanes.planner")
+VERSION = "0.1.0"
+
+
+class PlannerState:
+    """The planner's view of the bucket, rebuilt from the watch."""
+
+    def __init__(self) -> None:
+        self.config = FleetConfig()
+        self.config_revision = 0
+        self.demand: Demand | None = None
+        self.reports: dict[str, HostReport] = {}
+        self.statuses: dict[str, HostStatus] = {}
+        self.plans: dict[str, HostPlan] = {}
+        self.plan_revs: dict[str, int] = {}
+
+    def apply(self, key: str, value: bytes | None, revision: int) -> bool:
+        """Fold one KV entry in; False (and a log line) when the value is malformed."""
+        kind, _, host = key.partition(".")
+        try:
+            if key == subjects.CONFIG_KEY:
+                self.config = FleetConfig() if value is None else msgspec.json.decode(value, type=FleetConfig)
+                self.config_revision = revision
+            elif key == subjects.DEMAND_KEY:
+                self.demand = None if value is None else msgspec.json.decode(value, type=Demand)
+            elif kind == "report":
+                self._put(self.reports, host, value, HostReport)
+            elif kind == "status":
+                self._put(self.statuses, host, value, HostStatus)
+            elif kind == "plan":
+                self._put(self.plans, host, value, HostPlan)
+                self.plan_revs[host] = revision if value is not None else 0
+            else:
+                return True
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            log.warning("dropped malformed kv entry", key=key, reason=str(exc))
+            return False
+        return True
+
+    @staticmethod
+    def _put(table: dict, host: str, value: bytes | None, kind: type) -> None:
+        if value is None:
+            table.pop(host, None)
+            return
+        msg = msgspec.json.decode(value, type=kind)
+        if subjects.host_token(msg.host_id) != host:
+            raise msgspec.ValidationError(f"host_id {msg.host_id!r} does not match key {host!r}")
+        table[host] = msg
+
+    def compute(self) -> dict[str, HostPlan]:
+        reports = list(self.reports.values())
+        feedback = {subjects.host_token(s.host_id): s.feedback for s in self.statuses.values()}
+        previous = {p.host_id: p for p in self.plans.values()}
+        fleet = plan(
+            reports,
+            self.config,
+            self.demand,
+            previous=previous,
+            feedback={r.host_id: feedback.get(subjects.host_token(r.host_id), ()) for r in reports},
+            config_revision=self.config_revision,
+        )
+        return {subjects.host_token(h.host_id): h for h in fleet.hosts}
+
+
+class PlannerService:
+    def __init__(self, nc: Client, kv: KeyValue) -> None:
+        self.nc, self.kv = nc, kv
+        self.state = PlannerState()
+        self.dirty = asyncio.Event()
+        self.resync = asyncio.Event()
+        self.ready = asyncio.Event()
+
+    # ------------------------------------------------------------ watch + replan
+
+    async def _on_entry(self, key: str, value: bytes | None, revision: int) -> None:
+        if self.state.apply(key, value, revision) and not key.startswith("plan."):
+            self.dirty.set()
+
+    async def _on_caught_up(self) -> None:
+        self.ready.set()
+        self.dirty.set()
+
+    async def replan_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.dirty.wait()
+            await asyncio.sleep(0.1)  # let a burst of changes settle into one replan
+            self.dirty.clear()
+            if not self.ready.is_set():
+                continue
+            try:
+                await self.write_plans()
+            except Exception as exc:  # NATS down, CAS lost: the next change or tick retries
+                log.warning("replan failed; will retry", error=str(exc) or type(exc).__name__)
+                await asyncio.sleep(1.0)
+                self.dirty.set()
+
+    async def write_plans(self) -> None:
+        for host, new in self.state.compute().items():
+            old = self.state.plans.get(host)
+            if old == new:
+                continue
+            key = subjects.plan_key(host)
+            try:
+                if host in self.state.plan_revs and self.state.plan_revs[host]:
+                    rev = await self.kv.update(key, encode(new), last=self.state.plan_revs[host])
+                else:
+                    rev = await self.kv.create(key, encode(new))
+            except (KeyWrongLastSequenceError, KeyValueError) as exc:
+                log.info("plan write lost compare-and-set; replanning", host=host, error=str(exc))
+                self.dirty.set()
+                continue
+            self.state.plans[host], self.state.plan_revs[host] = new, rev
+            log.info(
+                "plan written",
+                host=host,
+                plan_revision=new.plan_revision,
+                lanes=[f"{s.lane_id}:{s.ctx_per_slot}x{s.parallel}:{s.cache_type_k or 'f16'}" for s in new.lanes],
+            )
+
+    async def ensure_config(self) -> None:
+        try:
+            await self.kv.get(subjects.CONFIG_KEY)
+        except NotFoundError:
+            try:
+                await self.kv.create(subjects.CONFIG_KEY, encode(FleetConfig()))
+            except Exception:
+                pass  # another planner created it first
+
+    # ------------------------------------------------------------ request/reply
+
+    async def _config_get(self, req: Request) -> None:
+        await req.respond(encode(self.state.config))
+
+    async def _config_set(self, req: Request) -> None:
+        try:
+            change = msgspec.json.decode(req.data, type=ConfigSet)
+            merged = msgspec.structs.asdict(self.state.config) | dict(change.changes)
+            merged.pop("kind", None)
+            new = msgspec.convert(merged, FleetConfig, strict=False)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise ServiceError("400", f"invalid config: {exc}") from None
+        try:
+            await self.kv.update(subjects.CONFIG_KEY, encode(new), last=self.state.config_revision or None)
+        except KeyWrongLastSequenceError:
+            raise ServiceError("409", "config changed meanwhile; retry") from None
+        log.info("config set", changes=change.changes)
+        await req.respond(encode(new))
+
+    async def _demand_set(self, req: Request) -> None:
+        try:
+            demand = msgspec.json.decode(req.data, type=Demand)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise ServiceError("400", f"invalid demand: {exc}") from None
+        await self.kv.put(subjects.DEMAND_KEY, encode(demand))
+        await req.respond(encode(demand))
+
+    def _host_plan(self, req: Request) -> HostPlan:
+        try:
+            query = msgspec.json.decode(req.data, type=HostQuery)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise ServiceError("400", f"invalid query: {exc}") from None
+        found = self.state.plans.get(subjects.host_token(query.host_id))
+        if found is None:
+            raise ServiceError("404", f"no plan for host {query.host_id!r}")
+        return found
+
+    async def _plan_get(self, req: Request) -> None:
+        await req.respond(encode(self._host_plan(req)))
+
+    async def _plan_explain(self, req: Request) -> None:
+        found = self._host_plan(req)
+        lines = [f"host {found.host_id} plan r{found.plan_revision} (config r{found.config_revision})"]
+        lines += [f"{s.lane_id}: " + "; ".join(s.reasons) for s in found.lanes]
+        lines += [f"unplaced {u.model}: {u.reason}" for u in found.unplaced]
+        lines += [f"note: {r}" for r in found.reasons]
+        await req.respond("\n".join(lines).encode())
+
+    async def _fleet_status(self, req: Request) -> None:
+        s = self.state
+        await req.respond(
+            encode(
+                FleetStatus(
+                    config_revision=s.config_revision,
+                    config=s.config,
+                    reports=tuple(sorted(s.reports.values(), key=lambda r: r.host_id)),
+                    plans=tuple(sorted(s.plans.values(), key=lambda p: p.host_id)),
+                    statuses=tuple(sorted(s.statuses.values(), key=lambda p: p.host_id)),
+                )
+            )
+        )
+
+    async def add_endpoints(self, stack: AsyncExitStack) -> None:
+        svc = await add_service(
+            self.nc,
+            name=subjects.PLANNER_SERVICE,
+            version=VERSION,
+            description="lanes planner: lane plans for every host",
+            metadata={"bucket": subjects.BUCKET},
+        )
+        stack.push_async_callback(svc.stop)
+        group = svc.add_group(name=subjects.PLANNER_GROUP)
+        for name, subject, handler in (
+            ("config_get", "config.get", self._config_get),
+            ("config_set", "config.set", self._config_set),
+            ("demand_set", "demand.set", self._demand_set),
+            ("plan_get", "plan.get", self._plan_get),
+            ("plan_explain", "plan.explain", self._plan_explain),
+            ("fleet_status", "fleet.status", self._fleet_status),
+        ):
+            await group.add_endpoint(name=name, subject=subject, handler=handler)
+
+
+async def run_planner(servers: str, stop: asyncio.Event, auth: NatsAuth = NatsAuth(), replicas: int = 1) -> None:
+    async with AsyncExitStack() as stack:
+        service: PlannerService | None = None
+
+        async def on_reconnect() -> None:
+            if service is not None:
+                service.resync.set()
+
+        nc = await connect(servers, name="lanes-planner", auth=auth, on_reconnect=on_reconnect)
+        stack.push_async_callback(nc.drain)
+        kv = await kv_bucket(nc, create=True, replicas=replicas)
+        service = PlannerService(nc, kv)
+        await service.ensure_config()
+        await service.add_endpoints(stack)
+        tasks = [
+            asyncio.create_task(
+                watch_forever(
+                    kv,
+                    ">",
+                    service._on_entry,
+                    resync=service.resync,
+                    stop=stop,
+                    on_caught_up=service._on_caught_up,
+                )
+            ),
+            asyncio.create_task(service.replan_loop(stop)),
+        ]
+        log.info("planner running", nats=servers)
+        await stop.wait()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
