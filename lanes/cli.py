@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import sys
 
 from lanes.errors import UserError
@@ -30,6 +31,18 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
     return value
+
+
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def _size(text: str) -> int:
+    """8GiB, 8G, 512MiB, 1.5g or plain bytes."""
+    match = re.fullmatch(r"\s*([\d.]+)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    try:
+        return int(float(match.group(1)) * _UNITS[match.group(2)])
+    except (AttributeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 8GiB or 512MiB") from None
 
 
 def _cache_type(text: str) -> str:
@@ -86,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nats-port", type=int, default=4222)
     p.add_argument("--port-base", type=int, default=8080)
     p.add_argument("--host-id", default=None)
+    p.add_argument("--max-ram", type=_size, help="RAM lanes may plan for on this host, e.g. 8GiB")
 
     p = sub.add_parser("planner", help="run the planner service")
     _add_connection(p)
@@ -99,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port-count", type=int, default=16)
     p.add_argument("--bind", default="127.0.0.1", help="address lanes listen on")
     p.add_argument("--report-interval", type=float, default=30.0)
+    p.add_argument("--max-ram", type=_size, help="RAM lanes may plan for on this host, e.g. 8GiB")
+    p.add_argument("--data", default=None, help="agent state folder (default ~/.lanes/agent)")
 
     p = sub.add_parser("status", help="hosts, lanes, planned vs used memory, health")
     _add_connection(p)

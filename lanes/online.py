@@ -50,11 +50,12 @@ def agent_config(args: argparse.Namespace, data_dir: Path) -> AgentConfig:
         port_count=getattr(args, "port_count", 16),
         bind=getattr(args, "bind", "127.0.0.1"),
         report_interval=getattr(args, "report_interval", 30.0),
+        max_ram=args.max_ram,
     )
 
 
 async def run(args: argparse.Namespace) -> int:
-    setup_logging()
+    setup_logging("info" if args.command in ("up", "planner", "agent") else "error")
     if args.command == "up":
         return await cmd_up(args)
     auth = auth_from_args(args)
@@ -62,7 +63,7 @@ async def run(args: argparse.Namespace) -> int:
         await run_planner(args.nats, _stop_event(), auth)
         return 0
     if args.command == "agent":
-        cfg = agent_config(args, Path.home() / ".lanes" / "agent")
+        cfg = agent_config(args, Path(args.data) if args.data else Path.home() / ".lanes" / "agent")
         await run_agent(cfg, args.nats, _stop_event(), auth)
         return 0
     return await _request_command(args, auth)

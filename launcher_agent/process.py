@@ -79,7 +79,9 @@ class LaneProcess:
         """Take over a lane a previous agent started, if it is still that very process."""
         try:
             p = psutil.Process(pid)
-            if p.cmdline() != [binary, *spec.args] or p.status() == psutil.STATUS_ZOMBIE:
+            # Compare the flags, not argv[0]: a wrapper script may exec the real binary.
+            args = list(spec.args)
+            if p.cmdline()[-len(args):] != args or p.status() == psutil.STATUS_ZOMBIE:
                 return None
         except (psutil.Error, OSError):
             return None

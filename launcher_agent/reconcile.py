@@ -101,8 +101,9 @@ Action = Start | Stop | Restart
 _IN_TRANSITION = ("starting", "loading")
 
 
-def backoff(failures: int) -> float:
-    return min(BACKOFF_MAX, BACKOFF_BASE * 2 ** max(0, failures - 1))
+def backoff(failures: int, base: float = BACKOFF_BASE) -> float:
+    """Seconds before a crashed lane's next start: base, 2x, 4x ... capped."""
+    return min(BACKOFF_MAX, base * 2 ** max(0, failures - 1))
 
 
 def decide(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+import uuid
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,6 +90,8 @@ class AgentConfig:
     bind: str = "127.0.0.1"
     report_interval: float = 30.0
     tick: float = 0.5
+    max_ram: int | None = None  # an operator's cap on what lanes may plan for here
+    backoff_base: float = 1.0
 
 
 @dataclass
@@ -102,6 +105,7 @@ class Agent:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     resync: asyncio.Event = field(default_factory=asyncio.Event)
     _last_status: bytes = b""
+    session: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     @property
     def host(self) -> str:
@@ -115,6 +119,9 @@ class Agent:
 
     def report(self) -> HostReport:
         cores, total, available = hardware.ram()
+        if self.cfg.max_ram:
+            total = min(total, self.cfg.max_ram)
+            available = min(available, total)
         models, problems = scan_models(self.cfg.model_dirs)
         for p in problems:
             log.warning("skipped model file", problem=p)
@@ -219,7 +226,7 @@ class Agent:
             await self._event(lane, "failed", f"crash loop: {lane.failures} failures; {lane.last_error}")
         else:
             lane.state, lane.failure = "crashed", kind
-            lane.retry_at = now + backoff(lane.failures)
+            lane.retry_at = now + backoff(lane.failures, self.cfg.backoff_base)
             await self._event(lane, "crashed", lane.last_error)
         self._save()
 
@@ -362,6 +369,7 @@ class Agent:
             lanes=tuple(lanes),
             feedback=tuple(self.feedback[k] for k in sorted(self.feedback, key=str)),
             nats_connected=bool(self.nc and self.nc.is_connected),
+            agent_session=self.session,
         )
 
     async def _event(self, lane: Lane, event: str, detail: str = "") -> None:
@@ -485,10 +493,13 @@ async def run_agent(cfg: AgentConfig, servers: str, stop: asyncio.Event, auth: N
             asyncio.create_task(_report_loop(agent, stop)),
         ]
         log.info("agent running", host=cfg.host_id, binary=cfg.binary, models=cfg.model_dirs)
-        await stop.wait()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            await stop.wait()
+        finally:
+            # Cancelled from outside (like a SIGKILL): leave the lanes running for adoption.
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         await agent.stop_all()
         await agent.publish_status(force=True)
 

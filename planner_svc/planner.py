@@ -131,7 +131,7 @@ class _Lane:
 
     @property
     def lane_id(self) -> str:
-        return f"{self.persona.model}-{self.index}"
+        return f"{self.persona.model[:120]}-{self.index}"  # a Name holds 128 characters
 
     def total_ctx(self, window: int) -> int:
         return window * self.persona.parallel
@@ -348,7 +348,7 @@ def _host_plan(report, config, lanes, reasons, unplaced, prev: HostPlan | None, 
         for device in ("gpu", "cpu"):
             pool = [lane for lane in lanes if lane.device == device]
             _grow(pool, budgets[device], cost)
-            _keep_stable(pool, budgets[device], cost, prev, config)
+            _keep_stable(pool, budgets[device], cost, prev, config, report.server.has_kv_unified)
         specs, no_port = _assign_ports(report, [_spec(report, config, lane) for lane in lanes], prev)
         unplaced = list(unplaced) + [
             Unplaced(model=s.model, reason=f"no free port in {report.port_base}..{report.port_base + report.port_count - 1}")
@@ -364,21 +364,27 @@ def _host_plan(report, config, lanes, reasons, unplaced, prev: HostPlan | None, 
         unplaced=tuple(unplaced),
         reasons=tuple(reasons),
     )
-    revision = 1
-    if prev is not None:
-        same = msgspec.structs.replace(prev, plan_revision=0, config_revision=config_revision) == draft
-        revision = prev.plan_revision if same else prev.plan_revision + 1
-    return msgspec.structs.replace(draft, plan_revision=revision)
+    if prev is None:
+        return msgspec.structs.replace(draft, plan_revision=1)
+    # Budgets drift with every report; a plan is rewritten only when what it asks for changes.
+    comparable = msgspec.structs.replace(
+        prev, plan_revision=0, config_revision=config_revision, budget_ram=draft.budget_ram, budget_gpu=draft.budget_gpu
+    )
+    if comparable == draft:
+        return prev if prev.config_revision == config_revision else msgspec.structs.replace(prev, config_revision=config_revision)
+    return msgspec.structs.replace(draft, plan_revision=prev.plan_revision + 1)
 
 
-def _keep_stable(pool: list[_Lane], budget: int, cost, prev: HostPlan | None, config: FleetConfig) -> None:
+def _keep_stable(
+    pool: list[_Lane], budget: int, cost, prev: HostPlan | None, config: FleetConfig, has_kv_unified: bool = True
+) -> None:
     """Keep a running lane's window when the replan would move it by less than min_gain."""
     if prev is None:
         return
     old = {s.lane_id: s for s in prev.lanes}
     for lane in pool:
         before = old.get(lane.lane_id)
-        if before is None or not _same_shape(before, lane):
+        if before is None or not _same_shape(before, lane, has_kv_unified):
             continue
         old_window = before.ctx_total // before.parallel
         if old_window == lane.window or not lane.floor <= old_window <= lane.ceiling:
@@ -397,11 +403,11 @@ def _keep_stable(pool: list[_Lane], budget: int, cost, prev: HostPlan | None, co
         )
 
 
-def _same_shape(spec: LaneSpec, lane: _Lane) -> bool:
+def _same_shape(spec: LaneSpec, lane: _Lane, has_kv_unified: bool = True) -> bool:
     return (
         spec.model_path == lane.facts.path
         and spec.parallel == lane.persona.parallel
-        and spec.kv_unified == lane.persona.kv_unified
+        and spec.kv_unified == (lane.persona.kv_unified and has_kv_unified)  # as _spec renders it
         and spec.cache_type_k == lane.flags.cache_type_k
         and spec.cache_type_v == lane.flags.cache_type_v
         and spec.flash_attn == lane.flags.flash_attn
@@ -412,10 +418,8 @@ def _same_shape(spec: LaneSpec, lane: _Lane) -> bool:
 def _spec(report: HostReport, config: FleetConfig, lane: _Lane) -> LaneSpec:
     caps = report.server
     memory = lane.memory(lane.window, caps.kv_layout, config.n_ubatch)
-    window_reason = (
-        f"window {lane.window} tokens per slot x {lane.persona.parallel}: "
-        + ("the ceiling" if lane.window == lane.ceiling else "the largest multiple of 256 that fits")
-        + f" ({lane.device} budget {_gib(ram_budget(report, config) if lane.device == 'cpu' else gpu_budget(report, config))})"
+    window_reason = f"window {lane.window} tokens per slot x {lane.persona.parallel} on {lane.device}: " + (
+        "the ceiling" if lane.window == lane.ceiling else "the largest multiple of 256 that fits the budget"
     )
     reasons = [window_reason, *lane.reasons]
     return LaneSpec(
@@ -443,7 +447,7 @@ def _assign_ports(
     report: HostReport, specs: list[LaneSpec], prev: HostPlan | None
 ) -> tuple[list[LaneSpec], list[LaneSpec]]:
     """Keep each lane's previous port; give new lanes the lowest free port in the host's range."""
-    allowed = range(report.port_base, report.port_base + report.port_count)
+    allowed = range(report.port_base, min(report.port_base + report.port_count, 65536))  # ports end at 65535
     before = {s.lane_id: s.port for s in prev.lanes} if prev else {}
     taken: set[int] = set()
     ports: dict[str, int] = {}

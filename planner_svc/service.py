@@ -274,7 +274,9 @@ async def run_planner(servers: str, stop: asyncio.Event, auth: NatsAuth = NatsAu
             asyncio.create_task(service.replan_loop(stop)),
         ]
         log.info("planner running", nats=servers)
-        await stop.wait()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        try:
+            await stop.wait()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)

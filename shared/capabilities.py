@@ -26,7 +26,7 @@ def parse_caps(help_text: str, version_text: str = "") -> ServerCaps:
     flash_attn_form = "value" if _FA_VALUE.search(help_text) else "switch"
     return ServerCaps(
         build=build,
-        version=version_text.strip().splitlines()[0] if version_text.strip() else "",
+        version=_version_line(version_text),
         flash_attn_form=flash_attn_form,
         cache_types=_cache_types(help_text),
         has_fit=bool(re.search(r"(^|[\s,])-fit[\s,]|--fit\b", help_text)),
@@ -35,6 +35,12 @@ def parse_caps(help_text: str, version_text: str = "") -> ServerCaps:
         # Per-slot KV streams and the separate SWA cache arrived together with -kvu.
         kv_layout="streams" if "--kv-unified" in help_text else "shared",
     )
+
+
+def _version_line(text: str) -> str:
+    """The `version:` line; backends loaded at start may print lines before it."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return next((ln for ln in lines if "version:" in ln), lines[0] if lines else "")
 
 
 def _cache_types(help_text: str) -> tuple[str, ...]:

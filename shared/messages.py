@@ -236,6 +236,8 @@ class HostStatus(_Msg, tag="host_status", kw_only=True):
     lanes: tuple[LaneStatus, ...] = ()
     feedback: tuple[LaneFeedback, ...] = ()
     nats_connected: bool = True
+    # Changes each time the agent starts: tells a fresh status from one a dead agent left.
+    agent_session: str = ""
 
 
 class LaneEvent(_Msg, tag="lane_event", kw_only=True):

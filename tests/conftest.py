@@ -1,0 +1,43 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+# --- tiny models ---
+# Small GGUF files written once per session with tests/tinymodels.py.
+import sys
+from pathlib import Path
+
+import pytest
+
+_TESTS_DIR = str(Path(__file__).resolve().parent)
+if _TESTS_DIR not in sys.path:
+    sys.path.insert(0, _TESTS_DIR)
+
+import tinymodels  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Paths of generated models: llama8 (8 layers, 8 KV heads x 64), llama_gqa, gemma3, mla."""
+    folder = tmp_path_factory.mktemp("tiny_models")
+    return {
+        "llama8": tinymodels.write_llama(
+            folder / "llama8.gguf",
+            n_layer=8,
+            n_embd=512,
+            n_head=8,
+            n_head_kv=8,
+            head_dim=64,
+            n_ctx_train=32768,
+        ),
+        "llama_gqa": tinymodels.write_llama(folder / "llama_gqa.gguf"),
+        "gemma3": tinymodels.write_gemma3(folder / "gemma3.gguf"),
+        "mla": tinymodels.write_deepseek2_mla(folder / "mla.gguf"),
+    }
+
+
+# --- end tiny models ---
+
+
+# --- real parts: nats-server, fake llama-server, services ---
+from fixtures_bus import nats_server  # noqa: E402,F401

@@ -1,0 +1,151 @@
+"""Fixtures for tests against real parts: a nats-server from the wheel, the fake llama-server,
+and the planner and agents running as asyncio tasks in the test's own loop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+import sys
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from launcher_agent.probe import probe
+from launcher_agent.service import AgentConfig, run_agent
+from planner_svc.service import run_planner
+from shared import subjects
+from shared.bus import connect, kv_bucket
+from shared.messages import FleetStatus, HostStatus
+from shared.natsserver import NatsServer
+
+FAKE = Path(__file__).parent / "fake_llama_server.py"
+
+
+@pytest.fixture
+def nats_server(tmp_path):
+    server = NatsServer(tmp_path / "nats").start()
+    yield server
+    server.stop()
+
+
+def fake_binary(folder: Path, env: dict[str, str] | None = None) -> str:
+    """An executable `llama-server` that runs the suite's fake with this interpreter."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "llama-server"
+    exports = "".join(f"export {k}='{v}'\n" for k, v in (env or {}).items())
+    path.write_text(f"#!/bin/sh\n{exports}exec '{sys.executable}' '{FAKE}' \"$@\"\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+def agent_config(tmp: Path, host_id: str, models: Path, binary: str, **kw) -> AgentConfig:
+    return AgentConfig(
+        host_id=host_id,
+        model_dirs=[str(models)],
+        binary=binary,
+        caps=probe(binary),
+        data_dir=tmp / f"agent-{host_id}",
+        report_interval=kw.pop("report_interval", 2.0),
+        tick=kw.pop("tick", 0.2),
+        backoff_base=kw.pop("backoff_base", 0.2),
+        **kw,
+    )
+
+
+class Services:
+    """Planner and agents as tasks, each stoppable on its own (to test restarts)."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.tasks: dict[str, tuple[asyncio.Task, asyncio.Event]] = {}
+
+    def start_planner(self, name: str = "planner") -> None:
+        stop = asyncio.Event()
+        self.tasks[name] = (asyncio.create_task(run_planner(self.url, stop)), stop)
+
+    def start_agent(self, cfg: AgentConfig, name: str | None = None, url: str | None = None) -> None:
+        stop = asyncio.Event()
+        self.tasks[name or cfg.host_id] = (asyncio.create_task(run_agent(cfg, url or self.url, stop)), stop)
+
+    async def stop(self, name: str) -> None:
+        task, stop = self.tasks.pop(name)
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+    async def kill(self, name: str) -> None:
+        """Cancel without the graceful path: lanes keep running, like a SIGKILLed agent."""
+        task, _ = self.tasks.pop(name)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    async def stop_all(self) -> None:
+        for name in list(self.tasks):
+            await self.stop(name)
+
+
+@asynccontextmanager
+async def services(url: str):
+    s = Services(url)
+    try:
+        yield s
+    finally:
+        await s.stop_all()
+
+
+@asynccontextmanager
+async def client(url: str):
+    nc = await connect(url, name="test-client", retry_forever=False)
+    try:
+        yield nc
+    finally:
+        await nc.close()
+
+
+async def fleet_status(nc) -> FleetStatus:
+    reply = await nc.request(subjects.FLEET_STATUS, b"", timeout=5)
+    return msgspec.json.decode(reply.data, type=FleetStatus)
+
+
+async def host_status(nc, host_id: str) -> HostStatus | None:
+    kv = await kv_bucket(nc)
+    try:
+        entry = await kv.get(subjects.status_key(host_id))
+    except Exception:
+        return None
+    return msgspec.json.decode(entry.value, type=HostStatus)
+
+
+async def eventually(check: Callable, timeout: float = 30.0, interval: float = 0.2, what: str = "condition"):
+    """Poll an async or sync check until it returns something truthy; fail with the last value."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+            if asyncio.iscoroutine(last):
+                last = await last
+        except Exception as exc:  # the bus may be mid-restart
+            last = exc
+        if last and not isinstance(last, Exception):
+            return last
+        await asyncio.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+
+
+def lane_of(status: HostStatus | None, lane_id: str):
+    if status is None:
+        return None
+    return next((lane for lane in status.lanes if lane.lane_id == lane_id), None)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -1,0 +1,247 @@
+"""The planner and agents over a real nats-server, lanes played by the rule-enforcing fake."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import urllib.request
+
+import msgspec
+import pytest
+from fixtures_bus import (
+    agent_config,
+    client,
+    eventually,
+    fake_binary,
+    fleet_status,
+    host_status,
+    lane_of,
+    pid_alive,
+    services,
+)
+
+from shared import subjects
+from shared.bus import kv_bucket
+from shared.messages import ConfigSet, HostPlan, PlanRejected, encode
+
+GIB = 2**30
+
+
+@pytest.fixture
+def models(tmp_path, tiny_models):
+    folder = tmp_path / "models"
+    folder.mkdir()
+    shutil.copy(tiny_models["llama8"], folder / "llama8.gguf")
+    return folder
+
+
+def healthy(lane_id: str):
+    async def check(nc, host):
+        lane = lane_of(await host_status(nc, host), lane_id)
+        return lane if lane and lane.state == "healthy" else None
+
+    return check
+
+
+async def test_config_change_relaunches_lane_with_quantized_kv(nats_server, tmp_path, models):
+    """config set q8_0 -> new plan -> lane relaunched with -ctk/-ctv q8_0 and FA on -> larger window."""
+    cfg = agent_config(tmp_path, "alpha", models, fake_binary(tmp_path / "bin"), max_ram=1 * GIB)
+    async with services(nats_server.url) as s, client(nats_server.url) as nc:
+        s.start_planner()
+        s.start_agent(cfg)
+        first = await eventually(lambda: healthy("llama8-0")(nc, "alpha"), what="f16 lane healthy")
+        assert "--cache-type-k" not in first.argv and "--flash-attn" not in first.argv
+        assert first.kv_bytes == first.planned_kv_bytes
+
+        reply = await nc.request(
+            subjects.CONFIG_SET, encode(ConfigSet(changes={"kv_cache_type": "q8_0", "flash_attn": "on"})), timeout=5
+        )
+        assert "Nats-Service-Error" not in (reply.headers or {})
+
+        async def relaunched():
+            lane = await healthy("llama8-0")(nc, "alpha")
+            return lane if lane and "q8_0" in lane.argv else None
+
+        second = await eventually(relaunched, what="q8_0 lane healthy")
+        argv = list(second.argv)
+        assert argv[argv.index("--cache-type-k") + 1] == "q8_0"
+        assert argv[argv.index("--cache-type-v") + 1] == "q8_0"
+        assert argv[argv.index("--flash-attn") + 1] == "on"
+        assert second.ctx_total > first.ctx_total
+        assert second.kv_bytes == second.planned_kv_bytes
+
+        status = await fleet_status(nc)
+        (plan,) = status.plans
+        assert plan.lanes[0].ctx_total == second.ctx_total
+        assert status.config.kv_cache_type == "q8_0"
+
+
+async def test_invalid_config_is_refused_and_changes_nothing(nats_server, tmp_path, models):
+    async with services(nats_server.url) as s, client(nats_server.url) as nc:
+        s.start_planner()
+        await eventually(lambda: nc.request(subjects.CONFIG_GET, b"", timeout=1), what="planner up")
+        before = (await nc.request(subjects.CONFIG_GET, b"", timeout=5)).data
+        for changes in ({"kv_cache_type": "q9_0"}, {"n_ubatch": "lots"}, {"no_such_knob": 1}):
+            reply = await nc.request(subjects.CONFIG_SET, encode(ConfigSet(changes=changes)), timeout=5)
+            assert reply.headers["Nats-Service-Error-Code"] == "400"
+            assert "invalid config" in reply.headers["Nats-Service-Error"]
+        reply = await nc.request(subjects.CONFIG_SET, b"{not json", timeout=5)
+        assert reply.headers["Nats-Service-Error-Code"] == "400"
+        assert (await nc.request(subjects.CONFIG_GET, b"", timeout=5)).data == before
+
+
+async def test_agent_rejects_hostile_plans_and_starts_nothing(nats_server, tmp_path, models):
+    """A plan written straight into KV (no planner) that breaks a rule never starts a process."""
+    binary = fake_binary(tmp_path / "bin")
+    cfg = agent_config(tmp_path, "beta", models, binary)
+    async with services(nats_server.url) as s, client(nats_server.url) as nc:
+        s.start_planner()
+        s.start_agent(cfg)
+        await eventually(lambda: healthy("llama8-0")(nc, "beta"), what="lane healthy")
+        kv = await kv_bucket(nc)
+        good = msgspec.json.decode((await kv.get(subjects.plan_key("beta"))).value, type=HostPlan)
+        rejected: list[PlanRejected] = []
+
+        async def on_rejected(msg):
+            rejected.append(msgspec.json.decode(msg.data, type=PlanRejected))
+
+        await nc.subscribe(subjects.rejected_subject("beta"), cb=on_rejected)
+        s.tasks.pop("planner")[1].set()  # stop the planner so it does not overwrite our writes
+        await asyncio.sleep(0.5)
+        spec = good.lanes[0]
+        r = good.plan_revision + 10
+        hostile = [
+            b"{definitely not json",
+            b'{"kind":"host_plan","host_id":"beta","lanes":"many"}',
+            b'{"kind":"surprise","host_id":"beta"}',
+            encode(msgspec.structs.replace(good, plan_revision=r, host_id="gamma")),
+            encode(msgspec.structs.replace(good, plan_revision=r, lanes=(msgspec.structs.replace(spec, model_path="/etc/passwd"),))),
+            encode(msgspec.structs.replace(good, plan_revision=r, lanes=(msgspec.structs.replace(spec, port=9),))),
+            encode(msgspec.structs.replace(good, plan_revision=r, lanes=(msgspec.structs.replace(spec, args=(*spec.args, "--rpc", "evil:1")),))),
+            encode(msgspec.structs.replace(good, plan_revision=r, lanes=(msgspec.structs.replace(spec, cache_type_v="q4_0", flash_attn="off"),))),
+            encode(msgspec.structs.replace(good, plan_revision=good.plan_revision - 1, lanes=())),
+        ]
+        lane_before = lane_of(await host_status(nc, "beta"), "llama8-0")
+        for payload in hostile:
+            await kv.put(subjects.plan_key("beta"), payload)
+        await eventually(lambda: len(rejected) >= len(hostile), what="every hostile plan rejected")
+        reasons = " | ".join(x.reason for x in rejected)
+        for expected in ("malformed plan", "not 'beta'", "outside the model folders", "outside 8080",
+                         "args disagree", "without flash attention", "older than the applied"):  # fmt: skip
+            assert expected in reasons
+        await asyncio.sleep(1.0)
+        lane_after = lane_of(await host_status(nc, "beta"), "llama8-0")
+        assert lane_after.pid == lane_before.pid and lane_after.state == "healthy"
+        assert s.tasks["beta"][0].done() is False
+
+
+async def test_lanes_keep_serving_through_nats_restart_and_resync(nats_server, tmp_path, models):
+    """nats-server goes away and comes back with its JetStream state; KV watches are re-created."""
+    cfg = agent_config(tmp_path, "gamma", models, fake_binary(tmp_path / "bin"))
+    async with services(nats_server.url) as s:
+        s.start_planner()
+        s.start_agent(cfg)
+        async with client(nats_server.url) as nc:
+            lane = await eventually(lambda: healthy("llama8-0")(nc, "gamma"), what="lane healthy")
+        nats_server.stop()
+        await asyncio.sleep(1.5)
+        with urllib.request.urlopen(f"http://127.0.0.1:{lane.port}/health", timeout=2) as r:
+            assert r.status == 200  # lanes serve while NATS is gone
+        nats_server.start()
+        async with client(nats_server.url) as nc:
+            await eventually(lambda: nc.request(subjects.CONFIG_GET, b"", timeout=1), what="planner back")
+            await nc.request(subjects.CONFIG_SET, encode(ConfigSet(changes={"kv_cache_type": "q4_0"})), timeout=5)
+
+            async def relaunched():
+                found = await healthy("llama8-0")(nc, "gamma")
+                return found if found and "q4_0" in found.argv else None
+
+            await eventually(relaunched, timeout=40, what="config change after a NATS restart reaches the agent")
+
+
+async def test_restarted_planner_recovers_plans_from_kv(nats_server, tmp_path, models):
+    cfg = agent_config(tmp_path, "delta", models, fake_binary(tmp_path / "bin"))
+    async with services(nats_server.url) as s, client(nats_server.url) as nc:
+        s.start_planner()
+        s.start_agent(cfg)
+        lane = await eventually(lambda: healthy("llama8-0")(nc, "delta"), what="lane healthy")
+        kv = await kv_bucket(nc)
+        before = (await kv.get(subjects.plan_key("delta"))).revision
+        await s.stop("planner")
+        s.start_planner("planner2")
+        await eventually(lambda: nc.request(subjects.FLEET_STATUS, b"", timeout=1), what="new planner answers")
+        await asyncio.sleep(1.5)
+        assert (await kv.get(subjects.plan_key("delta"))).revision == before  # nothing rewritten
+        after = lane_of(await host_status(nc, "delta"), "llama8-0")
+        assert after.pid == lane.pid
+
+
+async def test_killed_agent_adopts_running_lanes(nats_server, tmp_path, models):
+    cfg = agent_config(tmp_path, "eps", models, fake_binary(tmp_path / "bin"))
+    async with services(nats_server.url) as s, client(nats_server.url) as nc:
+        s.start_planner()
+        s.start_agent(cfg)
+        lane = await eventually(lambda: healthy("llama8-0")(nc, "eps"), what="lane healthy")
+        old_session = (await host_status(nc, "eps")).agent_session
+        await s.kill("eps")
+        assert pid_alive(lane.pid)
+        s.start_agent(cfg)
+
+        async def adopted():
+            status = await host_status(nc, "eps")
+            found = lane_of(status, "llama8-0")
+            fresh = status.agent_session != old_session
+            return found if fresh and found and found.state == "healthy" else None
+
+        found = await eventually(adopted, what="the new agent reports the lane healthy")
+        assert found.pid == lane.pid and found.restarts == 0
+        await s.stop("eps")
+        assert not pid_alive(lane.pid)
+
+
+async def test_sigkilled_lane_restarts_with_backoff(nats_server, tmp_path, models):
+    cfg = agent_config(tmp_path, "zeta", models, fake_binary(tmp_path / "bin"))
+    events: list[dict] = []
+    async with services(nats_server.url) as s, client(nats_server.url) as nc:
+
+        async def on_event(msg):
+            events.append(json.loads(msg.data))
+
+        await nc.subscribe(subjects.ALL_EVENTS, cb=on_event)
+        s.start_planner()
+        s.start_agent(cfg)
+        lane = await eventually(lambda: healthy("llama8-0")(nc, "zeta"), what="lane healthy")
+        os.kill(lane.pid, signal.SIGKILL)
+
+        async def restarted():
+            found = await healthy("llama8-0")(nc, "zeta")
+            return found if found and found.pid != lane.pid else None
+
+        again = await eventually(restarted, what="lane restarted")
+        assert again.restarts == 1
+        assert any(e["event"] == "crashed" and e["lane_id"] == "llama8-0" for e in events)
+
+
+async def test_lane_that_cannot_start_is_reported_not_restarted_forever(nats_server, tmp_path, models):
+    """The fake refuses any context above 1024 (out of memory): the lane fails, the planner shrinks it."""
+    binary = fake_binary(tmp_path / "bin", {"FAKE_LLAMA_OOM_ABOVE_CTX": "1024"})
+    cfg = agent_config(tmp_path, "eta", models, binary, max_ram=2 * GIB)
+    async with services(nats_server.url) as s, client(nats_server.url) as nc:
+        s.start_planner()
+        s.start_agent(cfg)
+
+        async def failed_with_feedback():
+            status = await host_status(nc, "eta")
+            return status if status and any(f.kind == "oom" for f in status.feedback) else None
+
+        status = await eventually(failed_with_feedback, what="oom reported")
+        fb = next(f for f in status.feedback if f.kind == "oom")
+        assert "failed to allocate" in fb.detail
+        # The planner halves the window each time it learns of an OOM, until the lane starts.
+        lane = await eventually(lambda: healthy("llama8-0")(nc, "eta"), timeout=60, what="smaller lane healthy")
+        assert lane.ctx_total <= 1024
+        plan = (await fleet_status(nc)).plans[0]
+        assert any("ran out of memory" in r for r in plan.lanes[0].reasons)

@@ -1,0 +1,243 @@
+"""The offline `lanes` commands, run as a subprocess the way a user runs them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from shared.gguf_facts import read_model_facts
+from shared.messages import Demand, FleetConfig, FleetPlan, HostReport, MemoryBreakdown, Persona, ServerCaps
+
+ROOT = Path(__file__).resolve().parent.parent
+GIB = 1024**3
+
+
+def lanes(*args: str | os.PathLike[str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "LLAMA_SERVER_BIN"}
+    return subprocess.run(
+        [sys.executable, "-m", "lanes.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=cwd or ROOT,
+        env=env,
+    )
+
+
+def assert_one_line_error(run: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert run.returncode != 0, run
+    assert "Traceback" not in run.stderr and "Traceback" not in run.stdout
+    lines = run.stderr.strip("\n").splitlines()
+    assert len(lines) == 1, run.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def junk(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("junk") / "junk.gguf"
+    path.write_bytes(b"this is not a model\n" * 50)
+    return path
+
+
+@pytest.fixture(scope="module")
+def plan_files(tmp_path_factory, tiny_models) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("plan")
+    facts = read_model_facts(tiny_models["llama8"])
+    gqa = read_model_facts(tiny_models["llama_gqa"])
+    reports = [
+        HostReport(
+            host_id="box-b", cpu_cores=4, ram_total=16 * GIB, ram_available=8 * GIB, server=ServerCaps(), models=(facts,)
+        ),
+        HostReport(
+            host_id="box-a",
+            cpu_cores=8,
+            ram_total=32 * GIB,
+            ram_available=20 * GIB,
+            server=ServerCaps(),
+            models=(facts, gqa),
+        ),
+    ]
+    hosts = folder / "hosts.json"
+    hosts.write_bytes(msgspec.json.encode(reports))
+    single = folder / "single.json"
+    single.write_bytes(msgspec.json.encode(reports[0]))
+    config = folder / "config.json"
+    config.write_bytes(msgspec.json.encode(FleetConfig(kv_cache_type="q8_0")))
+    config_toml = folder / "config.toml"
+    config_toml.write_text('kind = "fleet_config"\nkv_cache_type_k = "q4_0"\n')
+    demand = folder / "demand.json"
+    demand.write_bytes(msgspec.json.encode(Demand(personas=(Persona(model=facts.name, parallel=2, ctx_min=4096),))))
+    bad_hosts = folder / "bad_hosts.json"
+    bad_hosts.write_text('[{"host_id": "x", ')
+    wrong_hosts = folder / "wrong_hosts.json"
+    wrong_hosts.write_text('[{"kind": "host_report", "host_id": "x"}]')
+    bad_config = folder / "bad_config.json"
+    bad_config.write_text('{"kind": "fleet_config", "kv_cache_type": "q9_0"}')
+    return {
+        "hosts": hosts,
+        "single": single,
+        "config": config,
+        "config_toml": config_toml,
+        "demand": demand,
+        "bad_hosts": bad_hosts,
+        "wrong_hosts": wrong_hosts,
+        "bad_config": bad_config,
+    }
+
+
+# ------------------------------------------------------------------ models
+
+
+def test_models_table(tiny_models):
+    run = lanes("models", tiny_models["llama8"], tiny_models["gemma3"])
+    assert run.returncode == 0, run.stderr
+    assert run.stderr == ""
+    out = run.stdout
+    assert "llama8" in out and "gemma3" in out
+    assert "32768" in out
+    assert "512 (5/6)" in out  # gemma3 sliding window: 5 of 6 layers
+
+
+def test_models_folder_json(tiny_models):
+    folder = Path(tiny_models["llama8"]).parent
+    run = lanes("models", folder, "--json")
+    assert run.returncode == 0, run.stderr
+    names = sorted(m["name"] for m in json.loads(run.stdout))
+    assert names == ["gemma3", "llama8", "llama_gqa", "mla"]
+
+
+# ------------------------------------------------------------------ estimate
+
+
+def test_estimate_json_golden(tiny_models):
+    run = lanes(
+        "estimate", tiny_models["llama8"], "--ctx", "32768", "--cache-type-k", "q8_0", "--cache-type-v", "q8_0", "--json"
+    )
+    assert run.returncode == 0, run.stderr
+    mem = msgspec.json.decode(run.stdout, type=MemoryBreakdown)
+    assert mem.kv_bytes == 285212672  # 272.00 MiB, as llama-server prints it
+    assert mem.kv_k_bytes == mem.kv_v_bytes == 142606336
+    assert mem.kv_cells == 32768 and mem.kv_streams == 1
+
+
+@pytest.mark.parametrize(
+    ("k", "v", "kv_bytes"),
+    [("f16", "f16", 512 * 2**20), ("q4_0", "q4_0", 144 * 2**20), ("q8_0", "f16", 392 * 2**20)],
+)
+def test_estimate_json_other_types(tiny_models, k, v, kv_bytes):
+    run = lanes("estimate", tiny_models["llama8"], "--ctx", "32768", "--cache-type-k", k, "--cache-type-v", v, "--json")
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout)["kv_bytes"] == kv_bytes
+
+
+def test_estimate_table(tiny_models):
+    run = lanes("estimate", tiny_models["gemma3"], "--ctx", "4096", "--parallel", "2")
+    assert run.returncode == 0, run.stderr
+    assert "kv total" in run.stdout and "swa" in run.stdout
+
+
+# ------------------------------------------------------------------ plan
+
+
+def test_plan_json_parses_as_fleet_plan(plan_files):
+    run = lanes(
+        "plan", "--hosts", plan_files["hosts"], "--config", plan_files["config"], "--demand", plan_files["demand"], "--json"
+    )
+    assert run.returncode == 0, run.stderr
+    fleet = msgspec.json.decode(run.stdout, type=FleetPlan)
+    assert [hp.host_id for hp in fleet.hosts] == ["box-a", "box-b"]
+    lanes_ = [lane for hp in fleet.hosts for lane in hp.lanes]
+    assert lanes_, fleet
+    for lane in lanes_:
+        assert lane.model == "llama8"
+        assert lane.parallel == 2
+        assert (lane.cache_type_k, lane.cache_type_v, lane.flash_attn) == ("q8_0", "q8_0", "on")
+        assert lane.ctx_per_slot >= 4096
+        assert "--cache-type-v" in lane.args
+
+
+def test_plan_single_report_default_config(plan_files):
+    run = lanes("plan", "--hosts", plan_files["single"], "--json")
+    assert run.returncode == 0, run.stderr
+    fleet = msgspec.json.decode(run.stdout, type=FleetPlan)
+    (hp,) = fleet.hosts
+    (lane,) = hp.lanes
+    assert lane.cache_type_k is None and lane.flash_attn is None
+
+
+def test_plan_toml_config(plan_files):
+    run = lanes("plan", "--hosts", plan_files["single"], "--config", plan_files["config_toml"], "--json")
+    assert run.returncode == 0, run.stderr
+    (lane,) = msgspec.json.decode(run.stdout, type=FleetPlan).hosts[0].lanes
+    assert (lane.cache_type_k, lane.cache_type_v) == ("q4_0", None)
+
+
+def test_plan_text(plan_files):
+    run = lanes("plan", "--hosts", plan_files["hosts"], "--config", plan_files["config"])
+    assert run.returncode == 0, run.stderr
+    assert "host box-a" in run.stdout and "llama-server --model" in run.stdout
+
+
+# ------------------------------------------------------------------ bad input: one line, non-zero, no traceback
+
+
+def test_error_missing_model(tmp_path):
+    assert_one_line_error(lanes("estimate", tmp_path / "absent.gguf", "--ctx", "4096"), "absent.gguf", "no such file")
+
+
+def test_error_models_missing(tmp_path):
+    assert_one_line_error(lanes("models", tmp_path / "absent.gguf"), "absent.gguf")
+
+
+def test_error_not_a_gguf(junk):
+    assert_one_line_error(lanes("estimate", junk, "--ctx", "4096"), "junk.gguf", "not a GGUF")
+
+
+def test_error_models_not_a_gguf(junk):
+    assert_one_line_error(lanes("models", junk), "junk.gguf")
+
+
+def test_error_unknown_cache_type(tiny_models):
+    run = lanes("estimate", tiny_models["llama8"], "--ctx", "4096", "--cache-type-k", "q9_0")
+    assert_one_line_error(run, "q9_0")
+
+
+def test_error_ctx_too_small(tiny_models):
+    assert_one_line_error(lanes("estimate", tiny_models["llama8"], "--ctx", "100"), "100", "256")
+
+
+def test_error_ctx_not_a_number(tiny_models):
+    assert_one_line_error(lanes("estimate", tiny_models["llama8"], "--ctx", "lots"), "lots")
+
+
+def test_error_quantized_v_without_flash_attn(tiny_models):
+    run = lanes("estimate", tiny_models["llama8"], "--ctx", "4096", "--cache-type-v", "q8_0", "--flash-attn", "off")
+    assert_one_line_error(run, "q8_0", "flash")
+
+
+def test_error_hosts_bad_json(plan_files):
+    assert_one_line_error(lanes("plan", "--hosts", plan_files["bad_hosts"]), "bad_hosts.json")
+
+
+def test_error_hosts_invalid_report(plan_files):
+    assert_one_line_error(lanes("plan", "--hosts", plan_files["wrong_hosts"]), "wrong_hosts.json")
+
+
+def test_error_hosts_missing(tmp_path):
+    assert_one_line_error(lanes("plan", "--hosts", tmp_path / "nohosts.json"), "nohosts.json")
+
+
+def test_error_bad_config(plan_files):
+    run = lanes("plan", "--hosts", plan_files["single"], "--config", plan_files["bad_config"])
+    assert_one_line_error(run, "bad_config.json")
+
+
+def test_error_unknown_command():
+    assert_one_line_error(lanes("frobnicate"))
