@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
 import sys
 
@@ -62,7 +63,9 @@ class _Parser(argparse.ArgumentParser):
 def _add_connection(p: argparse.ArgumentParser) -> None:
     from shared.bus import add_auth_arguments
 
-    p.add_argument("--nats", default=DEFAULT_NATS, help="NATS server URL(s), comma separated")
+    p.add_argument(
+        "--nats", default=os.environ.get("LANES_NATS_URL", DEFAULT_NATS), help="NATS server URL(s), comma separated"
+    )
     add_auth_arguments(p)
 
 
@@ -103,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("planner", help="run the planner service")
     _add_connection(p)
+    p.add_argument("--kv-replicas", type=_positive, default=1, help="replicas of the lanes KV bucket (3 on a cluster)")
 
     p = sub.add_parser("agent", help="run the launcher agent for this host")
     _add_connection(p)

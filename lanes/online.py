@@ -60,7 +60,7 @@ async def run(args: argparse.Namespace) -> int:
         return await cmd_up(args)
     auth = auth_from_args(args)
     if args.command == "planner":
-        await run_planner(args.nats, _stop_event(), auth)
+        await run_planner(args.nats, _stop_event(), auth, replicas=args.kv_replicas)
         return 0
     if args.command == "agent":
         cfg = agent_config(args, Path(args.data) if args.data else Path.home() / ".lanes" / "agent")

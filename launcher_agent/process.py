@@ -47,6 +47,12 @@ async def http_get(host: str, port: int, path: str, timeout: float = 2.0) -> tup
         return status, None
 
 
+def lane_environment() -> dict[str, str]:
+    """The agent's environment minus LLAMA_ARG_*: llama-server reads those as flags, and
+    only the plan decides flags (the official image sets LLAMA_ARG_HOST, for one)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
+
+
 class LaneProcess:
     def __init__(self, spec: LaneSpec, binary: str, log_path: Path) -> None:
         self.spec = spec
@@ -71,6 +77,7 @@ class LaneProcess:
                 stdout=log,
                 stderr=log,
                 start_new_session=True,  # Ctrl-C on the agent's terminal must not hit the lanes
+                env=lane_environment(),
             )
         self._offset = 0
 

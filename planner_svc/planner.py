@@ -298,6 +298,12 @@ def _place(persona, candidates, config, lanes, remaining, previous, feedback, by
         fb = [f for f in feedback.get(host, ()) if f.model == persona.model]
         index = sum(1 for lane in lanes[host] if lane.persona.model == persona.model)
         flags = decide_flags(config, report, facts, fb)
+        looping = [
+            f for f in fb if f.kind == "crash_loop" and (f.cache_type_k, f.cache_type_v) == (flags.cache_type_k, flags.cache_type_v)
+        ]
+        if looping:
+            why = f"llama-server keeps failing on {host} with this spec: {looping[0].detail}"
+            continue
         floor, ceiling, bound_reasons = _window_bounds(persona, facts, fb)
         if ceiling < CTX_PAD:
             why = f"trained context {facts.n_ctx_train} is below {CTX_PAD}"

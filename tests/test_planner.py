@@ -629,6 +629,18 @@ def test_feedback_oom_caps_window():
     assert any("ran out of memory" in r for r in after.reasons)
 
 
+def test_feedback_crash_loop_unplaces_that_spec_only():
+    from shared.messages import LaneFeedback
+
+    fb = LaneFeedback(lane_id="llama-8b-0", model="llama-8b", kind="crash_loop", detail="error loading model")
+    fleet = plan([host()], FleetConfig(), feedback={"h1": [fb]})
+    hp = only_host(fleet)
+    assert hp.lanes == ()
+    assert any("keeps failing" in u.reason and "error loading model" in u.reason for u in hp.unplaced)
+    # A different cache type is a different spec: it gets its chance.
+    assert only_lane(plan([host()], FleetConfig(kv_cache_type="q8_0"), feedback={"h1": [fb]})).cache_type_k == "q8_0"
+
+
 def test_feedback_over_plan_sizes_larger_within_budget():
     from shared.messages import LaneFeedback
 

