@@ -55,6 +55,7 @@ log = structlog.get_logger("lanes.agent")
 VERSION = "0.1.0"
 HEALTHY_RESETS_FAILURES_AFTER = 30.0
 OVER_PLAN_TOLERANCE = 0.02
+RSS_TOLERANCE = 0.15
 
 
 @dataclass
@@ -231,22 +232,31 @@ class Agent:
         self._save()
 
     def _check_against_plan(self, lane: Lane) -> None:
-        """Actual KV above the plan is fed back, so the next plan corrects the window."""
-        actual = lane.process.kv_bytes() if lane.process else None
-        planned = lane.spec.memory.kv_bytes
-        if actual is not None and planned and actual > planned * (1 + OVER_PLAN_TOLERANCE):
-            key = (lane.spec.model, "over_plan")
-            if key not in self.feedback:
-                log.warning("lane uses more KV than planned", lane=lane.spec.lane_id, actual=actual, planned=planned)
-                self.feedback[key] = LaneFeedback(
-                    lane_id=lane.spec.lane_id,
-                    model=lane.spec.model,
-                    kind="over_plan",
-                    ctx_total=lane.spec.ctx_total,
-                    planned_bytes=planned,
-                    actual_bytes=actual,
-                    detail="KV reported by llama-server",
-                )
+        """Use above the plan (KV as llama-server reports it, or RSS) is fed back to the planner."""
+        if lane.process is None:
+            return
+        memory = lane.spec.memory
+        checks = (
+            (lane.process.kv_bytes(), memory.kv_bytes, OVER_PLAN_TOLERANCE, "KV reported by llama-server"),
+            (lane.process.rss(), memory.total_bytes, RSS_TOLERANCE, "resident memory of the process"),
+        )
+        for actual, planned, tolerance, what in checks:
+            key = (lane.spec.model, "over_plan", lane.spec.cache_type_k, lane.spec.cache_type_v)
+            if actual is None or not planned or actual <= planned * (1 + tolerance) or key in self.feedback:
+                continue
+            log.warning("lane uses more than planned", lane=lane.spec.lane_id, what=what, actual=actual, planned=planned)
+            # Scale the whole lane by the KV overshoot ratio; RSS compares against the total.
+            self.feedback[key] = LaneFeedback(
+                lane_id=lane.spec.lane_id,
+                model=lane.spec.model,
+                kind="over_plan",
+                cache_type_k=lane.spec.cache_type_k,
+                cache_type_v=lane.spec.cache_type_v,
+                ctx_total=lane.spec.ctx_total,
+                planned_bytes=planned,
+                actual_bytes=actual,
+                detail=what,
+            )
 
     def _feedback(self, lane: Lane, kind: str, detail: str) -> None:
         s = lane.spec

@@ -43,8 +43,12 @@ def write_llama(
     arch: str = "llama",
     n_swa: int = 0,
     seed: int = 0,
+    omit: tuple[str, ...] = (),
 ) -> Path:
-    """A llama (GQA) model, or with arch="gemma3" and n_swa > 0 a sliding-window one."""
+    """A llama (GQA) model, or with arch="gemma3" and n_swa > 0 a sliding-window one.
+
+    `omit` leaves tensors out: the metadata still reads fine, llama-server refuses to load it.
+    """
     path = Path(path)
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
@@ -66,6 +70,13 @@ def write_llama(
     _tokenizer(w)
 
     q, kv = n_head * head_dim, n_head_kv * head_dim
+    add_tensor = w.add_tensor
+
+    def add(name: str, value: np.ndarray) -> None:
+        if name not in omit:
+            add_tensor(name, value)
+
+    w.add_tensor = add  # type: ignore[method-assign]
     w.add_tensor("token_embd.weight", _mat(rng, N_VOCAB, n_embd))
     w.add_tensor("output_norm.weight", _ones(n_embd))
     if arch == "llama":
