@@ -13,6 +13,8 @@ Behaviour knobs (environment):
                                shared by all slots, no separate SWA cache, `KV self size` line
   FAKE_LLAMA_BUILD=N           build number for --version and build_info (11434; old: 4879)
   FAKE_LLAMA_CACHE_TYPES=a,b   the only KV cache types this build accepts (and lists in --help)
+  FAKE_LLAMA_REFUSE_TYPES=a,b  types --help still lists but the build refuses at start (a binary
+                               swapped under a running agent, or a distro build that lies)
   FAKE_LLAMA_LOAD_SECONDS=S    how long /health answers 503 "Loading model" (0.3)
   FAKE_LLAMA_ALLOC=1           allocate and touch memory the size of the KV cache
   FAKE_LLAMA_OOM_ABOVE_CTX=N   fail to allocate the KV cache when the total context is > N
@@ -169,7 +171,8 @@ def _fit(value: str) -> str:
 
 
 def _cache_type(value: str) -> str:
-    if value not in CACHE_TYPES:
+    refused = os.environ.get("FAKE_LLAMA_REFUSE_TYPES", "").split(",")
+    if value not in CACHE_TYPES or value in refused:
         raise ArgError(f"Unsupported cache type: {value}")
     return value
 

@@ -245,3 +245,26 @@ async def test_lane_that_cannot_start_is_reported_not_restarted_forever(nats_ser
         assert lane.ctx_total <= 1024
         plan = (await fleet_status(nc)).plans[0]
         assert any("ran out of memory" in r for r in plan.lanes[0].reasons)
+
+
+async def test_refused_cache_type_falls_back_to_f16_with_llama_servers_words(nats_server, tmp_path, models):
+    """The binary's --help lists q4_0 but it refuses it at start: the next plan is f16, with the reason."""
+    binary = fake_binary(tmp_path / "bin", {"FAKE_LLAMA_REFUSE_TYPES": "q4_0"})
+    cfg = agent_config(tmp_path, "theta", models, binary)
+    async with services(nats_server.url) as s, client(nats_server.url) as nc:
+        s.start_planner()
+        await eventually(lambda: nc.request(subjects.CONFIG_GET, b"", timeout=1), what="planner up")
+        await nc.request(subjects.CONFIG_SET, encode(ConfigSet(changes={"kv_cache_type": "q4_0"})), timeout=5)
+        s.start_agent(cfg)
+
+        async def fell_back():
+            status = await host_status(nc, "theta")
+            lane = lane_of(status, "llama8-0")
+            refused = [f for f in (status.feedback if status else ()) if f.kind == "unsupported"]
+            return (lane, refused) if refused and lane and lane.state == "healthy" else None
+
+        lane, refused = await eventually(fell_back, what="f16 lane after the refusal")
+        assert "Unsupported cache type: q4_0" in refused[0].detail
+        assert "--cache-type-k" not in lane.argv
+        spec = (await fleet_status(nc)).plans[0].lanes[0]
+        assert spec.cache_type_k is None and any("refused q4_0/q4_0" in r for r in spec.reasons)
