@@ -225,6 +225,17 @@ class PlannerService:
             )
         )
 
+    async def _info(self, req: Request) -> None:
+        s = self.state
+        info = {
+            "version": VERSION,
+            "config_revision": s.config_revision,
+            "hosts": sorted(s.reports),
+            "plans": {host: p.plan_revision for host, p in sorted(s.plans.items())},
+            "ready": self.ready.is_set(),
+        }
+        await req.respond(msgspec.json.encode(info))
+
     async def add_endpoints(self, stack: AsyncExitStack) -> None:
         svc = await add_service(
             self.nc,
@@ -242,6 +253,8 @@ class PlannerService:
             ("plan_get", "plan.get", self._plan_get),
             ("plan_explain", "plan.explain", self._plan_explain),
             ("fleet_status", "fleet.status", self._fleet_status),
+            ("status", "status", self._fleet_status),
+            ("info", "info", self._info),
         ):
             await group.add_endpoint(name=name, subject=subject, handler=handler)
 

@@ -82,6 +82,8 @@ DEMAND_SET = f"{PLANNER_GROUP}.demand.set"
 PLAN_GET = f"{PLANNER_GROUP}.plan.get"
 PLAN_EXPLAIN = f"{PLANNER_GROUP}.plan.explain"
 FLEET_STATUS = f"{PLANNER_GROUP}.fleet.status"
+PLANNER_STATUS = f"{PLANNER_GROUP}.status"  # the same answer as FLEET_STATUS
+PLANNER_INFO = f"{PLANNER_GROUP}.info"
 
 
 def agent_group(host_id: str) -> str:

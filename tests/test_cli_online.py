@@ -1,0 +1,81 @@
+"""`lanes up` as a user runs it: one command, then config set / status / explain, then Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+from fixtures_bus import fake_binary
+
+LANES = [sys.executable, "-m", "lanes.cli"]
+
+
+def _lanes(*args: str, timeout: float = 20) -> subprocess.CompletedProcess:
+    return subprocess.run([*LANES, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _wait(check, timeout: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+
+
+def test_lanes_up_config_status_and_clean_stop(tmp_path, tiny_models):
+    models = tmp_path / "models"
+    models.mkdir()
+    shutil.copy(tiny_models["llama8"], models / "llama8.gguf")
+    binary = fake_binary(tmp_path / "bin")
+    up = subprocess.Popen(
+        [*LANES, "up", "--models", str(models), "--data", str(tmp_path / "data"), "--llama-server", binary,
+         "--nats-port", "0", "--host-id", "local", "--max-ram", "1GiB", "--port-base", "18400"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        first = up.stdout.readline()
+        url = re.search(r"nats (nats://\S+)", first).group(1)
+
+        def lane(state: str, needle: str | None = None):
+            out = _lanes("status", "--nats", url, "--json")
+            if out.returncode != 0:
+                return None
+            status = json.loads(out.stdout)
+            for host in status["statuses"]:
+                for lane in host["lanes"]:
+                    if lane["state"] == state and (needle is None or needle in lane["argv"]):
+                        return lane
+            return None
+
+        f16 = _wait(lambda: lane("healthy"), what="f16 lane healthy")
+        changed = _lanes("config", "set", "--nats", url, "kv_cache_type=q8_0", "flash_attn=on")
+        assert changed.returncode == 0, changed.stderr
+        assert json.loads(changed.stdout)["kv_cache_type"] == "q8_0"
+        q8 = _wait(lambda: lane("healthy", "q8_0"), what="q8_0 lane healthy")
+        assert q8["ctx_total"] > f16["ctx_total"]
+
+        table = _lanes("status", "--nats", url)
+        assert table.returncode == 0 and "q8_0/q8_0" in table.stdout and "healthy" in table.stdout
+        explain = _lanes("explain", "--nats", url, "local")
+        assert "flash attention on" in explain.stdout
+        bad = _lanes("config", "set", "--nats", url, "kv_cache_type=q9_0")
+        assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "q9_0" in bad.stderr
+        assert json.loads(_lanes("config", "get", "--nats", url).stdout)["kv_cache_type"] == "q8_0"
+        children = psutil.Process(up.pid).children(recursive=True)
+        assert any("fake_llama_server" in " ".join(c.cmdline()) for c in children)
+        up.send_signal(signal.SIGINT)
+        assert up.wait(30) == 0
+        for child in children:
+            assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
+    finally:
+        if up.poll() is None:
+            up.kill()
