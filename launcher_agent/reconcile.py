@@ -77,6 +77,16 @@ class Observed:
     state: LaneState
     failures: int = 0
     retry_at: float = 0.0  # when a crashed lane may start again
+    last_good_args: tuple[str, ...] | None = None  # args it last ran healthy with
+
+    @property
+    def broken_by_change(self) -> bool:
+        """Down with a spec other than the one it last ran healthy with."""
+        return (
+            self.state in ("crashed", "failed")
+            and self.last_good_args is not None
+            and self.last_good_args != self.spec.args
+        )
 
 
 @dataclass(frozen=True)
@@ -112,25 +122,32 @@ def decide(
     *,
     now: float,
     max_changes: int = 1,
+    hold_changes: bool = False,
 ) -> list[Action]:
     """Actions that move what runs toward the plan: stops first, then restarts, then starts.
 
-    Changed lanes restart at most `max_changes` at a time (counting lanes still
-    starting); a start never takes a port another kept lane holds.
+    A rollout: changed lanes that are serving restart at most `max_changes` at a
+    time, the next only once the last is up (lanes still starting count), and none
+    while a lane a change broke is down (the rollout halts until the planner reverts
+    it). Lanes that are down anyway take their new spec at once. A start never takes
+    a port another kept lane holds.
     """
     wanted = {s.lane_id: s for s in desired}
     actions: list[Action] = [
         Stop(lane_id, "no longer in the plan") for lane_id in sorted(observed) if lane_id not in wanted
     ]
     freed = {a.lane_id for a in actions}
-    budget = max_changes - sum(1 for o in observed.values() if o.state in _IN_TRANSITION)
+    halted = hold_changes or any(o.broken_by_change for o in observed.values())
+    budget = 0 if halted else max_changes - sum(1 for o in observed.values() if o.state in _IN_TRANSITION)
     restarts: list[Restart] = []
     for spec in desired:
         obs = observed.get(spec.lane_id)
         if obs is None:
             continue
         if obs.spec.args != spec.args:
-            if budget > 0:
+            if obs.state in ("crashed", "failed", "mismatch"):
+                restarts.append(Restart(spec, "spec changed (lane was down)"))
+            elif budget > 0:
                 restarts.append(Restart(spec, "spec changed"))
                 budget -= 1
         elif obs.state == "crashed" and obs.failures < MAX_FAILURES and now >= obs.retry_at:

@@ -70,6 +70,7 @@ class Lane:
     last_error: str = ""
     failure: str | None = None
     plan_revision: int = 0
+    last_good: LaneSpec | None = None  # the spec it last ran healthy with
 
 
 class _Saved(msgspec.Struct):
@@ -106,6 +107,7 @@ class Agent:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     resync: asyncio.Event = field(default_factory=asyncio.Event)
     _last_status: bytes = b""
+    halted: tuple[int, str] | None = None  # (config revision, why) of a rollout a change broke
     session: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     @property
@@ -196,6 +198,7 @@ class Agent:
                 state, detail = await proc.probe_health()
                 if state == "healthy":
                     lane.state, lane.healthy_since, lane.last_error = "healthy", now, ""
+                    lane.last_good = lane.spec
                     await self._event(lane, "healthy")
                     self._check_against_plan(lane)
                 elif state == "mismatch":
@@ -214,10 +217,15 @@ class Agent:
         lines = list(proc.tail)
         kind, line = classify_failure(lines)
         died_at_start = lane.state in ("starting", "loading")
+        broken_by_change = lane.last_good is not None and lane.last_good.args != lane.spec.args
         lane.failures += 1
         lane.last_error = f"exit {proc.returncode}: {line}"
-        if died_at_start and kind in ("unsupported", "oom"):
-            # llama-server refused this spec: restarting the same argv cannot help.
+        if broken_by_change and self.plan is not None:
+            self.halted = (self.plan.config_revision, f"{lane.spec.lane_id} failed with the change: {line}")
+            log.warning("rollout halted", config_revision=self.plan.config_revision, reason=self.halted[1])
+        if died_at_start and (kind in ("unsupported", "oom") or broken_by_change):
+            # llama-server refused this spec (or a change broke a lane that ran): restarting
+            # the same argv cannot help; the planner corrects or reverts it.
             lane.state, lane.failure = "failed", kind
             self._feedback(lane, kind, line)
             await self._event(lane, "failed", lane.last_error)
@@ -260,7 +268,9 @@ class Agent:
 
     def _feedback(self, lane: Lane, kind: str, detail: str) -> None:
         s = lane.spec
+        changed = lane.last_good is not None and lane.last_good.args != s.args
         self.feedback[(s.model, kind, s.cache_type_k, s.cache_type_v)] = LaneFeedback(
+            last_good=lane.last_good if changed else None,
             lane_id=s.lane_id,
             model=s.model,
             kind=kind,
@@ -275,14 +285,26 @@ class Agent:
 
     def observed(self) -> dict[str, Observed]:
         return {
-            lane_id: Observed(lane.spec, lane.state, lane.failures, lane.retry_at)
+            lane_id: Observed(
+                lane.spec, lane.state, lane.failures, lane.retry_at, lane.last_good.args if lane.last_good else None
+            )
             for lane_id, lane in self.lanes.items()
         }
 
     async def reconcile(self, now: float) -> None:
         if self.plan is None:
             return  # never act on "no plan yet": that would stop adopted lanes
-        for action in decide(self.plan.lanes, self.observed(), now=now, max_changes=1):
+        if self.halted and self.halted[0] != self.plan.config_revision:
+            log.info("rollout resumes with a new config", config_revision=self.plan.config_revision)
+            self.halted = None
+        actions = decide(
+            self.plan.lanes,
+            self.observed(),
+            now=now,
+            max_changes=self.plan.max_restarts,
+            hold_changes=self.halted is not None,
+        )
+        for action in actions:
             if isinstance(action, Stop):
                 await self._stop(action.lane_id, action.reason)
             elif isinstance(action, Restart):
@@ -297,8 +319,10 @@ class Agent:
         log_path = self.cfg.data_dir / "lanes" / f"{spec.lane_id}.log"
         process = LaneProcess(spec, self.cfg.binary, log_path)
         lane = Lane(spec=spec, process=process, plan_revision=self.plan.plan_revision if self.plan else 0)
-        if previous is not None and previous.spec.args == spec.args:
-            lane.failures, lane.restarts = previous.failures, previous.restarts + 1
+        if previous is not None:
+            lane.last_good = previous.last_good
+            if previous.spec.args == spec.args:
+                lane.failures, lane.restarts = previous.failures, previous.restarts + 1
         try:
             await process.start()
         except OSError as exc:
@@ -380,6 +404,7 @@ class Agent:
             feedback=tuple(self.feedback[k] for k in sorted(self.feedback, key=str)),
             nats_connected=bool(self.nc and self.nc.is_connected),
             agent_session=self.session,
+            rollout_halted=self.halted[1] if self.halted else "",
         )
 
     async def _event(self, lane: Lane, event: str, detail: str = "") -> None:

@@ -289,6 +289,31 @@ def plan(
     return FleetPlan(hosts=tuple(plans), unplaced=tuple(fleet_unplaced))
 
 
+def _revert_target(config, report, facts, persona, lane_id, feedback) -> tuple[Flags, int, int, list[str]] | None:
+    """A change broke this lane: (flags, floor, ceiling) of the spec it last ran healthy with.
+
+    Applies while the config still asks for what failed; a new config gets its own try.
+    """
+    requested = decide_flags(config, report, facts)
+    for fb in feedback:
+        good = fb.last_good
+        if good is None or fb.lane_id != lane_id:
+            continue
+        if (fb.cache_type_k, fb.cache_type_v) != (requested.cache_type_k, requested.cache_type_v):
+            continue
+        if good.model_path != facts.path or good.parallel != persona.parallel:
+            continue
+        if any(t is not None and t not in report.server.cache_types for t in (good.cache_type_k, good.cache_type_v)):
+            continue
+        window = good.ctx_total // good.parallel
+        reason = (
+            f"reverted to the spec that last ran healthy ({good.cache_type_k or 'f16'}/{good.cache_type_v or 'f16'},"
+            f" window {window}): the change failed: {fb.detail or fb.kind}"
+        )
+        return Flags(good.cache_type_k, good.cache_type_v, good.flash_attn, (reason,)), window, window, []
+    return None
+
+
 def _place(persona, candidates, config, lanes, remaining, previous, feedback, by_id) -> tuple[bool, str]:
     """Put one lane of persona on the best candidate host where it fits at its floor."""
     options = []
@@ -297,18 +322,23 @@ def _place(persona, candidates, config, lanes, remaining, previous, feedback, by
         host = report.host_id
         fb = [f for f in feedback.get(host, ()) if f.model == persona.model]
         index = sum(1 for lane in lanes[host] if lane.persona.model == persona.model)
-        flags = decide_flags(config, report, facts, fb)
-        looping = [
-            f for f in fb if f.kind == "crash_loop" and (f.cache_type_k, f.cache_type_v) == (flags.cache_type_k, flags.cache_type_v)
-        ]
-        if looping:
-            why = f"llama-server keeps failing on {host} with this spec: {looping[0].detail}"
-            continue
-        floor, ceiling, bound_reasons = _window_bounds(persona, facts, fb)
-        if ceiling < CTX_PAD:
-            why = f"trained context {facts.n_ctx_train} is below {CTX_PAD}"
-            continue
-        factor, factor_reasons = _correction(fb)
+        revert = _revert_target(config, report, facts, persona, f"{persona.model[:120]}-{index}", fb)
+        if revert is not None:
+            flags, floor, ceiling, bound_reasons = revert
+            factor, factor_reasons = 1.0, []
+        else:
+            flags = decide_flags(config, report, facts, fb)
+            looping = [
+                f for f in fb if f.kind == "crash_loop" and (f.cache_type_k, f.cache_type_v) == (flags.cache_type_k, flags.cache_type_v)
+            ]
+            if looping:
+                why = f"llama-server keeps failing on {host} with this spec: {looping[0].detail}"
+                continue
+            floor, ceiling, bound_reasons = _window_bounds(persona, facts, fb)
+            if ceiling < CTX_PAD:
+                why = f"trained context {facts.n_ctx_train} is below {CTX_PAD}"
+                continue
+            factor, factor_reasons = _correction(fb)
         layout = report.server.kv_layout
         for device in ("gpu", "cpu"):
             lane = _Lane(host, persona, facts, index, flags, device, floor, ceiling, factor)
@@ -366,6 +396,7 @@ def _host_plan(report, config, lanes, reasons, unplaced, prev: HostPlan | None, 
         config_revision=config_revision,
         budget_ram=budgets["cpu"],
         budget_gpu=budgets["gpu"],
+        max_restarts=config.max_restarts_per_host,
         lanes=tuple(specs),
         unplaced=tuple(unplaced),
         reasons=tuple(reasons),

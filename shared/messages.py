@@ -146,6 +146,9 @@ class LaneFeedback(msgspec.Struct, frozen=True, kw_only=True):
     planned_bytes: Bytes = 0
     actual_bytes: Bytes = 0
     detail: str = ""
+    # The spec this lane last ran healthy with, when the failing one was a change to it:
+    # the planner reverts to it rather than guessing a correction.
+    last_good: LaneSpec | None = None
 
 
 # ---------------------------------------------------------------- the plan
@@ -199,6 +202,8 @@ class HostPlan(_Msg, tag="host_plan", kw_only=True):
     config_revision: int = 0
     budget_ram: Bytes = 0
     budget_gpu: Bytes = 0
+    # Rollout pace: how many serving lanes the agent may restart at once for a change.
+    max_restarts: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 1
     lanes: tuple[LaneSpec, ...] = ()
     unplaced: tuple[Unplaced, ...] = ()
     reasons: tuple[str, ...] = ()
@@ -236,6 +241,8 @@ class HostStatus(_Msg, tag="host_status", kw_only=True):
     lanes: tuple[LaneStatus, ...] = ()
     feedback: tuple[LaneFeedback, ...] = ()
     nats_connected: bool = True
+    # Set when a change broke a lane: the agent rolls no further lanes to this config revision.
+    rollout_halted: str = ""
     # Changes each time the agent starts: tells a fresh status from one a dead agent left.
     agent_session: str = ""
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
+import socket
 import stat
 import sys
 import time
@@ -43,7 +45,23 @@ def fake_binary(folder: Path, env: dict[str, str] | None = None) -> str:
     return str(path)
 
 
+def free_port_base(count: int = 16) -> int:
+    """A run of free ports, so tests (and test runs side by side) never share a lane port."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 60000, count)
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free port range")
+
+
 def agent_config(tmp: Path, host_id: str, models: Path, binary: str, **kw) -> AgentConfig:
+    kw.setdefault("port_base", free_port_base())
     return AgentConfig(
         host_id=host_id,
         model_dirs=[str(models)],

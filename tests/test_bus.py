@@ -129,7 +129,7 @@ async def test_agent_rejects_hostile_plans_and_starts_nothing(nats_server, tmp_p
             await kv.put(subjects.plan_key("beta"), payload)
         await eventually(lambda: len(rejected) >= len(hostile), what="every hostile plan rejected")
         reasons = " | ".join(x.reason for x in rejected)
-        for expected in ("malformed plan", "not 'beta'", "outside the model folders", "outside 8080",
+        for expected in ("malformed plan", "not 'beta'", "outside the model folders", f"outside {cfg.port_base}",
                          "args disagree", "without flash attention", "older than the applied"):  # fmt: skip
             assert expected in reasons
         await asyncio.sleep(1.0)
@@ -268,3 +268,53 @@ async def test_refused_cache_type_falls_back_to_f16_with_llama_servers_words(nat
         assert "--cache-type-k" not in lane.argv
         spec = (await fleet_status(nc)).plans[0].lanes[0]
         assert spec.cache_type_k is None and any("refused q4_0/q4_0" in r for r in spec.reasons)
+
+
+async def test_rollout_halts_on_a_breaking_change_and_reverts_the_broken_lane(nats_server, tmp_path, tiny_models):
+    """Two lanes on a host; the binary refuses q4_0 at start. The first lane to take the change
+    fails and is reverted to the spec it ran healthy with; the second is never touched. A new
+    config revision rolls again, one lane at a time."""
+    models = tmp_path / "models"
+    models.mkdir()
+    shutil.copy(tiny_models["llama8"], models / "llama8.gguf")
+    shutil.copy(tiny_models["llama_gqa"], models / "llama_gqa.gguf")
+    binary = fake_binary(tmp_path / "bin", {"FAKE_LLAMA_REFUSE_TYPES": "q4_0"})
+    events: list[dict] = []
+    async with services(nats_server.url) as s, client(nats_server.url) as nc:
+
+        async def on_event(msg):
+            events.append(json.loads(msg.data))
+
+        await nc.subscribe(subjects.ALL_EVENTS, cb=on_event)
+        s.start_planner()
+        s.start_agent(agent_config(tmp_path, "iota", models, binary))
+
+        async def both_healthy(needle: str | None):
+            status = await host_status(nc, "iota")
+            lanes = [lane_of(status, x) for x in ("llama8-0", "llama_gqa-0")]
+            ok = all(lane and lane.state == "healthy" and (needle is None or needle in lane.argv) for lane in lanes)
+            return (status, lanes) if ok else None
+
+        _, (first, second) = await eventually(lambda: both_healthy(None), what="two f16 lanes")
+        before_change = len(events)
+        await nc.request(subjects.CONFIG_SET, encode(ConfigSet(changes={"kv_cache_type": "q4_0"})), timeout=5)
+
+        async def reverted():
+            status = await host_status(nc, "iota")
+            plan = (await fleet_status(nc)).plans[0]
+            lane = lane_of(status, "llama8-0")
+            spec = next(x for x in plan.lanes if x.lane_id == "llama8-0")
+            done = status.rollout_halted and lane.state == "healthy" and any("reverted" in r for r in spec.reasons)
+            return (status, lane, spec) if done else None
+
+        status, lane, spec = await eventually(reverted, what="broken lane reverted, rollout halted")
+        assert "Unsupported cache type: q4_0" in status.rollout_halted
+        assert spec.cache_type_k is None and "--cache-type-k" not in lane.argv
+        await asyncio.sleep(1.5)
+        untouched = lane_of(await host_status(nc, "iota"), "llama_gqa-0")
+        assert untouched.pid == second.pid and "--cache-type-k" not in untouched.argv
+        assert not [e for e in events[before_change:] if e["lane_id"] == "llama_gqa-0"]
+
+        await nc.request(subjects.CONFIG_SET, encode(ConfigSet(changes={"kv_cache_type": "q8_0"})), timeout=5)
+        status, _ = await eventually(lambda: both_healthy("q8_0"), what="both lanes on q8_0")
+        assert status.rollout_halted == ""

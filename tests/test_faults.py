@@ -20,7 +20,7 @@ from shared import subjects
 from shared.bus import kv_bucket
 from shared.messages import HostPlan
 
-HOSTS = {"h1": 18200, "h2": 18300}
+HOSTS = ("h1", "h2")
 
 
 @pytest.fixture
@@ -75,7 +75,7 @@ async def invariants(nc, tmp_path, plan_revisions: dict[str, int]) -> dict[str, 
 async def test_fleet_survives_one_fault_after_another(nats_server, tmp_path, fleet_dirs):
     binary = fake_binary(tmp_path / "bin")
     configs = {
-        host: agent_config(tmp_path, host, fleet_dirs[host], binary, port_base=base) for host, base in HOSTS.items()
+        host: agent_config(tmp_path, host, fleet_dirs[host], binary) for host in HOSTS
     }
     async with services(nats_server.url) as s:
         s.start_planner()
@@ -124,7 +124,7 @@ async def test_lane_that_never_stays_up_is_reported_and_planner_told(nats_server
     (fleet_dirs["h1"] / "llama_gqa.gguf").unlink(missing_ok=True)
     async with services(nats_server.url) as s, client(nats_server.url) as nc:
         s.start_planner()
-        s.start_agent(agent_config(tmp_path, "h1", fleet_dirs["h1"], binary, port_base=18200))
+        s.start_agent(agent_config(tmp_path, "h1", fleet_dirs["h1"], binary))
 
         async def given_up():
             status = await host_status(nc, "h1")

@@ -1,0 +1,181 @@
+"""The agent's pure decisions: plan validation, reconcile actions, reading llama-server's log."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from launcher_agent.reconcile import (
+    MAX_FAILURES,
+    Observed,
+    Restart,
+    Start,
+    Stop,
+    backoff,
+    classify_failure,
+    decide,
+    kv_mib_from_log,
+    validate_plan,
+)
+from shared.argv import lane_args
+from shared.messages import HostPlan, LaneSpec, ServerCaps
+
+CAPS = ServerCaps()
+
+
+def spec(lane_id: str, port: int, model_path: str = "/models/m.gguf", **kw) -> LaneSpec:
+    s = LaneSpec(lane_id=lane_id, model="m", model_path=model_path, alias="m", port=port, ctx_total=4096,
+                 ctx_per_slot=4096, parallel=1, **kw)  # fmt: skip
+    return msgspec.structs.replace(s, args=lane_args(s, CAPS))
+
+
+def changed(s: LaneSpec, **kw) -> LaneSpec:
+    new = msgspec.structs.replace(s, **kw)
+    return msgspec.structs.replace(new, args=lane_args(new, CAPS))
+
+
+# ------------------------------------------------------------------ decide
+
+
+def test_empty_to_plan_starts_everything():
+    a, b = spec("a", 8080), spec("b", 8081)
+    assert decide([a, b], {}, now=0) == [Start(a, "new in the plan"), Start(b, "new in the plan")]
+
+
+def test_lane_not_in_plan_is_stopped_and_unchanged_lane_untouched():
+    a, b = spec("a", 8080), spec("b", 8081)
+    observed = {"a": Observed(a, "healthy"), "b": Observed(b, "healthy")}
+    assert decide([a], observed, now=0) == [Stop("b", "no longer in the plan")]
+
+
+def test_changed_lanes_restart_one_at_a_time():
+    a, b = spec("a", 8080), spec("b", 8081)
+    a2, b2 = changed(a, cache_type_k="q8_0"), changed(b, cache_type_k="q8_0")
+    observed = {"a": Observed(a, "healthy"), "b": Observed(b, "healthy")}
+    assert decide([a2, b2], observed, now=0) == [Restart(a2, "spec changed")]
+    # a is now loading with its new spec: b waits until a is up.
+    observed = {"a": Observed(a2, "loading"), "b": Observed(b, "healthy")}
+    assert decide([a2, b2], observed, now=0) == []
+    observed = {"a": Observed(a2, "healthy"), "b": Observed(b, "healthy")}
+    assert decide([a2, b2], observed, now=0) == [Restart(b2, "spec changed")]
+    assert len(decide([a2, b2], {"a": Observed(a, "healthy"), "b": Observed(b, "healthy")}, now=0, max_changes=2)) == 2
+
+
+def test_a_change_that_broke_a_lane_halts_the_rollout():
+    a, b = spec("a", 8080), spec("b", 8081)
+    a2, b2 = changed(a, cache_type_k="q4_0"), changed(b, cache_type_k="q4_0")
+    broken = Observed(a2, "failed", failures=1, last_good_args=a.args)
+    observed = {"a": broken, "b": Observed(b, "healthy", last_good_args=b.args)}
+    assert decide([a2, b2], observed, now=0) == []  # b keeps serving its old spec
+    # The planner reverts a: the broken lane takes the reverted spec at once; b still waits.
+    assert decide([a, b2], observed, now=0) == [Restart(a, "spec changed (lane was down)")]
+    assert decide([a, b2], {"a": Observed(a, "healthy"), "b": Observed(b, "healthy")}, now=0, hold_changes=True) == []
+
+
+def test_crashed_lane_restarts_after_backoff_and_stops_after_max_failures():
+    a = spec("a", 8080)
+    assert decide([a], {"a": Observed(a, "crashed", failures=1, retry_at=5.0)}, now=4.9) == []
+    assert decide([a], {"a": Observed(a, "crashed", failures=1, retry_at=5.0)}, now=5.0) == [
+        Restart(a, "crashed; retry 1 after backoff")
+    ]
+    assert decide([a], {"a": Observed(a, "crashed", failures=MAX_FAILURES, retry_at=0)}, now=100) == []
+    assert decide([a], {"a": Observed(a, "failed", failures=1)}, now=100) == []
+
+
+def test_backoff_doubles_and_caps():
+    assert [backoff(n) for n in (1, 2, 3, 4)] == [1.0, 2.0, 4.0, 8.0]
+    assert backoff(30) == 60.0
+    assert backoff(3, base=0.2) == pytest.approx(0.8)
+
+
+def test_start_never_takes_a_port_a_kept_lane_holds():
+    old = spec("old", 8080)
+    new = spec("new", 8080)
+    # old stays observed (e.g. its stop happens this same round): new may start only when freed.
+    assert decide([new], {"old": Observed(old, "healthy")}, now=0) == [Stop("old", "no longer in the plan"), Start(new, "new in the plan")]
+    moved = changed(old, port=8081)
+    blocked = {"old": Observed(old, "healthy"), "x": Observed(spec("x", 8082), "loading")}
+    # old must move to 8081 but the restart budget is used by x: new must not start on 8080 yet.
+    assert decide([moved, new, spec("x", 8082)], blocked, now=0) == []
+
+
+# ------------------------------------------------------------------ validate_plan
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / "m.gguf").write_bytes(b"GGUF")
+    return folder
+
+
+def _check(plan: HostPlan, model_dir, applied: int = 0) -> str | None:
+    return validate_plan(plan, host_id="h", model_dirs=[str(model_dir)], port_range=range(8080, 8090), caps=CAPS,
+                         applied_revision=applied)  # fmt: skip
+
+
+def test_valid_plan_passes(model_dir):
+    ok = HostPlan(host_id="h", plan_revision=2, lanes=(spec("a", 8080, str(model_dir / "m.gguf")),))
+    assert _check(ok, model_dir) is None
+
+
+@pytest.mark.parametrize(
+    "mutate, reason",
+    [
+        (lambda s: {"host_id": "other"}, "not 'h'"),
+        (lambda s: {"plan_revision": 1}, "older than the applied"),
+        (lambda s: {"lanes": (changed(s, model_path="/etc/passwd"),)}, "outside the model folders"),
+        (lambda s: {"lanes": (changed(s, model_path=s.model_path + "/../../../etc/passwd"),)}, "outside the model folders"),
+        (lambda s: {"lanes": (changed(s, port=22),)}, "outside 8080..8089"),
+        (lambda s: {"lanes": (s, changed(s, lane_id="b"))}, "used twice"),
+        (lambda s: {"lanes": (s, changed(s, port=8081))}, "duplicate lane id"),
+        (lambda s: {"lanes": (msgspec.structs.replace(s, args=(*s.args, "--rpc", "x:1")),)}, "args disagree"),
+        (lambda s: {"lanes": (msgspec.structs.replace(s, ctx_total=8192),)}, "args disagree"),
+        (lambda s: {"lanes": (changed(s, cache_type_v="q4_0", flash_attn="off"),)}, "without flash attention"),
+    ],
+)
+def test_hostile_plans_are_rejected(model_dir, mutate, reason):
+    base = spec("a", 8080, str(model_dir / "m.gguf"))
+    plan = HostPlan(host_id="h", plan_revision=2, lanes=(base,))
+    plan = msgspec.structs.replace(plan, **mutate(base))
+    assert reason in (_check(plan, model_dir, applied=2) or "")
+
+
+def test_unsupported_cache_type_rejected(model_dir):
+    caps = ServerCaps(cache_types=("f16", "q8_0"))
+    s = changed(spec("a", 8080, str(model_dir / "m.gguf")), cache_type_k="q4_0")
+    plan = HostPlan(host_id="h", plan_revision=1, lanes=(s,))
+    why = validate_plan(plan, host_id="h", model_dirs=[str(model_dir)], port_range=range(8080, 8090), caps=caps,
+                        applied_revision=0)  # fmt: skip
+    assert "not supported" in why
+
+
+# ------------------------------------------------------------------ log reading
+
+
+def test_kv_lines_are_summed_across_swa_and_full_caches():
+    lines = [
+        "0.00.199.734 I llama_kv_cache: size =    2.00 MiB (  2048 cells,   1 layers,  2/2 seqs), K (f16):    1.00 MiB",
+        "0.00.199.800 I llama_kv_cache: size =    5.00 MiB (  1024 cells,   5 layers,  2/2 seqs), K (f16):    2.50 MiB",
+        "llama_init_from_model: KV self size  =    6.38 MiB, K (q8_0):    3.19 MiB, V (q8_0):    3.19 MiB",
+    ]
+    assert kv_mib_from_log(lines[:2]) == pytest.approx(7.0)
+    assert kv_mib_from_log(lines[2:]) == pytest.approx(6.38)
+    assert kv_mib_from_log(["nothing here"]) is None
+
+
+@pytest.mark.parametrize(
+    "line, kind",
+    [
+        ("E ggml_backend_cpu_buffer_type_alloc_buffer: failed to allocate buffer of size 536870912", "oom"),
+        ('error while handling argument "--cache-type-k": Unsupported cache type: q6_K', "unsupported"),
+        ("E llama_init_from_model: quantized V cache requires flash_attn to be enabled", "unsupported"),
+        ("error: unknown value for --flash-attn: '--port'", "unsupported"),
+        ("E llama_model_load: error loading model: missing tensor 'output_norm.weight'", "other"),
+    ],
+)
+def test_failures_are_classified_with_llama_servers_own_line(line, kind):
+    got_kind, got_line = classify_failure(["0.00.001 I build: 1", line, "E main: exiting due to model loading error"])
+    assert got_kind == kind
+    assert got_line == line.strip()
