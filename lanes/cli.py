@@ -14,24 +14,21 @@ from shared.memory import BLOCK_BYTES
 DEFAULT_NATS = "nats://127.0.0.1:4222"
 
 
-def _positive_ctx(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 256:
-        raise argparse.ArgumentTypeError(f"{value} is below llama-server's minimum context of 256")
-    return value
+def _int_at_least(minimum: int, why: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} {why}")
+        return value
+
+    return parse
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
+_positive_ctx = _int_at_least(256, "is below llama-server's minimum context of 256")
+_positive = _int_at_least(1, "must be at least 1")
 
 
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}

@@ -36,7 +36,7 @@ from launcher_agent.reconcile import (
     validate_plan,
 )
 from shared import subjects
-from shared.bus import NatsAuth, connect, kv_bucket, watch_forever
+from shared.bus import NatsAuth, connect, kv_bucket, run_until, watch_forever
 from shared.gguf_facts import scan_models
 from shared.messages import (
     HostPlan,
@@ -528,13 +528,8 @@ async def run_agent(cfg: AgentConfig, servers: str, stop: asyncio.Event, auth: N
             asyncio.create_task(_report_loop(agent, stop)),
         ]
         log.info("agent running", host=cfg.host_id, binary=cfg.binary, models=cfg.model_dirs)
-        try:
-            await stop.wait()
-        finally:
-            # Cancelled from outside (like a SIGKILL): leave the lanes running for adoption.
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        # Cancelled from outside (like a SIGKILL), this leaves the lanes running for adoption.
+        await run_until(stop, tasks)
         await agent.stop_all()
         await agent.publish_status(force=True)
 

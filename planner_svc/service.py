@@ -21,7 +21,7 @@ from nats.micro.request import Request, ServiceError
 
 from planner_svc.planner import plan
 from shared import subjects
-from shared.bus import NatsAuth, connect, kv_bucket, watch_forever
+from shared.bus import NatsAuth, connect, kv_bucket, run_until, watch_forever
 from shared.messages import (
     ConfigSet,
     Demand,
@@ -287,9 +287,4 @@ async def run_planner(servers: str, stop: asyncio.Event, auth: NatsAuth = NatsAu
             asyncio.create_task(service.replan_loop(stop)),
         ]
         log.info("planner running", nats=servers)
-        try:
-            await stop.wait()
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await run_until(stop, tasks)

@@ -172,6 +172,16 @@ async def watch_forever(
                     pass
 
 
+async def run_until(stop: asyncio.Event, tasks: list[asyncio.Task]) -> None:
+    """Wait for `stop`, then cancel the tasks. Cancelled from outside, the tasks go too."""
+    try:
+        await stop.wait()
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def _sleep_or(event: asyncio.Event, seconds: float) -> None:
     try:
         await asyncio.wait_for(event.wait(), seconds)
