@@ -25,7 +25,7 @@ from fixtures_bus import (
 
 from shared import subjects
 from shared.bus import kv_bucket
-from shared.messages import ConfigSet, HostPlan, PlanRejected, encode
+from shared.messages import ConfigSet, Demand, HostPlan, Persona, PlanRejected, encode
 
 GIB = 2**30
 
@@ -318,3 +318,25 @@ async def test_rollout_halts_on_a_breaking_change_and_reverts_the_broken_lane(na
         await nc.request(subjects.CONFIG_SET, encode(ConfigSet(changes={"kv_cache_type": "q8_0"})), timeout=5)
         status, _ = await eventually(lambda: both_healthy("q8_0"), what="both lanes on q8_0")
         assert status.rollout_halted == ""
+
+
+async def test_old_build_gets_bare_flash_attn_switch_and_shared_kv_layout(nats_server, tmp_path, models):
+    """A bare -fa build (early 2025): no -fit, the switch form, one KV cache shared by all slots."""
+    binary = fake_binary(tmp_path / "bin", {"FAKE_LLAMA_HELP_OLD": "1"})
+    cfg = agent_config(tmp_path, "kappa", models, binary)
+    assert cfg.caps.flash_attn_form == "switch" and cfg.caps.kv_layout == "shared" and not cfg.caps.has_fit
+    async with services(nats_server.url) as s, client(nats_server.url) as nc:
+        s.start_planner()
+        await eventually(lambda: nc.request(subjects.CONFIG_GET, b"", timeout=1), what="planner up")
+        await nc.request(subjects.CONFIG_SET, encode(ConfigSet(changes={"kv_cache_type": "q8_0"})), timeout=5)
+        await nc.request(
+            subjects.DEMAND_SET, encode(Demand(personas=(Persona(model="llama8", parallel=3, ctx_max=4096),))), timeout=5
+        )
+        s.start_agent(cfg)
+        lane = await eventually(lambda: healthy("llama8-0")(nc, "kappa"), what="lane healthy on the old build")
+        argv = list(lane.argv)
+        assert "--flash-attn" in argv and argv[argv.index("--flash-attn") + 1].startswith("-")  # bare switch
+        assert "-fit" not in argv
+        spec = (await fleet_status(nc)).plans[0].lanes[0]
+        assert spec.memory.kv_streams == 1 and spec.memory.kv_cells == 3 * 4096
+        assert lane.kv_bytes == spec.memory.kv_bytes
