@@ -81,7 +81,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             raise UserError(f"{name} {value}: {args.llama_server} does not support it ({', '.join(caps.cache_types)})")
     if args.cache_type_v in QUANTIZED and args.flash_attn == "off":
         raise UserError(f"--cache-type-v {args.cache_type_v} needs flash attention; llama-server refuses it with --flash-attn off")
-    flash = args.flash_attn == "on" or (args.flash_attn == "auto" and args.cache_type_v in QUANTIZED)
+    # auto resolves to on for CPU lanes of current builds; old switch builds default to off.
+    flash = args.flash_attn == "on" or (args.flash_attn == "auto" and caps.flash_attn_form == "value")
     try:
         mem = estimate(
             facts,

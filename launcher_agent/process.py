@@ -163,20 +163,18 @@ class LaneProcess:
         return "healthy", ""
 
     async def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM; a second SIGTERM after a few seconds (llama-server can miss one sent just
+        after start-up, and a second interrupt makes it exit at once); SIGKILL as a last resort."""
         pid = self.pid
         if pid is None or self.returncode is not None:
             return
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        if await self._wait(timeout):
-            return
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            return
-        await self._wait(5.0)
+        for sig, wait in ((signal.SIGTERM, 3.0), (signal.SIGTERM, timeout), (signal.SIGKILL, 5.0)):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                return
+            if await self._wait(wait):
+                return
 
     async def _wait(self, timeout: float) -> bool:
         if self.proc is not None:

@@ -25,6 +25,7 @@ from shared.messages import (
     MemoryBreakdown,
     ModelFacts,
     Persona,
+    ServerCaps,
     Unplaced,
 )
 
@@ -65,10 +66,6 @@ class Flags:
     cache_type_v: str | None
     flash_attn: str | None
     reasons: tuple[str, ...]
-
-    @property
-    def flash_attn_active(self) -> bool:
-        return self.flash_attn == "on"
 
 
 def decide_flags(
@@ -136,7 +133,11 @@ class _Lane:
     def total_ctx(self, window: int) -> int:
         return window * self.persona.parallel
 
-    def memory(self, window: int, layout: str, n_ubatch: int) -> MemoryBreakdown:
+    def memory(self, window: int, caps: ServerCaps, n_ubatch: int) -> MemoryBreakdown:
+        # Unset or auto flash attention resolves to on for CPU lanes of current builds
+        # (measured: the compute buffer then matches the flash-attention figure).
+        fa = self.flags.flash_attn
+        flash = fa == "on" or (fa in (None, "auto") and caps.flash_attn_form == "value" and self.device == "cpu")
         return estimate(
             self.facts,
             ctx=self.total_ctx(window),
@@ -144,8 +145,8 @@ class _Lane:
             kv_unified=self.persona.kv_unified,
             type_k=self.flags.cache_type_k or "f16",
             type_v=self.flags.cache_type_v or "f16",
-            flash_attn=self.flags.flash_attn_active,
-            layout=layout,
+            flash_attn=flash,
+            layout=caps.kv_layout,
             n_ubatch=n_ubatch,
             device=self.device,
         )
@@ -181,8 +182,8 @@ def _correction(feedback: Sequence[LaneFeedback]) -> tuple[float, list[str]]:
     return factor, reasons
 
 
-def _cost(lane: _Lane, window: int, layout: str, n_ubatch: int) -> int:
-    return int(lane.memory(window, layout, n_ubatch).total_bytes * lane.factor + 0.999)
+def _cost(lane: _Lane, window: int, caps: ServerCaps, n_ubatch: int) -> int:
+    return int(lane.memory(window, caps, n_ubatch).total_bytes * lane.factor + 0.999)
 
 
 def _grow(lanes: list[_Lane], budget: int, cost: Callable[[_Lane, int], int]) -> None:
@@ -339,16 +340,16 @@ def _place(persona, candidates, config, lanes, remaining, previous, feedback, by
                 why = f"trained context {facts.n_ctx_train} is below {CTX_PAD}"
                 continue
             factor, factor_reasons = _correction(fb)
-        layout = report.server.kv_layout
+        caps = report.server
         for device in ("gpu", "cpu"):
             lane = _Lane(host, persona, facts, index, flags, device, floor, ceiling, factor)
             if device == "gpu" and remaining[(host, "gpu")] <= 0:
                 continue
             try:
-                floor_cost = _cost(lane, floor, layout, config.n_ubatch)
+                floor_cost = _cost(lane, floor, caps, config.n_ubatch)
                 # The device is chosen with f16 costs, so the cache type only moves the window.
                 f16 = _Lane(host, persona, facts, index, Flags(None, None, None, ()), device, floor, ceiling, factor)
-                device_cost = max(floor_cost, _cost(f16, floor, layout, config.n_ubatch))
+                device_cost = max(floor_cost, _cost(f16, floor, caps, config.n_ubatch))
             except MemoryModelError as exc:
                 why = str(exc)
                 break
@@ -376,10 +377,8 @@ def _host_plan(report, config, lanes, reasons, unplaced, prev: HostPlan | None, 
     budgets = {"cpu": ram_budget(report, config), "gpu": gpu_budget(report, config)}
     specs: list[LaneSpec] = []
     if report.server is not None:
-        layout = report.server.kv_layout
-
         def cost(lane: _Lane, window: int) -> int:
-            return _cost(lane, window, layout, config.n_ubatch)
+            return _cost(lane, window, report.server, config.n_ubatch)
 
         for device in ("gpu", "cpu"):
             pool = [lane for lane in lanes if lane.device == device]
@@ -454,7 +453,7 @@ def _same_shape(spec: LaneSpec, lane: _Lane, has_kv_unified: bool = True) -> boo
 
 def _spec(report: HostReport, config: FleetConfig, lane: _Lane) -> LaneSpec:
     caps = report.server
-    memory = lane.memory(lane.window, caps.kv_layout, config.n_ubatch)
+    memory = lane.memory(lane.window, caps, config.n_ubatch)
     window_reason = f"window {lane.window} tokens per slot x {lane.persona.parallel} on {lane.device}: " + (
         "the ceiling" if lane.window == lane.ceiling else "the largest multiple of 256 that fits the budget"
     )
