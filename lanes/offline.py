@@ -108,6 +108,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
          + (f", swa {mem.swa_cells} cells)" if mem.swa_cells else ")")],
         ["recurrent state", mib(mem.recurrent_bytes)],
         ["compute (estimate)", mib(mem.compute_bytes)],
+        ["process overhead", mib(mem.overhead_bytes)],
         ["total", gib(mem.total_bytes)],
     ]  # fmt: skip
     print(f"{facts.name}: ctx {args.ctx}, {args.parallel} slot(s), kv layout '{caps.kv_layout}'")

@@ -29,6 +29,9 @@ BLOCK_BYTES: dict[str, int] = {
 QUANTIZED = frozenset(t for t in BLOCK_BYTES if t not in {"f32", "f16", "bf16"})
 DEFAULT_N_UBATCH = 512
 MIB = 1024 * 1024
+# What a llama-server process holds beyond its buffers (runtime, libraries, HTTP server):
+# measured 20-23 MiB of RSS above weights + KV on CPU builds (bench/results.md).
+PROCESS_OVERHEAD = 32 * MIB
 
 
 class MemoryModelError(ValueError):
@@ -164,5 +167,6 @@ def estimate(
         swa_cells=kv.swa_cells,
         recurrent_bytes=recurrent,
         compute_bytes=compute,
-        total_bytes=facts.weight_bytes + kv.total + recurrent + compute,
+        overhead_bytes=PROCESS_OVERHEAD,
+        total_bytes=facts.weight_bytes + kv.total + recurrent + compute + PROCESS_OVERHEAD,
     )

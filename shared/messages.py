@@ -165,6 +165,7 @@ class MemoryBreakdown(msgspec.Struct, frozen=True, kw_only=True):
     swa_cells: int = 0
     recurrent_bytes: Bytes = 0
     compute_bytes: Bytes = 0
+    overhead_bytes: Bytes = 0
     total_bytes: Bytes = 0
 
 

@@ -108,7 +108,8 @@ def test_estimate_adds_up(llama8):
     assert mem.kv_bytes == 272 * MIB
     assert mem.kv_k_bytes + mem.kv_v_bytes == mem.kv_bytes
     assert mem.weights_bytes == llama8.weight_bytes
-    assert mem.total_bytes == mem.weights_bytes + mem.kv_bytes + mem.recurrent_bytes + mem.compute_bytes
+    assert mem.overhead_bytes == 32 * 2**20
+    assert mem.total_bytes == mem.weights_bytes + mem.kv_bytes + mem.recurrent_bytes + mem.compute_bytes + mem.overhead_bytes
     assert mem.compute_bytes > 0 and mem.compute_bytes % MIB == 0
 
 
