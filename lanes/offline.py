@@ -11,6 +11,7 @@ import msgspec
 from lanes.errors import UserError
 from lanes.tables import gib, mib, table
 from launcher_agent.probe import ProbeError, probe
+from shared.capabilities import flash_attn_effective
 from planner_svc.planner import plan
 from shared.gguf_facts import ModelError, read_model_facts
 from shared.memory import BLOCK_BYTES, QUANTIZED, MemoryModelError, estimate
@@ -81,8 +82,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             raise UserError(f"{name} {value}: {args.llama_server} does not support it ({', '.join(caps.cache_types)})")
     if args.cache_type_v in QUANTIZED and args.flash_attn == "off":
         raise UserError(f"--cache-type-v {args.cache_type_v} needs flash attention; llama-server refuses it with --flash-attn off")
-    # auto resolves to on for CPU lanes of current builds; old switch builds default to off.
-    flash = args.flash_attn == "on" or (args.flash_attn == "auto" and caps.flash_attn_form == "value")
+    flash = flash_attn_effective(args.flash_attn, caps)
     try:
         mem = estimate(
             facts,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from shared.argv import lane_args
+from shared.capabilities import flash_attn_effective
 from shared.memory import CTX_PAD, QUANTIZED, MemoryModelError, estimate
 from shared.messages import (
     Demand,
@@ -134,10 +135,6 @@ class _Lane:
         return window * self.persona.parallel
 
     def memory(self, window: int, caps: ServerCaps, n_ubatch: int) -> MemoryBreakdown:
-        # Unset or auto flash attention resolves to on for CPU lanes of current builds
-        # (measured: the compute buffer then matches the flash-attention figure).
-        fa = self.flags.flash_attn
-        flash = fa == "on" or (fa in (None, "auto") and caps.flash_attn_form == "value" and self.device == "cpu")
         return estimate(
             self.facts,
             ctx=self.total_ctx(window),
@@ -145,7 +142,7 @@ class _Lane:
             kv_unified=self.persona.kv_unified,
             type_k=self.flags.cache_type_k or "f16",
             type_v=self.flags.cache_type_v or "f16",
-            flash_attn=flash,
+            flash_attn=flash_attn_effective(self.flags.flash_attn, caps, self.device),
             layout=caps.kv_layout,
             n_ubatch=n_ubatch,
             device=self.device,

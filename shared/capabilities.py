@@ -37,6 +37,18 @@ def parse_caps(help_text: str, version_text: str = "") -> ServerCaps:
     )
 
 
+def flash_attn_effective(flag: str | None, caps: ServerCaps, device: str = "cpu") -> bool:
+    """Whether llama-server runs with flash attention for this flag (None: no flag passed).
+
+    Current builds default to auto, which resolves to on for CPU lanes (measured); GPU
+    backends may lack kernels, so there only an explicit "on" counts. Old switch builds
+    default to off.
+    """
+    if flag == "on":
+        return True
+    return flag in (None, "auto") and caps.flash_attn_form == "value" and device == "cpu"
+
+
 def _version_line(text: str) -> str:
     """The `version:` line; backends loaded at start may print lines before it."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
