@@ -32,6 +32,7 @@ def validate_plan(
     port_range: range,
     caps: ServerCaps,
     applied_revision: int,
+    bind: str | None = None,
 ) -> str | None:
     """Why this plan must not be applied, or None. A rejected plan starts nothing."""
     if subjects.host_token(plan.host_id) != subjects.host_token(host_id):
@@ -46,11 +47,18 @@ def validate_plan(
         if spec.lane_id in seen_ids:
             return f"{where}: duplicate lane id"
         seen_ids.add(spec.lane_id)
-        model = Path(spec.model_path).resolve()
-        if not any(model.is_relative_to(root) for root in roots):
-            return f"{where}: model {spec.model_path} is outside the model folders"
-        if not model.is_file():
-            return f"{where}: model {spec.model_path} does not exist"
+        try:
+            model = Path(spec.model_path).resolve()
+            inside = any(model.is_relative_to(root) for root in roots)
+            exists = inside and model.is_file()
+        except (ValueError, OSError) as exc:  # a NUL byte, a name too long for the file system
+            return f"{where}: unusable model path ({exc})"
+        if not inside:
+            return f"{where}: model {spec.model_path!r} is outside the model folders"
+        if not exists:
+            return f"{where}: model {spec.model_path!r} does not exist"
+        if bind is not None and spec.bind != bind:
+            return f"{where}: binds {spec.bind!r}; this agent serves lanes on {bind!r}"
         if spec.port not in port_range:
             return f"{where}: port {spec.port} outside {port_range.start}..{port_range.stop - 1}"
         if spec.port in seen_ports:

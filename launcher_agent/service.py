@@ -36,7 +36,7 @@ from launcher_agent.reconcile import (
     validate_plan,
 )
 from shared import subjects
-from shared.bus import NatsAuth, connect, kv_bucket, run_until, watch_forever
+from shared.bus import NatsAuth, connect, kv_bucket, quietly, run_until, watch_forever
 from shared.gguf_facts import scan_models
 from shared.messages import (
     HostPlan,
@@ -164,6 +164,7 @@ class Agent:
             port_range=range(self.cfg.port_base, self.cfg.port_base + self.cfg.port_count),
             caps=self.cfg.caps,
             applied_revision=applied,
+            bind=self.cfg.bind,
         )
         if reason:
             await self._reject(plan.plan_revision, reason)
@@ -463,7 +464,7 @@ async def _nats_side(agent: Agent, servers: str, auth: NatsAuth, stop: asyncio.E
             await asyncio.sleep(1.0)
     if stop.is_set():
         return
-    stack.push_async_callback(agent.nc.close)
+    stack.push_async_callback(quietly(agent.nc.close))
     while not stop.is_set():
         try:
             agent.kv = await kv_bucket(agent.nc)
@@ -478,7 +479,7 @@ async def _nats_side(agent: Agent, servers: str, auth: NatsAuth, stop: asyncio.E
         description=f"lanes launcher agent on {agent.cfg.host_id}",
         metadata={"host": agent.cfg.host_id},
     )
-    stack.push_async_callback(svc.stop)
+    stack.push_async_callback(quietly(svc.stop))
     group = svc.add_group(name=subjects.agent_group(agent.host))
 
     async def status_handler(req: Request) -> None:
@@ -531,7 +532,7 @@ async def run_agent(cfg: AgentConfig, servers: str, stop: asyncio.Event, auth: N
         # Cancelled from outside (like a SIGKILL), this leaves the lanes running for adoption.
         await run_until(stop, tasks)
         await agent.stop_all()
-        await agent.publish_status(force=True)
+        await quietly(lambda: agent.publish_status(force=True))()
 
 
 def default_host_id() -> str:

@@ -21,7 +21,7 @@ from nats.micro.request import Request, ServiceError
 
 from planner_svc.planner import plan
 from shared import subjects
-from shared.bus import NatsAuth, connect, kv_bucket, run_until, watch_forever
+from shared.bus import NatsAuth, connect, kv_bucket, quietly, run_until, watch_forever
 from shared.messages import (
     ConfigSet,
     Demand,
@@ -47,16 +47,20 @@ class PlannerState:
         self.demand: Demand | None = None
         self.reports: dict[str, HostReport] = {}
         self.statuses: dict[str, HostStatus] = {}
+        # The planner's own previous plan per host (adopted from the start-up snapshot, or written).
         self.plans: dict[str, HostPlan] = {}
-        self.plan_revs: dict[str, int] = {}
+        self.plan_revs: dict[str, int] = {}  # KV revision of the latest entry, for compare-and-set
+        self.plan_seen: dict[str, int] = {}  # highest plan_revision seen on the key
+        self.plan_stored: dict[str, bool] = {}  # does the key hold self.plans[host]?
+        self.caught_up = False
 
     def apply(self, key: str, value: bytes | None, revision: int) -> bool:
-        """Fold one KV entry in; False (and a log line) when the value is malformed."""
+        """Fold one KV entry in. True when the planner must replan (or rewrite a plan)."""
         kind, _, host = key.partition(".")
         try:
             if key == subjects.CONFIG_KEY:
+                self.config_revision = revision  # even a bad value: the next config.set replaces it
                 self.config = FleetConfig() if value is None else msgspec.json.decode(value, type=FleetConfig)
-                self.config_revision = revision
             elif key == subjects.DEMAND_KEY:
                 self.demand = None if value is None else msgspec.json.decode(value, type=Demand)
             elif kind == "report":
@@ -64,14 +68,33 @@ class PlannerState:
             elif kind == "status":
                 self._put(self.statuses, host, value, HostStatus)
             elif kind == "plan":
-                self._put(self.plans, host, value, HostPlan)
-                self.plan_revs[host] = revision if value is not None else 0
+                return self._apply_plan(host, value, revision)
             else:
-                return True
+                return False
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             log.warning("dropped malformed kv entry", key=key, reason=str(exc))
             return False
         return True
+
+    def _apply_plan(self, host: str, value: bytes | None, revision: int) -> bool:
+        """Plans are the planner's own output: anything else on the key is overwritten."""
+        self.plan_revs[host] = revision if value is not None else 0
+        try:
+            found = None if value is None else msgspec.json.decode(value, type=HostPlan)
+            if found is not None and subjects.host_token(found.host_id) != host:
+                raise msgspec.ValidationError(f"host_id {found.host_id!r} does not match key {host!r}")
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            log.warning("dropped malformed kv entry", key=f"plan.{host}", reason=str(exc), action="rewrite the plan")
+            self.plan_stored[host] = False
+            return True
+        if found is not None:
+            self.plan_seen[host] = max(self.plan_seen.get(host, 0), found.plan_revision)
+            if not self.caught_up:
+                self.plans[host] = found  # a previous planner's plan: carry on from it
+        self.plan_stored[host] = found is not None and found == self.plans.get(host)
+        if not self.plan_stored[host] and self.caught_up:
+            log.warning("plan entry not written by this planner; rewriting it", key=f"plan.{host}")
+        return not self.plan_stored[host]
 
     @staticmethod
     def _put(table: dict, host: str, value: bytes | None, kind: type) -> None:
@@ -86,7 +109,12 @@ class PlannerState:
     def compute(self) -> dict[str, HostPlan]:
         reports = list(self.reports.values())
         feedback = {subjects.host_token(s.host_id): s.feedback for s in self.statuses.values()}
-        previous = {p.host_id: p for p in self.plans.values()}
+        # A newer revision seen on the key (a foreign write the agent may have applied) is
+        # passed over, so the plan that replaces it is not refused as older.
+        previous = {
+            p.host_id: msgspec.structs.replace(p, plan_revision=max(p.plan_revision, self.plan_seen.get(host, 0)))
+            for host, p in self.plans.items()
+        }
         fleet = plan(
             reports,
             self.config,
@@ -109,10 +137,11 @@ class PlannerService:
     # ------------------------------------------------------------ watch + replan
 
     async def _on_entry(self, key: str, value: bytes | None, revision: int) -> None:
-        if self.state.apply(key, value, revision) and not key.startswith("plan."):
+        if self.state.apply(key, value, revision):
             self.dirty.set()
 
     async def _on_caught_up(self) -> None:
+        self.state.caught_up = True
         self.ready.set()
         self.dirty.set()
 
@@ -132,20 +161,33 @@ class PlannerService:
 
     async def write_plans(self) -> None:
         for host, new in self.state.compute().items():
-            old = self.state.plans.get(host)
-            if old == new:
+            if self.state.plans.get(host) == new and self.state.plan_stored.get(host):
                 continue
             key = subjects.plan_key(host)
+            before = self.state.plans.get(host)
+            self.state.plans[host] = new  # the watch may echo the write before update() returns
+            written = False
             try:
-                if host in self.state.plan_revs and self.state.plan_revs[host]:
+                if self.state.plan_revs.get(host):
                     rev = await self.kv.update(key, encode(new), last=self.state.plan_revs[host])
                 else:
                     rev = await self.kv.create(key, encode(new))
+                written = True
             except (KeyWrongLastSequenceError, KeyValueError) as exc:
                 log.info("plan write lost compare-and-set; replanning", host=host, error=str(exc))
                 self.dirty.set()
+            finally:
+                if not written:
+                    if before is None:
+                        self.state.plans.pop(host, None)
+                    else:
+                        self.state.plans[host] = before
+            if not written:
                 continue
-            self.state.plans[host], self.state.plan_revs[host] = new, rev
+            self.state.plans[host] = new
+            self.state.plan_revs[host] = max(rev, self.state.plan_revs.get(host, 0))  # the echo may be newer
+            self.state.plan_stored[host] = True
+            self.state.plan_seen[host] = max(self.state.plan_seen.get(host, 0), new.plan_revision)
             log.info(
                 "plan written",
                 host=host,
@@ -244,7 +286,7 @@ class PlannerService:
             description="lanes planner: lane plans for every host",
             metadata={"bucket": subjects.BUCKET},
         )
-        stack.push_async_callback(svc.stop)
+        stack.push_async_callback(quietly(svc.stop))
         group = svc.add_group(name=subjects.PLANNER_GROUP)
         for name, subject, handler in (
             ("config_get", "config.get", self._config_get),
@@ -268,7 +310,7 @@ async def run_planner(servers: str, stop: asyncio.Event, auth: NatsAuth = NatsAu
                 service.resync.set()
 
         nc = await connect(servers, name="lanes-planner", auth=auth, on_reconnect=on_reconnect)
-        stack.push_async_callback(nc.drain)
+        stack.push_async_callback(quietly(nc.drain))
         kv = await kv_bucket(nc, create=True, replicas=replicas)
         service = PlannerService(nc, kv)
         await service.ensure_config()

@@ -119,8 +119,9 @@ async def kv_bucket(nc: Client, *, create: bool = False, replicas: int = 1) -> K
     js = nc.jetstream()
     if create:
         try:
+            # direct: agents read their own plan with DIRECT.GET, which permissions can scope per key.
             return await js.create_key_value(
-                KeyValueConfig(bucket=BUCKET, history=5, storage=StorageType.FILE, replicas=replicas)
+                KeyValueConfig(bucket=BUCKET, history=5, storage=StorageType.FILE, replicas=replicas, direct=True)
             )
         except Exception as exc:  # already exists with other settings, or no permission
             log.info("kv bucket exists or cannot be created", error=str(exc))
@@ -170,6 +171,18 @@ async def watch_forever(
                     await asyncio.wait_for(watcher.stop(), 2)
                 except Exception:
                     pass
+
+
+def quietly(step: Callable[[], Awaitable[object]], timeout: float = 2.0) -> Callable[[], Awaitable[None]]:
+    """A shutdown step that may neither hang nor fail the exit: NATS may be gone by then."""
+
+    async def run() -> None:
+        try:
+            await asyncio.wait_for(step(), timeout)
+        except Exception as exc:
+            log.info("shutdown step skipped", step=getattr(step, "__qualname__", "step"), error=str(exc) or type(exc).__name__)
+
+    return run
 
 
 async def run_until(stop: asyncio.Event, tasks: list[asyncio.Task]) -> None:
