@@ -13,6 +13,8 @@ Behaviour knobs (environment):
                                shared by all slots, no separate SWA cache, `KV self size` line
   FAKE_LLAMA_BUILD=N           build number for --version and build_info (11434; old: 4879)
   FAKE_LLAMA_CACHE_TYPES=a,b   the only KV cache types this build accepts (and lists in --help)
+  FAKE_LLAMA_KV_SCALE=F        print KV sizes F times what the memory model says (a build whose
+                               cache outgrows the plan)
   FAKE_LLAMA_REFUSE_TYPES=a,b  types --help still lists but the build refuses at start (a binary
                                swapped under a running agent, or a distro build that lies)
   FAKE_LLAMA_LOAD_SECONDS=S    how long /health answers 503 "Loading model" (0.3)
@@ -804,7 +806,9 @@ def main(argv: list[str]) -> None:
     elif v4:
         groups = _kv_groups(facts, kv, type_k, type_v)
         swa = any(g[0] == "swa" for g in groups)
+        scale = float(os.environ.get("FAKE_LLAMA_KV_SCALE", "1") or 1)
         for name, cells, layers, k, v in groups:
+            k, v = int(k * scale), int(v * scale)
             if swa:
                 label = "non-SWA" if name == "base" else "    SWA"
                 log("I", f"llama_kv_cache_iswa: creating {label} KV cache, size = {cells} cells")

@@ -340,3 +340,26 @@ async def test_old_build_gets_bare_flash_attn_switch_and_shared_kv_layout(nats_s
         spec = (await fleet_status(nc)).plans[0].lanes[0]
         assert spec.memory.kv_streams == 1 and spec.memory.kv_cells == 3 * 4096
         assert lane.kv_bytes == spec.memory.kv_bytes
+
+
+async def test_lane_using_more_than_planned_is_replanned_smaller(nats_server, tmp_path, models):
+    """llama-server reports 1.5x the planned KV: the agent feeds it back, the next plan sizes for it."""
+    binary = fake_binary(tmp_path / "bin", {"FAKE_LLAMA_KV_SCALE": "1.5"})
+    cfg = agent_config(tmp_path, "lambda", models, binary, max_ram=1 * GIB)
+    async with services(nats_server.url) as s, client(nats_server.url) as nc:
+        s.start_planner()
+        s.start_agent(cfg)
+
+        async def corrected():
+            status = await host_status(nc, "lambda")
+            over = [f for f in (status.feedback if status else ()) if f.kind == "over_plan"]
+            lane = lane_of(status, "llama8-0")
+            if not over or not lane or lane.state != "healthy" or lane.ctx_total >= over[0].ctx_total:
+                return None
+            return over[0], lane
+
+        over, lane = await eventually(corrected, what="a smaller lane after the over-plan report")
+        assert over.actual_bytes > over.planned_bytes * 1.4
+        spec = (await fleet_status(nc)).plans[0].lanes[0]
+        assert any("larger" in r and "measured more than planned" in r for r in spec.reasons)
+        assert lane.kv_bytes > lane.planned_kv_bytes  # still reported, still visible beside the plan
