@@ -108,6 +108,7 @@ class Agent:
     resync: asyncio.Event = field(default_factory=asyncio.Event)
     _last_status: bytes = b""
     halted: tuple[int, str] | None = None  # (config revision, why) of a rollout a change broke
+    _facts_cache: dict = field(default_factory=dict)
     session: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     @property
@@ -125,7 +126,7 @@ class Agent:
         if self.cfg.max_ram:
             total = min(total, self.cfg.max_ram)
             available = min(available, total)
-        models, problems = scan_models(self.cfg.model_dirs)
+        models, problems = scan_models(self.cfg.model_dirs, self._facts_cache)
         for p in problems:
             log.warning("skipped model file", problem=p)
         rss = sum(lane.process.rss() or 0 for lane in self.lanes.values() if lane.process)

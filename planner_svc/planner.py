@@ -113,6 +113,10 @@ def decide_flags(
 # ------------------------------------------------------------------ lanes and their cost
 
 
+def lane_id_for(model: str, index: int) -> str:
+    return f"{model[:120]}-{index}"  # a Name holds 128 characters
+
+
 @dataclass
 class _Lane:
     host_id: str
@@ -129,7 +133,7 @@ class _Lane:
 
     @property
     def lane_id(self) -> str:
-        return f"{self.persona.model[:120]}-{self.index}"  # a Name holds 128 characters
+        return lane_id_for(self.persona.model, self.index)
 
     def total_ctx(self, window: int) -> int:
         return window * self.persona.parallel
@@ -247,7 +251,6 @@ def plan(
         if r.server is None:
             host_reasons[r.host_id].append("no lanes: no usable llama-server binary on this host")
     lanes: dict[str, list[_Lane]] = {r.host_id: [] for r in reports}
-    by_id = {r.host_id: r for r in reports}
 
     for persona in personas:
         holders = [
@@ -263,7 +266,7 @@ def plan(
         wanted = len(holders) if persona.lanes is None else persona.lanes
         for _ in range(wanted):
             candidates = holders if persona.lanes is not None else [holders.pop(0)]
-            placed, why = _place(persona, candidates, config, lanes, remaining, previous, feedback, by_id)
+            placed, why = _place(persona, candidates, config, lanes, remaining, previous, feedback)
             if not placed:
                 target = candidates[0][0].host_id if len(candidates) == 1 else None
                 entry = Unplaced(model=persona.model, reason=why)
@@ -312,7 +315,7 @@ def _revert_target(config, report, facts, persona, lane_id, feedback) -> tuple[F
     return None
 
 
-def _place(persona, candidates, config, lanes, remaining, previous, feedback, by_id) -> tuple[bool, str]:
+def _place(persona, candidates, config, lanes, remaining, previous, feedback) -> tuple[bool, str]:
     """Put one lane of persona on the best candidate host where it fits at its floor."""
     options = []
     why = "does not fit"
@@ -320,7 +323,7 @@ def _place(persona, candidates, config, lanes, remaining, previous, feedback, by
         host = report.host_id
         fb = [f for f in feedback.get(host, ()) if f.model == persona.model]
         index = sum(1 for lane in lanes[host] if lane.persona.model == persona.model)
-        revert = _revert_target(config, report, facts, persona, f"{persona.model[:120]}-{index}", fb)
+        revert = _revert_target(config, report, facts, persona, lane_id_for(persona.model, index), fb)
         if revert is not None:
             flags, floor, ceiling, bound_reasons = revert
             factor, factor_reasons = 1.0, []

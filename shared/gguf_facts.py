@@ -135,14 +135,26 @@ def _recurrent(arch: str, key, n_layer: int, n_head_kv: tuple[int, ...]) -> tupl
     return layers, sum(layers) * (n_embd_r + n_embd_s) * 4
 
 
-def scan_models(folders: list[str | os.PathLike[str]]) -> tuple[list[ModelFacts], list[str]]:
-    """Facts for every *.gguf under the folders, and one line per file that could not be read."""
+def scan_models(
+    folders: list[str | os.PathLike[str]], cache: dict[tuple[str, int, int], ModelFacts] | None = None
+) -> tuple[list[ModelFacts], list[str]]:
+    """Facts for every *.gguf under the folders, and one line per file that could not be read.
+
+    With a cache (keyed by path, size and mtime), an unchanged file is not read again.
+    """
     found: list[ModelFacts] = []
     problems: list[str] = []
     for folder in folders:
         for path in sorted(Path(folder).rglob("*.gguf")):
             try:
-                found.append(read_model_facts(path))
-            except ModelError as exc:
+                st = path.stat()
+                key = (str(path), st.st_size, st.st_mtime_ns)
+                facts = cache.get(key) if cache is not None else None
+                if facts is None:
+                    facts = read_model_facts(path)
+                    if cache is not None:
+                        cache[key] = facts
+                found.append(facts)
+            except (ModelError, OSError) as exc:
                 problems.append(str(exc))
     return found, problems
