@@ -35,7 +35,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,8 +49,15 @@ from launcher_agent.reconcile import kv_mib_from_log  # noqa: E402
 from planner_svc.planner import plan  # noqa: E402
 from shared.capabilities import flash_attn_effective  # noqa: E402
 from shared.gguf_facts import read_model_facts, swa_layer_pattern  # noqa: E402
-from shared.memory import CTX_PAD, MIB, compute_bytes, estimate, kv_size  # noqa: E402
-from shared.messages import Demand, FleetConfig, HostReport, ModelFacts, Persona, ServerCaps  # noqa: E402
+from shared.memory import CTX_PAD, MIB, estimate, kv_size  # noqa: E402
+from shared.messages import (  # noqa: E402
+    Demand,
+    FleetConfig,
+    HostReport,
+    ModelFacts,
+    Persona,
+    ServerCaps,
+)
 from tests.tinymodels import write_gemma3, write_llama  # noqa: E402
 
 GIB = 1024**3

@@ -11,8 +11,8 @@ import msgspec
 from lanes.errors import UserError
 from lanes.tables import gib, mib, table
 from launcher_agent.probe import ProbeError, probe
-from shared.capabilities import flash_attn_effective
 from planner_svc.planner import plan
+from shared.capabilities import flash_attn_effective
 from shared.gguf_facts import ModelError, read_model_facts
 from shared.memory import BLOCK_BYTES, QUANTIZED, MemoryModelError, estimate
 from shared.messages import Demand, FleetConfig, HostReport, ServerCaps
@@ -81,7 +81,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         if value not in caps.cache_types:
             raise UserError(f"{name} {value}: {args.llama_server} does not support it ({', '.join(caps.cache_types)})")
     if args.cache_type_v in QUANTIZED and args.flash_attn == "off":
-        raise UserError(f"--cache-type-v {args.cache_type_v} needs flash attention; llama-server refuses it with --flash-attn off")
+        raise UserError(
+            f"--cache-type-v {args.cache_type_v} needs flash attention; llama-server refuses it with --flash-attn off"
+        )
     flash = flash_attn_effective(args.flash_attn, caps)
     try:
         mem = estimate(
@@ -156,7 +158,9 @@ def render_plan(fleet) -> str:
             for s in host.lanes
         ]
         if rows:
-            out.append(table(["lane", "port", "window", "kv k/v", "fa", "dev", "weights", "kv", "compute", "total"], rows))
+            out.append(
+                table(["lane", "port", "window", "kv k/v", "fa", "dev", "weights", "kv", "compute", "total"], rows)
+            )
         for s in host.lanes:
             out.append(f"  {s.lane_id}: " + "; ".join(s.reasons))
             out.append("    llama-server " + " ".join(s.args))

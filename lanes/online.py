@@ -17,7 +17,14 @@ from planner_svc.service import run_planner
 from shared import subjects
 from shared.bus import NatsAuth, auth_from_args, connect
 from shared.logs import setup_logging
-from shared.messages import ConfigSet, Demand, FleetConfig, FleetStatus, HostQuery, encode
+from shared.messages import (
+    ConfigSet,
+    Demand,
+    FleetConfig,
+    FleetStatus,
+    HostQuery,
+    encode,
+)
 from shared.natsserver import NatsServer, NatsServerError
 
 
@@ -32,7 +39,9 @@ def _stop_event() -> asyncio.Event:
 def agent_config(args: argparse.Namespace, data_dir: Path) -> AgentConfig:
     binary = find_llama_server(args.llama_server)
     if binary is None:
-        raise UserError("no llama-server found: pass --llama-server, set LLAMA_SERVER_BIN, or run `lanes install-llama`")
+        raise UserError(
+            "no llama-server found: pass --llama-server, set LLAMA_SERVER_BIN, or run `lanes install-llama`"
+        )
     try:
         caps = probe(binary)
     except ProbeError as exc:
@@ -168,7 +177,25 @@ def render_status(fleet: FleetStatus) -> str:
                 gib(s.memory.total_bytes), gib(lane.rss_bytes) if lane else "-",
                 lane.state if lane else "pending", (lane.last_error[:60] if lane else ""),
             ])  # fmt: skip
-    out.append(table(["host", "lane", "port", "window", "kv k/v", "fa", "kv plan", "kv real", "mem plan", "rss", "state", "error"], rows))
+    out.append(
+        table(
+            [
+                "host",
+                "lane",
+                "port",
+                "window",
+                "kv k/v",
+                "fa",
+                "kv plan",
+                "kv real",
+                "mem plan",
+                "rss",
+                "state",
+                "error",
+            ],
+            rows,
+        )
+    )
     for p in fleet.plans:
         for u in p.unplaced:
             out.append(f"unplaced on {p.host_id}: {u.model}: {u.reason}")

@@ -88,7 +88,7 @@ class LaneProcess:
             p = psutil.Process(pid)
             # Compare the flags, not argv[0]: a wrapper script may exec the real binary.
             args = list(spec.args)
-            if p.cmdline()[-len(args):] != args or p.status() == psutil.STATUS_ZOMBIE:
+            if p.cmdline()[-len(args) :] != args or p.status() == psutil.STATUS_ZOMBIE:
                 return None
         except (psutil.Error, OSError):
             return None

@@ -84,7 +84,9 @@ def decide_flags(
 
     for fb in feedback:
         if fb.kind == "unsupported" and (k, v) == (fb.cache_type_k, fb.cache_type_v) and (k or v):
-            reasons.append(f"f16 cache: llama-server refused {k or 'f16'}/{v or 'f16'} here ({fb.detail or 'unsupported'})")
+            reasons.append(
+                f"f16 cache: llama-server refused {k or 'f16'}/{v or 'f16'} here ({fb.detail or 'unsupported'})"
+            )
             k = v = None
     for name, value in (("K", k), ("V", v)):
         if value is not None and value not in caps.cache_types:
@@ -253,13 +255,7 @@ def plan(
     lanes: dict[str, list[_Lane]] = {r.host_id: [] for r in reports}
 
     for persona in personas:
-        holders = [
-            (r, m)
-            for r in reports
-            if r.server is not None
-            for m in r.models
-            if m.name == persona.model
-        ]
+        holders = [(r, m) for r in reports if r.server is not None for m in r.models if m.name == persona.model]
         if not holders:
             fleet_unplaced.append(Unplaced(model=persona.model, reason="no host with a llama-server holds this model"))
             continue
@@ -330,7 +326,10 @@ def _place(persona, candidates, config, lanes, remaining, previous, feedback) ->
         else:
             flags = decide_flags(config, report, facts, fb)
             looping = [
-                f for f in fb if f.kind == "crash_loop" and (f.cache_type_k, f.cache_type_v) == (flags.cache_type_k, flags.cache_type_v)
+                f
+                for f in fb
+                if f.kind == "crash_loop"
+                and (f.cache_type_k, f.cache_type_v) == (flags.cache_type_k, flags.cache_type_v)
             ]
             if looping:
                 why = f"llama-server keeps failing on {host} with this spec: {looping[0].detail}"
@@ -358,7 +357,9 @@ def _place(persona, candidates, config, lanes, remaining, previous, feedback) ->
                 had_before = any(
                     s.lane_id == lane.lane_id for s in (previous.get(host).lanes if previous.get(host) else ())
                 )
-                options.append((not had_before, -remaining[(host, device)] + floor_cost, host, device, lane, floor_cost))
+                options.append(
+                    (not had_before, -remaining[(host, device)] + floor_cost, host, device, lane, floor_cost)
+                )
                 break
             why = (
                 f"does not fit at its floor of {floor} tokens per slot: needs {_gib(floor_cost)},"
@@ -377,6 +378,7 @@ def _host_plan(report, config, lanes, reasons, unplaced, prev: HostPlan | None, 
     budgets = {"cpu": ram_budget(report, config), "gpu": gpu_budget(report, config)}
     specs: list[LaneSpec] = []
     if report.server is not None:
+
         def cost(lane: _Lane, window: int) -> int:
             return _cost(lane, window, report.server, config.n_ubatch)
 
@@ -386,7 +388,9 @@ def _host_plan(report, config, lanes, reasons, unplaced, prev: HostPlan | None, 
             _keep_stable(pool, budgets[device], cost, prev, config, report.server.has_kv_unified)
         specs, no_port = _assign_ports(report, [_spec(report, config, lane) for lane in lanes], prev)
         unplaced = list(unplaced) + [
-            Unplaced(model=s.model, reason=f"no free port in {report.port_base}..{report.port_base + report.port_count - 1}")
+            Unplaced(
+                model=s.model, reason=f"no free port in {report.port_base}..{report.port_base + report.port_count - 1}"
+            )
             for s in no_port
         ]
     draft = HostPlan(
@@ -407,7 +411,11 @@ def _host_plan(report, config, lanes, reasons, unplaced, prev: HostPlan | None, 
         prev, plan_revision=0, config_revision=config_revision, budget_ram=draft.budget_ram, budget_gpu=draft.budget_gpu
     )
     if comparable == draft:
-        return prev if prev.config_revision == config_revision else msgspec.structs.replace(prev, config_revision=config_revision)
+        return (
+            prev
+            if prev.config_revision == config_revision
+            else msgspec.structs.replace(prev, config_revision=config_revision)
+        )
     return msgspec.structs.replace(draft, plan_revision=prev.plan_revision + 1)
 
 

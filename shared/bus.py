@@ -180,7 +180,11 @@ def quietly(step: Callable[[], Awaitable[object]], timeout: float = 2.0) -> Call
         try:
             await asyncio.wait_for(step(), timeout)
         except Exception as exc:
-            log.info("shutdown step skipped", step=getattr(step, "__qualname__", "step"), error=str(exc) or type(exc).__name__)
+            log.info(
+                "shutdown step skipped",
+                step=getattr(step, "__qualname__", "step"),
+                error=str(exc) or type(exc).__name__,
+            )
 
     return run
 

@@ -53,7 +53,9 @@ class NatsServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise NatsServerError(f"nats-server exited with {self.proc.returncode}; see {self.data_dir}/nats-server.log")
+                raise NatsServerError(
+                    f"nats-server exited with {self.proc.returncode}; see {self.data_dir}/nats-server.log"
+                )
             files = list(ports_dir.glob(f"*_{self.proc.pid}.ports"))
             if files:
                 try:

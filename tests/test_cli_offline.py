@@ -12,7 +12,15 @@ import msgspec
 import pytest
 
 from shared.gguf_facts import read_model_facts
-from shared.messages import Demand, FleetConfig, FleetPlan, HostReport, MemoryBreakdown, Persona, ServerCaps
+from shared.messages import (
+    Demand,
+    FleetConfig,
+    FleetPlan,
+    HostReport,
+    MemoryBreakdown,
+    Persona,
+    ServerCaps,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 1024**3

@@ -9,7 +9,13 @@ import gguf
 import numpy as np
 import pytest
 
-from shared.gguf_facts import ModelError, model_name, read_model_facts, scan_models, swa_layer_pattern
+from shared.gguf_facts import (
+    ModelError,
+    model_name,
+    read_model_facts,
+    scan_models,
+    swa_layer_pattern,
+)
 
 
 def _tensor_bytes(path: Path) -> int:

@@ -12,7 +12,15 @@ import stat
 import urllib.request
 
 import pytest
-from fixtures_bus import agent_config, client, eventually, fleet_status, host_status, lane_of, services
+from fixtures_bus import (
+    agent_config,
+    client,
+    eventually,
+    fleet_status,
+    host_status,
+    lane_of,
+    services,
+)
 from tinymodels import write_gemma3, write_llama
 
 from launcher_agent.probe import find_llama_server
