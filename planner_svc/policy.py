@@ -1,0 +1,141 @@
+"""Planner policy: what each lane may be. Budgets, the flags with their safety rules,
+window bounds, and the corrections the hosts' feedback calls for. Pure functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shared.memory import CTX_PAD, QUANTIZED
+from shared.messages import FleetConfig, HostReport, LaneFeedback, ModelFacts, Persona
+
+DEFAULT_CTX_CEILING = 131072
+
+
+# ------------------------------------------------------------------ budgets
+
+
+def ram_budget(report: HostReport, config: FleetConfig) -> int:
+    """RAM lanes may use: what is free plus what our own lanes hold, less headroom."""
+    usable = min(report.ram_total, report.ram_available + report.lanes_rss)
+    headroom = config.headroom_bytes + int(config.headroom_fraction * report.ram_total)
+    return max(0, usable - headroom)
+
+
+def gpu_budget(report: HostReport, config: FleetConfig) -> int:
+    """VRAM of the largest GPU lanes may use (no split across GPUs, no partial offload)."""
+    if not config.use_gpu or not report.gpus:
+        return 0
+    gpu = max(report.gpus, key=lambda g: (g.vram_total, g.name))
+    usable = min(gpu.vram_total, gpu.vram_free + report.lanes_vram)
+    return max(0, usable - int(config.headroom_fraction * gpu.vram_total) - 256 * 1024 * 1024)
+
+
+# ------------------------------------------------------------------ flags
+
+
+@dataclass(frozen=True)
+class Flags:
+    cache_type_k: str | None
+    cache_type_v: str | None
+    flash_attn: str | None
+    reasons: tuple[str, ...]
+
+
+def decide_flags(
+    config: FleetConfig, report: HostReport, facts: ModelFacts, feedback: Sequence[LaneFeedback] = ()
+) -> Flags:
+    """Cache types and flash attention for one lane, with every safety rule applied."""
+    caps = report.server
+    assert caps is not None
+    reasons: list[str] = []
+    k = config.kv_cache_type_k or config.kv_cache_type
+    v = config.kv_cache_type_v or config.kv_cache_type
+    fa = config.flash_attn
+    if k or v:
+        reasons.append(f"cache types {k or 'f16'}/{v or 'f16'} from fleet config")
+
+    for fb in feedback:
+        if fb.kind == "unsupported" and (k, v) == (fb.cache_type_k, fb.cache_type_v) and (k or v):
+            reasons.append(
+                f"f16 cache: llama-server refused {k or 'f16'}/{v or 'f16'} here ({fb.detail or 'unsupported'})"
+            )
+            k = v = None
+    for name, value in (("K", k), ("V", v)):
+        if value is not None and value not in caps.cache_types:
+            reasons.append(f"f16 {name} cache: this host's llama-server does not list {value}")
+    k = k if k in caps.cache_types else None
+    v = v if v in caps.cache_types else None
+    if facts.is_mla and v is not None and v != k:
+        reasons.append(f"V cache type follows K ({k or 'f16'}): MLA models need matching types")
+        v = k
+    quantized = {t for t in (k, v) if t in QUANTIZED}
+    if quantized and (facts.head_dim_k % 32 or facts.head_dim_v % 32):
+        reasons.append("f16 cache: head dimension is not a multiple of the 32-value quantization block")
+        k = v = None
+        quantized = set()
+    if v in QUANTIZED and fa != "on":
+        reasons.append("flash attention on: a quantized V cache requires it")
+        fa = "on"
+    if caps.flash_attn_form == "switch" and fa in ("off", "auto"):
+        reasons.append(f"no flash-attn flag: this build takes a bare switch and has no '{fa}' (default off)")
+        fa = None
+    if fa is not None and not any("flash attention on" in r for r in reasons):
+        reasons.append(f"flash attention {fa} from fleet config")
+    return Flags(k, v, fa, tuple(reasons))
+
+
+def window_bounds(persona: Persona, facts: ModelFacts, feedback: Sequence[LaneFeedback]) -> tuple[int, int, list[str]]:
+    reasons = []
+    trained = facts.n_ctx_train or DEFAULT_CTX_CEILING
+    ceiling = min(persona.ctx_max or trained, trained)
+    for fb in feedback:
+        if fb.kind == "oom" and fb.ctx_total:
+            cap = max(CTX_PAD, fb.ctx_total // persona.parallel // 2)
+            if cap < ceiling:
+                ceiling = cap
+                reasons.append(f"window capped at {cap}: the lane ran out of memory at {fb.ctx_total} total")
+    ceiling = ceiling // CTX_PAD * CTX_PAD
+    floor = -(-persona.ctx_min // CTX_PAD) * CTX_PAD
+    if floor > ceiling:
+        reasons.append(f"window floor lowered from {floor} to {ceiling} (trained context / ceiling)")
+        floor = ceiling
+    return floor, ceiling, reasons
+
+
+def correction(feedback: Sequence[LaneFeedback]) -> tuple[float, list[str]]:
+    factor, reasons = 1.0, []
+    for fb in feedback:
+        if fb.kind == "over_plan" and fb.planned_bytes and fb.actual_bytes > fb.planned_bytes:
+            ratio = fb.actual_bytes / fb.planned_bytes
+            if ratio > factor:
+                factor = ratio
+    if factor > 1.0:
+        reasons.append(f"sized {factor:.2f}x larger: the host measured more than planned")
+    return factor, reasons
+
+
+def revert_target(config, report, facts, persona, lane_id, feedback) -> tuple[Flags, int, int, list[str]] | None:
+    """A change broke this lane: (flags, floor, ceiling) of the spec it last ran healthy with.
+
+    Applies while the config still asks for what failed; a new config gets its own try.
+    """
+    requested = decide_flags(config, report, facts)
+    for fb in feedback:
+        good = fb.last_good
+        if good is None or fb.lane_id != lane_id:
+            continue
+        if (fb.cache_type_k, fb.cache_type_v) != (requested.cache_type_k, requested.cache_type_v):
+            continue
+        if good.model_path != facts.path or good.parallel != persona.parallel:
+            continue
+        if any(t is not None and t not in report.server.cache_types for t in (good.cache_type_k, good.cache_type_v)):
+            continue
+        window = good.ctx_total // good.parallel
+        reason = (
+            f"reverted to the spec that last ran healthy ({good.cache_type_k or 'f16'}/{good.cache_type_v or 'f16'},"
+            f" window {window}): the change failed: {fb.detail or fb.kind}"
+        )
+        return Flags(good.cache_type_k, good.cache_type_v, good.flash_attn, (reason,)), window, window, []
+    return None
