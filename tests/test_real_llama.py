@@ -11,6 +11,7 @@ import json
 import stat
 import urllib.request
 
+import psutil
 import pytest
 from fixtures_bus import (
     agent_config,
@@ -84,6 +85,7 @@ async def test_reported_kv_equals_plan(case, nats_server, tmp_path, llama_server
         s.start_agent(cfg)
         lane = await eventually(_healthy(nc, "real", "m-0"), timeout=60, what=f"{case} lane healthy")
         spec = (await fleet_status(nc)).plans[0].lanes[0]
+        running = psutil.Process(lane.pid).cmdline()  # the argv of the process actually running
 
     # llama-server prints MiB with two decimals: the prediction matches it to the last digit.
     assert f"{lane.kv_bytes / MIB:.2f}" == f"{spec.memory.kv_bytes / MIB:.2f}"
@@ -91,6 +93,7 @@ async def test_reported_kv_equals_plan(case, nats_server, tmp_path, llama_server
     assert spec.ctx_per_slot == 2816  # ctx_max 3000 rounds down to a multiple of 256
     assert spec.parallel == slots
     argv = list(lane.argv)
+    assert running == argv
     assert argv[argv.index("--ctx-size") + 1] == str(2816 * slots)
     assert argv[argv.index("--parallel") + 1] == str(slots)
     if spec.cache_type_v in ("q8_0", "q4_0"):
