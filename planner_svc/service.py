@@ -9,6 +9,8 @@ never interleave their writes.
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 
 import msgspec
@@ -106,7 +108,9 @@ class PlannerState:
             raise msgspec.ValidationError(f"host_id {msg.host_id!r} does not match key {host!r}")
         table[host] = msg
 
-    def compute(self) -> dict[str, HostPlan]:
+    def planning_job(self) -> Callable[[], dict[str, HostPlan]]:
+        """A snapshot of the inputs, planned later off the event loop (the watch keeps
+        changing the live dicts meanwhile)."""
         reports = list(self.reports.values())
         feedback = {subjects.host_token(s.host_id): s.feedback for s in self.statuses.values()}
         # A newer revision seen on the key (a foreign write the agent may have applied) is
@@ -115,15 +119,14 @@ class PlannerState:
             p.host_id: msgspec.structs.replace(p, plan_revision=max(p.plan_revision, self.plan_seen.get(host, 0)))
             for host, p in self.plans.items()
         }
-        fleet = plan(
-            reports,
-            self.config,
-            self.demand,
-            previous=previous,
-            feedback={r.host_id: feedback.get(subjects.host_token(r.host_id), ()) for r in reports},
-            config_revision=self.config_revision,
-        )
-        return {subjects.host_token(h.host_id): h for h in fleet.hosts}
+        config, demand, config_revision = self.config, self.demand, self.config_revision
+        per_host = {r.host_id: feedback.get(subjects.host_token(r.host_id), ()) for r in reports}
+
+        def job() -> dict[str, HostPlan]:
+            fleet = plan(reports, config, demand, previous=previous, feedback=per_host, config_revision=config_revision)
+            return {subjects.host_token(h.host_id): h for h in fleet.hosts}
+
+        return job
 
 
 class PlannerService:
@@ -133,6 +136,7 @@ class PlannerService:
         self.dirty = asyncio.Event()
         self.resync = asyncio.Event()
         self.ready = asyncio.Event()
+        self.last_replan_seconds = 0.0
 
     # ------------------------------------------------------------ watch + replan
 
@@ -148,7 +152,9 @@ class PlannerService:
     async def replan_loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             await self.dirty.wait()
-            await asyncio.sleep(0.1)  # let a burst of changes settle into one replan
+            # Let a burst of changes settle into one replan; a big fleet waits as long as a
+            # replan takes, so the planner never spends more than half its time planning.
+            await asyncio.sleep(max(0.1, self.last_replan_seconds))
             self.dirty.clear()
             if not self.ready.is_set():
                 continue
@@ -160,7 +166,10 @@ class PlannerService:
                 self.dirty.set()
 
     async def write_plans(self) -> None:
-        for host, new in self.state.compute().items():
+        started = time.monotonic()
+        plans = await asyncio.to_thread(self.state.planning_job())
+        self.last_replan_seconds = time.monotonic() - started
+        for host, new in plans.items():
             if self.state.plans.get(host) == new and self.state.plan_stored.get(host):
                 continue
             key = subjects.plan_key(host)

@@ -8,6 +8,8 @@ Nothing here divides by "2 for q8_0".
 
 from __future__ import annotations
 
+import collections
+import functools
 from dataclasses import dataclass
 
 from shared.messages import Device, KvLayout, MemoryBreakdown, ModelFacts
@@ -100,17 +102,26 @@ def kv_size(
     if has_swa_cache:
         n_seq_in_stream = parallel if kv_unified else 1
         swa_cells = cells if swa_full else pad(min(cells, facts.n_swa * n_seq_in_stream + n_ubatch))
-    recurrent = facts.recurrent_layers or (False,) * facts.n_layer
     k_bytes = v_bytes = 0
-    for layer in range(facts.n_layer):
-        n_kv = facts.n_head_kv[layer]
-        if n_kv == 0 or recurrent[layer]:
-            continue
-        layer_cells = swa_cells if has_swa_cache and facts.swa_layers[layer] else cells
-        k_bytes += row_bytes(type_k, facts.head_dim_k * n_kv) * layer_cells * streams
+    for n_kv, is_swa, count in _kv_layer_groups(facts):
+        layer_cells = swa_cells if has_swa_cache and is_swa else cells
+        k_bytes += row_bytes(type_k, facts.head_dim_k * n_kv) * layer_cells * streams * count
         if not facts.is_mla:
-            v_bytes += row_bytes(type_v, facts.head_dim_v * n_kv) * layer_cells * streams
+            v_bytes += row_bytes(type_v, facts.head_dim_v * n_kv) * layer_cells * streams * count
     return KvSize(cells, streams, swa_cells, k_bytes, v_bytes, ctx_per_slot)
+
+
+@functools.lru_cache(maxsize=4096)
+def _kv_layer_groups(facts: ModelFacts) -> tuple[tuple[int, bool, int], ...]:
+    """Layers with a KV cache, grouped by (KV heads, sliding window): the planner sizes a
+    model thousands of times, and a model has only a few distinct layer kinds."""
+    recurrent = tuple(facts.recurrent_layers) + (False,) * facts.n_layer
+    swa = tuple(facts.swa_layers) + (False,) * facts.n_layer
+    groups = collections.Counter(
+        (facts.n_head_kv[layer], swa[layer]) for layer in range(facts.n_layer)
+        if facts.n_head_kv[layer] and not recurrent[layer]
+    )  # fmt: skip
+    return tuple((n_kv, is_swa, count) for (n_kv, is_swa), count in sorted(groups.items()))
 
 
 def recurrent_bytes(facts: ModelFacts, parallel: int) -> int:
