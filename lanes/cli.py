@@ -92,6 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--demand", help="demand (JSON or TOML)")
     p.add_argument("--json", action="store_true")
 
+    p = sub.add_parser("report", help="this host's report as JSON (hardware, llama-server, models), for plan --hosts")
+    p.add_argument("--models", action="append", required=True, help="model folder (repeatable)")
+    p.add_argument("--llama-server", help="llama-server binary (default: $LLAMA_SERVER_BIN, PATH)")
+    p.add_argument("--host-id", default=None)
+    p.add_argument("--port-base", type=int, default=8080)
+    p.add_argument("--port-count", type=int, default=16)
+    p.add_argument("--bind", default="127.0.0.1")
+    p.add_argument("--max-ram", type=_size, help="RAM lanes may plan for on this host, e.g. 8GiB")
+
     p = sub.add_parser("up", help="local fleet: embedded nats-server, planner and one agent")
     p.add_argument("--models", action="append", required=True, help="model folder (repeatable)")
     p.add_argument("--data", default="./lanes-data", help="state folder (JetStream, logs)")
@@ -163,6 +172,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return offline.cmd_estimate(args)
     if args.command == "plan":
         return offline.cmd_plan(args)
+    if args.command == "report":
+        return offline.cmd_report(args)
     if args.command == "install-llama":
         from lanes.install import install_llama
 

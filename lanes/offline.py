@@ -171,3 +171,16 @@ def render_plan(fleet) -> str:
     for u in fleet.unplaced:
         out.append(f"unplaced {u.model}: {u.reason}")
     return "\n".join(out)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """What an agent on this host would report, without NATS: a hosts file for `lanes plan`."""
+    import tempfile
+
+    from lanes.online import agent_config
+    from launcher_agent.service import Agent
+
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Agent(agent_config(args, Path(tmp))).report()
+    print(msgspec.json.encode(report).decode())
+    return 0

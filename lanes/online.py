@@ -59,7 +59,7 @@ def agent_config(args: argparse.Namespace, data_dir: Path) -> AgentConfig:
         port_count=getattr(args, "port_count", 16),
         bind=getattr(args, "bind", "127.0.0.1"),
         report_interval=getattr(args, "report_interval", 30.0),
-        max_ram=args.max_ram,
+        max_ram=getattr(args, "max_ram", None),
     )
 
 

@@ -249,3 +249,28 @@ def test_error_bad_config(plan_files):
 
 def test_error_unknown_command():
     assert_one_line_error(lanes("frobnicate"))
+
+
+def test_report_feeds_plan(tmp_path, tiny_models):
+    """`lanes report` on a host gives the hosts file `lanes plan` dry-runs against."""
+    import shutil
+
+    from fixtures_bus import fake_binary
+
+    models = tmp_path / "models"
+    models.mkdir()
+    shutil.copy(tiny_models["llama8"], models / "llama8.gguf")
+    binary = fake_binary(tmp_path / "bin")
+    report = lanes("report", "--models", models, "--llama-server", binary, "--host-id", "box-1", "--max-ram", "2GiB")
+    assert report.returncode == 0, report.stderr
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(report.stdout)
+    parsed = msgspec.json.decode(report.stdout, type=HostReport)
+    assert parsed.host_id == "box-1" and parsed.ram_total <= 2 * 2**30 and parsed.server.build == 11434
+    assert [m.name for m in parsed.models] == ["llama8"]
+    planned = lanes("plan", "--hosts", hosts, "--json")
+    assert planned.returncode == 0, planned.stderr
+    (host,) = msgspec.json.decode(planned.stdout, type=FleetPlan).hosts
+    assert host.host_id == "box-1" and [s.lane_id for s in host.lanes] == ["llama8-0"]
+    missing = lanes("report", "--models", tmp_path / "nope", "--llama-server", binary)
+    assert_one_line_error(missing, "not a folder")
