@@ -175,7 +175,13 @@ def decide(
 # ------------------------------------------------------------------ reading llama-server's log
 
 _KV_LINE = re.compile(r"(?:llama_kv_cache\w*:\s+size|KV self size)\s*=\s*([\d.]+) MiB")
-_OOM = re.compile(r"failed to allocate|out of memory|cudaMalloc failed|unable to allocate|std::bad_alloc", re.I)
+# Memory exhaustion at start, including the address-space kind a container limit or
+# `ulimit -v` gives (thread stacks then fail first: "libgomp: Thread creation failed").
+_OOM = re.compile(
+    r"failed to allocate|out of memory|cudaMalloc failed|unable to allocate|std::bad_alloc|"
+    r"Cannot allocate memory|Thread creation failed",
+    re.I,
+)
 _UNSUPPORTED = re.compile(
     r"Unsupported cache type|invalid argument|unknown value for|requires flash_attn|does not divide|"
     r"V cache quantization requires|expected value for argument"

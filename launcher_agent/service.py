@@ -28,6 +28,7 @@ from shared.messages import HostPlan, HostReport, LaneEvent, PlanRejected, encod
 
 log = structlog.get_logger("lanes.agent")
 VERSION = "0.1.0"
+STARTING_TICK = 0.05
 
 __all__ = ["AgentConfig", "run_agent", "default_host_id"]
 
@@ -209,8 +210,10 @@ async def _control_loop(agent: Agent, stop: asyncio.Event) -> None:
         except Exception:
             log.exception("control loop error")
         agent.sup.wake.clear()
+        # A lane coming up is polled often, so it is reported healthy soon after it is.
+        tick = STARTING_TICK if agent.sup.starting() else agent.cfg.tick
         try:
-            await asyncio.wait_for(agent.sup.wake.wait(), agent.cfg.tick)
+            await asyncio.wait_for(agent.sup.wake.wait(), tick)
         except asyncio.TimeoutError:
             pass
 

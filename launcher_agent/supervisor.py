@@ -320,6 +320,9 @@ class Supervisor:
 
     # ------------------------------------------------------------ status out
 
+    def starting(self) -> bool:
+        return any(lane.state in ("starting", "loading") for lane in self.lanes.values())
+
     def lanes_rss(self) -> int:
         return sum(lane.process.rss() or 0 for lane in self.lanes.values() if lane.process)
 

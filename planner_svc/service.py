@@ -38,6 +38,8 @@ from shared.messages import (
 
 log = structlog.get_logger("lanes.planner")
 VERSION = "0.1.0"
+SETTLE_SECONDS = 0.02  # a burst of changes (a config set, many reports) becomes one replan
+WRITE_CONCURRENCY = 64
 
 
 class PlannerState:
@@ -55,6 +57,9 @@ class PlannerState:
         self.plan_seen: dict[str, int] = {}  # highest plan_revision seen on the key
         self.plan_stored: dict[str, bool] = {}  # does the key hold self.plans[host]?
         self.caught_up = False
+        # What the next replan must cover: every host, or only the hosts whose inputs changed.
+        self.replan_all = True
+        self.replan_hosts: set[str] = set()
 
     def apply(self, key: str, value: bytes | None, revision: int) -> bool:
         """Fold one KV entry in. True when the planner must replan (or rewrite a plan)."""
@@ -63,14 +68,21 @@ class PlannerState:
             if key == subjects.CONFIG_KEY:
                 self.config_revision = revision  # even a bad value: the next config.set replaces it
                 self.config = FleetConfig() if value is None else msgspec.json.decode(value, type=FleetConfig)
+                self.replan_all = True
             elif key == subjects.DEMAND_KEY:
                 self.demand = None if value is None else msgspec.json.decode(value, type=Demand)
+                self.replan_all = True
             elif kind == "report":
                 self._put(self.reports, host, value, HostReport)
+                self.replan_hosts.add(host)
             elif kind == "status":
                 self._put(self.statuses, host, value, HostStatus)
+                self.replan_hosts.add(host)
             elif kind == "plan":
-                return self._apply_plan(host, value, revision)
+                if self._apply_plan(host, value, revision):
+                    self.replan_hosts.add(host)
+                    return True
+                return False
             else:
                 return False
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -110,14 +122,26 @@ class PlannerState:
 
     def planning_job(self) -> Callable[[], dict[str, HostPlan]]:
         """A snapshot of the inputs, planned later off the event loop (the watch keeps
-        changing the live dicts meanwhile)."""
-        reports = list(self.reports.values())
+        changing the live dicts meanwhile).
+
+        Only the hosts whose inputs changed are planned, unless the config or demand
+        changed or the demand places lanes across hosts (`lanes` set on a persona): a
+        host's plan then depends on its own report, status and previous plan alone.
+        """
+        fleet_wide = self.demand is not None and any(p.lanes is not None for p in self.demand.personas)
+        if self.replan_all or fleet_wide:
+            reports = list(self.reports.values())
+        else:
+            reports = [self.reports[h] for h in sorted(self.replan_hosts) if h in self.reports]
+        self.replan_all, self.replan_hosts = False, set()
         feedback = {subjects.host_token(s.host_id): s.feedback for s in self.statuses.values()}
         # A newer revision seen on the key (a foreign write the agent may have applied) is
         # passed over, so the plan that replaces it is not refused as older.
+        wanted = {subjects.host_token(r.host_id) for r in reports}
         previous = {
             p.host_id: msgspec.structs.replace(p, plan_revision=max(p.plan_revision, self.plan_seen.get(host, 0)))
             for host, p in self.plans.items()
+            if host in wanted
         }
         config, demand, config_revision = self.config, self.demand, self.config_revision
         per_host = {r.host_id: feedback.get(subjects.host_token(r.host_id), ()) for r in reports}
@@ -146,6 +170,7 @@ class PlannerService:
 
     async def _on_caught_up(self) -> None:
         self.state.caught_up = True
+        self.state.replan_all = True
         self.ready.set()
         self.dirty.set()
 
@@ -154,55 +179,72 @@ class PlannerService:
             await self.dirty.wait()
             # Let a burst of changes settle into one replan; a big fleet waits as long as a
             # replan takes, so the planner never spends more than half its time planning.
-            await asyncio.sleep(max(0.1, self.last_replan_seconds))
+            await asyncio.sleep(max(SETTLE_SECONDS, self.last_replan_seconds))
             self.dirty.clear()
             if not self.ready.is_set():
                 continue
             try:
                 await self.write_plans()
-            except Exception as exc:  # NATS down, CAS lost: the next change or tick retries
+            except Exception as exc:  # NATS down: plan everything again once it is back
                 log.warning("replan failed; will retry", error=str(exc) or type(exc).__name__)
+                self.state.replan_all = True
                 await asyncio.sleep(1.0)
                 self.dirty.set()
 
     async def write_plans(self) -> None:
         started = time.monotonic()
-        plans = await asyncio.to_thread(self.state.planning_job())
+        try:
+            plans = await asyncio.to_thread(self.state.planning_job())
+        except BaseException:
+            self.state.replan_all = True  # the job's hosts were taken off the list: plan all again
+            raise
         self.last_replan_seconds = time.monotonic() - started
-        for host, new in plans.items():
-            if self.state.plans.get(host) == new and self.state.plan_stored.get(host):
-                continue
-            key = subjects.plan_key(host)
-            before = self.state.plans.get(host)
-            self.state.plans[host] = new  # the watch may echo the write before update() returns
-            written = False
-            try:
-                if self.state.plan_revs.get(host):
-                    rev = await self.kv.update(key, encode(new), last=self.state.plan_revs[host])
-                else:
-                    rev = await self.kv.create(key, encode(new))
-                written = True
-            except (KeyWrongLastSequenceError, KeyValueError) as exc:
-                log.info("plan write lost compare-and-set; replanning", host=host, error=str(exc))
-                self.dirty.set()
-            finally:
-                if not written:
-                    if before is None:
-                        self.state.plans.pop(host, None)
-                    else:
-                        self.state.plans[host] = before
+        todo = [
+            (h, p) for h, p in plans.items() if not (self.state.plans.get(h) == p and self.state.plan_stored.get(h))
+        ]
+        limit = asyncio.Semaphore(WRITE_CONCURRENCY)
+
+        async def write(host: str, new: HostPlan) -> None:
+            async with limit:
+                await self._write_plan(host, new)
+
+        # Hosts' plans are independent keys: write them side by side, not one round trip each.
+        await asyncio.gather(*(write(h, p) for h, p in todo))
+
+    async def _write_plan(self, host: str, new: HostPlan) -> None:
+        """Compare-and-set one host's plan; a lost race replans."""
+        key = subjects.plan_key(host)
+        before = self.state.plans.get(host)
+        self.state.plans[host] = new  # the watch may echo the write before update() returns
+        written = False
+        try:
+            if self.state.plan_revs.get(host):
+                rev = await self.kv.update(key, encode(new), last=self.state.plan_revs[host])
+            else:
+                rev = await self.kv.create(key, encode(new))
+            written = True
+        except (KeyWrongLastSequenceError, KeyValueError) as exc:
+            log.info("plan write lost compare-and-set; replanning", host=host, error=str(exc))
+            self.state.replan_hosts.add(host)
+            self.dirty.set()
+        finally:
             if not written:
-                continue
-            self.state.plans[host] = new
-            self.state.plan_revs[host] = max(rev, self.state.plan_revs.get(host, 0))  # the echo may be newer
-            self.state.plan_stored[host] = True
-            self.state.plan_seen[host] = max(self.state.plan_seen.get(host, 0), new.plan_revision)
-            log.info(
-                "plan written",
-                host=host,
-                plan_revision=new.plan_revision,
-                lanes=[f"{s.lane_id}:{s.ctx_per_slot}x{s.parallel}:{s.cache_type_k or 'f16'}" for s in new.lanes],
-            )
+                if before is None:
+                    self.state.plans.pop(host, None)
+                else:
+                    self.state.plans[host] = before
+        if not written:
+            return
+        self.state.plans[host] = new
+        self.state.plan_revs[host] = max(rev, self.state.plan_revs.get(host, 0))  # the echo may be newer
+        self.state.plan_stored[host] = True
+        self.state.plan_seen[host] = max(self.state.plan_seen.get(host, 0), new.plan_revision)
+        log.info(
+            "plan written",
+            host=host,
+            plan_revision=new.plan_revision,
+            lanes=[f"{s.lane_id}:{s.ctx_per_slot}x{s.parallel}:{s.cache_type_k or 'f16'}" for s in new.lanes],
+        )
 
     async def ensure_config(self) -> None:
         try:

@@ -148,7 +148,9 @@ async def test_out_of_memory_at_start_is_corrected_by_the_next_plan(nats_server,
             return (lane, oom) if oom and lane and lane.state == "healthy" else None
 
         lane, oom = await eventually(healthy_after_oom, timeout=90, what="a smaller lane after the OOM")
-        assert "failed to allocate" in oom[0].detail  # llama-server's own line
+        # llama-server's own line: the KV buffer allocation, or (once the KV fits) its threads'
+        # stacks, fail under the address-space cap.
+        assert "failed to allocate" in oom[0].detail or "Thread creation failed" in oom[0].detail
         assert lane.ctx_total < 32768
         spec = (await fleet_status(nc)).plans[0].lanes[0]
         assert any("ran out of memory" in r for r in spec.reasons)

@@ -169,6 +169,7 @@ def test_kv_lines_are_summed_across_swa_and_full_caches():
     "line, kind",
     [
         ("E ggml_backend_cpu_buffer_type_alloc_buffer: failed to allocate buffer of size 536870912", "oom"),
+        ("libgomp: Thread creation failed: Resource temporarily unavailable", "oom"),
         ('error while handling argument "--cache-type-k": Unsupported cache type: q6_K', "unsupported"),
         ("E llama_init_from_model: quantized V cache requires flash_attn to be enabled", "unsupported"),
         ("error: unknown value for --flash-attn: '--port'", "unsupported"),

@@ -1,0 +1,73 @@
+"""The planner service's state, without NATS: what a KV entry changes and what gets replanned."""
+
+from __future__ import annotations
+
+import msgspec
+
+from planner_svc.service import PlannerState
+from shared import subjects
+from shared.messages import (
+    Demand,
+    FleetConfig,
+    HostReport,
+    ModelFacts,
+    Persona,
+    ServerCaps,
+    encode,
+)
+
+GIB = 2**30
+MODEL = ModelFacts(path="/m/a.gguf", name="a", architecture="llama", n_layer=8, n_embd=512, n_head=8,
+                   n_head_kv=(8,) * 8, head_dim_k=64, head_dim_v=64, n_ctx_train=8192, weight_bytes=GIB)  # fmt: skip
+
+
+def report(host: str, free: int = 8) -> bytes:
+    return encode(HostReport(host_id=host, cpu_cores=4, ram_total=16 * GIB, ram_available=free * GIB,
+                             server=ServerCaps(), models=(MODEL,)))  # fmt: skip
+
+
+def caught_up_state(hosts=("h1", "h2", "h3")) -> PlannerState:
+    state = PlannerState()
+    for i, host in enumerate(hosts):
+        assert state.apply(subjects.report_key(host), report(host), i + 1)
+    state.caught_up = True
+    return state
+
+
+def test_first_replan_covers_every_host_then_only_changed_ones():
+    state = caught_up_state()
+    assert sorted(state.planning_job()()) == ["h1", "h2", "h3"]
+    assert state.planning_job()() == {}  # nothing changed
+    state.apply(subjects.report_key("h2"), report("h2", free=6), 10)
+    assert sorted(state.planning_job()()) == ["h2"]
+
+
+def test_a_single_host_replan_equals_its_part_of_a_full_replan():
+    state = caught_up_state()
+    state.planning_job()()
+    state.apply(subjects.report_key("h2"), report("h2", free=5), 10)
+    alone = state.planning_job()()["h2"]
+    state.replan_all = True
+    assert state.planning_job()()["h2"] == alone
+
+
+def test_config_and_fleet_wide_demand_replan_everything():
+    state = caught_up_state()
+    state.planning_job()()
+    state.apply(subjects.CONFIG_KEY, encode(FleetConfig(kv_cache_type="q8_0")), 20)
+    assert sorted(state.planning_job()()) == ["h1", "h2", "h3"]
+    state.apply(subjects.DEMAND_KEY, encode(Demand(personas=(Persona(model="a", lanes=2),))), 21)
+    state.planning_job()()
+    state.apply(subjects.report_key("h1"), report("h1", free=7), 22)
+    # Two lanes spread over the fleet: one host's change can move a lane elsewhere.
+    assert sorted(state.planning_job()()) == ["h1", "h2", "h3"]
+
+
+def test_malformed_entries_are_dropped_and_a_bad_config_does_not_pin_its_revision():
+    state = caught_up_state()
+    assert not state.apply(subjects.report_key("h1"), b"{nope", 30)
+    assert state.reports["h1"].ram_available == 8 * GIB
+    assert not state.apply(subjects.CONFIG_KEY, b"{nope", 31)
+    assert state.config_revision == 31  # the next config.set compares against this revision
+    mismatched = msgspec.json.decode(report("h9"), type=HostReport)
+    assert not state.apply(subjects.report_key("h1"), encode(mismatched), 32)
