@@ -56,7 +56,15 @@ from launcher_agent.probe import find_llama_server  # noqa: E402
 from launcher_agent.process import http_get, lane_environment  # noqa: E402
 from launcher_agent.supervisor import AgentConfig  # noqa: E402
 from shared import subjects  # noqa: E402
-from shared.messages import ConfigSet, Demand, HostPlan, HostStatus, LaneEvent, Persona, encode  # noqa: E402
+from shared.messages import (  # noqa: E402
+    ConfigSet,
+    Demand,
+    HostPlan,
+    HostStatus,
+    LaneEvent,
+    Persona,
+    encode,
+)
 from shared.natsserver import NatsServer  # noqa: E402
 
 HOST = "bench"
@@ -406,6 +414,19 @@ def by_hand(argv: tuple[str, ...], port: int, log_path: Path) -> tuple[float, fl
     return healthy, stopped
 
 
+class SystemBusy:
+    """Machine-wide CPU busy % (all cores) from now until percent(): other work skews timings."""
+
+    def __init__(self) -> None:
+        self.start = psutil.cpu_times()
+
+    def percent(self) -> float:
+        end = psutil.cpu_times()
+        total = sum(end) - sum(self.start)
+        idle = (end.idle + getattr(end, "iowait", 0.0)) - (self.start.idle + getattr(self.start, "iowait", 0.0))
+        return 100 * (total - idle) / total if total > 0 else float("nan")
+
+
 @dataclass
 class Usage:
     cpu_seconds: float
@@ -516,7 +537,9 @@ async def bench(args: argparse.Namespace, work: Path) -> dict:
         }
         si = len(bus.status)
         print(f"sampling the idle agent for {window:.0f} s ...")
+        busy = SystemBusy()
         idle, wall = await sample_idle(groups, window)
+        busy_idle = busy.percent()
         idle_status_writes = len(bus.status) - si
         for name, u in idle.items():
             print(f"  {name}: {u.cpu_seconds:.3f} CPU s = {u.cpu_percent:.2f}% of a core, "
@@ -533,28 +556,24 @@ async def bench(args: argparse.Namespace, work: Path) -> dict:
         await bus.wait(lambda: _steady(bus, 1), 60, "1 healthy lane", on_idle=watch_agent)
         await asyncio.sleep(1.0)
         single: list[Change] = []
-        argvs: list[tuple[str, ...]] = []
+        hand: list[tuple[float, float]] = []
+        avoid = range(port_base, port_base + 16)
+        busy_launch = SystemBusy()
         for i in range(n):
+            # Through lanes, then by hand with the argv the lane runs now: each pair sees the
+            # same machine (another process's burst hits both, not only one side).
             value = None if i % 2 == 0 else "q8_0"  # it runs q8_0 now: unset, q8_0, unset ...
             c = await change_config(bus, {"kv_cache_type": value}, 60)
             single.append(c)
-            argvs.append(tuple(bus.status[-1][1].lanes[0].argv))
+            argv = tuple(bus.status[-1][1].lanes[0].argv)
             CLEANUP.lane_pids.update(lane.pid for lane in bus.status[-1][1].lanes if lane.pid)
-            print(
-                f"  toggle {i + 1}/{n} (kv_cache_type={value or 'unset'}): healthy {c.all_healthy:.3f} s after the reply"
-            )
-            await asyncio.sleep(0.5)
-        if len(argvs) == 1:
-            argvs.append(tuple(bus.status[-1][1].lanes[0].argv))
-
-        # ---- 2c. by hand: the same argv (alternating the two configs), another port
-        hand: list[tuple[float, float]] = []
-        avoid = range(port_base, port_base + 16)
-        for i in range(n):
-            argv = argvs[i % 2]
+            await asyncio.sleep(0.3)
             h = await asyncio.to_thread(by_hand, argv, free_port(avoid), logs / f"by-hand-{i}.log")
             hand.append(h)
-            print(f"  by hand {i + 1}/{n}: healthy {h[0]:.3f} s, stop {h[1]:.3f} s")
+            print(f"  {i + 1}/{n} kv_cache_type={value or 'unset'}: through lanes {c.all_healthy * 1000:.0f} ms, "
+                  f"by hand {h[0] * 1000:.0f} ms (stop {h[1] * 1000:.0f} ms)")  # fmt: skip
+            await asyncio.sleep(0.3)
+        busy_launch = busy_launch.percent()
     finally:
         await bus.close()
 
@@ -568,7 +587,8 @@ async def bench(args: argparse.Namespace, work: Path) -> dict:
         "four": four,
         "single": single,
         "hand": hand,
-        "argvs": argvs,
+        "busy_idle": busy_idle,
+        "busy_launch": busy_launch,
     }
 
 
@@ -646,6 +666,11 @@ def git_state() -> str:
     return commit + (f" with uncommitted changes to {', '.join(sorted(dirty))}" if dirty else " (clean tree)")
 
 
+def spread(values) -> str:
+    values = [v for v in values if not math.isnan(v)]
+    return f"{ms(min(values))} | {ms(max(values))}" if values else "n/a | n/a"
+
+
 def render(r: dict, args: argparse.Namespace, command: str) -> str:
     idle, four, single, hand = r["idle"], r["four"], r["single"], r["hand"]
     hand_up = med(h[0] for h in hand)
@@ -661,7 +686,7 @@ def render(r: dict, args: argparse.Namespace, command: str) -> str:
         "# Agent overhead and launch latency",
         "",
         f"- Date: {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC",
-        f"- lanes commit: {git_state()}",
+        f"- lanes commit: {r['git']}",
         f"- llama-server: `{r['binary']}`, {llama_version(r['binary'])}",
         f"- Agent control loop: {tick_line}",
         f"- Mode: {'--small' if args.small else 'full'}: idle window {r['window']:.1f} s, N = {r['n']}",
@@ -699,32 +724,44 @@ def render(r: dict, args: argparse.Namespace, command: str) -> str:
         "",
         "## Launch: by hand vs through lanes",
         "",
-        "By hand: the lane's exact argv (alternating the two configs below), another free port; time",
-        "from spawn to the first `/health` 200, polled every 10 ms; then SIGTERM to exit.",
+        "By hand: the argv the lane runs after each change below, on another free port; time from",
+        "spawn to the first `/health` 200, polled every 10 ms; then SIGTERM to exit. Each by-hand run",
+        "follows its change through lanes, so both sides of a pair see the same machine.",
         "Through lanes: `config.set` (the request `lanes config set` sends) toggling `kv_cache_type`",
         "between q8_0 and unset (f16); time from the reply to the agent's status in KV showing the lane",
         "healthy with the new argv. A restart also stops the old process first, which by hand does not.",
         "",
-        f"| measure (median of {r['n']}) | ms |",
-        "|---|---|",
-        f"| by hand: spawn -> /health 200 | {ms(hand_up)} |",
-        f"| by hand: SIGTERM -> exit | {ms(hand_stop)} |",
-        f"| through lanes, 1 lane: config.set reply -> lane healthy in status | {ms(lanes_up)} |",
-        f"| **ratio lanes / by hand (spawn -> healthy)** | **{ratio:.2f}x** |",
-        f"| ratio lanes / by hand (stop + spawn -> healthy) | {lanes_up / (hand_up + hand_stop):.2f}x |",
+        f"| measure ({r['n']} runs) | median ms | min ms | max ms |",
+        "|---|---|---|---|",
+        f"| by hand: spawn -> /health 200 | {ms(hand_up)} | {spread(h[0] for h in hand)} |",
+        f"| by hand: SIGTERM -> exit | {ms(hand_stop)} | {spread(h[1] for h in hand)} |",
+        (
+            f"| through lanes, 1 lane: config.set reply -> lane healthy in status | {ms(lanes_up)} "
+            f"| {spread(c.all_healthy for c in single)} |"
+        ),
+        f"| **ratio lanes / by hand (spawn -> healthy), medians** | **{ratio:.2f}x** | | |",
+        f"| ratio lanes / by hand (stop + spawn -> healthy), medians | {lanes_up / (hand_up + hand_stop):.2f}x | | |",
         "",
-        "Every 1-lane change, ms after the config.set reply:",
+        "A single slow llama-server start (the bench's own `/health` poll sees it too, so it is the",
+        "server or the machine, not the agent) shows up as the max; compare medians. Machine-wide CPU",
+        (
+            f"busy (all {psutil.cpu_count()} cores) during these runs: {r['busy_launch']:.0f}% (llama-server "
+            f"start-ups included); during the idle window: {r['busy_idle']:.1f}%. Far above the lanes' own share, other"
+        ),
+        "work was running: llama-server's start-up slows down sharply when it has to share the cores.",
+        "",
+        "Every 1-lane change, ms after the config.set reply, and its by-hand twin:",
         "",
         (
             "| # | config | request round trip | plan in KV | old lane exited | new lane spawned (event) "
-            "| /health 200 (bench poll) | healthy (event) | healthy in status |"
+            "| /health 200 (bench poll) | healthy (event) | healthy in status | by hand |"
         ),
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for i, (c, pl) in enumerate(zip(single, lane, strict=True)):
+    for i, (c, pl, h) in enumerate(zip(single, lane, hand, strict=True)):
         cfg = "unset (f16)" if i % 2 == 0 else "q8_0"
         lines.append(f"| {i + 1} | {cfg} | {ms(c.request)} | {ms(c.plan)} | {ms(pl['old_exit'])} | {ms(pl['started'])} "
-                     f"| {ms(pl['served'])} | {ms(pl['healthy_event'])} | {ms(pl['status'])} |")  # fmt: skip
+                     f"| {ms(pl['served'])} | {ms(pl['healthy_event'])} | {ms(pl['status'])} | {ms(h[0])} |")  # fmt: skip
     four_rows = sorted(four.per_lane.items(), key=lambda kv: kv[1]["status"])
     lines += [
         "",
@@ -793,7 +830,10 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="lanes-agent-bench-"))
     ok = False
     try:
+        git_before = git_state()
         result = asyncio.run(bench(args, work))
+        git_after = git_state()
+        result["git"] = git_before if git_after == git_before else f"{git_before}; at the end of the run: {git_after}"
         ok = True
     except KeyboardInterrupt:
         print("interrupted; cleaning up", file=sys.stderr)

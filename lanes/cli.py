@@ -125,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report-interval", type=float, default=30.0)
     p.add_argument("--max-ram", type=_size, help="RAM lanes may plan for on this host, e.g. 8GiB")
     p.add_argument("--data", default=None, help="agent state folder (default ~/.lanes/agent)")
+    p.add_argument("--dry-run", action="store_true", help="log each lane's argv instead of launching it")
 
     p = sub.add_parser("status", help="hosts, lanes, planned vs used memory, health")
     _add_connection(p)

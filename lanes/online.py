@@ -60,6 +60,7 @@ def agent_config(args: argparse.Namespace, data_dir: Path) -> AgentConfig:
         bind=getattr(args, "bind", "127.0.0.1"),
         report_interval=getattr(args, "report_interval", 30.0),
         max_ram=getattr(args, "max_ram", None),
+        dry_run=getattr(args, "dry_run", False),
     )
 
 

@@ -189,3 +189,38 @@ class LaneProcess:
             return True
         except (psutil.TimeoutExpired, psutil.Error):
             return isinstance(self.returncode, int)
+
+
+class DryRunLane(LaneProcess):
+    """A lane that is not launched: its argv is logged and it reports healthy at once.
+
+    `lanes agent --dry-run` shows what an agent would run; the convergence benchmark
+    drives hundreds of real agents with it.
+    """
+
+    def __init__(self, spec: LaneSpec, binary: str, log_path: Path) -> None:
+        super().__init__(spec, binary, log_path)
+        self._stopped = False
+
+    async def start(self) -> None:
+        self.tail.append("dry run: " + " ".join(self.argv))
+
+    @property
+    def pid(self) -> int | None:
+        return None
+
+    @property
+    def returncode(self) -> int | None:
+        return 0 if self._stopped else None
+
+    def rss(self) -> int | None:
+        return None
+
+    def read_log(self) -> None:
+        pass
+
+    async def probe_health(self) -> tuple[str, str]:
+        return "healthy", ""
+
+    async def stop(self, timeout: float = 10.0) -> None:
+        self._stopped = True

@@ -202,6 +202,7 @@ async def _report_loop(agent: Agent, stop: asyncio.Event) -> None:
 
 async def _control_loop(agent: Agent, stop: asyncio.Event) -> None:
     while not stop.is_set():
+        agent.sup.wake.clear()  # before the pass: a wake-up set during it starts the next at once
         now = time.monotonic()
         try:
             await agent.sup.supervise(now)
@@ -209,7 +210,6 @@ async def _control_loop(agent: Agent, stop: asyncio.Event) -> None:
             await agent.publish_status()
         except Exception:
             log.exception("control loop error")
-        agent.sup.wake.clear()
         # A lane coming up is polled often, so it is reported healthy soon after it is.
         tick = STARTING_TICK if agent.sup.starting() else agent.cfg.tick
         try:

@@ -17,7 +17,7 @@ from pathlib import Path
 import msgspec
 import structlog
 
-from launcher_agent.process import LaneProcess
+from launcher_agent.process import DryRunLane, LaneProcess
 from launcher_agent.reconcile import (
     MAX_FAILURES,
     Observed,
@@ -80,6 +80,7 @@ class AgentConfig:
     tick: float = 0.5
     max_ram: int | None = None  # an operator's cap on what lanes may plan for here
     backoff_base: float = 1.0
+    dry_run: bool = False  # log the argv of each lane instead of launching it
 
 
 async def _no_event(lane: Lane, event: str, detail: str = "") -> None:
@@ -257,11 +258,13 @@ class Supervisor:
                 await self._start(action.spec, previous=old)
             elif isinstance(action, Start):
                 await self._start(action.spec)
-        self._save()
+        if actions:
+            self._save()
+            self.wake.set()  # look at the new lanes at once rather than a tick later
 
     async def _start(self, spec: LaneSpec, previous: Lane | None = None) -> None:
         log_path = self.cfg.data_dir / "lanes" / f"{spec.lane_id}.log"
-        process = LaneProcess(spec, self.cfg.binary, log_path)
+        process = (DryRunLane if self.cfg.dry_run else LaneProcess)(spec, self.cfg.binary, log_path)
         lane = Lane(spec=spec, process=process, plan_revision=self.plan.plan_revision if self.plan else 0)
         if previous is not None:
             lane.last_good = previous.last_good
@@ -313,7 +316,7 @@ class Supervisor:
         for lane_id, pid in saved.pids.items():
             spec = specs.get(lane_id)
             log_path = self.cfg.data_dir / "lanes" / f"{lane_id}.log"
-            proc = LaneProcess.adopt(spec, self.cfg.binary, log_path, pid) if spec else None
+            proc = LaneProcess.adopt(spec, self.cfg.binary, log_path, pid) if spec and not self.cfg.dry_run else None
             if proc is not None:
                 self.lanes[lane_id] = Lane(spec=spec, process=proc, state="loading")
                 log.info("adopted running lane", lane=lane_id, pid=pid)

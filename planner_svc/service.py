@@ -38,7 +38,7 @@ from shared.messages import (
 
 log = structlog.get_logger("lanes.planner")
 VERSION = "0.1.0"
-SETTLE_SECONDS = 0.02  # a burst of changes (a config set, many reports) becomes one replan
+SETTLE_SECONDS = 0.005  # a burst of changes (a config set, many reports) becomes one replan
 WRITE_CONCURRENCY = 64
 
 
