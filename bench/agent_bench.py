@@ -743,12 +743,14 @@ def render(r: dict, args: argparse.Namespace, command: str) -> str:
         f"| ratio lanes / by hand (stop + spawn -> healthy), medians | {lanes_up / (hand_up + hand_stop):.2f}x | | |",
         "",
         "A single slow llama-server start (the bench's own `/health` poll sees it too, so it is the",
-        "server or the machine, not the agent) shows up as the max; compare medians. Machine-wide CPU",
+        "server or the machine, not the agent) shows up as the max; compare medians.",
+        "",
         (
-            f"busy (all {psutil.cpu_count()} cores) during these runs: {r['busy_launch']:.0f}% (llama-server "
-            f"start-ups included); during the idle window: {r['busy_idle']:.1f}%. Far above the lanes' own share, other"
+            f"Machine-wide CPU busy (all {psutil.cpu_count()} cores): {r['busy_idle']:.1f}% during the idle window, "
+            f"{r['busy_launch']:.0f}% during these launches (their own llama-server start-ups included). The"
         ),
-        "work was running: llama-server's start-up slows down sharply when it has to share the cores.",
+        "bench's own processes account for about 1% in the idle window: more means other work was running,",
+        "and llama-server's start-up slows down sharply (tens of ms become hundreds) when it shares the cores.",
         "",
         "Every 1-lane change, ms after the config.set reply, and its by-hand twin:",
         "",

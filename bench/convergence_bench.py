@@ -91,7 +91,12 @@ def summary(latencies: list[float]) -> dict:
     }
 
 
-async def control_plane(url: str, n: int, trials: int, models: Path, data: Path) -> list[dict]:
+def cpu_seconds(pid: int) -> float:
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+async def control_plane(url: str, n: int, trials: int, models: Path, data: Path, planner_pid: int) -> list[dict]:
     caps = ServerCaps()
     stop = asyncio.Event()
     hosts = [f"sim-{i:04d}" for i in range(n)]
@@ -159,25 +164,28 @@ async def control_plane(url: str, n: int, trials: int, models: Path, data: Path)
         assert "Nats-Service-Error" not in (reply.headers or {}), reply.headers
         await all_on(kind)
         results.append([t - started for _, t in seen.values()])
+        if trial == 0:
+            cpu_from = (cpu_seconds(os.getpid()), cpu_seconds(planner_pid))
+    cpu_to = (cpu_seconds(os.getpid()), cpu_seconds(planner_pid))
+    cpu = {"agents_cpu_s": (cpu_to[0] - cpu_from[0]) / trials, "planner_cpu_s": (cpu_to[1] - cpu_from[1]) / trials}
     watcher_task.cancel()
     stop.set()
     await asyncio.gather(*tasks, return_exceptions=True)
     await client.close()
-    return [summary(r) for r in results[1:]]
+    return [summary(r) | cpu for r in results[1:]]
 
 
 def median_of(trials: list[dict], key: str) -> float:
     return statistics.median(t[key] for t in trials)
 
 
-async def run(agent_counts: list[int], trials: int) -> tuple[list[dict], float, float]:
+async def run(agent_counts: list[int], trials: int) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         models = tmp / "models"
         models.mkdir()
         write_llama(models / "m.gguf", n_layer=2, n_ctx_train=4096)
-        planner_cpu = agents_cpu = 0.0
         for n in agent_counts:
             server = NatsServer(tmp / f"nats-{n}").start()
             planner = subprocess.Popen(
@@ -186,12 +194,7 @@ async def run(agent_counts: list[int], trials: int) -> tuple[list[dict], float, 
             )  # fmt: skip
             try:
                 baseline = await bus_baseline(server.url, n, trials)
-                me = psutil.Process()
-                cpu0, pcpu0 = me.cpu_times(), psutil.Process(planner.pid).cpu_times()
-                plane = await control_plane(server.url, n, trials, models, tmp / f"agents-{n}")
-                cpu1, pcpu1 = me.cpu_times(), psutil.Process(planner.pid).cpu_times()
-                agents_cpu = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
-                planner_cpu = (pcpu1.user + pcpu1.system) - (pcpu0.user + pcpu0.system)
+                plane = await control_plane(server.url, n, trials, models, tmp / f"agents-{n}", planner.pid)
             finally:
                 planner.terminate()
                 planner.wait(10)
@@ -200,8 +203,8 @@ async def run(agent_counts: list[int], trials: int) -> tuple[list[dict], float, 
                 "agents": n,
                 "plane": {k: median_of(plane, k) for k in ("p50", "p99", "max")},
                 "bus": {k: median_of(baseline, k) for k in ("p50", "p99", "max")},
-                "planner_cpu_s": planner_cpu,
-                "agents_cpu_s": agents_cpu,
+                "planner_cpu_s": plane[0]["planner_cpu_s"],
+                "agents_cpu_s": plane[0]["agents_cpu_s"],
             }
             row["ratio_max"] = row["plane"]["max"] / row["bus"]["max"]
             row["ratio_p50"] = row["plane"]["p50"] / row["bus"]["p50"]
@@ -212,7 +215,7 @@ async def run(agent_counts: list[int], trials: int) -> tuple[list[dict], float, 
                 f" p50 {row['bus']['p50'] * 1000:6.1f} ms all {row['bus']['max'] * 1000:6.1f} ms"
                 f" | ratio all {row['ratio_max']:.1f}x"
             )
-    return rows, planner_cpu, agents_cpu
+    return rows
 
 
 def write(rows: list[dict], trials: int, out: Path, command: str) -> None:
@@ -228,15 +231,16 @@ def write(rows: list[dict], trials: int, out: Path, command: str) -> None:
         "  planner as its own process, all agents in one process (real agent code, dry-run lanes), the",
         "  measuring client in the agents' process: on 2 cores they compete for the CPU.",
         "",
-        "| agents | applied p50 ms | p99 ms | all ms | bus fan-out p50 ms | p99 ms | all ms | ratio (all) | ratio (p50) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| agents | applied p50 ms | p99 ms | all ms | bus fan-out p50 ms | p99 ms | all ms | ratio (all) | ratio (p50) "
+        "| agents' CPU ms per change | planner CPU ms per change |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         p, b = r["plane"], r["bus"]
         lines.append(
             f"| {r['agents']} | {p['p50'] * 1000:.1f} | {p['p99'] * 1000:.1f} | {p['max'] * 1000:.1f} | "
             f"{b['p50'] * 1000:.1f} | {b['p99'] * 1000:.1f} | {b['max'] * 1000:.1f} | {r['ratio_max']:.1f}x | "
-            f"{r['ratio_p50']:.1f}x |"
+            f"{r['ratio_p50']:.1f}x | {r['agents_cpu_s'] * 1000:.0f} | {r['planner_cpu_s'] * 1000:.0f} |"
         )
     lines += [
         "",
@@ -256,7 +260,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "bench" / "convergence_results.md"))
     args = parser.parse_args()
     setup_logging("error")
-    rows, _, _ = asyncio.run(run(args.agents, args.trials))
+    rows = asyncio.run(run(args.agents, args.trials))
     write(rows, args.trials, Path(args.out), "python bench/convergence_bench.py " + " ".join(sys.argv[1:]))
 
 

@@ -98,6 +98,7 @@ class Supervisor:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     # Changes each time the agent starts: tells a fresh status from one a dead agent left.
     session: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    _saved: bytes = b""  # what the state file holds
 
     @property
     def state_file(self) -> Path:
@@ -298,13 +299,19 @@ class Supervisor:
     # ------------------------------------------------------------ persistence (restart adoption)
 
     def _save(self) -> None:
+        """Write the applied plan and the lanes' pids, when they changed (atomically)."""
         saved = _Saved(
             plan=self.plan, pids={k: v.process.pid for k, v in self.lanes.items() if v.process and v.process.pid}
         )
-        self.cfg.data_dir.mkdir(parents=True, exist_ok=True)
+        data = msgspec.json.encode(saved)
+        if data == self._saved:
+            return
+        if not self._saved:
+            self.cfg.data_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.state_file.with_suffix(".tmp")
-        tmp.write_bytes(msgspec.json.encode(saved))
+        tmp.write_bytes(data)
         tmp.replace(self.state_file)
+        self._saved = data
 
     def load_saved(self) -> None:
         try:

@@ -1,0 +1,37 @@
+"""Each benchmark script runs on a small size (no timing is asserted: that is what bench/ is for)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)  # fmt: skip
+
+
+def test_planner_bench_small(tmp_path):
+    out = tmp_path / "planner.md"
+    result = run("planner_bench.py", "--small", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    text = out.read_text()
+    assert "| 100 | 300 |" in text and "One host's report changing in a fleet of 100" in text
+
+
+def test_convergence_bench_small(tmp_path):
+    out = tmp_path / "convergence.md"
+    result = run("convergence_bench.py", "--agents", "5", "--trials", "1", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "| 5 |" in out.read_text()
+
+
+def test_kv_bench_quick(tmp_path):
+    out = tmp_path / "kv.md"
+    result = run("kv_bench.py", "--quick", "--out", str(out), timeout=600)
+    assert result.returncode == 0, result.stderr
+    text = out.read_text()
+    assert "KV size predicted exactly" in text and "Fixed-divisor windows" in text
