@@ -123,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port-count", type=int, default=16)
     p.add_argument("--bind", default="127.0.0.1", help="address lanes listen on")
     p.add_argument("--report-interval", type=float, default=30.0)
+    p.add_argument("--tick", type=float, default=0.5, help="seconds between control passes while no lane is starting")
     p.add_argument("--max-ram", type=_size, help="RAM lanes may plan for on this host, e.g. 8GiB")
     p.add_argument("--data", default=None, help="agent state folder (default ~/.lanes/agent)")
     p.add_argument("--dry-run", action="store_true", help="log each lane's argv instead of launching it")

@@ -59,6 +59,7 @@ def agent_config(args: argparse.Namespace, data_dir: Path) -> AgentConfig:
         port_count=getattr(args, "port_count", 16),
         bind=getattr(args, "bind", "127.0.0.1"),
         report_interval=getattr(args, "report_interval", 30.0),
+        tick=getattr(args, "tick", 0.5),
         max_ram=getattr(args, "max_ram", None),
         dry_run=getattr(args, "dry_run", False),
     )

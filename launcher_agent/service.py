@@ -28,7 +28,7 @@ from shared.messages import HostPlan, HostReport, LaneEvent, PlanRejected, encod
 
 log = structlog.get_logger("lanes.agent")
 VERSION = "0.1.0"
-STARTING_TICK = 0.05
+STARTING_TICK = 0.02
 
 __all__ = ["AgentConfig", "run_agent", "default_host_id"]
 
@@ -206,6 +206,7 @@ async def _control_loop(agent: Agent, stop: asyncio.Event) -> None:
         now = time.monotonic()
         try:
             await agent.sup.supervise(now)
+            await agent.publish_status()  # a lane that came up is told before the next one restarts
             await agent.sup.reconcile(now)
             await agent.publish_status()
         except Exception:
