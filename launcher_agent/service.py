@@ -129,8 +129,9 @@ class Agent:
         if not force and comparable == self._last_status:
             return
         try:
-            await self.kv.put(subjects.status_key(self.host), data)
+            # The plain publish first: it leaves in the same write as the KV put's request.
             await self.nc.publish(subjects.telemetry_subject(self.host), data)
+            await self.kv.put(subjects.status_key(self.host), data)
             self._last_status = comparable
         except Exception as exc:
             log.info("status not published", error=str(exc) or type(exc).__name__)
