@@ -49,6 +49,7 @@ sys.path.insert(1, str(ROOT / "tests"))
 import msgspec  # noqa: E402
 import nats  # noqa: E402
 import psutil  # noqa: E402
+from fixtures_bus import free_port_base  # noqa: E402
 from tinymodels import write_llama  # noqa: E402
 
 from launcher_agent import service as agent_service  # noqa: E402
@@ -124,22 +125,6 @@ def _terminate(proc: subprocess.Popen, timeout: float) -> None:
 
 CLEANUP = Cleanup()
 atexit.register(CLEANUP.run)
-
-
-def free_port_base(count: int = 16) -> int:
-    import random
-
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 60000, count)
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free port range")
 
 
 def free_port(avoid: range) -> int:
