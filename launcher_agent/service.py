@@ -186,8 +186,13 @@ async def _nats_side(agent: Agent, servers: str, auth: NatsAuth, stop: asyncio.E
     async def info_handler(req: Request) -> None:
         await req.respond(encode(agent.report()))
 
-    await group.add_endpoint(name="status", subject="status", handler=status_handler)
-    await group.add_endpoint(name="info", subject="info", handler=info_handler)
+    where = subjects.agent_group(agent.host)
+    await group.add_endpoint(
+        name="status", subject=subjects.endpoint_tail(subjects.agent_status(agent.host), where), handler=status_handler
+    )
+    await group.add_endpoint(
+        name="info", subject=subjects.endpoint_tail(subjects.agent_info(agent.host), where), handler=info_handler
+    )
     await agent.publish_report()
     await watch_forever(agent.kv, subjects.plan_key(agent.host), agent.on_plan, resync=agent.resync, stop=stop)
 

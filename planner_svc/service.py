@@ -340,16 +340,17 @@ class PlannerService:
         stack.push_async_callback(quietly(svc.stop))
         group = svc.add_group(name=subjects.PLANNER_GROUP)
         for name, subject, handler in (
-            ("config_get", "config.get", self._config_get),
-            ("config_set", "config.set", self._config_set),
-            ("demand_set", "demand.set", self._demand_set),
-            ("plan_get", "plan.get", self._plan_get),
-            ("plan_explain", "plan.explain", self._plan_explain),
-            ("fleet_status", "fleet.status", self._fleet_status),
-            ("status", "status", self._fleet_status),
-            ("info", "info", self._info),
+            ("config_get", subjects.CONFIG_GET, self._config_get),
+            ("config_set", subjects.CONFIG_SET, self._config_set),
+            ("demand_set", subjects.DEMAND_SET, self._demand_set),
+            ("plan_get", subjects.PLAN_GET, self._plan_get),
+            ("plan_explain", subjects.PLAN_EXPLAIN, self._plan_explain),
+            ("fleet_status", subjects.FLEET_STATUS, self._fleet_status),
+            ("status", subjects.PLANNER_STATUS, self._fleet_status),
+            ("info", subjects.PLANNER_INFO, self._info),
         ):
-            await group.add_endpoint(name=name, subject=subject, handler=handler)
+            tail = subjects.endpoint_tail(subject, subjects.PLANNER_GROUP)
+            await group.add_endpoint(name=name, subject=tail, handler=handler)
 
 
 async def run_planner(servers: str, stop: asyncio.Event, auth: NatsAuth = NatsAuth(), replicas: int = 1) -> None:

@@ -46,7 +46,6 @@ def status_key(host_id: str) -> str:
 
 
 PLAN_KEYS = "plan.*"
-REPORT_KEYS = "report.*"
 STATUS_KEYS = "status.*"
 
 
@@ -88,3 +87,18 @@ PLANNER_INFO = f"{PLANNER_GROUP}.info"
 
 def agent_group(host_id: str) -> str:
     return f"{PREFIX}.agent.{host_token(host_id)}"
+
+
+def agent_status(host_id: str) -> str:
+    return f"{agent_group(host_id)}.status"
+
+
+def agent_info(host_id: str) -> str:
+    return f"{agent_group(host_id)}.info"
+
+
+def endpoint_tail(subject: str, group: str) -> str:
+    """An endpoint's subject inside its micro-service group (the group adds the prefix)."""
+    if not subject.startswith(group + "."):
+        raise ValueError(f"{subject!r} is not in group {group!r}")
+    return subject[len(group) + 1 :]
