@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 import msgspec
-import pytest
 from fixtures_bus import agent_config, client, eventually, fake_binary, fleet_status, free_port_base, lane_of, services
 from ops_helpers import REPO, Procs, kill_lanes_under, lease_holder, plans
 
@@ -21,14 +20,6 @@ from shared.bus import kv_bucket
 from shared.messages import ConfigSet, Demand, HostStatus, Persona, encode
 
 QUIET_SECONDS = 60.0
-
-
-@pytest.fixture
-def models(tmp_path, tiny_models):
-    folder = tmp_path / "models"
-    folder.mkdir()
-    shutil.copy(tiny_models["llama8"], folder / "llama8.gguf")
-    return folder
 
 
 async def _config_set(nc, **changes):
@@ -166,7 +157,7 @@ async def test_a_dead_host_is_lost_its_lanes_move_and_it_comes_back(nats_server,
                     return status
                 return None
 
-            status = await eventually(moved, timeout=30, what=f"{victim} lost, its lane re-placed on {other}")
+            await eventually(moved, timeout=30, what=f"{victim} lost, its lane re-placed on {other}")
             # The lost host's plan is kept as it was: a partitioned host keeps serving.
             assert (await plans(nc))[victim] == victim_plan
             shown = await _status_json(nats_server.url)

@@ -40,11 +40,8 @@ def _check(p: HostPlan, folder: Path) -> str | None:
 
 
 @pytest.fixture
-def folder(tmp_path, tiny_models) -> Path:
-    f = tmp_path / "models"
-    f.mkdir()
-    shutil.copy(tiny_models["llama8"], f / "llama8.gguf")
-    return f
+def folder(models) -> Path:
+    return models
 
 
 def _as_previous_schema(p: HostPlan) -> bytes:
