@@ -42,6 +42,8 @@ class Lifecycle:
             lane.last_good = previous.last_good
             if previous.spec.args == spec.args:
                 lane.failures, lane.restarts = previous.failures, previous.restarts + 1
+            elif previous.last_good is not None and previous.last_good.args == spec.args:
+                await self.emit(lane, "rolled_back", "back to the spec it last ran healthy with")
         try:
             await process.start()
         except OSError as exc:

@@ -162,6 +162,22 @@ class LaneProcess:
             )
         return "healthy", ""
 
+    async def alive(self, timeout: float) -> bool:
+        """Does the serving lane still answer /health? (Cheap: no request reaches the model.)"""
+        status, _ = await http_get(self.spec.bind, self.spec.port, "/health", timeout=timeout)
+        return status == 200
+
+    async def kill(self) -> None:
+        """SIGKILL: a wedged (even SIGSTOPped) process cannot be asked to stop."""
+        pid = self.pid
+        if pid is None or self.returncode is not None:
+            return
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        await self._wait(5.0)
+
     async def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM; a second SIGTERM after a few seconds (llama-server can miss one sent just
         after start-up, and a second interrupt makes it exit at once); SIGKILL as a last resort."""
@@ -221,6 +237,12 @@ class DryRunLane(LaneProcess):
 
     async def probe_health(self) -> tuple[str, str]:
         return "healthy", ""
+
+    async def alive(self, timeout: float) -> bool:
+        return True
+
+    async def kill(self) -> None:
+        self._stopped = True
 
     async def stop(self, timeout: float = 10.0) -> None:
         self._stopped = True

@@ -180,7 +180,7 @@ def decide(
         if obs is None:
             continue
         if obs.spec.args != spec.args:
-            if obs.state in ("crashed", "failed", "mismatch"):
+            if obs.state in ("crashed", "failed", "mismatch", "unresponsive"):
                 restarts.append(Restart(spec, "spec changed (lane was down)"))
             elif budget > 0:
                 restarts.append(Restart(spec, "spec changed"))

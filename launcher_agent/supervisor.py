@@ -45,7 +45,14 @@ class Supervisor:
 
     def __post_init__(self) -> None:
         self.procs = Lifecycle(self.cfg, self.emit)
-        self.health = Health(self.emit, self.feedback, self.cfg.backoff_base)
+        self.health = Health(
+            self.emit,
+            self.feedback,
+            self.cfg.backoff_base,
+            probe_interval=self.cfg.probe_interval,
+            probe_failures=self.cfg.probe_failures,
+            probe_timeout=self.cfg.probe_timeout,
+        )
         self.store = StateFile(self.cfg.data_dir / "agent-state.json")
 
     @property

@@ -271,7 +271,9 @@ class HostStatus(_Msg, tag="host_status", kw_only=True):
 class LaneEvent(_Msg, tag="lane_event", kw_only=True):
     host_id: Name
     lane_id: Name
-    event: Literal["started", "healthy", "unresponsive", "crashed", "stopped", "failed", "mismatch", "rejected"]
+    event: Literal[
+        "started", "healthy", "unresponsive", "crashed", "stopped", "failed", "mismatch", "rejected", "rolled_back"
+    ]
     detail: str = ""
     pid: int | None = None
 

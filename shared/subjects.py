@@ -99,6 +99,11 @@ def agent_info(host_id: str) -> str:
     return f"{agent_group(host_id)}.info"
 
 
+def agent_inbox(host_id: str) -> str:
+    """The inbox prefix of an agent's connection: its replies, and no one else's."""
+    return f"_INBOX_{host_token(host_id)}"
+
+
 def endpoint_tail(subject: str, group: str) -> str:
     """An endpoint's subject inside its micro-service group (the group adds the prefix)."""
     if not subject.startswith(group + "."):

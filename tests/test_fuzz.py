@@ -53,6 +53,7 @@ from shared.messages import (
     HostReport,
     HostStatus,
     LaneSpec,
+    PlannerLease,
     PlanRejected,
     encode,
 )
@@ -298,6 +299,18 @@ class Fleet:
         self.plan_entry = await self.kv.get(subjects.plan_key(HOST))
         self.plan = json.loads(self.plan_entry.value)
         self.config = msgspec.json.decode((await self.nc.request(subjects.CONFIG_GET, b"", timeout=5)).data, type=FleetConfig)
+
+    async def planner_active(self, active: bool) -> bool:
+        status = msgspec.json.decode((await self.nc.request(subjects.FLEET_STATUS, b"", timeout=5)).data, type=FleetStatus)
+        return status.planner_active == active
+
+    async def hold_lease(self) -> None:
+        await self.kv.put(subjects.LEASE_KEY, encode(PlannerLease(holder="fuzz-test", ttl=3600.0)))
+        await eventually(lambda: self.planner_active(False), timeout=20, what="the planner stands by")
+
+    async def release_lease(self) -> None:
+        await self.kv.delete(subjects.LEASE_KEY)
+        await eventually(lambda: self.planner_active(True), timeout=20, what="the planner is active again")
 
     async def agent_status(self) -> HostStatus:
         reply = await self.nc.request(f"{subjects.agent_group(HOST)}.status", b"", timeout=5)
@@ -617,9 +630,16 @@ def _fuzz_plans(fleet, data):
     if not verdict:
         event("acceptable plan, not sent")
         return
+    if value == getattr(fleet, "last_bad_plan", None):
+        event("same entry again, not sent")  # the agent acts on a changed entry only
+        return
+    fleet.last_bad_plan = value
     event("decodes" if decodes(value, HostPlan) else "malformed")
     fleet.sent_bad_plans += 1
+    expected = len(fleet.rejected) + 1
     fleet.run(fleet.kv.put(subjects.plan_key(HOST), value))
+    # The agent reads its key's latest value when it is written: the next write waits for its answer.
+    fleet.run(eventually(lambda: len(fleet.rejected) >= expected, timeout=10, interval=0.005, what="rejection"))
 
 
 def test_fuzz_plans(fleet):
@@ -636,7 +656,14 @@ def test_fuzz_plans(fleet):
     )
     rejected_before = len(fleet.rejected)
     dropped_before = fleet.dropped(subjects.plan_key(HOST))
-    _fuzz_plans(fleet)
+    # The planner rewrites any plan it did not write; the agent reads its key's latest value,
+    # so a rewrite could overtake a bad plan. The test holds the planner's lease meanwhile
+    # (the planner stands by: it follows the bucket and writes nothing).
+    fleet.run(fleet.hold_lease())
+    try:
+        _fuzz_plans(fleet)
+    finally:
+        fleet.run(fleet.release_lease())
     assert fleet.sent_bad_plans > 200
     fleet.run(eventually(lambda: len(fleet.rejected) - rejected_before >= fleet.sent_bad_plans, timeout=20,
                          what=f"{fleet.sent_bad_plans} rejections"))  # fmt: skip

@@ -6,18 +6,31 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 
 import msgspec
-from fixtures_bus import agent_config, client, eventually, fake_binary, fleet_status, free_port_base, lane_of, services
+from fixtures_bus import (
+    agent_config,
+    client,
+    eventually,
+    fake_binary,
+    fleet_status,
+    free_port_base,
+    host_status,
+    lane_of,
+    pid_alive,
+    services,
+)
 from ops_helpers import REPO, Procs, kill_lanes_under, lease_holder, plans
 
 from shared import subjects
 from shared.bus import kv_bucket
-from shared.messages import ConfigSet, Demand, HostStatus, Persona, encode
+from shared.messages import ConfigSet, Demand, HostStatus, LaneEvent, Persona, encode
 
 QUIET_SECONDS = 60.0
 
@@ -207,3 +220,47 @@ async def test_config_and_plan_revisions_count_changes(nats_server, tmp_path, mo
 async def _plan_rev(nc, at_least: int = 1) -> bool:
     found = await plans(nc)
     return "h1" in found and found["h1"].plan_revision >= at_least
+
+
+async def test_a_wedged_lane_is_marked_unresponsive_then_restarted_like_a_crash(nats_server, tmp_path, models):
+    cfg = agent_config(tmp_path, "h1", models, fake_binary(tmp_path / "bin"), probe_interval=0.3, probe_failures=2,
+                       probe_timeout=0.5)  # fmt: skip
+    events: list[LaneEvent] = []
+    states: list[str] = []
+
+    async def on_event(msg):
+        events.append(msgspec.json.decode(msg.data, type=LaneEvent))
+
+    async def on_telemetry(msg):
+        status = msgspec.json.decode(msg.data, type=HostStatus)
+        states.extend(lane.state for lane in status.lanes)
+
+    async with client(nats_server.url) as nc, services(nats_server.url) as svc:
+        await nc.subscribe(subjects.ALL_EVENTS, cb=on_event)
+        await nc.subscribe(subjects.telemetry_subject("h1"), cb=on_telemetry)
+        svc.start_planner()
+        svc.start_agent(cfg)
+
+        async def healthy():
+            lane = lane_of(await host_status(nc, "h1"), "llama8-0")
+            return lane if lane and lane.state == "healthy" else None
+
+        first = await eventually(healthy, timeout=40, what="lane healthy")
+        os.kill(first.pid, signal.SIGSTOP)  # alive, holding its port, answering nothing
+        try:
+
+            async def restarted():
+                lane = await healthy()
+                return lane if lane and lane.pid != first.pid else None
+
+            again = await eventually(restarted, timeout=30, what="the wedged lane restarted")
+        finally:
+            if pid_alive(first.pid):
+                os.kill(first.pid, signal.SIGKILL)
+        assert not pid_alive(first.pid)
+        assert again.restarts == 1
+        seen = [e.event for e in events if e.lane_id == "llama8-0" and e.pid == first.pid]
+        assert seen[-2:] == ["unresponsive", "crashed"], seen
+        crash = [e for e in events if e.event == "crashed" and e.pid == first.pid][0]
+        assert "unresponsive" in crash.detail and "/health" in crash.detail
+        assert "unresponsive" in states  # what a gateway reading status saw before the restart
