@@ -9,11 +9,12 @@ from pathlib import Path
 
 import msgspec
 
+from lanes.agent_setup import agent_config
 from lanes.demo_model import ensure_demo_model
 from lanes.errors import UserError
+from lanes.files import load_file
 from lanes.tables import gib, mib, table
-from launcher_agent.probe import ProbeError, find_llama_server, probe
-from launcher_agent.service import AgentConfig, default_host_id, run_agent
+from launcher_agent.service import run_agent
 from planner_svc.service import run_planner
 from shared import subjects
 from shared.bus import NatsAuth, auth_from_args, connect
@@ -35,35 +36,6 @@ def _stop_event() -> asyncio.Event:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     return stop
-
-
-def agent_config(args: argparse.Namespace, data_dir: Path) -> AgentConfig:
-    binary = find_llama_server(args.llama_server)
-    if binary is None:
-        raise UserError(
-            "no llama-server found: pass --llama-server, set LLAMA_SERVER_BIN, or run `lanes install-llama`"
-        )
-    try:
-        caps = probe(binary)
-    except ProbeError as exc:
-        raise UserError(str(exc)) from None
-    for folder in args.models:
-        if not Path(folder).is_dir():
-            raise UserError(f"--models {folder}: not a folder")
-    return AgentConfig(
-        host_id=args.host_id or default_host_id(),
-        model_dirs=[str(Path(m).resolve()) for m in args.models],
-        binary=binary,
-        caps=caps,
-        data_dir=data_dir,
-        port_base=args.port_base,
-        port_count=getattr(args, "port_count", 16),
-        bind=getattr(args, "bind", "127.0.0.1"),
-        report_interval=getattr(args, "report_interval", 30.0),
-        tick=getattr(args, "tick", 0.5),
-        max_ram=getattr(args, "max_ram", None),
-        dry_run=getattr(args, "dry_run", False),
-    )
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -139,8 +111,6 @@ async def _request_command(args: argparse.Namespace, auth: NatsAuth) -> int:
             body = encode(ConfigSet(changes=_parse_pairs(args.pairs)))
             print(msgspec.json.format(await _request(nc, subjects.CONFIG_SET, body)).decode())
         elif args.command == "demand":
-            from lanes.offline import load_file
-
             demand = load_file(args.file, Demand)
             await _request(nc, subjects.DEMAND_SET, encode(demand))
             print(f"demand set: {len(demand.personas)} persona(s)")
