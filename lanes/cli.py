@@ -120,7 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-ram", type=_size, help="RAM lanes may plan for on this host, e.g. 8GiB")
 
     p = sub.add_parser("up", help="local fleet: embedded nats-server, planner and one agent")
-    p.add_argument("--models", action="append", required=True, help="model folder (repeatable)")
+    p.add_argument(
+        "--models", action="append", help="model folder (repeatable; default: the demo model, assembled into --data)"
+    )
     p.add_argument("--data", default="./lanes-data", help="state folder (JetStream, logs)")
     p.add_argument("--llama-server", help="llama-server binary (default: $LLAMA_SERVER_BIN, PATH)")
     p.add_argument("--nats-port", type=int, default=4222)

@@ -12,6 +12,7 @@ import msgspec
 
 from gateway.service import Gateway, run_gateway
 from gateway.settings import GatewaySettings
+from lanes.demo_model import ensure_demo_model
 from lanes.errors import UserError
 from lanes.tables import gib, mib, table
 from launcher_agent.probe import ProbeError, find_llama_server, probe
@@ -109,6 +110,10 @@ async def run(args: argparse.Namespace) -> int:
 
 async def cmd_up(args: argparse.Namespace) -> int:
     data = Path(args.data).resolve()
+    if not args.models:
+        demo = ensure_demo_model(data / "models")
+        print(f"lanes up: no --models folder; serving the demo model {demo}")
+        args.models = [str(demo.parent)]
     cfg = agent_config(args, data / "agent")
     server = NatsServer(data / "nats", port=args.nats_port)
     try:
