@@ -66,6 +66,24 @@ def _add_connection(p: argparse.ArgumentParser) -> None:
     add_auth_arguments(p)
 
 
+def _add_gateway_options(p: argparse.ArgumentParser) -> None:
+    from gateway.settings import DEFAULT_PORT, GatewaySettings
+
+    d = GatewaySettings()
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument(
+        "--api-key", action="append", default=[], help="accepted bearer key (repeatable; env LANES_GATEWAY_API_KEYS, "
+        "comma separated); none: no key needed",
+    )  # fmt: skip
+    p.add_argument("--api-key-file", help="file with one accepted key per line")
+    p.add_argument("--max-body", type=_size, default=d.max_body_bytes, help="largest request body, e.g. 16MiB")
+    p.add_argument("--queue-depth", type=_positive, default=d.queue_depth, help="requests that may wait per model")
+    p.add_argument("--queue-wait", type=float, default=d.queue_wait, help="seconds a request waits for a slot")
+    p.add_argument("--request-timeout", type=float, default=d.request_timeout, help="seconds per request, in all")
+    p.add_argument("--connect-timeout", type=float, default=d.connect_timeout, help="seconds to reach a lane")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lanes", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -111,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port-base", type=int, default=8080)
     p.add_argument("--host-id", default=None)
     p.add_argument("--max-ram", type=_size, help="RAM lanes may plan for on this host, e.g. 8GiB")
+    p.add_argument("--gateway-port", type=int, default=8000, help="port of the OpenAI-compatible gateway (0: any free)")
 
     p = sub.add_parser("planner", help="run the planner service")
     _add_connection(p)
@@ -129,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-ram", type=_size, help="RAM lanes may plan for on this host, e.g. 8GiB")
     p.add_argument("--data", default=None, help="agent state folder (default ~/.lanes/agent)")
     p.add_argument("--dry-run", action="store_true", help="log each lane's argv instead of launching it")
+
+    p = sub.add_parser("gateway", help="OpenAI-compatible gateway in front of every lane")
+    _add_connection(p)
+    _add_gateway_options(p)
 
     p = sub.add_parser("status", help="hosts, lanes, planned vs used memory, health")
     _add_connection(p)
