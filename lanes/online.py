@@ -59,6 +59,7 @@ def gateway_settings(args: argparse.Namespace) -> GatewaySettings:
         queue_wait=getattr(args, "queue_wait", base.queue_wait),
         request_timeout=getattr(args, "request_timeout", base.request_timeout),
         connect_timeout=getattr(args, "connect_timeout", base.connect_timeout),
+        admin_key=getattr(args, "admin_key", None) or None,
     )
 
 
@@ -107,11 +108,21 @@ async def cmd_up(args: argparse.Namespace) -> int:
             exc = serving.exception()
             raise UserError(f"gateway: cannot listen on port {args.gateway_port}: {getattr(exc, 'strerror', exc)}")
         print(f"gateway: {gateway.url}", flush=True)
+        print(f"dashboard: {gateway.url}/dashboard/", flush=True)
+        print(_first_request(gateway.url, cfg.model_dirs), flush=True)
         print("  Ctrl-C stops everything, lanes included", flush=True)
         await asyncio.gather(run_planner(server.url, stop), run_agent(cfg, server.url, stop), serving)
     finally:
         server.stop()
     return 0
+
+
+def _first_request(url: str, model_dirs: list[str]) -> str:
+    """One copy-paste chat request, for the first model the folders hold."""
+    names = sorted(p.stem for d in model_dirs for p in Path(d).glob("*.gguf"))
+    model = names[0] if names else "MODEL"
+    body = msgspec.json.encode({"model": model, "messages": [{"role": "user", "content": "Say hello."}]}).decode()
+    return f"  try: curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
 
 
 async def _request(nc, subject: str, payload: bytes, timeout: float = 5.0) -> bytes:
