@@ -76,6 +76,8 @@ def _config_revision(config: FleetConfig, kv_revision: int) -> int:
 
 def _lane(spec: LaneSpec, lane: LaneStatus | None, route: LaneRoute | None, busy: int, rate: float) -> dict:
     state = lane.state if lane else "pending"
+    if state == "healthy" and lane.argv and tuple(lane.argv[1:]) != spec.args:
+        state = "updating"  # still serving the previous spec while the rollout reaches it
     if route is not None and route.draining:
         state = "draining"
     elif route is not None and route.unreachable and state == "healthy":

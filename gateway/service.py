@@ -101,7 +101,11 @@ async def _bus_side(gw: Gateway, servers: str, auth: NatsAuth, stop: asyncio.Eve
         return
     stack.push_async_callback(quietly(nc.close))
     gw.nc = nc
-    await nc.subscribe(subjects.ALL_EVENTS, cb=lambda msg: gw.dashboard.on_event(msg.data, msg.subject))
+
+    async def on_event(msg) -> None:
+        gw.dashboard.on_event(msg.data, msg.subject)
+
+    await nc.subscribe(subjects.ALL_EVENTS, cb=on_event)
     while not stop.is_set():
         try:
             kv = await kv_bucket(nc)

@@ -48,8 +48,14 @@ def test_lane_rows_follow_status_traffic_and_config() -> None:
     status = HostStatus(
         host_id="h1",
         plan_revision=hp.plan_revision,
-        lanes=(LaneStatus(lane_id=spec.lane_id, state="healthy", kv_bytes=spec.memory.kv_bytes, rss_bytes=GIB),),
+        lanes=(LaneStatus(lane_id=spec.lane_id, state="healthy", kv_bytes=spec.memory.kv_bytes, rss_bytes=GIB,
+                          argv=("llama-server", *spec.args)),),  # fmt: skip
     )
+    old = HostStatus(host_id="h1", lanes=(LaneStatus(lane_id=spec.lane_id, state="healthy",
+                                                     argv=("llama-server", "--ctx-size", "512")),))  # fmt: skip
+    assert view.apply_entry("status.h1", encode(old), 10) is None
+    row = next(lane for lane in snapshot(view)["hosts"][0]["lanes"] if lane["lane_id"] == spec.lane_id)
+    assert row["state"] == "updating"  # healthy, but with the spec before this plan
     assert view.apply_entry("status.h1", encode(status), 10) is None
     view.in_flight[("h1", spec.lane_id)] = 1
     snap = snapshot(view, {("h1", spec.lane_id): 2.5})
