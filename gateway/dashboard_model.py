@@ -15,6 +15,7 @@ import msgspec
 from gateway.fleet import FleetView, LaneKey, LaneRoute
 from shared.messages import FleetConfig, HostReport, LaneEvent, LaneSpec, LaneStatus
 
+
 class EventFeed:
     """The newest lane events, newest first, bounded."""
 

@@ -48,6 +48,17 @@ def gemma_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_demo_model(tmp_path_factory.mktemp("gemma"))
 
 
+@pytest.fixture(scope="session")
+def llama_server() -> str:
+    """The real llama-server binary the end-to-end tests run."""
+    from launcher_agent.probe import find_llama_server
+
+    binary = find_llama_server()
+    if binary is None:
+        pytest.fail("no llama-server: run `lanes install-llama` (scripts/test does) or set LLAMA_SERVER_BIN")
+    return binary
+
+
 # --- end real model ---
 
 

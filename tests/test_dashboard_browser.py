@@ -24,7 +24,7 @@ import pytest
 from fixtures_bus import free_port_base
 from playwright.async_api import async_playwright, expect
 
-from launcher_agent.probe import find_llama_server, probe
+from launcher_agent.probe import probe
 from planner_svc.planner import plan
 from shared.gguf_facts import read_model_facts
 from shared.messages import FleetConfig, HostReport
@@ -89,14 +89,6 @@ class _Lines:
                 if match := re.search(pattern, line):
                     return match
         raise AssertionError(f"`lanes up` printed no line matching {pattern!r} ({ok=}): {self.lines}")
-
-
-@pytest.fixture(scope="module")
-def llama_server() -> str:
-    binary = find_llama_server()
-    if binary is None:
-        pytest.fail("no llama-server: run `lanes install-llama` (scripts/test does)")
-    return binary
 
 
 async def test_first_run_and_live_dashboard_in_chromium(tmp_path, gemma_model, llama_server):

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from planner_svc.planner import plan
-from shared.messages import FleetConfig, HostStatus, LaneEvent, LaneStatus, encode
 from test_planner import GIB, host, llama_1b, llama_8b
 
 from gateway.dashboard_model import EventFeed, dashboard_snapshot
 from gateway.fleet import FleetView
+from planner_svc.planner import plan
+from shared.messages import FleetConfig, HostStatus, LaneEvent, LaneStatus, encode
 
 
 def _fleet(view: FleetView, config: FleetConfig = FleetConfig(), *, ram: int = 32 * GIB):
@@ -48,8 +48,15 @@ def test_lane_rows_follow_status_traffic_and_config() -> None:
     status = HostStatus(
         host_id="h1",
         plan_revision=hp.plan_revision,
-        lanes=(LaneStatus(lane_id=spec.lane_id, state="healthy", kv_bytes=spec.memory.kv_bytes, rss_bytes=GIB,
-                          argv=("llama-server", *spec.args)),),  # fmt: skip
+        lanes=(
+            LaneStatus(
+                lane_id=spec.lane_id,
+                state="healthy",
+                kv_bytes=spec.memory.kv_bytes,
+                rss_bytes=GIB,
+                argv=("llama-server", *spec.args),
+            ),
+        ),  # fmt: skip
     )
     old = HostStatus(host_id="h1", lanes=(LaneStatus(lane_id=spec.lane_id, state="healthy",
                                                      argv=("llama-server", "--ctx-size", "512")),))  # fmt: skip
