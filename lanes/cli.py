@@ -143,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("planner", help="run the planner service")
     _add_connection(p)
     p.add_argument("--kv-replicas", type=_positive, default=1, help="replicas of the lanes KV bucket (3 on a cluster)")
+    p.add_argument("--lease-ttl", type=float, default=5.0,
+                   help="seconds a stand-by planner waits on a silent active one before it takes over")  # fmt: skip
 
     p = sub.add_parser("agent", help="run the launcher agent for this host")
     _add_connection(p)

@@ -88,7 +88,7 @@ def read_model_facts(path: str | os.PathLike[str]) -> ModelFacts:
     n_vocab = len(tokens) if isinstance(tokens, list) else int(key("vocab_size", 0))
     weight_bytes = sum(int(t.n_bytes) for t in reader.tensors)
     return ModelFacts(
-        path=str(path.resolve()),
+        path=os.path.abspath(path),  # as the folder holds it: symlinks (HF snapshots/) stay links
         name=model_name(path),
         architecture=arch,
         n_layer=n_layer,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 # --- tiny models ---
 # Small GGUF files written once per session with tests/tinymodels.py.
+import shutil
 import sys
 from pathlib import Path
 
@@ -34,6 +35,15 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "gemma3": tinymodels.write_gemma3(folder / "gemma3.gguf"),
         "mla": tinymodels.write_deepseek2_mla(folder / "mla.gguf"),
     }
+
+
+@pytest.fixture
+def models(tmp_path, tiny_models) -> Path:
+    """A model folder holding llama8.gguf."""
+    folder = tmp_path / "models"
+    folder.mkdir()
+    shutil.copy(tiny_models["llama8"], folder / "llama8.gguf")
+    return folder
 
 
 # --- end tiny models ---
