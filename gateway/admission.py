@@ -122,6 +122,7 @@ class Admission:
         return Lease(lane, self)
 
     def _release(self, key: LaneKey) -> None:
+        self.view.served[key] = self.view.served.get(key, 0) + 1
         left = self.view.busy(key) - 1
         if left > 0:
             self.view.in_flight[key] = left

@@ -19,77 +19,71 @@ import asyncio
 import hmac
 import json
 import time
-from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import msgspec
 import structlog
 from aiohttp import web
 
-from gateway.dashboard_model import DashboardModel, LaneTraffic
+from gateway.dashboard_model import EventFeed, dashboard_snapshot
+from gateway.fleet import FleetView, LaneKey
 from shared import subjects
-from shared.bus import kv_bucket, watch_forever
 from shared.messages import ConfigSet, LaneEvent, encode
 
 log = structlog.get_logger("lanes.dashboard")
 STATIC = Path(__file__).with_name("static")
 PUSH_SETTLE_SECONDS = 0.1  # a burst of bus changes becomes one push
-WATCHED_KEYS = (subjects.CONFIG_KEY, "report.*", "plan.*", "status.*")
+RATE_SECONDS = 5.0  # requests per second are measured over this
 
 
 class DashboardHub:
-    """Folds the bus into a DashboardModel and fans snapshots out to every open page."""
+    """Pushes the gateway's FleetView, plus lane events and request rates, to every open page."""
 
-    def __init__(self, traffic: Callable[[], Mapping[tuple[str, str], LaneTraffic]] | None = None) -> None:
-        self.model = DashboardModel()
-        self.traffic = traffic or (lambda: {})
+    def __init__(self, view: FleetView) -> None:
+        self.view = view
+        self.events = EventFeed()
+        self.served: dict[LaneKey, int] = {}  # requests each lane finished; the edge counts them
+        self._rates: dict[LaneKey, float] = {}
+        self._last_count: tuple[float, dict[LaneKey, int]] = (time.monotonic(), {})
         self._pages: set[asyncio.Queue[str]] = set()
         self._changed = asyncio.Event()
+        view.listeners.append(self.changed)
 
     def snapshot(self) -> dict:
-        return self.model.snapshot(self.traffic())
+        return dashboard_snapshot(self.view, self.events, self._rates)
 
     def changed(self) -> None:
         self._changed.set()
 
-    async def run(self, nc, stop: asyncio.Event, resync: asyncio.Event) -> None:
-        kv = await kv_bucket(nc)
-
-        async def on_entry(key: str, value: bytes | None, revision: int) -> None:
-            if self.model.apply_kv(key, value, revision):
-                self.changed()
-
-        async def on_event(msg) -> None:
-            try:
-                event = msgspec.json.decode(msg.data, type=LaneEvent)
-            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                log.warning("dropped malformed lane event", subject=msg.subject, reason=str(exc))
-                return
-            self.model.add_event(event, time.time())
-            self.changed()
-
-        sub = await nc.subscribe(subjects.ALL_EVENTS, cb=on_event)
-        watches = [
-            asyncio.create_task(watch_forever(kv, key, on_entry, resync=resync, stop=stop)) for key in WATCHED_KEYS
-        ]
-        pusher = asyncio.create_task(self._push_loop(stop))
+    def on_event(self, data: bytes, subject: str) -> None:
         try:
-            await stop.wait()
-        finally:
-            for task in [*watches, pusher]:
-                task.cancel()
-            await asyncio.gather(*watches, pusher, return_exceptions=True)
-            try:
-                await sub.unsubscribe()
-            except Exception:
-                pass
+            event = msgspec.json.decode(data, type=LaneEvent)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            log.warning("dropped malformed lane event", subject=subject, reason=str(exc))
+            return
+        self.events.add(event, time.time())
+        self.changed()
 
-    async def _push_loop(self, stop: asyncio.Event) -> None:
+    async def run(self, stop: asyncio.Event) -> None:
+        """Push on every change (settled), and at least every RATE_SECONDS for the request rates."""
         while not stop.is_set():
-            await self._changed.wait()
-            await asyncio.sleep(PUSH_SETTLE_SECONDS)
+            try:
+                await asyncio.wait_for(self._changed.wait(), RATE_SECONDS)
+                await asyncio.sleep(PUSH_SETTLE_SECONDS)
+            except asyncio.TimeoutError:
+                pass
             self._changed.clear()
+            self._update_rates()
             self._broadcast()
+
+    def _update_rates(self) -> None:
+        now = time.monotonic()
+        then, before = self._last_count
+        if now - then < RATE_SECONDS / 2:
+            return
+        counts = dict(self.served)
+        self._rates = {key: (n - before.get(key, 0)) / (now - then) for key, n in counts.items()}
+        self._last_count = (now, counts)
 
     def _broadcast(self) -> None:
         if not self._pages:

@@ -1,8 +1,8 @@
-"""What the dashboard shows, folded from the bus: a pure view model, no sockets, no clock.
+"""What the dashboard shows: a pure view model over the gateway's FleetView, no sockets, no clock.
 
-The edge (gateway/dashboard.py) feeds it KV entries and lane events as they arrive and
-pushes `snapshot()` to every open page. Keeping the fold pure means the page's numbers
-(memory bars, windows, states) are tested here without a browser or a server.
+The page shows exactly what the gateway routes with (the same FleetView), plus the lane
+events the edge (gateway/dashboard.py) collects. Keeping this pure means the page's
+numbers (memory bars, windows, states) are tested here without a browser or a server.
 """
 
 from __future__ import annotations
@@ -12,91 +12,61 @@ from collections.abc import Mapping
 
 import msgspec
 
-from shared import subjects
-from shared.messages import FleetConfig, HostPlan, HostReport, HostStatus, LaneEvent, LaneSpec, LaneStatus
+from gateway.fleet import FleetView, LaneKey, LaneRoute
+from shared.messages import FleetConfig, HostReport, LaneEvent, LaneSpec, LaneStatus
 
-EVENT_KINDS_SHOWN = ("started", "healthy", "crashed", "stopped", "failed", "mismatch", "rejected", "draining",
-                     "unresponsive", "rolled_back")  # fmt: skip
+class EventFeed:
+    """The newest lane events, newest first, bounded."""
 
-
-class LaneTraffic(msgspec.Struct, frozen=True, kw_only=True):
-    """What the gateway itself sees of a lane: requests in flight and recent rate."""
-
-    busy: int = 0
-    requests_per_second: float = 0.0
-
-
-class DashboardModel:
     def __init__(self, max_events: int = 100) -> None:
-        self.config = FleetConfig()
-        self.config_revision = 0
-        self.reports: dict[str, HostReport] = {}
-        self.plans: dict[str, HostPlan] = {}
-        self.statuses: dict[str, HostStatus] = {}
-        self.events: deque[dict] = deque(maxlen=max_events)
+        self.items: deque[dict] = deque(maxlen=max_events)
 
-    def apply_kv(self, key: str, value: bytes | None, revision: int) -> bool:
-        """Fold one KV entry in; False (and nothing changed) for keys the page does not show or bad values."""
-        kind, _, host = key.partition(".")
-        tables: dict[str, tuple[dict, type]] = {
-            "report": (self.reports, HostReport),
-            "plan": (self.plans, HostPlan),
-            "status": (self.statuses, HostStatus),
-        }
-        try:
-            if key == subjects.CONFIG_KEY:
-                self.config = FleetConfig() if value is None else msgspec.json.decode(value, type=FleetConfig)
-                self.config_revision = _config_revision(self.config, revision)
-                return True
-            if kind not in tables or not host:
-                return False
-            table, type_ = tables[kind]
-            if value is None:
-                return table.pop(host, None) is not None
-            msg = msgspec.json.decode(value, type=type_)
-        except (msgspec.ValidationError, msgspec.DecodeError):
-            return False
-        if subjects.host_token(msg.host_id) != host:
-            return False
-        table[host] = msg
-        return True
-
-    def add_event(self, event: LaneEvent, at: float) -> dict:
+    def add(self, event: LaneEvent, at: float) -> dict:
         item = {"at": at, "host": event.host_id, "lane": event.lane_id, "event": event.event, "detail": event.detail}
-        self.events.appendleft(item)
+        self.items.appendleft(item)
         return item
 
-    def snapshot(self, traffic: Mapping[tuple[str, str], LaneTraffic] | None = None) -> dict:
-        traffic = traffic or {}
-        hosts = sorted(set(self.reports) | set(self.plans) | set(self.statuses))
-        unplaced = [
-            {"host": plan.host_id, "model": u.model, "reason": u.reason}
-            for plan in (self.plans[h] for h in hosts if h in self.plans)
-            for u in plan.unplaced
-        ]
-        return {
-            "config": msgspec.to_builtins(self.config),
-            "config_revision": self.config_revision,
-            "hosts": [self._host(h, traffic) for h in hosts],
-            "unplaced": unplaced,
-            "events": list(self.events),
-        }
 
-    def _host(self, host: str, traffic: Mapping[tuple[str, str], LaneTraffic]) -> dict:
-        report, plan, status = self.reports.get(host), self.plans.get(host), self.statuses.get(host)
-        live = {lane.lane_id: lane for lane in status.lanes} if status else {}
-        specs = plan.lanes if plan else ()
-        host_id = (report or plan or status).host_id
-        lanes = [_lane(s, live.get(s.lane_id), traffic.get((host_id, s.lane_id), LaneTraffic())) for s in specs]
-        return {
-            "host_id": host_id,
-            "state": getattr(status, "host_state", None) or "live",
-            "plan_revision": plan.plan_revision if plan else None,
-            "applied_revision": status.plan_revision if status else None,
-            "rollout_halted": status.rollout_halted if status else "",
-            "devices": _devices(report, specs, live, self.config),
-            "lanes": lanes,
-        }
+def dashboard_snapshot(view: FleetView, events: EventFeed, rates: Mapping[LaneKey, float] | None = None) -> dict:
+    """The page's whole state: hosts with a memory bar per device, lanes, unplaced models, config, events."""
+    rates = rates or {}
+    config = view.config or FleetConfig()
+    hosts = sorted(set(view.reports) | set(view.plans) | set(view.statuses))
+    routes = {lane.key: lane for lane in view.lanes()}
+    unplaced = [
+        {"host": plan.host_id, "model": u.model, "reason": u.reason}
+        for plan in (view.plans[h] for h in hosts if h in view.plans)
+        for u in plan.unplaced
+    ]
+    return {
+        "config": msgspec.to_builtins(config),
+        "config_revision": _config_revision(config, view.config_revision),
+        "synced": view.synced,
+        "hosts": [_host(view, h, config, routes, rates) for h in hosts],
+        "unplaced": unplaced,
+        "events": list(events.items),
+    }
+
+
+def _host(view: FleetView, host: str, config: FleetConfig, routes: Mapping[LaneKey, LaneRoute],
+          rates: Mapping[LaneKey, float]) -> dict:  # fmt: skip
+    report, plan, status = view.reports.get(host), view.plans.get(host), view.statuses.get(host)
+    live = {lane.lane_id: lane for lane in status.lanes} if status else {}
+    specs = plan.lanes if plan else ()
+    host_id = (report or plan or status).host_id
+    lanes = []
+    for spec in specs:
+        key = (host_id, spec.lane_id)
+        lanes.append(_lane(spec, live.get(spec.lane_id), routes.get(key), view.busy(key), rates.get(key, 0.0)))
+    return {
+        "host_id": host_id,
+        "state": getattr(status, "host_state", None) or "live",
+        "plan_revision": plan.plan_revision if plan else None,
+        "applied_revision": status.plan_revision if status else None,
+        "rollout_halted": status.rollout_halted if status else "",
+        "devices": _devices(report, specs, live, config),
+        "lanes": lanes,
+    }
 
 
 def _config_revision(config: FleetConfig, kv_revision: int) -> int:
@@ -104,7 +74,12 @@ def _config_revision(config: FleetConfig, kv_revision: int) -> int:
     return getattr(config, "revision", 0) or kv_revision
 
 
-def _lane(spec: LaneSpec, lane: LaneStatus | None, seen: LaneTraffic) -> dict:
+def _lane(spec: LaneSpec, lane: LaneStatus | None, route: LaneRoute | None, busy: int, rate: float) -> dict:
+    state = lane.state if lane else "pending"
+    if route is not None and route.draining:
+        state = "draining"
+    elif route is not None and route.unreachable and state == "healthy":
+        state = "unreachable"
     return {
         "lane_id": spec.lane_id,
         "model": spec.model,
@@ -117,9 +92,10 @@ def _lane(spec: LaneSpec, lane: LaneStatus | None, seen: LaneTraffic) -> dict:
         "cache_type_k": spec.cache_type_k or "f16",
         "cache_type_v": spec.cache_type_v or "f16",
         "flash_attn": spec.flash_attn or "default",
-        "state": lane.state if lane else "pending",
-        "slots_busy": seen.busy,
-        "requests_per_second": round(seen.requests_per_second, 2),
+        "state": state,
+        "unreachable": route.unreachable if route else "",
+        "slots_busy": busy,
+        "requests_per_second": round(rate, 2),
         "planned_bytes": spec.memory.total_bytes,
         "kv_planned_bytes": spec.memory.kv_bytes,
         "kv_real_bytes": lane.kv_bytes if lane else None,

@@ -72,6 +72,7 @@ class FleetView:
     in_flight: dict[LaneKey, int] = field(default_factory=dict)
     queued: dict[str, int] = field(default_factory=dict)  # requested model name -> waiting requests
     unreachable: dict[LaneKey, str] = field(default_factory=dict)
+    served: dict[LaneKey, int] = field(default_factory=dict)  # requests each lane has finished (dashboard rates)
     synced: bool = False  # the first full snapshot of the bucket has been read
     bad_entries: int = 0
     listeners: list[Callable[[], None]] = field(default_factory=list)

@@ -15,9 +15,11 @@ import aiohttp
 import structlog
 from aiohttp import web
 
+from gateway.dashboard import DashboardHub, add_dashboard
 from gateway.fleet import FleetView, LaneRoute
 from gateway.http import build_app
 from gateway.settings import GatewaySettings
+from shared import subjects
 from shared.bus import NatsAuth, connect, kv_bucket, quietly, run_until, watch_forever
 
 log = structlog.get_logger("lanes.gateway")
@@ -32,9 +34,13 @@ class Gateway:
     app: web.Application = field(init=False)
     url: str = ""  # http://host:port once serving
     started: asyncio.Event = field(default_factory=asyncio.Event)
+    dashboard: DashboardHub = field(init=False)
+    nc: object | None = None  # the NATS connection once made (the dashboard's admin changes use it)
 
     def __post_init__(self) -> None:
         self.app = build_app(self.view, self.settings)
+        self.dashboard = DashboardHub(self.view)
+        add_dashboard(self.app, self.dashboard, nc_getter=lambda: self.nc, admin_key=self.settings.admin_key)
 
     async def on_entry(self, key: str, value: bytes | None, revision: int) -> None:
         problem = self.view.apply_entry(key, value, revision)
@@ -94,6 +100,8 @@ async def _bus_side(gw: Gateway, servers: str, auth: NatsAuth, stop: asyncio.Eve
     else:
         return
     stack.push_async_callback(quietly(nc.close))
+    gw.nc = nc
+    await nc.subscribe(subjects.ALL_EVENTS, cb=lambda msg: gw.dashboard.on_event(msg.data, msg.subject))
     while not stop.is_set():
         try:
             kv = await kv_bucket(nc)
@@ -129,6 +137,7 @@ async def run_gateway(
             tasks = [
                 asyncio.create_task(_bus_side(gw, servers, auth, stop, stack)),
                 asyncio.create_task(_probe_loop(gw, stop)),
+                asyncio.create_task(gw.dashboard.run(stop)),
             ]
             await run_until(stop, tasks)
     finally:

@@ -21,6 +21,7 @@ class GatewaySettings:
     probe_interval: float = 1.0  # seconds between the gateway's own /health checks of each lane
     probe_timeout: float = 1.0
     retry_after: int = 1  # seconds, in the Retry-After header of a 503
+    admin_key: str | None = None  # set: the dashboard accepts fleet config changes from a viewer who has it
 
     def key_ok(self, presented: str) -> bool:
         """Constant time over every configured key, so timing tells nothing of which matched."""

@@ -66,6 +66,13 @@ def _add_connection(p: argparse.ArgumentParser) -> None:
     add_auth_arguments(p)
 
 
+def _add_admin_key(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--admin-key", default=os.environ.get("LANES_GATEWAY_ADMIN_KEY"),
+        help="key that lets a dashboard viewer change the fleet config (env LANES_GATEWAY_ADMIN_KEY); none: read-only",
+    )  # fmt: skip
+
+
 def _add_gateway_options(p: argparse.ArgumentParser) -> None:
     from gateway.settings import DEFAULT_PORT, GatewaySettings
 
@@ -77,6 +84,7 @@ def _add_gateway_options(p: argparse.ArgumentParser) -> None:
         "comma separated); none: no key needed",
     )  # fmt: skip
     p.add_argument("--api-key-file", help="file with one accepted key per line")
+    _add_admin_key(p)
     p.add_argument("--max-body", type=_size, default=d.max_body_bytes, help="largest request body, e.g. 16MiB")
     p.add_argument("--queue-depth", type=_positive, default=d.queue_depth, help="requests that may wait per model")
     p.add_argument("--queue-wait", type=float, default=d.queue_wait, help="seconds a request waits for a slot")
@@ -130,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-id", default=None)
     p.add_argument("--max-ram", type=_size, help="RAM lanes may plan for on this host, e.g. 8GiB")
     p.add_argument("--gateway-port", type=int, default=8000, help="port of the OpenAI-compatible gateway (0: any free)")
+    _add_admin_key(p)
 
     p = sub.add_parser("planner", help="run the planner service")
     _add_connection(p)

@@ -12,11 +12,12 @@ import msgspec
 
 from gateway.service import Gateway, run_gateway
 from gateway.settings import GatewaySettings
+from lanes.agent_setup import agent_config
 from lanes.demo_model import ensure_demo_model
 from lanes.errors import UserError
+from lanes.files import load_file
 from lanes.tables import gib, mib, table
-from launcher_agent.probe import ProbeError, find_llama_server, probe
-from launcher_agent.service import AgentConfig, default_host_id, run_agent
+from launcher_agent.service import run_agent
 from planner_svc.service import run_planner
 from shared import subjects
 from shared.bus import NatsAuth, auth_from_args, connect
@@ -40,35 +41,6 @@ def _stop_event() -> asyncio.Event:
     return stop
 
 
-def agent_config(args: argparse.Namespace, data_dir: Path) -> AgentConfig:
-    binary = find_llama_server(args.llama_server)
-    if binary is None:
-        raise UserError(
-            "no llama-server found: pass --llama-server, set LLAMA_SERVER_BIN, or run `lanes install-llama`"
-        )
-    try:
-        caps = probe(binary)
-    except ProbeError as exc:
-        raise UserError(str(exc)) from None
-    for folder in args.models:
-        if not Path(folder).is_dir():
-            raise UserError(f"--models {folder}: not a folder")
-    return AgentConfig(
-        host_id=args.host_id or default_host_id(),
-        model_dirs=[str(Path(m).resolve()) for m in args.models],
-        binary=binary,
-        caps=caps,
-        data_dir=data_dir,
-        port_base=args.port_base,
-        port_count=getattr(args, "port_count", 16),
-        bind=getattr(args, "bind", "127.0.0.1"),
-        report_interval=getattr(args, "report_interval", 30.0),
-        tick=getattr(args, "tick", 0.5),
-        max_ram=getattr(args, "max_ram", None),
-        dry_run=getattr(args, "dry_run", False),
-    )
-
-
 def gateway_settings(args: argparse.Namespace) -> GatewaySettings:
     keys = list(getattr(args, "api_key", None) or [])
     keys += [k.strip() for k in os.environ.get("LANES_GATEWAY_API_KEYS", "").split(",") if k.strip()]
@@ -87,6 +59,7 @@ def gateway_settings(args: argparse.Namespace) -> GatewaySettings:
         queue_wait=getattr(args, "queue_wait", base.queue_wait),
         request_timeout=getattr(args, "request_timeout", base.request_timeout),
         connect_timeout=getattr(args, "connect_timeout", base.connect_timeout),
+        admin_key=getattr(args, "admin_key", None) or None,
     )
 
 
@@ -135,11 +108,21 @@ async def cmd_up(args: argparse.Namespace) -> int:
             exc = serving.exception()
             raise UserError(f"gateway: cannot listen on port {args.gateway_port}: {getattr(exc, 'strerror', exc)}")
         print(f"gateway: {gateway.url}", flush=True)
+        print(f"dashboard: {gateway.url}/dashboard/", flush=True)
+        print(_first_request(gateway.url, cfg.model_dirs), flush=True)
         print("  Ctrl-C stops everything, lanes included", flush=True)
         await asyncio.gather(run_planner(server.url, stop), run_agent(cfg, server.url, stop), serving)
     finally:
         server.stop()
     return 0
+
+
+def _first_request(url: str, model_dirs: list[str]) -> str:
+    """One copy-paste chat request, for the first model the folders hold."""
+    names = sorted(p.stem for d in model_dirs for p in Path(d).glob("*.gguf"))
+    model = names[0] if names else "MODEL"
+    body = msgspec.json.encode({"model": model, "messages": [{"role": "user", "content": "Say hello."}]}).decode()
+    return f"  try: curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
 
 
 async def _request(nc, subject: str, payload: bytes, timeout: float = 5.0) -> bytes:
@@ -175,8 +158,6 @@ async def _request_command(args: argparse.Namespace, auth: NatsAuth) -> int:
             body = encode(ConfigSet(changes=_parse_pairs(args.pairs)))
             print(msgspec.json.format(await _request(nc, subjects.CONFIG_SET, body)).decode())
         elif args.command == "demand":
-            from lanes.offline import load_file
-
             demand = load_file(args.file, Demand)
             await _request(nc, subjects.DEMAND_SET, encode(demand))
             print(f"demand set: {len(demand.personas)} persona(s)")

@@ -6,22 +6,26 @@ from planner_svc.planner import plan
 from shared.messages import FleetConfig, HostStatus, LaneEvent, LaneStatus, encode
 from test_planner import GIB, host, llama_1b, llama_8b
 
-from gateway.dashboard_model import DashboardModel, LaneTraffic
+from gateway.dashboard_model import EventFeed, dashboard_snapshot
+from gateway.fleet import FleetView
 
 
-def _fleet(model: DashboardModel, config: FleetConfig = FleetConfig(), *, ram: int = 32 * GIB):
+def _fleet(view: FleetView, config: FleetConfig = FleetConfig(), *, ram: int = 32 * GIB):
     report = host("h1", ram_available=ram, ram_total=64 * GIB, models=(llama_8b(), llama_1b()))
     fleet = plan([report], config)
-    model.apply_kv("config", encode(config), 7)
-    model.apply_kv("report.h1", encode(report), 8)
-    model.apply_kv("plan.h1", encode(fleet.hosts[0]), 9)
+    for key, msg, rev in (("config", config, 7), ("report.h1", report, 8), ("plan.h1", fleet.hosts[0], 9)):
+        assert view.apply_entry(key, encode(msg), rev) is None
     return report, fleet.hosts[0]
 
 
+def snapshot(view: FleetView, rates=None, events: EventFeed | None = None) -> dict:
+    return dashboard_snapshot(view, events or EventFeed(), rates)
+
+
 def test_memory_bar_adds_up_planned_parts_and_keeps_headroom() -> None:
-    model = DashboardModel()
-    report, hp = _fleet(model)
-    snap = model.snapshot()
+    view = FleetView()
+    report, hp = _fleet(view)
+    snap = snapshot(view)
     (h,) = snap["hosts"]
     (cpu,) = h["devices"]
     assert cpu["device"] == "CPU" and cpu["total"] == 64 * GIB and cpu["available"] == 32 * GIB
@@ -37,17 +41,18 @@ def test_memory_bar_adds_up_planned_parts_and_keeps_headroom() -> None:
 
 
 def test_lane_rows_follow_status_traffic_and_config() -> None:
-    model = DashboardModel()
+    view = FleetView()
     config = FleetConfig(kv_cache_type="q8_0", flash_attn="on")
-    _, hp = _fleet(model, config)
+    _, hp = _fleet(view, config)
     spec = hp.lanes[0]
     status = HostStatus(
         host_id="h1",
         plan_revision=hp.plan_revision,
         lanes=(LaneStatus(lane_id=spec.lane_id, state="healthy", kv_bytes=spec.memory.kv_bytes, rss_bytes=GIB),),
     )
-    assert model.apply_kv("status.h1", encode(status), 10)
-    snap = model.snapshot({("h1", spec.lane_id): LaneTraffic(busy=1, requests_per_second=2.5)})
+    assert view.apply_entry("status.h1", encode(status), 10) is None
+    view.in_flight[("h1", spec.lane_id)] = 1
+    snap = snapshot(view, {("h1", spec.lane_id): 2.5})
     row = next(lane for lane in snap["hosts"][0]["lanes"] if lane["lane_id"] == spec.lane_id)
     assert row["state"] == "healthy"
     assert (row["cache_type_k"], row["cache_type_v"], row["flash_attn"]) == ("q8_0", "q8_0", "on")
@@ -56,32 +61,31 @@ def test_lane_rows_follow_status_traffic_and_config() -> None:
     assert row["kv_real_bytes"] == spec.memory.kv_bytes
     assert snap["hosts"][0]["devices"][0]["real"] == GIB
     assert snap["config"]["kv_cache_type"] == "q8_0"
+    view.mark_unreachable(("h1", spec.lane_id), "/health: timeout")
+    row = next(lane for lane in snapshot(view)["hosts"][0]["lanes"] if lane["lane_id"] == spec.lane_id)
+    assert (row["state"], row["unreachable"]) == ("unreachable", "/health: timeout")
 
 
 def test_unplaced_models_carry_their_reason() -> None:
-    model = DashboardModel()
-    _fleet(model, ram=3 * GIB)  # the 8B does not fit beside the 1B
-    snap = model.snapshot()
+    view = FleetView()
+    _fleet(view, ram=3 * GIB)  # the 8B does not fit beside the 1B
+    snap = snapshot(view)
     assert snap["unplaced"], snap
     assert all(u["reason"] and u["host"] == "h1" for u in snap["unplaced"])
 
 
-def test_bad_entries_and_foreign_keys_change_nothing() -> None:
-    model = DashboardModel()
-    _fleet(model)
-    before = model.snapshot()
-    assert not model.apply_kv("plan.h1", b"{not json", 11)
-    assert not model.apply_kv("report.h2", encode(host("h1")), 12)  # host id does not match its key
-    assert not model.apply_kv("lease.planner", b"{}", 13)
-    assert model.snapshot() == before
-    assert model.apply_kv("plan.h1", None, 14)  # deleted
-    assert model.snapshot()["hosts"][0]["lanes"] == []
+def test_a_deleted_plan_empties_the_host() -> None:
+    view = FleetView()
+    _fleet(view)
+    assert snapshot(view)["hosts"][0]["lanes"]
+    assert view.apply_entry("plan.h1", None, 14) is None
+    assert snapshot(view)["hosts"][0]["lanes"] == []
 
 
 def test_events_newest_first_and_bounded() -> None:
-    model = DashboardModel(max_events=3)
+    feed = EventFeed(max_events=3)
     for i, kind in enumerate(["started", "healthy", "crashed", "started"]):
-        model.add_event(LaneEvent(host_id="h1", lane_id="l1", event=kind, detail=str(i)), at=float(i))
-    events = model.snapshot()["events"]
+        feed.add(LaneEvent(host_id="h1", lane_id="l1", event=kind, detail=str(i)), at=float(i))
+    events = snapshot(FleetView(), events=feed)["events"]
     assert [e["event"] for e in events] == ["started", "crashed", "healthy"]
     assert events[0]["at"] == 3.0
