@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from launcher_agent.config import AgentConfig
+from launcher_agent.drain import Drains
 from launcher_agent.feedback import Feedback
 from launcher_agent.health import Health
 from launcher_agent.lane import Emit, Lane, no_event
@@ -42,8 +43,10 @@ class Supervisor:
     procs: Lifecycle = field(init=False)
     health: Health = field(init=False)
     store: StateFile = field(init=False)
+    drains: Drains = field(init=False)
 
     def __post_init__(self) -> None:
+        self.drains = Drains(self.emit)
         self.procs = Lifecycle(self.cfg, self.emit)
         self.health = Health(self.emit, self.feedback, self.cfg.backoff_base)
         self.store = StateFile(self.cfg.data_dir / "agent-state.json")
@@ -105,6 +108,9 @@ class Supervisor:
             max_changes=self.plan.max_restarts,
             hold_changes=self.halted is not None,
         )
+        actions = await self.drains.gate(
+            actions, self.lanes, now=now, timeout=self.plan.drain_timeout, busy=lambda lane: lane.process.busy_slots()
+        )
         await self.procs.apply(actions, self.plan.plan_revision)
         if actions:
             self._save()
@@ -127,7 +133,8 @@ class Supervisor:
     # ------------------------------------------------------------ status out
 
     def starting(self) -> bool:
-        return any(lane.state in ("starting", "loading") for lane in self.lanes.values())
+        """A lane coming up or draining: the control loop looks again soon."""
+        return self.drains.active() or any(lane.state in ("starting", "loading") for lane in self.lanes.values())
 
     def lanes_rss(self) -> int:
         return sum(lane.process.rss() or 0 for lane in self.lanes.values() if lane.process)
@@ -155,6 +162,7 @@ class Supervisor:
                     else (),
                     argv=tuple(p.argv) if p else (),
                     failure=lane.failure,
+                    draining=lane.draining,
                 )
             )
         return HostStatus(

@@ -260,7 +260,7 @@ class HostStatus(_Msg, tag="host_status", kw_only=True):
 class LaneEvent(_Msg, tag="lane_event", kw_only=True):
     host_id: Name
     lane_id: Name
-    event: Literal["started", "healthy", "crashed", "stopped", "failed", "mismatch", "rejected"]
+    event: Literal["started", "healthy", "crashed", "stopped", "failed", "mismatch", "rejected", "draining"]
     detail: str = ""
     pid: int | None = None
 
