@@ -36,6 +36,7 @@ class Supervisor:
     emit: Emit = no_event
     plan: HostPlan | None = None
     halted: tuple[int, str] | None = None  # (config revision, why) of a rollout a change broke
+    rollouts_halted: int = 0  # how often a change broke a lane here (lanes_rollouts_halted_total)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     # Changes each time the agent starts: tells a fresh status from one a dead agent left.
     session: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
@@ -82,6 +83,8 @@ class Supervisor:
         exits = await self.health.observe(self.lanes.values(), now)
         for exit in exits:
             if exit.halts and self.plan is not None:
+                if self.halted is None or self.halted[0] != self.plan.config_revision:
+                    self.rollouts_halted += 1
                 self.halted = (self.plan.config_revision, exit.halts)
                 log.warning("rollout halted", config_revision=self.plan.config_revision, reason=exit.halts)
         if exits:
@@ -173,4 +176,5 @@ class Supervisor:
             nats_connected=nats_connected,
             agent_session=self.session,
             rollout_halted=self.halted[1] if self.halted else "",
+            address=self.cfg.advertise or (self.cfg.bind if self.cfg.bind not in ("0.0.0.0", "::", "") else ""),
         )

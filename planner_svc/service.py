@@ -21,6 +21,7 @@ from nats.js.kv import KeyValue
 from nats.micro import add_service
 from nats.micro.request import Request, ServiceError
 
+from planner_svc.metrics import PlannerMetrics
 from planner_svc.planner import plan
 from shared import subjects
 from shared.bus import NatsAuth, connect, kv_bucket, quietly, run_until, watch_forever
@@ -35,6 +36,7 @@ from shared.messages import (
     HostStatus,
     encode,
 )
+from shared.metrics_http import serve_metrics
 
 log = structlog.get_logger("lanes.planner")
 VERSION = "0.1.0"
@@ -161,6 +163,8 @@ class PlannerService:
         self.resync = asyncio.Event()
         self.ready = asyncio.Event()
         self.last_replan_seconds = 0.0
+        self.replans = 0
+        self.metrics = PlannerMetrics(self)
 
     # ------------------------------------------------------------ watch + replan
 
@@ -199,6 +203,8 @@ class PlannerService:
             self.state.replan_all = True  # the job's hosts were taken off the list: plan all again
             raise
         self.last_replan_seconds = time.monotonic() - started
+        self.replans += 1
+        self.metrics.replan_seconds.observe(self.last_replan_seconds)
         todo = [
             (h, p) for h, p in plans.items() if not (self.state.plans.get(h) == p and self.state.plan_stored.get(h))
         ]
@@ -353,7 +359,14 @@ class PlannerService:
             await group.add_endpoint(name=name, subject=tail, handler=handler)
 
 
-async def run_planner(servers: str, stop: asyncio.Event, auth: NatsAuth = NatsAuth(), replicas: int = 1) -> None:
+async def run_planner(
+    servers: str,
+    stop: asyncio.Event,
+    auth: NatsAuth = NatsAuth(),
+    replicas: int = 1,
+    metrics_port: int | None = None,
+    metrics_host: str = "0.0.0.0",
+) -> None:
     async with AsyncExitStack() as stack:
         service: PlannerService | None = None
 
@@ -380,5 +393,7 @@ async def run_planner(servers: str, stop: asyncio.Event, auth: NatsAuth = NatsAu
             ),
             asyncio.create_task(service.replan_loop(stop)),
         ]
+        if metrics_port is not None:
+            tasks.append(asyncio.create_task(serve_metrics(service.metrics.registry, metrics_host, metrics_port, stop)))
         log.info("planner running", nats=servers)
         await run_until(stop, tasks)
