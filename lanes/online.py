@@ -69,7 +69,10 @@ async def run(args: argparse.Namespace) -> int:
         return await cmd_up(args)
     auth = auth_from_args(args)
     if args.command == "planner":
-        await run_planner(args.nats, _stop_event(), auth, replicas=args.kv_replicas, lease_ttl=args.lease_ttl)
+        await run_planner(
+            args.nats, _stop_event(), auth, replicas=args.kv_replicas, lease_ttl=args.lease_ttl,
+            metrics_port=args.metrics_port,
+        )  # fmt: skip
         return 0
     if args.command == "gateway":
         await run_gateway(args.nats, _stop_event(), auth, gateway_settings(args))

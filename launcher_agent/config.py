@@ -25,6 +25,10 @@ class AgentConfig:
     max_ram: int | None = None  # an operator's cap on what lanes may plan for here
     backoff_base: float = 1.0
     dry_run: bool = False  # log the argv of each lane instead of launching it
+    # Where gateways reach this host's lanes; empty: the bind address (or, for 0.0.0.0, the host id).
+    advertise: str = ""
+    metrics_port: int | None = None  # serve /metrics on this port (0: any free); None: off
+    metrics_host: str = "0.0.0.0"
 
 
 def default_host_id() -> str:

@@ -227,6 +227,8 @@ class HostPlan(_Msg, tag="host_plan", kw_only=True):
     budget_gpu: Bytes = 0
     # Rollout pace: how many serving lanes the agent may restart at once for a change.
     max_restarts: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 1
+    # Seconds the agent waits for a draining lane's requests before it restarts or stops it.
+    drain_timeout: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 30.0
     lanes: tuple[LaneSpec, ...] = ()
     unplaced: tuple[Unplaced, ...] = ()
     reasons: tuple[str, ...] = ()
@@ -278,7 +280,9 @@ class HostStatus(_Msg, tag="host_status", kw_only=True):
 class LaneEvent(_Msg, tag="lane_event", kw_only=True):
     host_id: Name
     lane_id: Name
-    event: Literal["started", "healthy", "unresponsive", "crashed", "stopped", "failed", "mismatch", "rejected"]
+    event: Literal[
+        "started", "healthy", "unresponsive", "crashed", "stopped", "failed", "mismatch", "rejected", "draining"
+    ]
     detail: str = ""
     pid: int | None = None
 
