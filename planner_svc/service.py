@@ -263,6 +263,8 @@ class PlannerService:
         self.last_replan_seconds = 0.0
         self.id = name or planner_id()
         self.lease = Lease(kv, self.id, ttl=lease_ttl, on_change=self._on_lease)
+        self.replans = 0
+        self.metrics = PlannerMetrics(self)
 
     async def _on_lease(self, active: bool) -> None:
         self.state.following = not active
@@ -290,8 +292,6 @@ class PlannerService:
                 await asyncio.wait_for(stop.wait(), every)
             except TimeoutError:
                 pass
-        self.replans = 0
-        self.metrics = PlannerMetrics(self)
 
     # ------------------------------------------------------------ watch + replan
 
