@@ -66,6 +66,32 @@ def _add_connection(p: argparse.ArgumentParser) -> None:
     add_auth_arguments(p)
 
 
+def _add_admin_key(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--admin-key", default=os.environ.get("LANES_GATEWAY_ADMIN_KEY"),
+        help="key that lets a dashboard viewer change the fleet config (env LANES_GATEWAY_ADMIN_KEY); none: read-only",
+    )  # fmt: skip
+
+
+def _add_gateway_options(p: argparse.ArgumentParser) -> None:
+    from gateway.settings import DEFAULT_PORT, GatewaySettings
+
+    d = GatewaySettings()
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument(
+        "--api-key", action="append", default=[], help="accepted bearer key (repeatable; env LANES_GATEWAY_API_KEYS, "
+        "comma separated); none: no key needed",
+    )  # fmt: skip
+    p.add_argument("--api-key-file", help="file with one accepted key per line")
+    _add_admin_key(p)
+    p.add_argument("--max-body", type=_size, default=d.max_body_bytes, help="largest request body, e.g. 16MiB")
+    p.add_argument("--queue-depth", type=_positive, default=d.queue_depth, help="requests that may wait per model")
+    p.add_argument("--queue-wait", type=float, default=d.queue_wait, help="seconds a request waits for a slot")
+    p.add_argument("--request-timeout", type=float, default=d.request_timeout, help="seconds per request, in all")
+    p.add_argument("--connect-timeout", type=float, default=d.connect_timeout, help="seconds to reach a lane")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lanes", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -102,13 +128,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-ram", type=_size, help="RAM lanes may plan for on this host, e.g. 8GiB")
 
     p = sub.add_parser("up", help="local fleet: embedded nats-server, planner and one agent")
-    p.add_argument("--models", action="append", required=True, help="model folder (repeatable)")
+    p.add_argument(
+        "--models", action="append", help="model folder (repeatable; default: the demo model, assembled into --data)"
+    )
     p.add_argument("--data", default="./lanes-data", help="state folder (JetStream, logs)")
     p.add_argument("--llama-server", help="llama-server binary (default: $LLAMA_SERVER_BIN, PATH)")
     p.add_argument("--nats-port", type=int, default=4222)
     p.add_argument("--port-base", type=int, default=8080)
     p.add_argument("--host-id", default=None)
     p.add_argument("--max-ram", type=_size, help="RAM lanes may plan for on this host, e.g. 8GiB")
+    p.add_argument("--gateway-port", type=int, default=8000, help="port of the OpenAI-compatible gateway (0: any free)")
+    _add_admin_key(p)
 
     p = sub.add_parser("planner", help="run the planner service")
     _add_connection(p)
@@ -127,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-ram", type=_size, help="RAM lanes may plan for on this host, e.g. 8GiB")
     p.add_argument("--data", default=None, help="agent state folder (default ~/.lanes/agent)")
     p.add_argument("--dry-run", action="store_true", help="log each lane's argv instead of launching it")
+
+    p = sub.add_parser("gateway", help="OpenAI-compatible gateway in front of every lane")
+    _add_connection(p)
+    _add_gateway_options(p)
 
     p = sub.add_parser("status", help="hosts, lanes, planned vs used memory, health")
     _add_connection(p)

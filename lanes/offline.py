@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TypeVar
 
 import msgspec
 
 from lanes.errors import UserError
+from lanes.files import load_file
 from lanes.tables import gib, mib, table
 from launcher_agent.probe import ProbeError, probe
 from planner_svc.planner import plan
@@ -16,21 +16,6 @@ from shared.capabilities import flash_attn_effective
 from shared.gguf_facts import ModelError, read_model_facts
 from shared.memory import BLOCK_BYTES, QUANTIZED, MemoryModelError, estimate
 from shared.messages import Demand, FleetConfig, HostReport, ServerCaps
-
-T = TypeVar("T")
-
-
-def load_file(path: str, kind: type[T]) -> T:
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"{path}: no such file")
-    data = p.read_bytes()
-    try:
-        if p.suffix == ".toml":
-            return msgspec.toml.decode(data, type=kind)
-        return msgspec.json.decode(data, type=kind)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise UserError(f"{path}: {exc}") from None
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -175,12 +160,8 @@ def render_plan(fleet) -> str:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """What an agent on this host would report, without NATS: a hosts file for `lanes plan`."""
-    import tempfile
+    from lanes.agent_setup import agent_config
+    from launcher_agent.report import host_report
 
-    from lanes.online import agent_config
-    from launcher_agent.service import Agent
-
-    with tempfile.TemporaryDirectory() as tmp:
-        report = Agent(agent_config(args, Path(tmp))).report()
-    print(msgspec.json.encode(report).decode())
+    print(msgspec.json.encode(host_report(agent_config(args, Path("unused")))).decode())
     return 0

@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 from pathlib import Path
 
 import msgspec
 
+from gateway.service import Gateway, run_gateway
+from gateway.settings import GatewaySettings
+from lanes.agent_setup import agent_config
+from lanes.demo_model import ensure_demo_model
 from lanes.errors import UserError
+from lanes.files import load_file
 from lanes.tables import gib, mib, table
-from launcher_agent.probe import ProbeError, find_llama_server, probe
-from launcher_agent.service import AgentConfig, default_host_id, run_agent
+from launcher_agent.service import run_agent
 from planner_svc.service import run_planner
 from shared import subjects
 from shared.bus import NatsAuth, auth_from_args, connect
@@ -36,42 +41,38 @@ def _stop_event() -> asyncio.Event:
     return stop
 
 
-def agent_config(args: argparse.Namespace, data_dir: Path) -> AgentConfig:
-    binary = find_llama_server(args.llama_server)
-    if binary is None:
-        raise UserError(
-            "no llama-server found: pass --llama-server, set LLAMA_SERVER_BIN, or run `lanes install-llama`"
-        )
-    try:
-        caps = probe(binary)
-    except ProbeError as exc:
-        raise UserError(str(exc)) from None
-    for folder in args.models:
-        if not Path(folder).is_dir():
-            raise UserError(f"--models {folder}: not a folder")
-    return AgentConfig(
-        host_id=args.host_id or default_host_id(),
-        model_dirs=[str(Path(m).resolve()) for m in args.models],
-        binary=binary,
-        caps=caps,
-        data_dir=data_dir,
-        port_base=args.port_base,
-        port_count=getattr(args, "port_count", 16),
-        bind=getattr(args, "bind", "127.0.0.1"),
-        report_interval=getattr(args, "report_interval", 30.0),
-        tick=getattr(args, "tick", 0.5),
-        max_ram=getattr(args, "max_ram", None),
-        dry_run=getattr(args, "dry_run", False),
+def gateway_settings(args: argparse.Namespace) -> GatewaySettings:
+    keys = list(getattr(args, "api_key", None) or [])
+    keys += [k.strip() for k in os.environ.get("LANES_GATEWAY_API_KEYS", "").split(",") if k.strip()]
+    if getattr(args, "api_key_file", None):
+        try:
+            keys += [line.strip() for line in Path(args.api_key_file).read_text().splitlines() if line.strip()]
+        except OSError as exc:
+            raise UserError(f"--api-key-file: {exc.strerror}: {args.api_key_file}") from None
+    base = GatewaySettings()
+    return GatewaySettings(
+        host=getattr(args, "host", base.host) if args.command == "gateway" else base.host,
+        port=args.port if args.command == "gateway" else args.gateway_port,
+        api_keys=tuple(keys),
+        max_body_bytes=getattr(args, "max_body", base.max_body_bytes),
+        queue_depth=getattr(args, "queue_depth", base.queue_depth),
+        queue_wait=getattr(args, "queue_wait", base.queue_wait),
+        request_timeout=getattr(args, "request_timeout", base.request_timeout),
+        connect_timeout=getattr(args, "connect_timeout", base.connect_timeout),
+        admin_key=getattr(args, "admin_key", None) or None,
     )
 
 
 async def run(args: argparse.Namespace) -> int:
-    setup_logging("info" if args.command in ("up", "planner", "agent") else "error")
+    setup_logging("info" if args.command in ("up", "planner", "agent", "gateway") else "error")
     if args.command == "up":
         return await cmd_up(args)
     auth = auth_from_args(args)
     if args.command == "planner":
         await run_planner(args.nats, _stop_event(), auth, replicas=args.kv_replicas)
+        return 0
+    if args.command == "gateway":
+        await run_gateway(args.nats, _stop_event(), auth, gateway_settings(args))
         return 0
     if args.command == "agent":
         cfg = agent_config(args, Path(args.data) if args.data else Path.home() / ".lanes" / "agent")
@@ -82,6 +83,10 @@ async def run(args: argparse.Namespace) -> int:
 
 async def cmd_up(args: argparse.Namespace) -> int:
     data = Path(args.data).resolve()
+    if not args.models:
+        demo = ensure_demo_model(data / "models")
+        print(f"lanes up: no --models folder; serving the demo model {demo}")
+        args.models = [str(demo.parent)]
     cfg = agent_config(args, data / "agent")
     server = NatsServer(data / "nats", port=args.nats_port)
     try:
@@ -93,12 +98,31 @@ async def cmd_up(args: argparse.Namespace) -> int:
     print(f"  lanes status --nats {server.url}")
     print(f"  lanes config set --nats {server.url} kv_cache_type=q8_0")
     print(f"  nats --server {server.url} kv watch {subjects.BUCKET}      # with the NATS CLI")
-    print("  Ctrl-C stops everything, lanes included")
+    gateway = Gateway(gateway_settings(args))
     try:
-        await asyncio.gather(run_planner(server.url, stop), run_agent(cfg, server.url, stop))
+        serving = asyncio.create_task(run_gateway(server.url, stop, gateway=gateway))
+        started = asyncio.create_task(gateway.started.wait())
+        await asyncio.wait([serving, started], return_when=asyncio.FIRST_COMPLETED)
+        if serving.done():  # it could not listen
+            started.cancel()
+            exc = serving.exception()
+            raise UserError(f"gateway: cannot listen on port {args.gateway_port}: {getattr(exc, 'strerror', exc)}")
+        print(f"gateway: {gateway.url}", flush=True)
+        print(f"dashboard: {gateway.url}/dashboard/", flush=True)
+        print(_first_request(gateway.url, cfg.model_dirs), flush=True)
+        print("  Ctrl-C stops everything, lanes included", flush=True)
+        await asyncio.gather(run_planner(server.url, stop), run_agent(cfg, server.url, stop), serving)
     finally:
         server.stop()
     return 0
+
+
+def _first_request(url: str, model_dirs: list[str]) -> str:
+    """One copy-paste chat request, for the first model the folders hold."""
+    names = sorted(p.stem for d in model_dirs for p in Path(d).glob("*.gguf"))
+    model = names[0] if names else "MODEL"
+    body = msgspec.json.encode({"model": model, "messages": [{"role": "user", "content": "Say hello."}]}).decode()
+    return f"  try: curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
 
 
 async def _request(nc, subject: str, payload: bytes, timeout: float = 5.0) -> bytes:
@@ -134,8 +158,6 @@ async def _request_command(args: argparse.Namespace, auth: NatsAuth) -> int:
             body = encode(ConfigSet(changes=_parse_pairs(args.pairs)))
             print(msgspec.json.format(await _request(nc, subjects.CONFIG_SET, body)).decode())
         elif args.command == "demand":
-            from lanes.offline import load_file
-
             demand = load_file(args.file, Demand)
             await _request(nc, subjects.DEMAND_SET, encode(demand))
             print(f"demand set: {len(demand.personas)} persona(s)")

@@ -8,7 +8,6 @@ reconnect (nats-py's watcher goes silent after a server restart).
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -19,18 +18,18 @@ from nats.aio.client import Client
 from nats.micro import add_service
 from nats.micro.request import Request
 
-from launcher_agent import hardware
-from launcher_agent.supervisor import AgentConfig, Lane, Supervisor
+from launcher_agent.config import AgentConfig
+from launcher_agent.lane import Lane
+from launcher_agent.report import VERSION, host_report
+from launcher_agent.supervisor import Supervisor
 from shared import subjects
 from shared.bus import NatsAuth, connect, kv_bucket, quietly, run_until, watch_forever
-from shared.gguf_facts import scan_models
 from shared.messages import HostPlan, HostReport, LaneEvent, PlanRejected, encode
 
 log = structlog.get_logger("lanes.agent")
-VERSION = "0.1.0"
 STARTING_TICK = 0.02
 
-__all__ = ["AgentConfig", "run_agent", "default_host_id"]
+__all__ = ["AgentConfig", "run_agent"]
 
 
 @dataclass
@@ -52,31 +51,8 @@ class Agent:
     def host(self) -> str:
         return subjects.host_token(self.cfg.host_id)
 
-    # ------------------------------------------------------------ the report
-
     def report(self) -> HostReport:
-        cores, total, available = hardware.ram()
-        if self.cfg.max_ram:
-            total = min(total, self.cfg.max_ram)
-            available = min(available, total)
-        models, problems = scan_models(self.cfg.model_dirs, self._facts_cache)
-        for p in problems:
-            log.warning("skipped model file", problem=p)
-        rss = self.sup.lanes_rss()
-        return HostReport(
-            host_id=self.cfg.host_id,
-            cpu_cores=cores,
-            ram_total=total,
-            ram_available=available,
-            lanes_rss=rss,
-            gpus=hardware.nvidia_gpus(),
-            server=self.cfg.caps,
-            models=tuple(models),
-            port_base=self.cfg.port_base,
-            port_count=self.cfg.port_count,
-            lane_bind=self.cfg.bind,
-            agent_version=VERSION,
-        )
+        return host_report(self.cfg, self.sup.lanes_rss(), self._facts_cache)
 
     # ------------------------------------------------------------ plans in
 
@@ -239,7 +215,3 @@ async def run_agent(cfg: AgentConfig, servers: str, stop: asyncio.Event, auth: N
         await run_until(stop, tasks)
         await agent.sup.stop_all()
         await quietly(lambda: agent.publish_status(force=True))()
-
-
-def default_host_id() -> str:
-    return subjects.host_token(socket.gethostname().split(".")[0])

@@ -114,6 +114,8 @@ class FleetConfig(_Msg, tag="fleet_config", forbid_unknown_fields=True, kw_only=
     n_ubatch: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 512
     use_gpu: bool = True
     max_restarts_per_host: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 1
+    # Seconds an agent waits for a draining lane's requests in flight before it restarts it.
+    drain_timeout: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 30.0
 
 
 class Persona(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -234,6 +236,9 @@ class LaneStatus(msgspec.Struct, frozen=True, kw_only=True):
     stderr_tail: tuple[str, ...] = ()
     argv: tuple[str, ...] = ()
     failure: FailureKind | None = None
+    # Set while the agent waits for in-flight requests before a restart or stop:
+    # gateways send a draining lane nothing new.
+    draining: bool = False
 
 
 class HostStatus(_Msg, tag="host_status", kw_only=True):
@@ -246,6 +251,8 @@ class HostStatus(_Msg, tag="host_status", kw_only=True):
     rollout_halted: str = ""
     # Changes each time the agent starts: tells a fresh status from one a dead agent left.
     agent_session: str = ""
+    # Where gateways reach this host's lanes (the bind address, or the agent's --advertise).
+    address: str = ""
 
 
 class LaneEvent(_Msg, tag="lane_event", kw_only=True):

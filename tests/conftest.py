@@ -39,5 +39,17 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 # --- end tiny models ---
 
 
+# --- the real model: Gemma 3 270M Q4_K_M from the PyPI chunk packages (the test extra) ---
+@pytest.fixture(scope="session")
+def gemma_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real Gemma 3 270M Q4_K_M file (262k vocabulary), assembled and verified once per session."""
+    from lanes.demo_model import ensure_demo_model
+
+    return ensure_demo_model(tmp_path_factory.mktemp("gemma"))
+
+
+# --- end real model ---
+
+
 # --- real parts: nats-server, fake llama-server, services ---
 from fixtures_bus import nats_server  # noqa: E402,F401

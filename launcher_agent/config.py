@@ -1,0 +1,31 @@
+"""What one agent is told at start: its host, folders, binary, ports and timings."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared import subjects
+from shared.messages import ServerCaps
+
+
+@dataclass
+class AgentConfig:
+    host_id: str
+    model_dirs: list[str]
+    binary: str
+    caps: ServerCaps
+    data_dir: Path
+    port_base: int = 8080
+    port_count: int = 16
+    bind: str = "127.0.0.1"
+    report_interval: float = 30.0
+    tick: float = 0.5
+    max_ram: int | None = None  # an operator's cap on what lanes may plan for here
+    backoff_base: float = 1.0
+    dry_run: bool = False  # log the argv of each lane instead of launching it
+
+
+def default_host_id() -> str:
+    return subjects.host_token(socket.gethostname().split(".")[0])

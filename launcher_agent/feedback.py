@@ -1,0 +1,69 @@
+"""What the agent learned that the plan got wrong: over-plan use, refusals, crash loops.
+
+Sent to the planner in the host status; one entry per (model, kind, cache types).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import structlog
+
+from launcher_agent.lane import Lane
+from shared.messages import LaneFeedback
+
+log = structlog.get_logger("lanes.agent")
+OVER_PLAN_TOLERANCE = 0.02
+RSS_TOLERANCE = 0.15
+
+
+@dataclass
+class Feedback:
+    entries: dict[tuple, LaneFeedback] = field(default_factory=dict)
+
+    def check_against_plan(self, lane: Lane) -> None:
+        """Use above the plan (KV as llama-server reports it, or RSS) is fed back to the planner."""
+        if lane.process is None:
+            return
+        memory = lane.spec.memory
+        checks = (
+            (lane.process.kv_bytes(), memory.kv_bytes, OVER_PLAN_TOLERANCE, "KV reported by llama-server"),
+            (lane.process.rss(), memory.total_bytes, RSS_TOLERANCE, "resident memory of the process"),
+        )
+        for actual, planned, tolerance, what in checks:
+            key = (lane.spec.model, "over_plan", lane.spec.cache_type_k, lane.spec.cache_type_v)
+            if actual is None or not planned or actual <= planned * (1 + tolerance) or key in self.entries:
+                continue
+            log.warning(
+                "lane uses more than planned", lane=lane.spec.lane_id, what=what, actual=actual, planned=planned
+            )
+            # Scale the whole lane by the KV overshoot ratio; RSS compares against the total.
+            self.entries[key] = LaneFeedback(
+                lane_id=lane.spec.lane_id,
+                model=lane.spec.model,
+                kind="over_plan",
+                cache_type_k=lane.spec.cache_type_k,
+                cache_type_v=lane.spec.cache_type_v,
+                ctx_total=lane.spec.ctx_total,
+                planned_bytes=planned,
+                actual_bytes=actual,
+                detail=what,
+            )
+
+    def failure(self, lane: Lane, kind: str, detail: str) -> None:
+        s = lane.spec
+        changed = lane.last_good is not None and lane.last_good.args != s.args
+        self.entries[(s.model, kind, s.cache_type_k, s.cache_type_v)] = LaneFeedback(
+            last_good=lane.last_good if changed else None,
+            lane_id=s.lane_id,
+            model=s.model,
+            kind=kind,
+            cache_type_k=s.cache_type_k,
+            cache_type_v=s.cache_type_v,
+            ctx_total=s.ctx_total,
+            planned_bytes=s.memory.total_bytes,
+            detail=detail[:300],
+        )
+
+    def sorted(self) -> tuple[LaneFeedback, ...]:
+        return tuple(self.entries[k] for k in sorted(self.entries, key=str))

@@ -1,0 +1,87 @@
+"""What each lane's process did since the last look: came up, serves the wrong shape, died.
+
+A death is classified from llama-server's own log lines: a refusal or an
+out-of-memory at start fails the lane (restarting the same argv cannot help), other
+crashes back off and retry until they loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from launcher_agent.feedback import Feedback
+from launcher_agent.lane import Emit, Lane
+from launcher_agent.reconcile import MAX_FAILURES, backoff, classify_failure
+
+HEALTHY_RESETS_FAILURES_AFTER = 30.0
+
+
+@dataclass
+class Exit:
+    """A lane whose process ended; `halts` says why the rollout must stop, when a change broke it."""
+
+    lane: Lane
+    halts: str | None = None
+
+
+@dataclass
+class Health:
+    emit: Emit
+    feedback: Feedback
+    backoff_base: float = 1.0
+
+    async def observe(self, lanes: Iterable[Lane], now: float) -> list[Exit]:
+        """Fold what each process did since the last tick into its lane state."""
+        exits: list[Exit] = []
+        for lane in lanes:
+            proc = lane.process
+            if proc is None:
+                continue
+            proc.read_log()
+            if proc.returncode is not None and lane.state not in ("crashed", "failed", "stopped"):
+                exits.append(await self._on_exit(lane, now))
+                continue
+            if lane.state in ("starting", "loading"):
+                state, detail = await proc.probe_health()
+                if state == "healthy":
+                    lane.state, lane.healthy_since, lane.last_error = "healthy", now, ""
+                    lane.last_good = lane.spec
+                    await self.emit(lane, "healthy")
+                    self.feedback.check_against_plan(lane)
+                elif state == "mismatch":
+                    lane.state, lane.last_error = "mismatch", detail
+                    await self.emit(lane, "mismatch", detail)
+                else:
+                    lane.state = "loading"
+            elif lane.state == "healthy":
+                if lane.failures and lane.healthy_since and now - lane.healthy_since > HEALTHY_RESETS_FAILURES_AFTER:
+                    lane.failures = 0
+                self.feedback.check_against_plan(lane)
+        return exits
+
+    async def _on_exit(self, lane: Lane, now: float) -> Exit:
+        proc = lane.process
+        assert proc is not None
+        lines = list(proc.tail)
+        kind, line = classify_failure(lines)
+        died_at_start = lane.state in ("starting", "loading")
+        broken_by_change = lane.last_good is not None and lane.last_good.args != lane.spec.args
+        lane.failures += 1
+        lane.last_error = f"exit {proc.returncode}: {line}"
+        halts = f"{lane.spec.lane_id} failed with the change: {line}" if broken_by_change else None
+        if died_at_start and (kind in ("unsupported", "oom") or broken_by_change):
+            # llama-server refused this spec (or a change broke a lane that ran): restarting
+            # the same argv cannot help; the planner corrects or reverts it.
+            lane.state, lane.failure = "failed", kind
+            self.feedback.failure(lane, kind, line)
+            await self.emit(lane, "failed", lane.last_error)
+        elif lane.failures >= MAX_FAILURES:
+            lane.state, lane.failure = "failed", "crash_loop"
+            self.feedback.failure(lane, "crash_loop", line)
+            await self.emit(lane, "failed", f"crash loop: {lane.failures} failures; {lane.last_error}")
+        else:
+            lane.state, lane.failure = "crashed", kind
+            lane.retry_at = now + backoff(lane.failures, self.backoff_base)
+            await self.emit(lane, "crashed", lane.last_error)
+        return Exit(lane, halts)

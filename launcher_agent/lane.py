@@ -1,0 +1,31 @@
+"""One lane as the agent tracks it: the spec it runs, its process and its state."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from launcher_agent.process import LaneProcess
+from shared.messages import LaneSpec
+
+
+@dataclass
+class Lane:
+    spec: LaneSpec
+    process: LaneProcess | None = None
+    state: str = "starting"
+    failures: int = 0
+    restarts: int = 0
+    retry_at: float = 0.0
+    healthy_since: float | None = None
+    last_error: str = ""
+    failure: str | None = None
+    plan_revision: int = 0
+    last_good: LaneSpec | None = None  # the spec it last ran healthy with
+
+
+Emit = Callable[[Lane, str, str], Awaitable[None]]
+
+
+async def no_event(lane: Lane, event: str, detail: str = "") -> None:
+    pass

@@ -1,0 +1,82 @@
+"""Starting, stopping and adopting lane processes, as reconcile.decide's actions say."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import structlog
+
+from launcher_agent.config import AgentConfig
+from launcher_agent.lane import Emit, Lane
+from launcher_agent.persistence import Saved
+from launcher_agent.process import DryRunLane, LaneProcess
+from launcher_agent.reconcile import Action, Restart, Start, Stop
+from shared.messages import LaneSpec
+
+log = structlog.get_logger("lanes.agent")
+
+
+@dataclass
+class Lifecycle:
+    cfg: AgentConfig
+    emit: Emit
+    lanes: dict[str, Lane] = field(default_factory=dict)
+
+    async def apply(self, actions: Sequence[Action], plan_revision: int) -> None:
+        for action in actions:
+            if isinstance(action, Stop):
+                await self.stop(action.lane_id, action.reason)
+            elif isinstance(action, Restart):
+                old = self.lanes.get(action.spec.lane_id)
+                await self.stop(action.spec.lane_id, action.reason, keep_counts=True)
+                await self.start(action.spec, plan_revision, previous=old)
+            elif isinstance(action, Start):
+                await self.start(action.spec, plan_revision)
+
+    async def start(self, spec: LaneSpec, plan_revision: int, previous: Lane | None = None) -> None:
+        process = (DryRunLane if self.cfg.dry_run else LaneProcess)(spec, self.cfg.binary, self._log_path(spec.lane_id))
+        lane = Lane(spec=spec, process=process, plan_revision=plan_revision)
+        if previous is not None:
+            lane.last_good = previous.last_good
+            if previous.spec.args == spec.args:
+                lane.failures, lane.restarts = previous.failures, previous.restarts + 1
+        try:
+            await process.start()
+        except OSError as exc:
+            lane.state, lane.last_error, lane.failure = "failed", f"cannot start {self.cfg.binary}: {exc}", "other"
+            self.lanes[spec.lane_id] = lane
+            await self.emit(lane, "failed", lane.last_error)
+            return
+        self.lanes[spec.lane_id] = lane
+        log.info("lane started", lane=spec.lane_id, pid=process.pid, argv=process.argv)
+        await self.emit(lane, "started", " ".join(process.argv))
+
+    async def stop(self, lane_id: str, reason: str, keep_counts: bool = False) -> None:
+        lane = self.lanes.pop(lane_id, None)
+        if lane is None or lane.process is None:
+            return
+        await lane.process.stop()
+        log.info("lane stopped", lane=lane_id, reason=reason)
+        if not keep_counts:
+            lane.state = "stopped"
+            await self.emit(lane, "stopped", reason)
+
+    async def stop_all(self) -> None:
+        await asyncio.gather(*(self.stop(lane_id, "agent shutting down") for lane_id in list(self.lanes)))
+
+    def adopt(self, saved: Saved) -> None:
+        """Take over the lanes a previous agent left running, if they still are those processes."""
+        specs = {s.lane_id: s for s in (saved.plan.lanes if saved.plan else ())}
+        for lane_id, pid in saved.pids.items():
+            spec = specs.get(lane_id)
+            if spec is None or self.cfg.dry_run:
+                continue
+            proc = LaneProcess.adopt(spec, self.cfg.binary, self._log_path(lane_id), pid)
+            if proc is not None:
+                self.lanes[lane_id] = Lane(spec=spec, process=proc, state="loading")
+                log.info("adopted running lane", lane=lane_id, pid=pid)
+
+    def _log_path(self, lane_id: str):
+        return self.cfg.data_dir / "lanes" / f"{lane_id}.log"

@@ -1,0 +1,44 @@
+"""The agent's state file: the applied plan and which pid serves which lane.
+
+It survives an agent restart, so a new agent adopts the lanes the last one left
+running instead of starting them twice. Written atomically, and only when it changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import msgspec
+
+from launcher_agent.lane import Lane
+from shared.messages import HostPlan
+
+
+class Saved(msgspec.Struct):
+    plan: HostPlan | None = None
+    pids: dict[str, int] = {}
+
+
+class StateFile:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._written = b""  # what the file holds
+
+    def save(self, plan: HostPlan | None, lanes: Mapping[str, Lane]) -> None:
+        saved = Saved(plan=plan, pids={k: v.process.pid for k, v in lanes.items() if v.process and v.process.pid})
+        data = msgspec.json.encode(saved)
+        if data == self._written:
+            return
+        if not self._written:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        tmp.replace(self.path)
+        self._written = data
+
+    def load(self) -> Saved | None:
+        try:
+            return msgspec.json.decode(self.path.read_bytes(), type=Saved)
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+            return None
