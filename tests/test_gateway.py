@@ -20,7 +20,6 @@ import aiohttp
 import openai
 import pytest
 from fixtures_bus import Services, agent_config, client, eventually, free_port_base, host_status, lane_of
-from test_real_llama import llama_server  # noqa: F401 (fixture)
 
 from gateway.service import Gateway, run_gateway
 from gateway.settings import GatewaySettings
