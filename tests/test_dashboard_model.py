@@ -102,3 +102,4 @@ def test_events_newest_first_and_bounded() -> None:
     events = snapshot(FleetView(), events=feed)["events"]
     assert [e["event"] for e in events] == ["started", "crashed", "healthy"]
     assert events[0]["at"] == 3.0
+
