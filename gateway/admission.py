@@ -1,0 +1,156 @@
+"""Which lane a request goes to, and how long it may wait for one.
+
+The lane with the most free slots wins (ties rotate). With every slot of a model busy,
+requests wait in a bounded FIFO queue per requested name; a slot freed, or a lane
+coming back, hands the oldest waiter its lane. No sockets: asyncio futures only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from gateway.fleet import FleetView, LaneKey, LaneRoute
+
+
+class AdmissionError(Exception):
+    """A request that gets no lane; the HTTP edge turns it into an OpenAI error."""
+
+    status = 503
+    code = "unavailable"
+
+
+class UnknownModel(AdmissionError):
+    status = 404
+    code = "model_not_found"
+
+
+class QueueFull(AdmissionError):
+    code = "queue_full"
+
+
+class QueueTimeout(AdmissionError):
+    code = "queue_timeout"
+
+
+def choose_lane(candidates: Iterable[LaneRoute], busy: dict[LaneKey, int], turn: int = 0) -> LaneRoute | None:
+    """The routable lane with the most free slots; `turn` rotates among equals."""
+    best: list[LaneRoute] = []
+    most = 0
+    for lane in candidates:
+        if not lane.routable:
+            continue
+        free = lane.parallel - busy.get(lane.key, 0)
+        if free > most:
+            best, most = [lane], free
+        elif free == most and free > 0:
+            best.append(lane)
+    return best[turn % len(best)] if best else None
+
+
+@dataclass
+class Lease:
+    """One request's hold on one slot of one lane; release exactly once."""
+
+    lane: LaneRoute
+    admission: Admission
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.admission._release(self.lane.key)
+
+
+@dataclass
+class _Waiter:
+    name: str
+    exclude: frozenset[LaneKey]
+    future: asyncio.Future
+
+
+@dataclass
+class Admission:
+    view: FleetView
+    max_queue: int = 64  # waiting requests per requested model name
+    max_wait: float = 30.0  # seconds a request may wait for a slot
+    _queues: dict[str, deque[_Waiter]] = field(default_factory=dict)
+    _turns: itertools.count = field(default_factory=itertools.count)
+
+    def __post_init__(self) -> None:
+        self.view.listeners.append(self.poke)
+
+    async def acquire(self, name: str, exclude: frozenset[LaneKey] = frozenset()) -> Lease:
+        """A slot on a lane serving `name`, now or after a bounded wait."""
+        if not self.view.lanes_for(name):
+            raise UnknownModel(f"model {name!r} is not served by this fleet; GET /v1/models lists what is")
+        lease = self._take(name, exclude)
+        if lease is not None:
+            return lease
+        queue = self._queues.setdefault(name, deque())
+        if len(queue) >= self.max_queue:
+            raise QueueFull(f"all slots for {name!r} are busy and {len(queue)} requests already wait")
+        waiter = _Waiter(name, exclude, asyncio.get_running_loop().create_future())
+        queue.append(waiter)
+        self._count(name)
+        try:
+            async with asyncio.timeout(self.max_wait):
+                return await waiter.future
+        except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
+            # A lease handed over in the same instant as the timeout is still ours.
+            if waiter.future.done() and not waiter.future.cancelled():
+                if isinstance(exc, asyncio.TimeoutError):
+                    return waiter.future.result()
+                waiter.future.result().release()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            raise QueueTimeout(f"no slot for {name!r} became free within {self.max_wait:g} s") from None
+        finally:
+            if waiter in queue:
+                queue.remove(waiter)
+            self._count(name)
+
+    def _take(self, name: str, exclude: frozenset[LaneKey]) -> Lease | None:
+        candidates = [lane for lane in self.view.lanes_for(name) if lane.key not in exclude]
+        lane = choose_lane(candidates, self.view.in_flight, next(self._turns))
+        if lane is None:
+            return None
+        self.view.in_flight[lane.key] = self.view.busy(lane.key) + 1
+        return Lease(lane, self)
+
+    def _release(self, key: LaneKey) -> None:
+        self.view.served[key] = self.view.served.get(key, 0) + 1
+        left = self.view.busy(key) - 1
+        if left > 0:
+            self.view.in_flight[key] = left
+        else:
+            self.view.in_flight.pop(key, None)
+        self.poke()
+
+    def poke(self) -> None:
+        """Hand free slots to the oldest waiters (after a release or a fleet change)."""
+        for name, queue in self._queues.items():
+            while queue:
+                waiter = queue[0]
+                if waiter.future.done():
+                    queue.popleft()
+                    continue
+                lease = self._take(name, waiter.exclude)
+                if lease is None:
+                    break
+                queue.popleft()
+                waiter.future.set_result(lease)
+            self._count(name)
+
+    def _count(self, name: str) -> None:
+        depth = sum(not w.future.done() for w in self._queues.get(name, ()))
+        if depth:
+            self.view.queued[name] = depth
+        else:
+            self.view.queued.pop(name, None)
+
+    def waiting(self, name: str) -> int:
+        return self.view.queued.get(name, 0)

@@ -1,0 +1,200 @@
+"""The gateway's view of the fleet: lanes from plans and status, requests in flight, queues.
+
+Pure: no sockets, no clock. The bus adapter feeds it KV entries (`apply_entry`), the
+health prober marks lanes it cannot reach, the admission counts requests in and out.
+A dashboard reads the same object (`snapshot()`), so what it shows is what routes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from shared import subjects
+from shared.messages import FleetConfig, HostPlan, HostReport, HostStatus
+
+WILDCARD_BINDS = ("0.0.0.0", "::", "")
+
+LaneKey = tuple[str, str]  # (host_id, lane_id)
+
+
+@dataclass(frozen=True)
+class LaneRoute:
+    """One lane as the gateway routes to it."""
+
+    host_id: str
+    lane_id: str
+    model: str
+    alias: str
+    url: str  # http://address:port, no trailing slash
+    parallel: int
+    state: str  # the agent's state for it ("pending" until the agent reports it)
+    draining: bool = False
+    unreachable: str = ""  # why the gateway's own probe or a request could not reach it
+
+    @property
+    def key(self) -> LaneKey:
+        return (self.host_id, self.lane_id)
+
+    @property
+    def routable(self) -> bool:
+        return self.state == "healthy" and not self.draining and not self.unreachable
+
+    def serves(self, name: str) -> bool:
+        return name in (self.alias, self.model)
+
+
+def lane_address(status: HostStatus | None, bind: str, host_id: str) -> str:
+    """Where a lane is reached: the agent's advertised address, its bind, or the host's name."""
+    if status is not None and status.address:
+        return status.address
+    if bind not in WILDCARD_BINDS:
+        return bind
+    return host_id
+
+
+def _url(address: str, port: int) -> str:
+    host = f"[{address}]" if ":" in address else address
+    return f"http://{host}:{port}"
+
+
+@dataclass
+class FleetView:
+    """Everything the gateway knows of the fleet; one per gateway process."""
+
+    plans: dict[str, HostPlan] = field(default_factory=dict)
+    statuses: dict[str, HostStatus] = field(default_factory=dict)
+    reports: dict[str, HostReport] = field(default_factory=dict)
+    config: FleetConfig | None = None
+    config_revision: int = 0
+    in_flight: dict[LaneKey, int] = field(default_factory=dict)
+    queued: dict[str, int] = field(default_factory=dict)  # requested model name -> waiting requests
+    unreachable: dict[LaneKey, str] = field(default_factory=dict)
+    served: dict[LaneKey, int] = field(default_factory=dict)  # requests each lane has finished (dashboard rates)
+    synced: bool = False  # the first full snapshot of the bucket has been read
+    bad_entries: int = 0
+    listeners: list[Callable[[], None]] = field(default_factory=list)
+    _lanes: list[LaneRoute] | None = None
+
+    # ------------------------------------------------------------ input
+
+    def apply_entry(self, key: str, value: bytes | None, revision: int) -> str | None:
+        """Fold one KV entry in; returns why it was dropped, or None."""
+        kind, _, host = key.partition(".")
+        tables = {"plan": (self.plans, HostPlan), "status": (self.statuses, HostStatus),
+                  "report": (self.reports, HostReport)}  # fmt: skip
+        try:
+            if key == subjects.CONFIG_KEY:
+                if value is not None:
+                    self.config = msgspec.json.decode(value, type=FleetConfig)
+                    self.config_revision = revision
+            elif kind in tables and host:
+                table, type_ = tables[kind]
+                if value is None:
+                    table.pop(host, None)
+                else:
+                    msg = msgspec.json.decode(value, type=type_)
+                    if subjects.host_token(msg.host_id) != host:
+                        raise ValueError(f"{kind} for {msg.host_id!r} under key {key!r}")
+                    table[host] = msg
+            else:
+                return None  # demand and keys the gateway does not use
+        except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
+            self.bad_entries += 1
+            return f"{key}: {exc}"
+        if kind in ("plan", "status"):
+            self.changed()
+        return None
+
+    def mark_unreachable(self, key: LaneKey, reason: str) -> None:
+        if self.unreachable.get(key) != reason:
+            self.unreachable[key] = reason
+            self.changed()
+
+    def mark_reachable(self, key: LaneKey) -> None:
+        if self.unreachable.pop(key, None) is not None:
+            self.changed()
+
+    def changed(self) -> None:
+        self._lanes = None
+        for listener in self.listeners:
+            listener()
+
+    # ------------------------------------------------------------ lanes
+
+    def lanes(self) -> list[LaneRoute]:
+        """Every planned lane, with what its agent last said of it."""
+        if self._lanes is None:
+            self._lanes = list(self._build_lanes())
+        return self._lanes
+
+    def _build_lanes(self):
+        for host, plan in sorted(self.plans.items()):
+            status = self.statuses.get(host)
+            running = {lane.lane_id: lane for lane in status.lanes} if status else {}
+            for spec in plan.lanes:
+                live = running.get(spec.lane_id)
+                # The lane that runs may still be the previous plan's: it serves where it listens.
+                port = live.port if live and live.port else spec.port
+                key = (plan.host_id, spec.lane_id)
+                yield LaneRoute(
+                    host_id=plan.host_id,
+                    lane_id=spec.lane_id,
+                    model=spec.model,
+                    alias=spec.alias,
+                    url=_url(lane_address(status, spec.bind, plan.host_id), port),
+                    parallel=spec.parallel,
+                    state=live.state if live else "pending",
+                    draining=live.draining if live else False,
+                    unreachable=self.unreachable.get(key, ""),
+                )
+
+    def lanes_for(self, name: str) -> list[LaneRoute]:
+        return [lane for lane in self.lanes() if lane.serves(name)]
+
+    def routable(self, name: str) -> list[LaneRoute]:
+        return [lane for lane in self.lanes_for(name) if lane.routable]
+
+    def probe_targets(self) -> list[LaneRoute]:
+        """Lanes the agent calls healthy: the gateway checks it can reach them itself."""
+        return [lane for lane in self.lanes() if lane.state == "healthy"]
+
+    def models(self) -> list[dict]:
+        """What the fleet serves, one entry per alias (the name clients use)."""
+        names: dict[str, dict] = {}
+        for lane in self.lanes():
+            entry = names.setdefault(lane.alias, {"id": lane.alias, "model": lane.model, "lanes": 0, "ready": 0})
+            entry["lanes"] += 1
+            entry["ready"] += lane.routable
+        return [names[n] for n in sorted(names)]
+
+    def busy(self, key: LaneKey) -> int:
+        return self.in_flight.get(key, 0)
+
+    # ------------------------------------------------------------ for a dashboard
+
+    def snapshot(self) -> dict:
+        """A JSON-ready picture: lanes with in-flight counts, queues, config revision."""
+        return {
+            "synced": self.synced,
+            "config_revision": self.config_revision,
+            "lanes": [
+                {
+                    "host": lane.host_id,
+                    "lane": lane.lane_id,
+                    "model": lane.model,
+                    "alias": lane.alias,
+                    "url": lane.url,
+                    "state": lane.state,
+                    "draining": lane.draining,
+                    "unreachable": lane.unreachable,
+                    "routable": lane.routable,
+                    "slots": lane.parallel,
+                    "in_flight": self.busy(lane.key),
+                }
+                for lane in self.lanes()
+            ],
+            "queued": dict(sorted(self.queued.items())),
+        }

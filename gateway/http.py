@@ -1,0 +1,242 @@
+"""The gateway's HTTP edge: OpenAI-compatible routes in front of the lanes (aiohttp).
+
+Bodies are relayed chunk by chunk as the lane sends them (SSE included); nothing is
+buffered whole. A lane that fails before its first byte is retried once on another
+lane; after bytes went out nothing is retried. Errors are OpenAI's shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import msgspec
+import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gateway.admission import Admission, AdmissionError, Lease
+from gateway.fleet import FleetView
+from gateway.metrics import GatewayMetrics
+from gateway.settings import GatewaySettings
+
+log = structlog.get_logger("lanes.gateway")
+
+VIEW = web.AppKey("view", FleetView)
+ADMISSION = web.AppKey("admission", Admission)
+METRICS = web.AppKey("metrics", GatewayMetrics)
+SETTINGS = web.AppKey("settings", GatewaySettings)
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+
+PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+OPEN_PATHS = ("/health", "/ready", "/metrics")  # no API key: probes and scrapers
+RETRY_STATUSES = (502, 503, 504)  # a lane that answers these sent no body worth keeping
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+                405: "invalid_request_error", 413: "invalid_request_error"}  # fmt: skip
+
+
+def openai_error(status: int, message: str, code: str | None = None, retry_after: int | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": None,
+                      "code": code}}  # fmt: skip
+    headers = {"Retry-After": str(retry_after)} if retry_after else None
+    return web.json_response(body, status=status, headers=headers)
+
+
+def _sse_error(message: str) -> bytes:
+    """An error event the openai client raises on, for a stream that broke after it began."""
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": "lane_failed"}}
+    return b"data: " + msgspec.json.encode(body) + b"\n\n"
+
+
+# ------------------------------------------------------------------ middleware
+
+
+@web.middleware
+async def _errors_and_keys(request: web.Request, handler):
+    settings = request.app[SETTINGS]
+    if settings.api_keys and request.path not in OPEN_PATHS and request.path.startswith("/v1/"):
+        scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not settings.key_ok(presented.strip()):
+            return openai_error(401, "missing or invalid API key (Authorization: Bearer ...)", "invalid_api_key")
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if not request.path.startswith("/v1/") or exc.status < 400:
+            raise
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status)
+        return openai_error(exc.status, exc.reason if exc.status != 413 else exc.text or exc.reason, code)
+
+
+# ------------------------------------------------------------------ routes
+
+
+async def _health(request: web.Request) -> web.Response:
+    """Liveness: the process answers. Readiness (/ready) also needs the fleet read from NATS."""
+    view = request.app[VIEW]
+    ready = sum(lane.routable for lane in view.lanes())
+    return web.json_response({"status": "ok", "synced": view.synced, "lanes_routable": ready})
+
+
+async def _ready(request: web.Request) -> web.Response:
+    view = request.app[VIEW]
+    if not view.synced:
+        return web.json_response({"status": "not ready", "reason": "fleet not read from NATS yet"}, status=503)
+    return web.json_response({"status": "ok"})
+
+
+async def _models(request: web.Request) -> web.Response:
+    data = [{"id": m["id"], "object": "model", "created": 0, "owned_by": "lanes",
+             "lanes": {"model": m["model"], "total": m["lanes"], "ready": m["ready"]}}
+            for m in request.app[VIEW].models()]  # fmt: skip
+    return web.json_response({"object": "list", "data": data})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[METRICS].registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _proxy(request: web.Request) -> web.StreamResponse:
+    app = request.app
+    started = time.perf_counter()
+    body = await request.read()  # bounded by client_max_size: past it aiohttp answers 413
+    try:
+        payload = msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        return openai_error(400, f"request body is not JSON: {exc}", "invalid_json")
+    name = payload.get("model") if isinstance(payload, dict) else None
+    if not isinstance(name, str) or not name:
+        return openai_error(400, "the request names no model (field 'model')", "model_required")
+    view, metrics = app[VIEW], app[METRICS]
+    label = name if view.lanes_for(name) else "unknown"  # bounded labels: no client-chosen names
+    response = await _forward(request, name, body, started)
+    metrics.requests.labels(label, str(response.status)).inc()
+    metrics.latency.labels(label).observe(time.perf_counter() - started)
+    return response
+
+
+async def _forward(request: web.Request, name: str, body: bytes, started: float) -> web.StreamResponse:
+    app = request.app
+    view, admission, settings = app[VIEW], app[ADMISSION], app[SETTINGS]
+    tried: frozenset = frozenset()
+    failure = ""
+    for attempt in (1, 2):
+        if attempt == 2:
+            if not any(lane.key not in tried for lane in view.lanes_for(name)):
+                break  # no other lane to try
+            app[METRICS].retries.labels(name).inc()
+        try:
+            lease = await admission.acquire(name, exclude=tried)
+        except AdmissionError as exc:
+            if attempt == 2:
+                break
+            retry = settings.retry_after if exc.status == 503 else None
+            return openai_error(exc.status, str(exc), exc.code, retry_after=retry)
+        lane = lease.lane
+        tried |= {lane.key}
+        try:
+            upstream = await app[SESSION].post(
+                lane.url + request.path,
+                data=body,
+                headers={"Content-Type": "application/json", "Accept": request.headers.get("Accept", "*/*")},
+                timeout=aiohttp.ClientTimeout(total=settings.request_timeout, connect=settings.connect_timeout),
+            )
+        except aiohttp.ClientConnectionError as exc:  # refused, reset, closed before answering
+            lease.release()
+            failure = f"lane {lane.host_id}/{lane.lane_id} failed before answering: {type(exc).__name__} {exc}"
+            view.mark_unreachable(lane.key, failure)
+            log.warning("lane failed before answering", lane=lane.lane_id, host=lane.host_id, error=failure)
+            continue
+        except asyncio.TimeoutError:  # the request's own time is up: trying again would double the load
+            lease.release()
+            return openai_error(504, f"no answer within the request timeout of {settings.request_timeout:g} s",
+                                "timeout")  # fmt: skip
+        except BaseException:
+            lease.release()
+            raise
+        if upstream.status in RETRY_STATUSES:
+            failure = f"lane {lane.host_id}/{lane.lane_id} answered {upstream.status}"
+            upstream.release()
+            lease.release()
+            continue
+        return await _relay(request, upstream, lease, started)
+    return openai_error(502, failure or "no lane could take the request", "lane_failed",
+                        retry_after=settings.retry_after)  # fmt: skip
+
+
+async def _relay(
+    request: web.Request, upstream: aiohttp.ClientResponse, lease: Lease, started: float
+) -> web.StreamResponse:
+    """Copy the lane's answer as it arrives; a break after the first byte ends the stream with an error."""
+    app, lane = request.app, lease.lane
+    resp = web.StreamResponse(status=upstream.status)
+    for header in ("Content-Type", "Content-Encoding", "Cache-Control"):
+        if header in upstream.headers:
+            resp.headers[header] = upstream.headers[header]
+    if upstream.content_length is not None:
+        resp.content_length = upstream.content_length
+    resp.headers["X-Lanes-Lane"] = f"{lane.host_id}/{lane.lane_id}"
+    finished = False
+    try:
+        await resp.prepare(request)
+        first = True
+        try:
+            async for chunk in upstream.content.iter_any():
+                if first:
+                    app[METRICS].ttfb.labels(lane.alias).observe(time.perf_counter() - started)
+                    first = False
+                await resp.write(chunk)
+            finished = True
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            reason = f"lane {lane.host_id}/{lane.lane_id} broke off its answer: {type(exc).__name__} {exc}"
+            log.warning("stream broke", lane=lane.lane_id, host=lane.host_id, error=reason)
+            app[VIEW].mark_unreachable(lane.key, reason)
+            if upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+                await resp.write(_sse_error(reason))
+            else:
+                raise  # a plain answer cut short: drop the connection, the client sees it incomplete
+        await resp.write_eof()
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+        pass  # the client left; closing upstream below stops the lane's generation
+    finally:
+        if finished:
+            upstream.release()
+        else:
+            upstream.close()
+        lease.release()
+    return resp
+
+
+# ------------------------------------------------------------------ the app
+
+
+def build_app(
+    view: FleetView,
+    settings: GatewaySettings = GatewaySettings(),
+    *,
+    admission: Admission | None = None,
+    metrics: GatewayMetrics | None = None,
+) -> web.Application:
+    """The gateway's aiohttp application; more routes may be added before it starts."""
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_errors_and_keys])
+    app[VIEW] = view
+    app[SETTINGS] = settings
+    app[ADMISSION] = admission or Admission(view, max_queue=settings.queue_depth, max_wait=settings.queue_wait)
+    app[METRICS] = metrics or GatewayMetrics(view)
+
+    async def client_session(app: web.Application):
+        # No pool limit: admission bounds what is in flight; one connection per slot is kept alive.
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=10)
+        async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
+            app[SESSION] = session
+            yield
+
+    app.cleanup_ctx.append(client_session)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/ready", _ready)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/v1/models", _models)
+    for path in PROXIED:
+        app.router.add_post(path, _proxy)
+    return app

@@ -1,0 +1,74 @@
+"""The gateway's Prometheus series: requests, latency, queues, and the lanes as it routes them.
+
+One registry per gateway (several gateways may share a test process). Lane gauges are
+read from the FleetView at scrape time, so a lane that leaves the plan leaves the output.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from gateway.fleet import FleetView
+
+VERSION = "0.1.0"
+
+# Seconds: from sub-millisecond (a cached short answer) to minutes (long generations).
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class _FleetCollector(Collector):
+    def __init__(self, view: FleetView) -> None:
+        self.view = view
+
+    def collect(self):
+        labels = ["host", "lane", "model"]
+        total = GaugeMetricFamily("lanes_lane_slots", "Slots (llama-server --parallel) of a lane", labels=labels)
+        busy = GaugeMetricFamily("lanes_lane_slots_busy", "Requests this gateway has in flight on a lane", labels=labels)
+        up = GaugeMetricFamily("lanes_lane_routable", "1 when the gateway sends the lane new requests", labels=labels)
+        draining = GaugeMetricFamily("lanes_lane_draining", "1 while the lane's agent drains it", labels=labels)
+        for lane in self.view.lanes():
+            values = [lane.host_id, lane.lane_id, lane.model]
+            total.add_metric(values, lane.parallel)
+            busy.add_metric(values, self.view.busy(lane.key))
+            up.add_metric(values, 1 if lane.routable else 0)
+            draining.add_metric(values, 1 if lane.draining else 0)
+        queue = GaugeMetricFamily("lanes_gateway_queue_depth", "Requests waiting for a free slot", labels=["model"])
+        for name, depth in sorted(self.view.queued.items()):
+            queue.add_metric([name], depth)
+        info = GaugeMetricFamily("lanes_build_info", "Version of this lanes service", labels=["service", "version"])
+        info.add_metric(["gateway", VERSION], 1)
+        synced = GaugeMetricFamily("lanes_gateway_fleet_synced", "1 once the plans and status were read from NATS")
+        synced.add_metric([], 1 if self.view.synced else 0)
+        yield from (total, busy, up, draining, queue, info, synced)
+
+
+class GatewayMetrics:
+    def __init__(self, view: FleetView) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_FleetCollector(view))
+        self.requests = Counter(
+            "lanes_gateway_requests",
+            "Requests answered, by model and HTTP status",
+            ["model", "status"],
+            registry=self.registry,
+        )
+        self.retries = Counter(
+            "lanes_gateway_retries", "Requests sent to a second lane after the first failed before any byte",
+            ["model"], registry=self.registry,
+        )  # fmt: skip
+        self.ttfb = Histogram(
+            "lanes_gateway_time_to_first_byte_seconds",
+            "From the request's arrival to the first byte of the lane's answer",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "lanes_gateway_request_duration_seconds",
+            "From the request's arrival to the answer's last byte",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )

@@ -1,0 +1,159 @@
+"""Running a gateway: the fleet read from NATS, lanes probed, the HTTP app served.
+
+Stateless: everything it knows comes from the lanes bucket (plans, status, reports,
+config), so any number of gateways can run behind one load balancer. It never writes
+to the bus (its NATS user may not).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import AsyncExitStack
+from dataclasses import dataclass, field
+
+import aiohttp
+import structlog
+from aiohttp import web
+
+from gateway.dashboard import DashboardHub, add_dashboard
+from gateway.fleet import FleetView, LaneRoute
+from gateway.http import build_app
+from gateway.settings import GatewaySettings
+from shared import subjects
+from shared.bus import NatsAuth, connect, kv_bucket, quietly, run_until, watch_forever
+
+log = structlog.get_logger("lanes.gateway")
+
+WATCHED_KEYS = ">"  # plans, status, reports and config: one watch, dispatched by key
+
+
+@dataclass
+class Gateway:
+    settings: GatewaySettings = GatewaySettings()
+    view: FleetView = field(default_factory=FleetView)
+    app: web.Application = field(init=False)
+    url: str = ""  # http://host:port once serving
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+    dashboard: DashboardHub = field(init=False)
+    nc: object | None = None  # the NATS connection once made (the dashboard's admin changes use it)
+
+    def __post_init__(self) -> None:
+        self.app = build_app(self.view, self.settings)
+        self.dashboard = DashboardHub(self.view)
+        add_dashboard(self.app, self.dashboard, nc_getter=lambda: self.nc, admin_key=self.settings.admin_key)
+
+    async def on_entry(self, key: str, value: bytes | None, revision: int) -> None:
+        problem = self.view.apply_entry(key, value, revision)
+        if problem:
+            log.warning("bad entry dropped", reason=problem)
+
+    async def on_caught_up(self) -> None:
+        if not self.view.synced:
+            log.info("fleet read from NATS", lanes=len(self.view.lanes()))
+        self.view.synced = True
+
+    async def probe_once(self, session: aiohttp.ClientSession) -> None:
+        targets = self.view.probe_targets()
+        if targets:
+            await asyncio.gather(*(self._probe(session, lane) for lane in targets))
+
+    async def _probe(self, session: aiohttp.ClientSession, lane: LaneRoute) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.settings.probe_timeout)
+        try:
+            async with session.get(lane.url + "/health", timeout=timeout) as resp:
+                ok = resp.status == 200
+                reason = "" if ok else f"/health answered {resp.status}"
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            ok, reason = False, f"/health: {type(exc).__name__} {exc}".strip()
+        if ok:
+            self.view.mark_reachable(lane.key)
+        else:
+            self.view.mark_unreachable(lane.key, reason)
+
+
+async def _probe_loop(gw: Gateway, stop: asyncio.Event) -> None:
+    async with aiohttp.ClientSession() as session:
+        while not stop.is_set():
+            try:
+                await gw.probe_once(session)
+            except Exception:
+                log.exception("lane probe failed")
+            try:
+                await asyncio.wait_for(stop.wait(), gw.settings.probe_interval)
+            except asyncio.TimeoutError:
+                pass
+
+
+async def _bus_side(gw: Gateway, servers: str, auth: NatsAuth, stop: asyncio.Event, stack: AsyncExitStack) -> None:
+    resync = asyncio.Event()
+
+    async def on_reconnect() -> None:
+        resync.set()
+
+    while not stop.is_set():
+        try:
+            nc = await connect(servers, name="lanes-gateway", auth=auth, on_reconnect=on_reconnect)
+            break
+        except Exception as exc:
+            log.warning("nats not reachable; retrying", error=str(exc) or type(exc).__name__)
+            await asyncio.sleep(1.0)
+    else:
+        return
+    stack.push_async_callback(quietly(nc.close))
+    gw.nc = nc
+
+    async def on_event(msg) -> None:  # nats-py takes coroutine callbacks only
+        gw.dashboard.on_event(msg.data, msg.subject)
+
+    await nc.subscribe(subjects.ALL_EVENTS, cb=on_event)
+    while not stop.is_set():
+        try:
+            kv = await kv_bucket(nc)
+            break
+        except Exception as exc:
+            log.info("waiting for the lanes bucket (is the planner up?)", error=str(exc) or type(exc).__name__)
+            await asyncio.sleep(1.0)
+    else:
+        return
+    await watch_forever(kv, WATCHED_KEYS, gw.on_entry, resync=resync, stop=stop, on_caught_up=gw.on_caught_up)
+
+
+async def _logged(step, what: str) -> None:
+    """A background task that fails says so in the log instead of vanishing."""
+    try:
+        await step
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("gateway task failed", task=what)
+        raise
+
+
+async def run_gateway(
+    servers: str,
+    stop: asyncio.Event,
+    auth: NatsAuth = NatsAuth(),
+    settings: GatewaySettings = GatewaySettings(),
+    gateway: Gateway | None = None,
+) -> None:
+    """Serve until `stop` is set. Pass a Gateway to reach its view and app (tests, dashboard)."""
+    gw = gateway or Gateway(settings)
+    runner = web.AppRunner(gw.app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, gw.settings.host, gw.settings.port)
+    await site.start()
+    port = runner.addresses[0][1]
+    shown = gw.settings.host if gw.settings.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+    gw.url = f"http://{shown}:{port}"
+    gw.started.set()
+    log.info("gateway serving", url=gw.url)
+    try:
+        async with AsyncExitStack() as stack:
+            tasks = [
+                asyncio.create_task(_logged(_bus_side(gw, servers, auth, stop, stack), "bus side")),
+                asyncio.create_task(_probe_loop(gw, stop)),
+                asyncio.create_task(gw.dashboard.run(stop)),
+            ]
+            await run_until(stop, tasks)
+    finally:
+        await runner.cleanup()

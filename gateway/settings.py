@@ -1,0 +1,31 @@
+"""What an operator can set on a gateway (`lanes gateway --help` has the same list)."""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+
+DEFAULT_PORT = 8000
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT  # 0 picks a free port (tests)
+    api_keys: tuple[str, ...] = ()  # empty: no key needed
+    max_body_bytes: int = 16 * 2**20
+    queue_depth: int = 64  # waiting requests per model before 503
+    queue_wait: float = 30.0  # seconds a request waits for a slot before 503
+    request_timeout: float = 600.0  # whole request, lane answer included
+    connect_timeout: float = 3.0  # reaching a lane; past it the request goes to another lane
+    probe_interval: float = 1.0  # seconds between the gateway's own /health checks of each lane
+    probe_timeout: float = 1.0
+    retry_after: int = 1  # seconds, in the Retry-After header of a 503
+    admin_key: str | None = None  # set: the dashboard accepts fleet config changes from a viewer who has it
+
+    def key_ok(self, presented: str) -> bool:
+        """Constant time over every configured key, so timing tells nothing of which matched."""
+        ok = False
+        for key in self.api_keys:
+            ok |= hmac.compare_digest(presented.encode(), key.encode())
+        return ok

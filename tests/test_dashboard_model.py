@@ -1,0 +1,105 @@
+"""The dashboard's view model: what each memory bar and lane row shows, folded from bus entries."""
+
+from __future__ import annotations
+
+from test_planner import GIB, host, llama_1b, llama_8b
+
+from gateway.dashboard_model import EventFeed, dashboard_snapshot
+from gateway.fleet import FleetView
+from planner_svc.planner import plan
+from shared.messages import FleetConfig, HostStatus, LaneEvent, LaneStatus, encode
+
+
+def _fleet(view: FleetView, config: FleetConfig = FleetConfig(), *, ram: int = 32 * GIB):
+    report = host("h1", ram_available=ram, ram_total=64 * GIB, models=(llama_8b(), llama_1b()))
+    fleet = plan([report], config)
+    for key, msg, rev in (("config", config, 7), ("report.h1", report, 8), ("plan.h1", fleet.hosts[0], 9)):
+        assert view.apply_entry(key, encode(msg), rev) is None
+    return report, fleet.hosts[0]
+
+
+def snapshot(view: FleetView, rates=None, events: EventFeed | None = None) -> dict:
+    return dashboard_snapshot(view, events or EventFeed(), rates)
+
+
+def test_memory_bar_adds_up_planned_parts_and_keeps_headroom() -> None:
+    view = FleetView()
+    report, hp = _fleet(view)
+    snap = snapshot(view)
+    (h,) = snap["hosts"]
+    (cpu,) = h["devices"]
+    assert cpu["device"] == "CPU" and cpu["total"] == 64 * GIB and cpu["available"] == 32 * GIB
+    assert cpu["weights"] == sum(s.memory.weights_bytes for s in hp.lanes) > 0
+    assert cpu["kv"] == sum(s.memory.kv_bytes for s in hp.lanes) > 0
+    assert cpu["compute"] == sum(s.memory.compute_bytes + s.memory.overhead_bytes for s in hp.lanes)
+    assert cpu["headroom"] == 512 * 2**20 + int(0.05 * 64 * GIB)
+    planned = cpu["weights"] + cpu["kv"] + cpu["compute"]
+    assert planned == sum(s.memory.total_bytes for s in hp.lanes)
+    assert cpu["free"] == cpu["available"] - planned - cpu["headroom"]
+    assert cpu["free"] >= 0
+    assert {lane["state"] for lane in h["lanes"]} == {"pending"}
+
+
+def test_lane_rows_follow_status_traffic_and_config() -> None:
+    view = FleetView()
+    config = FleetConfig(kv_cache_type="q8_0", flash_attn="on")
+    _, hp = _fleet(view, config)
+    spec = hp.lanes[0]
+    status = HostStatus(
+        host_id="h1",
+        plan_revision=hp.plan_revision,
+        lanes=(
+            LaneStatus(
+                lane_id=spec.lane_id,
+                state="healthy",
+                kv_bytes=spec.memory.kv_bytes,
+                rss_bytes=GIB,
+                argv=("llama-server", *spec.args),
+            ),
+        ),  # fmt: skip
+    )
+    old = HostStatus(host_id="h1", lanes=(LaneStatus(lane_id=spec.lane_id, state="healthy",
+                                                     argv=("llama-server", "--ctx-size", "512")),))  # fmt: skip
+    assert view.apply_entry("status.h1", encode(old), 10) is None
+    row = next(lane for lane in snapshot(view)["hosts"][0]["lanes"] if lane["lane_id"] == spec.lane_id)
+    assert row["state"] == "updating"  # healthy, but with the spec before this plan
+    assert view.apply_entry("status.h1", encode(status), 10) is None
+    view.in_flight[("h1", spec.lane_id)] = 1
+    snap = snapshot(view, {("h1", spec.lane_id): 2.5})
+    row = next(lane for lane in snap["hosts"][0]["lanes"] if lane["lane_id"] == spec.lane_id)
+    assert row["state"] == "healthy"
+    assert (row["cache_type_k"], row["cache_type_v"], row["flash_attn"]) == ("q8_0", "q8_0", "on")
+    assert row["ctx_per_slot"] == spec.ctx_per_slot and row["parallel"] == spec.parallel
+    assert (row["slots_busy"], row["requests_per_second"]) == (1, 2.5)
+    assert row["kv_real_bytes"] == spec.memory.kv_bytes
+    assert snap["hosts"][0]["devices"][0]["real"] == GIB
+    assert snap["config"]["kv_cache_type"] == "q8_0"
+    view.mark_unreachable(("h1", spec.lane_id), "/health: timeout")
+    row = next(lane for lane in snapshot(view)["hosts"][0]["lanes"] if lane["lane_id"] == spec.lane_id)
+    assert (row["state"], row["unreachable"]) == ("unreachable", "/health: timeout")
+
+
+def test_unplaced_models_carry_their_reason() -> None:
+    view = FleetView()
+    _fleet(view, ram=3 * GIB)  # the 8B does not fit beside the 1B
+    snap = snapshot(view)
+    assert snap["unplaced"], snap
+    assert all(u["reason"] and u["host"] == "h1" for u in snap["unplaced"])
+
+
+def test_a_deleted_plan_empties_the_host() -> None:
+    view = FleetView()
+    _fleet(view)
+    assert snapshot(view)["hosts"][0]["lanes"]
+    assert view.apply_entry("plan.h1", None, 14) is None
+    assert snapshot(view)["hosts"][0]["lanes"] == []
+
+
+def test_events_newest_first_and_bounded() -> None:
+    feed = EventFeed(max_events=3)
+    for i, kind in enumerate(["started", "healthy", "crashed", "started"]):
+        feed.add(LaneEvent(host_id="h1", lane_id="l1", event=kind, detail=str(i)), at=float(i))
+    events = snapshot(FleetView(), events=feed)["events"]
+    assert [e["event"] for e in events] == ["started", "crashed", "healthy"]
+    assert events[0]["at"] == 3.0
+

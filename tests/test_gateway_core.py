@@ -1,0 +1,212 @@
+"""The gateway's pure core: lane discovery from plans and status, route choice, queue admission."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from gateway.admission import Admission, QueueFull, QueueTimeout, UnknownModel, choose_lane
+from gateway.fleet import FleetView, LaneRoute
+from shared import subjects
+from shared.messages import FleetConfig, HostPlan, HostStatus, LaneSpec, LaneStatus, encode
+
+
+def spec(lane_id: str, model: str = "gemma", alias: str | None = None, port: int = 8080, parallel: int = 2,
+         bind: str = "127.0.0.1") -> LaneSpec:  # fmt: skip
+    return LaneSpec(lane_id=lane_id, model=model, model_path=f"/m/{model}.gguf", alias=alias or model, port=port,
+                    bind=bind, ctx_total=4096, ctx_per_slot=4096 // parallel, parallel=parallel)  # fmt: skip
+
+
+def put_plan(view: FleetView, host: str, *specs: LaneSpec) -> None:
+    assert view.apply_entry(subjects.plan_key(host), encode(HostPlan(host_id=host, lanes=specs)), 1) is None
+
+
+def put_status(view: FleetView, host: str, *lanes: LaneStatus, address: str = "") -> None:
+    status = HostStatus(host_id=host, lanes=lanes, address=address)
+    assert view.apply_entry(subjects.status_key(host), encode(status), 1) is None
+
+
+def healthy(lane_id: str, port: int = 8080, draining: bool = False) -> LaneStatus:
+    return LaneStatus(lane_id=lane_id, state="healthy", port=port, draining=draining)
+
+
+def fleet(*hosts: tuple[str, int]) -> FleetView:
+    """Hosts with one healthy two-slot lane of model gemma each."""
+    view = FleetView()
+    for host, port in hosts:
+        put_plan(view, host, spec("gemma-0", port=port))
+        put_status(view, host, healthy("gemma-0", port))
+    return view
+
+
+# ------------------------------------------------------------------ discovery
+
+
+def test_lanes_come_from_plans_with_their_agents_state():
+    view = FleetView()
+    put_plan(view, "h1", spec("gemma-0", alias="chat", port=8080), spec("qwen-0", model="qwen", port=8081))
+    put_status(view, "h1", healthy("gemma-0"))
+    lanes = {lane.lane_id: lane for lane in view.lanes()}
+    assert lanes["gemma-0"].url == "http://127.0.0.1:8080" and lanes["gemma-0"].routable
+    assert lanes["qwen-0"].state == "pending" and not lanes["qwen-0"].routable  # no status yet
+    assert [lane.lane_id for lane in view.lanes_for("chat")] == ["gemma-0"]
+    assert [lane.lane_id for lane in view.lanes_for("gemma")] == ["gemma-0"]  # model name works too
+    assert view.models() == [
+        {"id": "chat", "model": "gemma", "lanes": 1, "ready": 1},
+        {"id": "qwen", "model": "qwen", "lanes": 1, "ready": 0},
+    ]
+
+
+def test_address_is_advertised_then_bind_then_host_name():
+    view = FleetView()
+    put_plan(view, "h1", spec("a-0", bind="0.0.0.0"))
+    assert view.lanes()[0].url == "http://h1:8080"
+    put_status(view, "h1", healthy("a-0"), address="10.0.0.7")
+    assert view.lanes()[0].url == "http://10.0.0.7:8080"
+    put_plan(view, "h2", spec("b-0", bind="10.1.1.1", port=9000))
+    put_status(view, "h2", healthy("b-0", 9000), address="fd00::5")
+    assert view.lanes()[1].url == "http://[fd00::5]:9000"
+
+
+def test_a_running_lane_is_reached_on_the_port_it_listens_on():
+    view = FleetView()
+    put_plan(view, "h1", spec("gemma-0", port=8081))  # the new plan moves it
+    put_status(view, "h1", healthy("gemma-0", port=8080))  # the old run still serves
+    assert view.lanes()[0].url.endswith(":8080")
+
+
+def test_draining_unhealthy_and_unreachable_lanes_get_nothing():
+    view = FleetView()
+    put_plan(view, "h1", spec("a-0", port=1), spec("b-0", port=2), spec("c-0", port=3), spec("d-0", port=4))
+    put_status(view, "h1", healthy("a-0", 1, draining=True), LaneStatus(lane_id="b-0", state="loading", port=2),
+               healthy("c-0", 3), healthy("d-0", 4))  # fmt: skip
+    view.mark_unreachable(("h1", "c-0"), "connection refused")
+    assert [lane.lane_id for lane in view.routable("gemma")] == ["d-0"]
+    view.mark_reachable(("h1", "c-0"))
+    assert [lane.lane_id for lane in view.routable("gemma")] == ["c-0", "d-0"]
+    assert [lane.lane_id for lane in view.probe_targets()] == ["a-0", "c-0", "d-0"]
+
+
+def test_deleted_and_bad_entries():
+    view = fleet(("h1", 8080))
+    assert view.apply_entry("status.h1", b"{not json", 2) is not None
+    assert view.apply_entry("plan.h2", encode(HostPlan(host_id="h1")), 2) is not None  # foreign host under a key
+    assert view.bad_entries == 2 and view.lanes()[0].routable  # the good entries stay
+    view.apply_entry("status.h1", None, 3)
+    assert view.lanes()[0].state == "pending"
+    view.apply_entry("plan.h1", None, 4)
+    assert view.lanes() == []
+
+
+def test_config_revision_is_the_entry_revision():
+    view = FleetView()
+    view.apply_entry(subjects.CONFIG_KEY, encode(FleetConfig(kv_cache_type="q8_0")), 17)
+    assert view.config_revision == 17 and view.config.kv_cache_type == "q8_0"
+    assert view.apply_entry(subjects.DEMAND_KEY, b"anything", 18) is None  # not the gateway's business
+
+
+def test_snapshot_shows_in_flight_and_queues():
+    view = fleet(("h1", 8080))
+    view.in_flight[("h1", "gemma-0")] = 2
+    view.queued["gemma"] = 3
+    snap = view.snapshot()
+    assert snap["lanes"][0]["in_flight"] == 2 and snap["lanes"][0]["slots"] == 2
+    assert snap["queued"] == {"gemma": 3}
+
+
+# ------------------------------------------------------------------ route choice
+
+
+def _lane(name: str, parallel: int, state: str = "healthy") -> LaneRoute:
+    return LaneRoute(host_id="h", lane_id=name, model="m", alias="m", url="", parallel=parallel, state=state)
+
+
+def test_most_free_slots_wins_and_equals_rotate():
+    a, b, c = _lane("a", 4), _lane("b", 2), _lane("c", 4, state="loading")
+    assert choose_lane([a, b, c], {}) is a
+    assert choose_lane([a, b], {("h", "a"): 3}) is b  # a has 1 free, b 2
+    assert {choose_lane([a, b], {("h", "a"): 2}, turn).lane_id for turn in range(4)} == {"a", "b"}
+    assert choose_lane([a, b], {("h", "a"): 4, ("h", "b"): 2}) is None
+    assert choose_lane([c], {}) is None
+
+
+# ------------------------------------------------------------------ admission
+
+
+async def test_requests_fill_slots_then_wait_in_order():
+    view = fleet(("h1", 8080), ("h2", 8080))
+    adm = Admission(view, max_queue=2, max_wait=5)
+    leases = [await adm.acquire("gemma") for _ in range(4)]
+    assert sorted(lease.lane.host_id for lease in leases) == ["h1", "h1", "h2", "h2"]
+    first = asyncio.create_task(adm.acquire("gemma"))
+    await asyncio.sleep(0)
+    second = asyncio.create_task(adm.acquire("gemma"))
+    await asyncio.sleep(0)
+    assert view.queued == {"gemma": 2}
+    with pytest.raises(QueueFull):
+        await adm.acquire("gemma")
+    freed = leases[0]
+    freed.release()
+    freed.release()  # twice is once
+    got = await first
+    assert got.lane.key == freed.lane.key and not second.done()
+    leases[1].release()
+    assert (await second).lane.key == leases[1].lane.key
+    assert view.queued == {}
+    assert sum(view.in_flight.values()) == 4
+
+
+async def test_a_wait_ends_in_a_timeout_and_leaves_nothing_behind():
+    view = fleet(("h1", 8080))
+    adm = Admission(view, max_queue=4, max_wait=0.05)
+    held = [await adm.acquire("gemma"), await adm.acquire("gemma")]
+    with pytest.raises(QueueTimeout):
+        await adm.acquire("gemma")
+    assert view.queued == {} and view.in_flight == {("h1", "gemma-0"): 2}
+    for lease in held:
+        lease.release()
+    assert view.in_flight == {}
+
+
+async def test_a_cancelled_waiter_gives_back_a_lease_it_was_handed():
+    view = fleet(("h1", 8080))
+    adm = Admission(view, max_wait=5)
+    held = [await adm.acquire("gemma"), await adm.acquire("gemma")]
+    waiter = asyncio.create_task(adm.acquire("gemma"))
+    await asyncio.sleep(0)
+    held[0].release()  # hands the slot to the waiter ...
+    waiter.cancel()  # ... which is cancelled before it runs again
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert view.in_flight == {("h1", "gemma-0"): 1} and view.queued == {}
+
+
+async def test_unknown_model_and_a_model_whose_lanes_are_all_down():
+    view = fleet(("h1", 8080))
+    adm = Admission(view, max_wait=5)
+    with pytest.raises(UnknownModel):
+        await adm.acquire("llama")
+    put_status(view, "h1", LaneStatus(lane_id="gemma-0", state="starting", port=8080))  # restarting
+    waiting = asyncio.create_task(adm.acquire("gemma"))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    put_status(view, "h1", healthy("gemma-0"))  # back: the waiter gets it at once
+    lease = await asyncio.wait_for(waiting, 1)
+    assert lease.lane.lane_id == "gemma-0"
+
+
+async def test_draining_sends_new_requests_to_the_other_lane():
+    view = fleet(("h1", 8080), ("h2", 8080))
+    adm = Admission(view)
+    put_status(view, "h1", healthy("gemma-0", draining=True))
+    assert {(await adm.acquire("gemma")).lane.host_id for _ in range(2)} == {"h2"}
+
+
+async def test_a_retry_excludes_the_lane_that_failed():
+    view = fleet(("h1", 8080), ("h2", 8080))
+    adm = Admission(view)
+    first = await adm.acquire("gemma")
+    first.release()
+    again = await adm.acquire("gemma", exclude=frozenset({first.lane.key}))
+    assert again.lane.key != first.lane.key
