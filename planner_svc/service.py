@@ -34,6 +34,7 @@ from shared.messages import (
     ConfigSet,
     Demand,
     FleetConfig,
+    FleetHosts,
     FleetStatus,
     HostLiveness,
     HostPlan,
@@ -285,9 +286,19 @@ class PlannerService:
             self.dirty.set()
 
     async def liveness_loop(self, stop: asyncio.Event, every: float = 1.0) -> None:
+        written: bytes | None = None
         while not stop.is_set():
             if self.state.check_liveness():
                 self.dirty.set()
+            hosts = encode(
+                FleetHosts(hosts=tuple(msgspec.structs.replace(h, seen_ago_s=0.0) for h in self.state.liveness()))
+            )
+            if hosts != written and self.ready.is_set() and self.lease.holds():
+                try:
+                    await self.kv.put(subjects.HOSTS_KEY, hosts)
+                    written = hosts
+                except Exception as exc:
+                    log.info("hosts not published", error=str(exc) or type(exc).__name__)
             try:
                 await asyncio.wait_for(stop.wait(), every)
             except TimeoutError:

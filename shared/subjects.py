@@ -32,6 +32,7 @@ def host_token(host_id: str) -> str:
 CONFIG_KEY = "config"
 DEMAND_KEY = "demand"
 LEASE_KEY = "planner.lease"  # which planner plans (the others stand by)
+HOSTS_KEY = "hosts"  # every host's liveness (live or lost), put by the active planner
 
 
 def plan_key(host_id: str) -> str:

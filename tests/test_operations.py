@@ -30,7 +30,7 @@ from ops_helpers import REPO, Procs, kill_lanes_under, lease_holder, plans
 
 from shared import subjects
 from shared.bus import kv_bucket
-from shared.messages import ConfigSet, Demand, HostStatus, LaneEvent, Persona, encode
+from shared.messages import ConfigSet, Demand, FleetHosts, HostStatus, LaneEvent, Persona, encode
 
 QUIET_SECONDS = 60.0
 
@@ -173,6 +173,8 @@ async def test_a_dead_host_is_lost_its_lanes_move_and_it_comes_back(nats_server,
             await eventually(moved, timeout=30, what=f"{victim} lost, its lane re-placed on {other}")
             # The lost host's plan is kept as it was: a partitioned host keeps serving.
             assert (await plans(nc))[victim] == victim_plan
+            # ... and on the bus, for gateways and dashboards (KV key `hosts`, put by the active planner).
+            await eventually(lambda: _hosts_key(nc, {victim: "lost", other: "live"}), timeout=10, what="hosts key")
             shown = await _status_json(nats_server.url)
             assert {h["host_id"]: h["state"] for h in shown["hosts"]} == {victim: "lost", other: "live"}
             human = await _cli("status", "--nats", nats_server.url)
@@ -215,6 +217,11 @@ async def test_config_and_plan_revisions_count_changes(nats_server, tmp_path, mo
         assert shown["config_revision"] == 2 and shown["config"]["revision"] == 2
         human = await _cli("status", "--nats", nats_server.url)
         assert human.startswith("config r2:"), human
+
+
+async def _hosts_key(nc, expected: dict[str, str]) -> bool:
+    entry = await (await kv_bucket(nc)).get(subjects.HOSTS_KEY)
+    return {h.host_id: h.state for h in msgspec.json.decode(entry.value, type=FleetHosts).hosts} == expected
 
 
 async def _plan_rev(nc, at_least: int = 1) -> bool:
