@@ -29,7 +29,7 @@ from fixtures_bus import (
 from ops_helpers import REPO, Procs, kill_lanes_under, lease_holder, plans
 
 from shared import subjects
-from shared.bus import kv_bucket
+from shared.bus import connect, kv_bucket
 from shared.messages import ConfigSet, Demand, FleetHosts, HostStatus, LaneEvent, Persona, encode
 
 QUIET_SECONDS = 60.0
@@ -271,3 +271,60 @@ async def test_a_wedged_lane_is_marked_unresponsive_then_restarted_like_a_crash(
         crash = [e for e in events if e.event == "crashed" and e.pid == first.pid][0]
         assert "unresponsive" in crash.detail and "/health" in crash.detail
         assert "unresponsive" in states  # what a gateway reading status saw before the restart
+
+
+def _nats_pid(data) -> int | None:
+    files = list((data / "nats" / "ports").glob("*.ports"))
+    return int(files[0].stem.rsplit("_", 1)[1]) if files else None
+
+
+async def test_lanes_up_restarts_its_nats_server_and_exits_in_one_line_when_it_cannot(tmp_path, models):
+    procs = Procs(tmp_path / "procs")
+    data = tmp_path / "data"
+    nats_port = free_port_base(1)
+    url = f"nats://127.0.0.1:{nats_port}"
+    up = procs.start("up", "up", "--models", str(models), "--data", str(data), "--llama-server",
+                     fake_binary(tmp_path / "bin"), "--nats-port", str(nats_port), "--port-base",
+                     str(free_port_base()), "--gateway-port", "0", "--host-id", "up1")  # fmt: skip
+    try:
+        nc = await eventually(lambda: connect(url, name="test", retry_forever=True), timeout=30, what="nats up")
+        try:
+
+            async def healthy():
+                lane = lane_of(await host_status(nc, "up1"), "llama8-0")
+                return lane if lane and lane.state == "healthy" else None
+
+            lane = await eventually(healthy, timeout=60, what="lane healthy under lanes up")
+            first = _nats_pid(data)
+            os.kill(first, signal.SIGKILL)
+            assert pid_alive(lane.pid)  # the lane serves on while NATS is away
+            await eventually(lambda: (_nats_pid(data) or first) != first, timeout=20, what="nats-server restarted")
+            # Same store: the plan and the lane are the ones from before, nothing relaunched.
+            again = await eventually(healthy, timeout=30, what="status back after the restart")
+            assert again.pid == lane.pid and up.poll() is None
+            assert (await plans(nc))["up1"].plan_revision == 1
+        finally:
+            await nc.close()
+
+        # Now it cannot come back: another program takes its port the moment it dies.
+        blocker = socket.socket()
+        blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        os.kill(_nats_pid(data), signal.SIGKILL)
+        for _ in range(2000):  # the port frees as the kernel reaps it: take it at once
+            try:
+                blocker.bind(("127.0.0.1", nats_port))
+                break
+            except OSError:
+                await asyncio.sleep(0.001)
+        blocker.listen()
+        try:
+            code = await asyncio.to_thread(up.wait, 90)
+        finally:
+            blocker.close()
+        errors = [line for line in procs.log("up").splitlines() if line.startswith("lanes: error:")]
+        assert code == 2 and len(errors) == 1, procs.log("up")[-3000:]
+        assert "nats-server died" in errors[0] and "could not be restarted" in errors[0]
+        assert not pid_alive(lane.pid)  # it stopped its lanes before it left
+    finally:
+        procs.close()
+        kill_lanes_under(tmp_path)
