@@ -95,7 +95,11 @@ class Health:
         lane.failures += 1
         lane.last_error = f"exit {proc.returncode}: {line}"
         halts = f"{lane.spec.lane_id} failed with the change: {line}" if broken_by_change else None
-        if died_at_start and (kind in ("unsupported", "oom") or broken_by_change):
+        if died_at_start and kind == "port_busy":  # taken between the agent's look and the bind
+            lane.state, lane.failure = "failed", kind
+            self.feedback.port_busy(lane, line)
+            await self.emit(lane, "failed", lane.last_error)
+        elif died_at_start and (kind in ("unsupported", "oom") or broken_by_change):
             # llama-server refused this spec (or a change broke a lane that ran): restarting
             # the same argv cannot help; the planner corrects or reverts it.
             lane.state, lane.failure = "failed", kind

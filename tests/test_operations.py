@@ -328,3 +328,67 @@ async def test_lanes_up_restarts_its_nats_server_and_exits_in_one_line_when_it_c
     finally:
         procs.close()
         kill_lanes_under(tmp_path)
+
+
+async def test_a_busy_port_moves_the_lane_with_a_reason(nats_server, tmp_path, models):
+    base = free_port_base()
+    squatter = socket.socket()  # another program listening on the first port of the range
+    squatter.bind(("127.0.0.1", base))
+    squatter.listen()
+    try:
+        async with client(nats_server.url) as nc, services(nats_server.url) as svc:
+            svc.start_planner()
+            svc.start_agent(agent_config(tmp_path, "h1", models, fake_binary(tmp_path / "bin"), port_base=base))
+
+            async def healthy():
+                lane = lane_of(await host_status(nc, "h1"), "llama8-0")
+                return lane if lane and lane.state == "healthy" else None
+
+            lane = await eventually(healthy, timeout=40, what="lane healthy on another port")
+            assert lane.port == base + 1
+            host_plan = (await plans(nc))["h1"]
+            assert host_plan.lanes[0].port == base + 1
+            assert any(f"port {base} is given to no lane: taken by another program" in r for r in host_plan.reasons)
+            status = await host_status(nc, "h1")
+            assert [(fb.kind, fb.port) for fb in status.feedback] == [("port_busy", base)]
+    finally:
+        squatter.close()
+
+
+async def test_a_rejected_plan_is_fed_back_and_rewritten_newer(nats_server, tmp_path, models):
+    """The bucket loses the plan (wiped, restored from an old backup): the new plan is older
+    than what the agent runs; the agent says so and the planner writes one it accepts."""
+    async with client(nats_server.url) as nc, services(nats_server.url) as svc:
+        svc.start_planner()
+        svc.start_agent(agent_config(tmp_path, "h1", models, fake_binary(tmp_path / "bin")))
+        await eventually(lambda: _plan_rev(nc, 1), timeout=30, what="first plan")
+        for n, kv_type in enumerate(("q8_0", "q4_0"), 2):
+            await _config_set(nc, kv_cache_type=kv_type, flash_attn="on")
+            await eventually(lambda: _plan_rev(nc, n), timeout=30, what=f"plan r{n}")
+
+        async def applied(rev: int):
+            status = await host_status(nc, "h1")
+            return status is not None and status.plan_revision == rev
+
+        await eventually(lambda: applied(3), timeout=30, what="agent runs r3")
+        await svc.stop("planner")
+        kv = await kv_bucket(nc)
+        await kv.purge(subjects.plan_key("h1"))
+        rejections = []
+
+        async def on_rejected(msg):
+            rejections.append(msg.data)
+
+        await nc.subscribe(subjects.rejected_subject("h1"), cb=on_rejected)
+        svc.start_planner()
+        await eventually(lambda: rejections, timeout=30, what="the agent refuses the older plan")
+        assert b"older than the applied r3" in rejections[0]
+        found = await eventually(lambda: _plan_rev(nc, 3), timeout=30, what="the planner rewrote it newer")
+        assert found
+        await eventually(lambda: applied(3), timeout=30, what="agent accepts it")
+
+        async def cleared():
+            status = await fleet_status(nc)
+            return status if all(not h.rejected for h in status.hosts) else None
+
+        await eventually(cleared, timeout=30, what="the rejection is cleared once the agent runs the plan")
