@@ -173,7 +173,9 @@ class PlannerState:
     def apply_rejection(self, rejection: PlanRejected) -> bool:
         """An agent refused its plan. True when a rewrite can help: its applied plan is newer."""
         host = subjects.host_token(rejection.host_id)
-        self.rejected[host] = f"plan r{rejection.plan_revision}: {rejection.reason}"
+        if host not in self.reports and host not in self.statuses:
+            return False  # no such host: nothing to record or rewrite
+        self.rejected[host] = f"plan r{rejection.plan_revision}: {rejection.reason[:300]}"
         if rejection.applied_revision > self.plan_seen.get(host, 0):
             self.plan_seen[host] = rejection.applied_revision
             self.plan_stored[host] = False

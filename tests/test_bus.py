@@ -100,8 +100,7 @@ async def test_agent_rejects_hostile_plans_and_starts_nothing(nats_server, tmp_p
             rejected.append(msgspec.json.decode(msg.data, type=PlanRejected))
 
         await nc.subscribe(subjects.rejected_subject("beta"), cb=on_rejected)
-        s.tasks.pop("planner")[1].set()  # stop the planner so it does not overwrite our writes
-        await asyncio.sleep(0.5)
+        await s.stop("planner")  # so it does not overwrite our writes
         spec = good.lanes[0]
         r = good.plan_revision + 10
         hostile = [

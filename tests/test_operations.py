@@ -257,8 +257,9 @@ async def test_a_wedged_lane_is_marked_unresponsive_then_restarted_like_a_crash(
         try:
 
             async def restarted():
-                lane = await healthy()
-                return lane if lane and lane.pid != first.pid else None
+                lane = lane_of(await host_status(nc, "h1"), "llama8-0")
+                assert lane is None or lane.state != "failed", f"the lane failed for good: {lane.last_error}"
+                return lane if lane and lane.state == "healthy" and lane.pid != first.pid else None
 
             again = await eventually(restarted, timeout=30, what="the wedged lane restarted")
         finally:
@@ -392,3 +393,24 @@ async def test_a_rejected_plan_is_fed_back_and_rewritten_newer(nats_server, tmp_
             return status if all(not h.rejected for h in status.hosts) else None
 
         await eventually(cleared, timeout=30, what="the rejection is cleared once the agent runs the plan")
+
+
+async def test_eventually_fails_at_once_on_a_final_wrong_value():
+    calls = []
+
+    def final_wrong():
+        calls.append(1)
+        assert False, "failed for good"
+
+    with pytest.raises(AssertionError, match="failed for good"):
+        await eventually(final_wrong, timeout=3600)
+    assert len(calls) == 1  # not polled until the timeout
+    flaky = iter([None, ConnectionError("bus restarting"), "value"])
+
+    def not_yet_then_value():
+        item = next(flaky)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    assert await eventually(not_yet_then_value, interval=0.01) == "value"
