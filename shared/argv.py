@@ -14,6 +14,8 @@ from shared.messages import LaneSpec, ServerCaps
 DEFAULT_N_BATCH = 2048  # llama-server's; the ubatch is clamped to it
 # Flags that carry no lane meaning: each side may render its own.
 _NO_MEANING = {"--verbosity"}
+# Flags that take no value (every other flag lane_args renders takes exactly one).
+SWITCHES = {"--kv-unified", "--metrics", "--no-kv-offload"}
 
 
 def lane_args(spec: LaneSpec, caps: ServerCaps) -> tuple[str, ...]:
@@ -51,7 +53,7 @@ def lane_args(spec: LaneSpec, caps: ServerCaps) -> tuple[str, ...]:
 
 def _flags(args: tuple[str, ...], caps: ServerCaps) -> tuple[dict[str, str | None], str | None]:
     """{flag: value or None for a switch}, or why the args cannot be read."""
-    switches = {"--kv-unified"} | ({"--flash-attn"} if caps.flash_attn_form == "switch" else set())
+    switches = SWITCHES | ({"--flash-attn"} if caps.flash_attn_form == "switch" else set())
     out: dict[str, str | None] = {}
     i = 0
     while i < len(args):
