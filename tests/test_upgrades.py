@@ -14,7 +14,7 @@ from launcher_agent.config import AgentConfig
 from launcher_agent.reconcile import in_model_folders, validate_plan
 from launcher_agent.supervisor import Supervisor
 from planner_svc.planner import plan
-from shared.argv import SWITCHES, lane_args
+from shared.argv import lane_args
 from shared.gguf_facts import scan_models
 from shared.messages import SCHEMA_VERSION, FleetConfig, HostPlan, HostReport, ServerCaps
 
@@ -70,13 +70,15 @@ def test_args_are_checked_by_meaning_not_bytes(folder):
     def with_args(args) -> HostPlan:
         return msgspec.structs.replace(p, lanes=(msgspec.structs.replace(spec, args=tuple(args)),))
 
-    groups, i = [], 0  # each flag with its value (switches alone)
-    while i < len(spec.args):
-        width = 1 if spec.args[i] in SWITCHES else 2
-        groups.append(spec.args[i : i + width])
-        i += width
-    assert all(g[0].startswith("-") for g in groups)
+    groups: list[list[str]] = []  # each flag with its value, if it takes one
+    for tok in spec.args:
+        if tok.startswith("--") or tok == "-fit":
+            groups.append([tok])
+        else:
+            groups[-1].append(tok)
+    assert len(groups) > 8 and all(len(g) <= 2 for g in groups)
     reordered = [tok for group in reversed(groups) for tok in group]
+    assert reordered != list(spec.args)
     assert _check(with_args(reordered), folder) is None  # another planner's order
     louder = [tok if tok != "4" else "3" for tok in spec.args]  # --verbosity carries no lane meaning
     assert _check(with_args(louder), folder) is None
