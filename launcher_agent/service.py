@@ -73,7 +73,8 @@ class Agent:
     async def _reject(self, revision: int, reason: str) -> None:
         log.warning("plan rejected", plan_revision=revision, reason=reason)
         if self.nc is not None and self.nc.is_connected:
-            msg = PlanRejected(host_id=self.cfg.host_id, plan_revision=revision, reason=reason)
+            applied = self.sup.plan.plan_revision if self.sup.plan else 0
+            msg = PlanRejected(host_id=self.cfg.host_id, plan_revision=revision, reason=reason, applied_revision=applied)
             try:
                 await self.nc.publish(subjects.rejected_subject(self.host), encode(msg))
             except Exception:

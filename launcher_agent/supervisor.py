@@ -22,7 +22,7 @@ from launcher_agent.health import Health
 from launcher_agent.lane import Emit, Lane, no_event
 from launcher_agent.lifecycle import Lifecycle
 from launcher_agent.persistence import StateFile
-from launcher_agent.reconcile import Observed, decide, validate_plan
+from launcher_agent.reconcile import Observed, as_rendered, decide, validate_plan
 from shared.messages import HostPlan, HostStatus, LaneStatus
 
 log = structlog.get_logger("lanes.agent")
@@ -59,8 +59,6 @@ class Supervisor:
     def accept_plan(self, plan: HostPlan) -> str | None:
         """Apply a plan, or say why it must not be applied (then nothing changes)."""
         applied = self.plan.plan_revision if self.plan else 0
-        if self.plan is not None and plan == self.plan:
-            return None
         reason = validate_plan(
             plan,
             host_id=self.cfg.host_id,
@@ -72,6 +70,9 @@ class Supervisor:
         )
         if reason:
             return reason
+        plan = as_rendered(plan, self.cfg.caps)  # launched as this agent renders the spec
+        if plan == self.plan:
+            return None
         log.info("plan applied", plan_revision=plan.plan_revision, lanes=[s.lane_id for s in plan.lanes])
         self.plan = plan
         self._save()

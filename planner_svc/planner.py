@@ -363,6 +363,7 @@ def _spec(report: HostReport, config: FleetConfig, lane: _Lane) -> LaneSpec:
         cache_type_v=lane.flags.cache_type_v,
         flash_attn=lane.flags.flash_attn,
         fit_off=caps.has_fit,
+        n_ubatch=config.n_ubatch,
         memory=memory,
         reasons=tuple(reasons),
     )

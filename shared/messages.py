@@ -11,7 +11,9 @@ from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# A reader accepts messages one schema version older or newer than its own (rolling upgrades).
+SCHEMA_SKEW = 1
 T = TypeVar("T")
 
 CacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"]
@@ -19,8 +21,10 @@ FlashAttn = Literal["on", "off", "auto"]
 FlashAttnForm = Literal["value", "switch"]
 KvLayout = Literal["streams", "shared"]
 Device = Literal["cpu", "gpu"]
-LaneState = Literal["starting", "loading", "healthy", "mismatch", "crashed", "failed", "stopped"]
-FailureKind = Literal["oom", "unsupported", "over_plan", "crash_loop", "other"]
+# "unresponsive": a serving lane stopped answering /health; routers take it out at once.
+LaneState = Literal["starting", "loading", "healthy", "unresponsive", "mismatch", "crashed", "failed", "stopped"]
+FailureKind = Literal["oom", "unsupported", "over_plan", "crash_loop", "port_busy", "unresponsive", "other"]
+HostState = Literal["live", "lost"]
 
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Bytes = Annotated[int, msgspec.Meta(ge=0)]
@@ -31,6 +35,13 @@ class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
     schema: int = SCHEMA_VERSION
 
 
+def schema_problem(msg: _Msg) -> str | None:
+    """Why a message's schema version is too far from ours to trust, or None."""
+    if abs(msg.schema - SCHEMA_VERSION) > SCHEMA_SKEW:
+        return f"schema {msg.schema} is not within {SCHEMA_SKEW} of this reader's {SCHEMA_VERSION}; upgrade it"
+    return None
+
+
 # ---------------------------------------------------------------- host facts
 
 
@@ -38,7 +49,15 @@ class GpuInfo(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     vram_total: Bytes
     vram_free: Bytes
-    backend: str = "cuda"
+    backend: str = "cuda"  # cuda | metal | rpc | vulkan | rocm
+    # llama-server's name for it (--device): CUDA0, MTL0, RPC0[127.0.0.1:50052]; "" if unknown.
+    device: str = ""
+    # VRAM this host's own lanes hold on this GPU now: the planner may hand it out again.
+    lanes_vram: Bytes = 0
+    # Unified memory (Apple Silicon): vram_total is Metal's working-set limit, carved out of RAM.
+    unified: bool = False
+    # The last GPU query failed (NVML error): these figures are the last good ones, not zero.
+    stale: bool = False
 
 
 class ServerCaps(msgspec.Struct, frozen=True, kw_only=True):
@@ -54,6 +73,24 @@ class ServerCaps(msgspec.Struct, frozen=True, kw_only=True):
     # "streams": one KV stream per slot and a separate sliding-window cache (current builds).
     # "shared": one cache shared by all slots and no SWA cache (builds of early 2025).
     kv_layout: KvLayout = "streams"
+
+
+class LayerWeights(msgspec.Struct, frozen=True, array_like=True):
+    """The weights of one layer index, as llama.cpp groups them onto devices.
+
+    layer -1 is the input (token embeddings, always on the CPU), 0..n_layer-1 the blocks,
+    n_layer the output layer. `first`/`end` are file offsets of its tensors (a CPU
+    lane maps that range of the file). `repack` lists (ggml type, largest of 8/4/1
+    dividing the rows, bytes) of its matrix weights: CPUs with the matching kernels
+    copy those into a CPU_REPACK buffer instead of mapping them.
+    """
+
+    layer: int
+    bytes: int  # each tensor padded to 32 bytes (CPU and RPC buffers)
+    cuda_bytes: int  # as CUDA allocates: a quantized tensor gets one row padded to 512 values, 128-byte alignment
+    first: int
+    end: int
+    repack: tuple[tuple[str, int, int], ...] = ()
 
 
 class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
@@ -78,6 +115,12 @@ class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
     recurrent_bytes_per_seq: int = 0
     weight_bytes: Bytes = 0
     file_bytes: Bytes = 0
+    # Per-layer weights for placing the model over devices (empty: facts from an older agent).
+    layer_weights: tuple[LayerWeights, ...] = ()
+    # No output.weight: llama.cpp uses a duplicate of token_embd on the output layer's device.
+    tied_output_bytes: Bytes = 0
+    tied_output_cuda_bytes: Bytes = 0
+    file_mtime_ns: int = 0
 
 
 class HostReport(_Msg, tag="host_report", kw_only=True):
@@ -89,6 +132,9 @@ class HostReport(_Msg, tag="host_report", kw_only=True):
     lanes_rss: Bytes = 0
     lanes_vram: Bytes = 0
     gpus: tuple[GpuInfo, ...] = ()
+    # Matrix weight types this host's CPU backend repacks into CPU_REPACK, as "TYPE:rows"
+    # (rows: the multiple the row count must have). None: unknown, assume x86 AVX2's set.
+    cpu_repack: tuple[str, ...] | None = None
     server: ServerCaps | None = None
     models: tuple[ModelFacts, ...] = ()
     port_base: Port = 8080
@@ -96,6 +142,8 @@ class HostReport(_Msg, tag="host_report", kw_only=True):
     # Address lanes listen on: 127.0.0.1 keeps them local, 0.0.0.0 serves the network.
     lane_bind: str = "127.0.0.1"
     agent_version: str = ""
+    # Seconds between this agent's reports: the planner calls the host lost after a few missed.
+    report_interval: Annotated[float, msgspec.Meta(gt=0)] = 30.0
 
 
 # ---------------------------------------------------------------- fleet intent
@@ -116,6 +164,10 @@ class FleetConfig(_Msg, tag="fleet_config", forbid_unknown_fields=True, kw_only=
     max_restarts_per_host: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 1
     # Seconds an agent waits for a draining lane's requests in flight before it restarts it.
     drain_timeout: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 30.0
+    # Seconds of silence (no report or status) after which a host is lost; unset: 3 report intervals.
+    host_lost_after: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    # Counts config changes (1, 2, 3 ...); the planner sets it on each `config set`.
+    revision: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class Persona(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -148,12 +200,30 @@ class LaneFeedback(msgspec.Struct, frozen=True, kw_only=True):
     planned_bytes: Bytes = 0
     actual_bytes: Bytes = 0
     detail: str = ""
+    port: int = 0  # port_busy: the port another program holds
+    noted_at: float = 0.0  # Unix time the agent noted it; it expires after the agent's feedback TTL
     # The spec this lane last ran healthy with, when the failing one was a change to it:
     # the planner reverts to it rather than guessing a correction.
     last_good: LaneSpec | None = None
 
 
 # ---------------------------------------------------------------- the plan
+
+
+class DeviceMemory(msgspec.Struct, frozen=True, kw_only=True):
+    """One device's share of a lane: each buffer llama-server allocates there (-lv 4 lines)."""
+
+    device: str  # "CPU" (host RAM) or "GPU0", "GPU1" ... in llama-server's device order for the lane
+    model_bytes: Bytes = 0
+    kv_bytes: Bytes = 0
+    compute_bytes: Bytes = 0
+    output_bytes: Bytes = 0
+    recurrent_bytes: Bytes = 0
+    layers: int = 0  # layers (blocks and output) assigned here
+
+    @property
+    def total(self) -> int:
+        return self.model_bytes + self.kv_bytes + self.compute_bytes + self.output_bytes + self.recurrent_bytes
 
 
 class MemoryBreakdown(msgspec.Struct, frozen=True, kw_only=True):
@@ -169,6 +239,8 @@ class MemoryBreakdown(msgspec.Struct, frozen=True, kw_only=True):
     compute_bytes: Bytes = 0
     overhead_bytes: Bytes = 0
     total_bytes: Bytes = 0
+    # Per device (CPU first); the totals above are their sums plus the process overhead.
+    devices: tuple[DeviceMemory, ...] = ()
 
 
 class LaneSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -185,10 +257,16 @@ class LaneSpec(msgspec.Struct, frozen=True, kw_only=True):
     parallel: Annotated[int, msgspec.Meta(ge=1, le=256)]
     kv_unified: bool = False
     n_gpu_layers: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # Indices into the host's reported gpus the lane is pinned to (--device), in order;
+    # with more than one, tensor_split gives each its share of the layers (-ts).
+    gpu_devices: tuple[int, ...] = ()
+    tensor_split: tuple[int, ...] = ()
+    split_mode: Literal["layer", "none"] | None = None
     cache_type_k: CacheType | None = None
     cache_type_v: CacheType | None = None
     flash_attn: FlashAttn | None = None
     fit_off: bool = False
+    n_ubatch: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 512
     memory: MemoryBreakdown = MemoryBreakdown()
     args: tuple[str, ...] = ()
     reasons: tuple[str, ...] = ()
@@ -260,7 +338,9 @@ class HostStatus(_Msg, tag="host_status", kw_only=True):
 class LaneEvent(_Msg, tag="lane_event", kw_only=True):
     host_id: Name
     lane_id: Name
-    event: Literal["started", "healthy", "crashed", "stopped", "failed", "mismatch", "rejected", "draining"]
+    event: Literal[
+        "started", "healthy", "unresponsive", "crashed", "stopped", "failed", "mismatch", "rejected", "draining"
+    ]
     detail: str = ""
     pid: int | None = None
 
@@ -269,6 +349,7 @@ class PlanRejected(_Msg, tag="plan_rejected", kw_only=True):
     host_id: Name
     plan_revision: int = 0
     reason: str
+    applied_revision: int = 0  # the plan revision the agent runs: a replacement must be newer
 
 
 # ---------------------------------------------------------------- request/reply
@@ -288,12 +369,34 @@ class ErrorReply(_Msg, tag="error", kw_only=True):
     error: str
 
 
+class HostLiveness(msgspec.Struct, frozen=True, kw_only=True):
+    """A host as the planner sees it: `lost` after a silence; its plan is kept meanwhile."""
+
+    host_id: Name
+    state: HostState = "live"
+    seen_ago_s: float = 0.0
+    rejected: str = ""  # the agent's reason for refusing its latest plan, if it did
+
+
 class FleetStatus(_Msg, tag="fleet_status", kw_only=True):
-    config_revision: int = 0
+    config_revision: int = 0  # counts config changes, as FleetConfig.revision
     config: FleetConfig = FleetConfig()
     reports: tuple[HostReport, ...] = ()
     plans: tuple[HostPlan, ...] = ()
     statuses: tuple[HostStatus, ...] = ()
+    hosts: tuple[HostLiveness, ...] = ()
+    planner_id: str = ""  # the planner that answered
+    planner_active: bool = True  # False: a stand-by answered (it plans nothing)
+
+
+class PlannerLease(_Msg, tag="planner_lease", kw_only=True):
+    """The active planner's claim on the fleet (KV key `planner.lease`), renewed by compare-and-set.
+
+    A stand-by takes over once the entry has not changed for `ttl` seconds on its own clock.
+    """
+
+    holder: str
+    ttl: Annotated[float, msgspec.Meta(gt=0)] = 5.0
 
 
 WIRE_TYPES: tuple[type, ...] = (
@@ -309,6 +412,7 @@ WIRE_TYPES: tuple[type, ...] = (
     HostQuery,
     ErrorReply,
     FleetStatus,
+    PlannerLease,
 )
 
 

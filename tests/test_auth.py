@@ -101,14 +101,6 @@ def auth_server(tmp_path, passwords):
     server.stop()
 
 
-@pytest.fixture
-def models(tmp_path, tiny_models):
-    folder = tmp_path / "models"
-    folder.mkdir()
-    shutil.copy(tiny_models["llama8"], folder / "llama8.gguf")
-    return folder
-
-
 def _users(passwords) -> dict[str, NatsAuth]:
     return {
         "admin": NatsAuth(user="admin", password=passwords["NATS_ADMIN_PASSWORD"]),

@@ -21,7 +21,6 @@ import openai
 import pytest
 from fixtures_bus import Services, agent_config, client, eventually, free_port_base, host_status, lane_of
 from test_metrics import samples
-from test_real_llama import llama_server  # noqa: F401 (fixture)
 
 from gateway.service import Gateway, run_gateway
 from gateway.settings import GatewaySettings
@@ -47,7 +46,7 @@ def _place_model(src, folder):
 
 
 @pytest.fixture(scope="module")
-async def fleet(tmp_path_factory, gemma_model, llama_server):  # noqa: F811
+async def fleet(tmp_path_factory, gemma_model, llama_server):
     tmp = tmp_path_factory.mktemp("gateway-fleet")
     server = NatsServer(tmp / "nats").start()
     services = Services(server.url)

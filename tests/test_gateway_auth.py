@@ -10,7 +10,7 @@ import nats.errors
 import pytest
 import structlog
 from fixtures_bus import agent_config, eventually, fake_binary
-from test_auth import _connect, _users, auth_server, models, passwords  # noqa: F401 (fixtures)
+from test_auth import _connect, _users, auth_server, passwords  # noqa: F401 (fixtures)
 
 from gateway.service import Gateway, run_gateway
 from gateway.settings import GatewaySettings

@@ -10,9 +10,13 @@ import numpy as np
 N_VOCAB = 259  # <unk> <s> </s> + 256 byte tokens: SPM needs every byte token
 
 
-def _tokenizer(writer: gguf.GGUFWriter) -> None:
+def _tokenizer(writer: gguf.GGUFWriter, n_vocab: int = N_VOCAB) -> None:
+    """SPM vocabulary: the 259 tokens it needs, then filler pieces up to n_vocab (128k-262k like real models)."""
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
+    extra = max(0, n_vocab - len(tokens))
+    tokens += [f"\u2581t{i}" for i in range(extra)]
+    types += [gguf.TokenType.NORMAL] * extra
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores([0.0] * len(tokens))
@@ -23,6 +27,8 @@ def _tokenizer(writer: gguf.GGUFWriter) -> None:
 
 
 def _mat(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
+    if rows * cols > 1 << 22:  # vocabulary-sized matrices: memory is what is tested, not their values
+        return np.full((rows, cols), 0.01, dtype=np.float16)
     return (rng.standard_normal((rows, cols)) * 0.02).astype(np.float16)
 
 
@@ -44,10 +50,14 @@ def write_llama(
     n_swa: int = 0,
     seed: int = 0,
     omit: tuple[str, ...] = (),
+    n_vocab: int = N_VOCAB,
+    tied: bool = False,
 ) -> Path:
     """A llama (GQA) model, or with arch="gemma3" and n_swa > 0 a sliding-window one.
 
     `omit` leaves tensors out: the metadata still reads fine, llama-server refuses to load it.
+    `n_vocab` up to 262144 gives the vocabulary-sized embeddings and logits of real models;
+    `tied` leaves out output.weight (llama.cpp then duplicates token_embd onto the output device).
     """
     path = Path(path)
     rng = np.random.default_rng(seed)
@@ -67,7 +77,7 @@ def write_llama(
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     if n_swa:
         w.add_sliding_window(n_swa)
-    _tokenizer(w)
+    _tokenizer(w, n_vocab)
 
     q, kv = n_head * head_dim, n_head_kv * head_dim
     add_tensor = w.add_tensor
@@ -77,10 +87,11 @@ def write_llama(
             add_tensor(name, value)
 
     w.add_tensor = add  # type: ignore[method-assign]
-    w.add_tensor("token_embd.weight", _mat(rng, N_VOCAB, n_embd))
+    n_vocab = max(n_vocab, N_VOCAB)
+    w.add_tensor("token_embd.weight", _mat(rng, n_vocab, n_embd))
     w.add_tensor("output_norm.weight", _ones(n_embd))
-    if arch == "llama":
-        w.add_tensor("output.weight", _mat(rng, N_VOCAB, n_embd))
+    if arch == "llama" and not tied:
+        w.add_tensor("output.weight", _mat(rng, n_vocab, n_embd))
     for i in range(n_layer):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", _ones(n_embd))

@@ -1,0 +1,143 @@
+"""Predicted vs printed, per device: every buffer llama-server allocates, on CPU and RPC devices.
+
+For each case the real llama-server (the RPC build, `lanes install-llama --rpc`) is started
+with --rpc to 0-3 ggml-rpc-server processes on loopback, loaded, and stopped; its -lv 4
+buffer lines are compared with shared.device_memory.lane_memory for the same spec.
+Model, KV and output must be exact (two decimals of MiB); compute within 3% or 4 MiB.
+
+    .venv/bin/python bench/device_bench.py --models DIR [--quick] [--out bench/device_results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+from rpc_harness import rpc_servers  # noqa: E402
+
+from launcher_agent.measure import load_and_stop  # noqa: E402
+from shared.buffer_lines import compare, parse_buffers  # noqa: E402
+from shared.device_memory import LaneShape, lane_memory  # noqa: E402
+from shared.gguf_facts import read_model_facts  # noqa: E402
+from shared.memory import QUANTIZED  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Case:
+    ctx: int
+    parallel: int = 1
+    flash_attn: str = "on"
+    cache: str = "f16"
+    ngl: int | None = 0  # None: all
+    n_devices: int = 0
+    split: tuple[float, ...] = ()
+    ubatch: int = 512
+
+    def argv(self, model: str, endpoints: list[str]) -> list[str]:
+        args = ["-m", model, "-c", str(self.ctx), "-np", str(self.parallel), "-fa", self.flash_attn,
+                "-ctk", self.cache, "-ctv", self.cache, "-ub", str(self.ubatch), "-fit", "off",
+                "-ngl", "all" if self.ngl is None else str(self.ngl)]  # fmt: skip
+        if endpoints:
+            args += ["--rpc", ",".join(endpoints)]
+        if self.split:
+            args += ["-ts", ",".join(f"{s:g}" for s in self.split)]
+        return args
+
+    def shape(self) -> LaneShape:
+        return LaneShape(
+            ctx=self.ctx, parallel=self.parallel, type_k=self.cache, type_v=self.cache,
+            flash_attn=self.flash_attn == "on", n_ubatch=self.ubatch, n_gpu_layers=self.ngl,
+            tensor_split=self.split, devices=("rpc",) * self.n_devices,
+        )  # fmt: skip
+
+
+def matrix(n_layer: int, quick: bool) -> list[Case]:
+    partial = max(1, (n_layer + 1) // 2)
+    cases = []
+    layouts = [(0, 0, ()), (None, 1, ()), (partial, 1, ()), (None, 2, ()), (None, 2, (3.0, 1.0)),
+               (partial, 2, (1.0, 1.0)), (None, 3, (1.0, 2.0, 1.0)), (partial + 1, 3, ())]  # fmt: skip
+    shapes = [(4096, 1, "on", "f16"), (16384, 1, "off", "f16"), (8192, 4, "on", "q8_0"), (8192, 2, "on", "q4_0")]
+    if quick:
+        layouts, shapes = layouts[:4] + layouts[6:7], shapes[:3]
+    for (ngl, n_dev, split), (ctx, par, fa, cache) in itertools.product(layouts, shapes):
+        if cache in QUANTIZED and fa == "off":
+            continue
+        cases.append(Case(ctx, par, fa, cache, ngl, n_dev, split))
+    return cases
+
+
+def run_case(bin_dir: Path, model: Path, facts, case: Case, endpoints: list[str]) -> dict:
+    t0 = time.perf_counter()
+    loaded = load_and_stop(str(bin_dir / "llama-server"), case.argv(str(model), endpoints[: case.n_devices]))
+    printed = parse_buffers(loaded.lines)
+    predicted = lane_memory(facts, case.shape())
+    checks = compare(predicted.devices, printed) if loaded.ok else []
+    return {
+        "model": model.name,
+        "case": asdict(case),
+        "started": loaded.ok,
+        "error": "" if loaded.ok else "\n".join(loaded.lines[-5:]),
+        "offloaded": printed.offloaded,
+        "checks": [dict(asdict(c), ok=c.ok) for c in checks],
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+
+
+def summarize(results: list[dict]) -> dict:
+    checks = [c for r in results for c in r["checks"]]
+    exact = [c for c in checks if c["kind"] in ("model", "KV", "output")]
+    compute = [c for c in checks if c["kind"] == "compute"]
+
+    def err(c):
+        return abs(c["predicted_mib"] - c["printed_mib"])
+
+    return {
+        "cases": len(results),
+        "started": sum(r["started"] for r in results),
+        "exact_model_kv_output": f"{sum(c['ok'] for c in exact)}/{len(exact)}",
+        "compute_within_tolerance": f"{sum(c['ok'] for c in compute)}/{len(compute)}",
+        "compute_worst_mib": round(max(map(err, compute), default=0.0), 2),
+        "compute_worst_share": round(max((err(c) / c["printed_mib"] for c in compute if c["printed_mib"]), default=0), 3),
+        "compute_median_error_mib": round(statistics.median(map(err, compute)), 2) if compute else 0.0,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", nargs="+", required=True, help="GGUF files")
+    ap.add_argument("--bin-dir", help="folder with llama-server and ggml-rpc-server (default: the RPC build)")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "device_results.json"))
+    args = ap.parse_args()
+    from lanes.install_rpc import rpc_bin_dir
+
+    bin_dir = Path(args.bin_dir) if args.bin_dir else rpc_bin_dir()
+    if bin_dir is None:
+        print("no RPC build: run `lanes install-llama --rpc` first", file=sys.stderr)
+        return 2
+    results = []
+    with rpc_servers(bin_dir, 3) as endpoints:
+        for model in map(Path, args.models):
+            facts = read_model_facts(model)
+            for case in matrix(facts.n_layer, args.quick):
+                r = run_case(bin_dir, model, facts, case, endpoints)
+                bad = [c for c in r["checks"] if not c["ok"]]
+                print(model.name, case, "ok" if r["started"] and not bad else ("FAILED TO START" if not r["started"] else bad), flush=True)
+                results.append(r)
+    summary = summarize(results)
+    Path(args.out).write_text(json.dumps({"summary": summary, "results": results}, indent=1))
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

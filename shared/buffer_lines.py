@@ -1,0 +1,104 @@
+"""llama-server's own buffer lines (printed at -lv 4), per device: the truth a plan is checked against.
+
+    load_tensors:   CPU_Mapped model buffer size =   235.16 MiB
+    load_tensors: RPC0[127.0.0.1:50052] model buffer size =    17.91 MiB
+    llama_context:        CPU  output buffer size =     1.00 MiB
+    llama_kv_cache:      CUDA0 KV buffer size =     8.00 MiB
+    sched_reserve:        CPU compute buffer size =    27.28 MiB
+
+Buffer names map to lanes' device names: every host-memory buffer (CPU, CPU_Mapped,
+CPU_REPACK, CUDA_Host, MTL0_Mapped ...) is "CPU"; CUDA<n>, RPC<n>[addr], Vulkan<n>,
+ROCm<n>, MTL<n> are "GPU<n>". Pure parsing.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+MIB = 1024 * 1024
+_LINE = re.compile(r"(load_tensors|llama_context|llama_kv_cache\w*|sched_reserve):\s+(\S+?)\s+(model|output|KV|compute) buffer size =\s*([\d.]+) MiB")
+_HOST = re.compile(r"^(CPU\w*|\w+_Host|\w+_Mapped|\w+_REPACK)$")
+_DEVICE = re.compile(r"^(?:CUDA|RPC|Vulkan|ROCm|MTL|SYCL|CANN|OpenCL)(\d+)")
+KINDS = ("model", "KV", "compute", "output")
+
+
+def device_name(buffer: str) -> str:
+    if _HOST.match(buffer) and not buffer.startswith("MTL"):
+        return "CPU"
+    if buffer.startswith("MTL") and ("_Mapped" in buffer or "_Private" in buffer):
+        # Metal: GPU-resident buffers of unified memory; lanes counts them on the GPU.
+        match = _DEVICE.match(buffer)
+        return f"GPU{match.group(1)}" if match else "GPU0"
+    match = _DEVICE.match(buffer)
+    return f"GPU{match.group(1)}" if match else "CPU"
+
+
+@dataclass
+class DeviceBuffers:
+    """MiB per device and kind, summed over every line of that kind (SWA models print two KV lines)."""
+
+    mib: dict[str, dict[str, float]] = field(default_factory=dict)
+    offloaded: tuple[int, int] | None = None
+
+    def get(self, device: str, kind: str) -> float:
+        return self.mib.get(device, {}).get(kind, 0.0)
+
+    def devices(self) -> list[str]:
+        return sorted(self.mib, key=lambda d: (d != "CPU", d))
+
+
+_OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers")
+
+
+def parse_buffers(lines) -> DeviceBuffers:
+    out = DeviceBuffers()
+    for line in lines:
+        if (m := _OFFLOADED.search(line)) is not None:
+            out.offloaded = (int(m.group(1)), int(m.group(2)))
+            continue
+        m = _LINE.search(line)
+        if m is None:
+            continue
+        _, buffer, kind, value = m.groups()
+        per = out.mib.setdefault(device_name(buffer), {})
+        per[kind] = round(per.get(kind, 0.0) + float(value), 2)
+    return out
+
+
+_KIND_FIELDS = {"model": "model_bytes", "KV": "kv_bytes", "compute": "compute_bytes", "output": "output_bytes"}
+COMPUTE_TOLERANCE = (0.03, 4.0)  # within 3% or 4 MiB
+
+
+@dataclass(frozen=True)
+class Check:
+    device: str
+    kind: str
+    predicted_mib: float
+    printed_mib: float
+
+    @property
+    def ok(self) -> bool:
+        diff = abs(self.predicted_mib - self.printed_mib)
+        if self.kind == "compute":
+            share, floor = COMPUTE_TOLERANCE
+            return diff <= max(share * self.printed_mib, floor)
+        return diff <= 0.011  # the lines print two decimals
+
+
+def compare(devices, printed: DeviceBuffers) -> list[Check]:
+    """Predicted (DeviceMemory per device) against printed, for every kind on every device."""
+    names = {d.device for d in devices} | set(printed.mib)
+    by_name = {d.device: d for d in devices}
+    out = []
+    for name in sorted(names, key=lambda d: (d != "CPU", d)):
+        dev = by_name.get(name)
+        for kind, attr in _KIND_FIELDS.items():
+            predicted = getattr(dev, attr) / MIB if dev else 0.0
+            if kind == "KV" and dev is not None:
+                predicted += dev.recurrent_bytes / MIB
+            shown = printed.get(name, kind)
+            if predicted == 0 and shown == 0:
+                continue
+            out.append(Check(name, kind, round(predicted, 2), shown))
+    return out

@@ -1,0 +1,225 @@
+"""Every buffer llama-server allocates for a lane, on the device where it lands. Pure.
+
+The trip is facts -> placement (shared.placement) -> per-device sizes (here). What each
+buffer is, from the b11434 source and checked against the binary's -lv 4 lines:
+
+- model: the CPU maps the file range of its layers (token embeddings always among them:
+  `CPU_Mapped`), plus a `CPU_REPACK` copy of the matrices its kernels repack. A GPU holds
+  its layers' tensors (CUDA pads each quantized tensor by one row to 512 values, aligns
+  to 128) and, for tied embeddings, a duplicate of token_embd when it holds the output
+  layer. With a CUDA device the CPU's weights sit in pinned `CUDA_Host` memory: a copy,
+  not a mapping, and no repacking.
+- KV: each layer's K and V on its layer's device (all on the CPU with -nkvo).
+- output: logits for n_vocab x parallel floats, in host memory.
+- compute: see compute_bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shared.memory import (
+    DEFAULT_N_UBATCH,
+    MIB,
+    PROCESS_OVERHEAD,
+    KvSize,
+    MemoryModelError,
+    kv_size,
+    row_bytes,
+)
+from shared.messages import DeviceMemory, KvLayout, LayerWeights, MemoryBreakdown, ModelFacts
+from shared.placement import CPU, NglRule, Placement, PlacementError, SplitMode, place
+
+# x86 with AVX2 (ggml-cpu/repack.cpp ggml_repack_get_optimal_repack_type): type -> row multiple.
+AVX2_REPACK = ("Q4_0:8", "Q4_K:8", "IQ4_NL:8", "MXFP4:8")
+AVX512_REPACK = (*AVX2_REPACK, "Q2_K:8")
+NEON_I8MM_REPACK = ("Q4_0:4", "Q4_K:8", "Q5_K:8", "Q6_K:8", "IQ4_NL:4", "MXFP4:4", "Q8_0:4", "Q1_0:4")
+NEON_DOTPROD_REPACK = NEON_I8MM_REPACK
+PINNED_HOST_BACKENDS = frozenset({"cuda", "rocm"})  # their host buffer type comes first for CPU weights
+
+
+@dataclass(frozen=True)
+class LaneShape:
+    """What a lane's memory depends on, apart from the model."""
+
+    ctx: int
+    parallel: int = 1
+    kv_unified: bool = False
+    type_k: str = "f16"
+    type_v: str = "f16"
+    flash_attn: bool = False
+    layout: KvLayout = "streams"
+    n_ubatch: int = DEFAULT_N_UBATCH
+    n_gpu_layers: int | None = 0  # None: all
+    tensor_split: tuple[float, ...] = ()  # one share per device; () with devices: equal shares
+    devices: tuple[str, ...] = ()  # backend of each GPU-type device in llama-server's order: cuda, rpc, metal
+    split_mode: SplitMode = "layer"
+    main_gpu: int = 0
+    no_kv_offload: bool = False
+    ngl_rule: NglRule = "output_first"
+
+
+def repack_rule(cpu_repack: Sequence[str] | None) -> dict[str, int]:
+    """{"Q4_K": 8, ...} from a host's report (None: assume x86 AVX2)."""
+    rule = {}
+    for item in AVX2_REPACK if cpu_repack is None else cpu_repack:
+        name, _, rows = item.partition(":")
+        rule[name] = int(rows or 1)
+    return rule
+
+
+def placement_for(facts: ModelFacts, shape: LaneShape) -> Placement:
+    n = len(shape.devices)
+    if shape.tensor_split and len(shape.tensor_split) != n:
+        raise PlacementError(f"tensor split has {len(shape.tensor_split)} shares for {n} device(s)")
+    if shape.n_gpu_layers is not None and shape.n_gpu_layers < -1:
+        raise PlacementError(f"--n-gpu-layers {shape.n_gpu_layers}: use a count, -1, 'all' or 'auto'")
+    shares = shape.tensor_split or (1.0,) * n
+    return place(
+        facts.n_layer, shape.n_gpu_layers, shares, split_mode=shape.split_mode, main_gpu=shape.main_gpu,
+        rule=shape.ngl_rule,
+    )  # fmt: skip
+
+
+def _layers(facts: ModelFacts) -> dict[int, LayerWeights]:
+    if not facts.layer_weights:
+        raise MemoryModelError(f"{facts.name}: no per-layer weights in its facts (read by an older lanes)")
+    return {lw.layer: lw for lw in facts.layer_weights}
+
+
+def _repacked(lw: LayerWeights, rule: dict[str, int]) -> int:
+    return sum(b for t, rows, b in lw.repack if t in rule and rows % rule[t] == 0)
+
+
+def model_bytes(facts: ModelFacts, placement: Placement, backends: Sequence[str], cpu_repack=None) -> list[int]:
+    """Weights per device: index 0 the CPU, then each GPU-type device."""
+    layers = _layers(facts)
+    out = [0] * (1 + placement.n_devices)
+    pinned = any(b in PINNED_HOST_BACKENDS for b in backends)
+    rule = {} if pinned else repack_rule(cpu_repack)
+    cpu_groups = [layers[-1]] if -1 in layers else []
+    for il, dev in enumerate(placement.layer_device):
+        lw = layers.get(il)
+        if lw is None:
+            continue
+        if dev == CPU:
+            cpu_groups.append(lw)
+        else:
+            out[1 + dev] += lw.cuda_bytes if backends[dev] in PINNED_HOST_BACKENDS else lw.bytes
+    if cpu_groups:
+        if pinned:
+            out[0] = sum(lw.bytes for lw in cpu_groups)
+        else:
+            mapped = max(lw.end for lw in cpu_groups) - min(lw.first for lw in cpu_groups)
+            out[0] = mapped + sum(_repacked(lw, rule) for lw in cpu_groups if lw.layer >= 0)
+    if facts.tied_output_bytes and placement.output_device != CPU:
+        dev = placement.output_device
+        out[1 + dev] += facts.tied_output_cuda_bytes if backends[dev] in PINNED_HOST_BACKENDS else facts.tied_output_bytes
+    return out
+
+
+def kv_bytes(facts: ModelFacts, placement: Placement, shape: LaneShape) -> tuple[list[int], KvSize]:
+    kv = kv_size(
+        facts, ctx=shape.ctx, parallel=shape.parallel, kv_unified=shape.kv_unified, type_k=shape.type_k,
+        type_v=shape.type_v, layout=shape.layout, n_ubatch=shape.n_ubatch,
+    )  # fmt: skip
+    out = [0] * (1 + placement.n_devices)
+    recurrent = tuple(facts.recurrent_layers) + (False,) * facts.n_layer
+    swa = tuple(facts.swa_layers) + (False,) * facts.n_layer
+    for il in range(facts.n_layer):
+        n_kv = facts.n_head_kv[il]
+        if not n_kv or recurrent[il]:
+            continue
+        cells = kv.swa_cells if kv.swa_cells and swa[il] else kv.cells
+        size = row_bytes(shape.type_k, facts.head_dim_k * n_kv) * cells * kv.streams
+        if not facts.is_mla:
+            size += row_bytes(shape.type_v, facts.head_dim_v * n_kv) * cells * kv.streams
+        dev = CPU if shape.no_kv_offload else placement.layer_device[il]
+        out[1 + dev] += size
+    return out, kv
+
+
+def recurrent_per_device(facts: ModelFacts, placement: Placement, parallel: int) -> list[int]:
+    out = [0] * (1 + placement.n_devices)
+    layers = [il for il, r in enumerate(facts.recurrent_layers) if r]
+    if layers:
+        per_layer = facts.recurrent_bytes_per_seq * max(1, parallel) // len(layers)
+        for il in layers:
+            out[1 + placement.layer_device[il]] += per_layer
+    return out
+
+
+def compute_bytes(facts: ModelFacts, placement: Placement, shape: LaneShape, kv: KvSize) -> list[int]:
+    """The compute buffer ggml reserves per backend for the worst-case prompt-processing graph.
+
+    No closed form exists (ggml-alloc packs the graph); this follows the tensors that are
+    alive at the graph's peaks, fitted to llama-server's own lines (CPU and RPC backends,
+    b11434): the attention masks (one per KV cache, f16 with flash attention, f32 without,
+    n_kv x n_ubatch), without flash attention the f32 scores of every head (n_kv x n_ubatch
+    x n_head), FFN activations (3 x n_ff x n_ubatch f32), residual stream (5 x n_embd x
+    n_ubatch f32), and the logits of `parallel` outputs (llama-server reserves
+    n_outputs = slots; llama-fit-params reserves all n_ubatch, hence its larger figure).
+    """
+    n_tokens = min(shape.n_ubatch, kv.cells * kv.streams)
+    f32 = 4
+    mask_width = 2 if shape.flash_attn else 4
+    masks = kv.cells * n_tokens * mask_width
+    if kv.swa_cells:
+        masks += kv.swa_cells * n_tokens * mask_width
+    embd = facts.n_embd * n_tokens * f32
+    ffn = facts.n_ff * n_tokens * f32
+    logits = facts.n_vocab * shape.parallel * f32
+    scores = 0 if shape.flash_attn else kv.cells * n_tokens * facts.n_head * f32
+    out = [0] * (1 + placement.n_devices)
+    holders = sorted({d for d in placement.layer_device})
+    for dev in holders:
+        is_output = dev == placement.output_device
+        peak_ffn = masks + 5 * embd + max(3 * ffn, logits if is_output else 0)
+        peak_attn = masks + scores + 4 * ffn - embd if scores else 0
+        out[1 + dev] = max(peak_ffn, peak_attn)
+    if CPU not in holders:
+        # Full offload: the CPU still gathers token embeddings and keeps graph inputs.
+        out[0] = embd + n_tokens * f32 * 4
+    return out
+
+
+def lane_memory(facts: ModelFacts, shape: LaneShape, cpu_repack: Sequence[str] | None = None) -> MemoryBreakdown:
+    placement = placement_for(facts, shape)
+    backends = shape.devices
+    model = model_bytes(facts, placement, backends, cpu_repack)
+    kv_dev, kv = kv_bytes(facts, placement, shape)
+    recurrent = recurrent_per_device(facts, placement, shape.parallel)
+    compute = compute_bytes(facts, placement, shape, kv)
+    output = [facts.n_vocab * shape.parallel * 4] + [0] * placement.n_devices
+    devices = []
+    for i in range(1 + placement.n_devices):
+        layers = placement.layers_on(CPU if i == 0 else i - 1)
+        devices.append(
+            DeviceMemory(
+                device="CPU" if i == 0 else f"GPU{i - 1}",
+                model_bytes=model[i],
+                kv_bytes=kv_dev[i],
+                compute_bytes=compute[i],
+                output_bytes=output[i],
+                recurrent_bytes=recurrent[i],
+                layers=len(layers),
+            )
+        )
+    total = sum(d.total for d in devices) + PROCESS_OVERHEAD
+    on_gpu = placement.offloaded > 0
+    return MemoryBreakdown(
+        device="gpu" if on_gpu else "cpu",
+        weights_bytes=sum(model),
+        kv_bytes=kv.total,
+        kv_k_bytes=kv.k_bytes,
+        kv_v_bytes=kv.v_bytes,
+        kv_cells=kv.cells,
+        kv_streams=kv.streams,
+        swa_cells=kv.swa_cells,
+        recurrent_bytes=sum(recurrent),
+        compute_bytes=sum(compute),
+        overhead_bytes=PROCESS_OVERHEAD,
+        total_bytes=total,
+        devices=tuple(devices),
+    )

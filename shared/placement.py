@@ -1,0 +1,121 @@
+"""Which device each layer of a model lands on, exactly as llama.cpp's load_tensors decides.
+
+Pure; the first step of a lane's memory: facts -> placement -> per-device sizes.
+Layer indices 0..n_layer-1 are the repeating blocks, n_layer the output layer;
+token embeddings (the input layer) always stay on the CPU.
+
+From src/llama-model.cpp (build b11434):
+    i_gpu_start    = max(n_layer + 1 - n_gpu_layers, 0)        # the output layer goes first
+    act_gpu_layers = min(n_gpu_layers, n_layer + 1)
+    splits         = cumulative float32 shares, normalised to 1
+    layer il >= i_gpu_start -> first device with splits[d] > float32(il - i_gpu_start) / act_gpu_layers
+`--split-mode none` keeps only the main GPU. Older builds (before Dec 2025) offloaded the
+last N blocks and the output layer only when N > n_layer ("blocks_first").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+CPU = -1
+SplitMode = Literal["layer", "none"]
+NglRule = Literal["output_first", "blocks_first"]
+
+
+class PlacementError(ValueError):
+    """A device layout llama-server would refuse, or one that names devices the host lacks."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    n_layer: int
+    layer_device: tuple[int, ...]  # n_layer + 1 entries (the last is the output layer); CPU or a device index
+    n_devices: int  # GPU-type devices the lane uses, in llama-server's order
+
+    @property
+    def output_device(self) -> int:
+        return self.layer_device[-1]
+
+    @property
+    def offloaded(self) -> int:
+        """What llama-server prints as `offloaded X/Y layers` (X; Y is n_layer + 1)."""
+        return sum(1 for d in self.layer_device if d != CPU)
+
+    def layers_on(self, device: int) -> list[int]:
+        return [il for il, d in enumerate(self.layer_device) if d == device]
+
+
+def normalised_splits(shares: Sequence[float]) -> list[float]:
+    """Cumulative shares in float32, as llama.cpp computes them (boundaries must match bit for bit)."""
+    values = np.asarray(shares, dtype=np.float32)
+    if values.size == 0:
+        raise PlacementError("no devices to split over")
+    if not np.all(np.isfinite(values)) or np.any(values < 0):
+        raise PlacementError(f"tensor split {','.join(map(str, shares))}: shares must be finite and not negative")
+    total = np.float32(0)
+    cumulative = []
+    for v in values:
+        total = np.float32(total + v)
+        cumulative.append(total)
+    if total <= 0:
+        raise PlacementError(f"tensor split {','.join(map(str, shares))}: the shares must not sum to zero")
+    return [float(np.float32(c / total)) for c in cumulative]
+
+
+def place(
+    n_layer: int,
+    n_gpu_layers: int | None,
+    shares: Sequence[float] = (),
+    *,
+    split_mode: SplitMode = "layer",
+    main_gpu: int = 0,
+    rule: NglRule = "output_first",
+) -> Placement:
+    """Layers to devices. n_gpu_layers None (or negative) means all; shares has one entry per device."""
+    n_devices = len(shares)
+    if n_gpu_layers is None or n_gpu_layers < 0:
+        n_gpu_layers = n_layer + 1
+    if n_devices == 0 or n_gpu_layers == 0:
+        return Placement(n_layer, (CPU,) * (n_layer + 1), n_devices)
+    if split_mode == "none":
+        if not 0 <= main_gpu < n_devices:
+            raise PlacementError(f"main GPU {main_gpu} is not one of the {n_devices} device(s)")
+        one_hot = [0.0] * n_devices
+        one_hot[main_gpu] = 1.0
+        shares = one_hot
+    splits = np.asarray(normalised_splits(shares), dtype=np.float32)
+    if rule == "blocks_first":
+        return _blocks_first(n_layer, n_gpu_layers, splits, n_devices)
+    i_gpu_start = max(n_layer + 1 - n_gpu_layers, 0)
+    act = min(n_gpu_layers, n_layer + 1)
+    devices = []
+    for il in range(n_layer + 1):
+        if il < i_gpu_start or il - i_gpu_start >= act:
+            devices.append(CPU)
+            continue
+        x = np.float32(np.float32(il - i_gpu_start) / np.float32(act))
+        devices.append(min(int(np.searchsorted(splits, x, side="right")), n_devices - 1))
+    return Placement(n_layer, tuple(devices), n_devices)
+
+
+def _blocks_first(n_layer: int, n_gpu_layers: int, splits: np.ndarray, n_devices: int) -> Placement:
+    """Builds before Dec 2025: the last N blocks; the output layer only when N > n_layer."""
+    i_gpu_start = max(n_layer - n_gpu_layers, 0)
+    act = min(n_gpu_layers, n_layer)
+    devices = []
+    for il in range(n_layer):
+        if il < i_gpu_start:
+            devices.append(CPU)
+            continue
+        x = np.float32(np.float32(il - i_gpu_start) / np.float32(act))
+        devices.append(min(int(np.searchsorted(splits, x, side="right")), n_devices - 1))
+    if n_gpu_layers > n_layer:
+        x = np.float32(np.float32(n_layer - i_gpu_start) / np.float32(act))
+        devices.append(min(int(np.searchsorted(splits, x, side="right")), n_devices - 1))
+    else:
+        devices.append(CPU)
+    return Placement(n_layer, tuple(devices), n_devices)
