@@ -51,7 +51,7 @@ def lane_args(spec: LaneSpec, caps: ServerCaps) -> tuple[str, ...]:
 
 def _flags(args: tuple[str, ...], caps: ServerCaps) -> tuple[dict[str, str | None], str | None]:
     """{flag: value or None for a switch}, or why the args cannot be read."""
-    switches = {"--kv-unified"} | ({"--flash-attn"} if caps.flash_attn_form == "switch" else set())
+    switches = {"--kv-unified", "--metrics"} | ({"--flash-attn"} if caps.flash_attn_form == "switch" else set())
     out: dict[str, str | None] = {}
     i = 0
     while i < len(args):
