@@ -47,6 +47,8 @@ class GpuInfo(msgspec.Struct, frozen=True, kw_only=True):
     unified: bool = False
     # The last GPU query failed (NVML error): these figures are the last good ones, not zero.
     stale: bool = False
+    # An RPC device (ggml-rpc-server): its host:port, passed to llama-server as --rpc.
+    endpoint: str = ""
 
 
 class ServerCaps(msgspec.Struct, frozen=True, kw_only=True):
@@ -241,8 +243,11 @@ class LaneSpec(msgspec.Struct, frozen=True, kw_only=True):
     # Indices into the host's reported gpus the lane is pinned to (--device), in order;
     # with more than one, tensor_split gives each its share of the layers (-ts).
     gpu_devices: tuple[int, ...] = ()
+    device_names: tuple[str, ...] = ()  # llama-server's names for them (--device), when the host reported them
     tensor_split: tuple[int, ...] = ()
     split_mode: Literal["layer", "none"] | None = None
+    main_gpu: int | None = None
+    rpc_servers: tuple[str, ...] = ()  # --rpc, for hosts whose GPU-type devices are ggml-rpc-servers
     cache_type_k: CacheType | None = None
     cache_type_v: CacheType | None = None
     flash_attn: FlashAttn | None = None
