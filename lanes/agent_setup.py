@@ -36,4 +36,5 @@ def agent_config(args: argparse.Namespace, data_dir: Path) -> AgentConfig:
         tick=getattr(args, "tick", 0.5),
         max_ram=getattr(args, "max_ram", None),
         dry_run=getattr(args, "dry_run", False),
+        rpc_servers=tuple(e for e in (getattr(args, "rpc", None) or "").split(",") if e),
     )

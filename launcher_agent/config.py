@@ -25,6 +25,8 @@ class AgentConfig:
     max_ram: int | None = None  # an operator's cap on what lanes may plan for here
     backoff_base: float = 1.0
     dry_run: bool = False  # log the argv of each lane instead of launching it
+    # ggml-rpc-server endpoints this host's lanes may use as GPU-type devices (--rpc), in order.
+    rpc_servers: tuple[str, ...] = ()
 
 
 def default_host_id() -> str:

@@ -52,7 +52,9 @@ class Agent:
         return subjects.host_token(self.cfg.host_id)
 
     def report(self) -> HostReport:
-        return host_report(self.cfg, self.sup.lanes_rss(), self._facts_cache)
+        return host_report(
+            self.cfg, self.sup.lanes_rss(), self._facts_cache, self.sup.lane_pids(), self.sup.lanes_gpu_bytes()
+        )
 
     # ------------------------------------------------------------ plans in
 

@@ -102,3 +102,20 @@ def compare(devices, printed: DeviceBuffers) -> list[Check]:
                 continue
             out.append(Check(name, kind, round(predicted, 2), shown))
     return out
+
+
+def devices_from_lines(lines) -> tuple:
+    """DeviceMemory per device from printed lines, CPU first (bytes rounded from two-decimal MiB)."""
+    from shared.messages import DeviceMemory
+
+    printed = parse_buffers(lines)
+    return tuple(
+        DeviceMemory(
+            device=name,
+            model_bytes=round(printed.get(name, "model") * MIB),
+            kv_bytes=round(printed.get(name, "KV") * MIB),
+            compute_bytes=round(printed.get(name, "compute") * MIB),
+            output_bytes=round(printed.get(name, "output") * MIB),
+        )
+        for name in printed.devices()
+    )

@@ -299,6 +299,9 @@ class LaneStatus(msgspec.Struct, frozen=True, kw_only=True):
     stderr_tail: tuple[str, ...] = ()
     argv: tuple[str, ...] = ()
     failure: FailureKind | None = None
+    # Per device, the buffers llama-server printed (-lv 4 lines); the plan's spec.memory.devices
+    # holds the predicted ones. Empty until the lane has loaded.
+    devices: tuple[DeviceMemory, ...] = ()
     # Set while the agent waits for in-flight requests before a restart or stop:
     # gateways send a draining lane nothing new.
     draining: bool = False
