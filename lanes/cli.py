@@ -200,7 +200,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_VALUE_MAY_START_WITH_DASH = ("--tensor-split", "-ts", "--n-gpu-layers", "-ngl")
+
+
+def _attach_dash_values(argv: list[str]) -> list[str]:
+    """`--tensor-split -1,2` reaches our own check (one clear line) instead of argparse's confusion."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in _VALUE_MAY_START_WITH_DASH and i + 1 < len(argv) and argv[i + 1].startswith("-"):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = _attach_dash_values(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
     try:
         return _dispatch(args)

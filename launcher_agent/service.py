@@ -24,6 +24,7 @@ from launcher_agent.report import VERSION, host_report
 from launcher_agent.supervisor import Supervisor
 from shared import subjects
 from shared.bus import NatsAuth, connect, kv_bucket, quietly, run_until, watch_forever
+from shared.gguf_facts import FactsCache
 from shared.messages import HostPlan, HostReport, LaneEvent, PlanRejected, encode
 
 log = structlog.get_logger("lanes.agent")
@@ -46,6 +47,8 @@ class Agent:
 
     def __post_init__(self) -> None:
         self.sup = Supervisor(self.cfg, emit=self._event)
+        # Model facts survive a restart: an unchanged GGUF is never read again.
+        self._facts_cache = FactsCache(self.cfg.data_dir / "model-facts.json")
 
     @property
     def host(self) -> str:
