@@ -341,6 +341,7 @@ def _host_plan(report, config, lanes, reasons, unplaced, prev: HostPlan | None, 
         config_revision=config_revision,
         budget_ram=budgets[CPU_RESOURCE],
         budget_gpu=sum(b for r, b in budgets.items() if r[0] == "gpu"),
+        budget_gpus=tuple(budgets.get(("gpu", i), 0) for i in range(len(report.gpus))),
         max_restarts=config.max_restarts_per_host,
         lanes=tuple(specs),
         unplaced=tuple(unplaced),
@@ -350,7 +351,12 @@ def _host_plan(report, config, lanes, reasons, unplaced, prev: HostPlan | None, 
         return msgspec.structs.replace(draft, plan_revision=1)
     # Budgets drift with every report; a plan is rewritten only when what it asks for changes.
     comparable = msgspec.structs.replace(
-        prev, plan_revision=0, config_revision=config_revision, budget_ram=draft.budget_ram, budget_gpu=draft.budget_gpu
+        prev,
+        plan_revision=0,
+        config_revision=config_revision,
+        budget_ram=draft.budget_ram,
+        budget_gpu=draft.budget_gpu,
+        budget_gpus=draft.budget_gpus,
     )
     if comparable == draft:
         return (

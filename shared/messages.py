@@ -268,6 +268,8 @@ class HostPlan(_Msg, tag="host_plan", kw_only=True):
     config_revision: int = 0
     budget_ram: Bytes = 0
     budget_gpu: Bytes = 0
+    # Per GPU (index into the host report's gpus): what lanes may use there.
+    budget_gpus: tuple[int, ...] = ()
     # Rollout pace: how many serving lanes the agent may restart at once for a change.
     max_restarts: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 1
     lanes: tuple[LaneSpec, ...] = ()
