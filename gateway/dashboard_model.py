@@ -15,6 +15,7 @@ import msgspec
 from gateway.fleet import FleetView, LaneKey, LaneRoute
 from shared.messages import FleetConfig, HostReport, LaneEvent, LaneSpec, LaneStatus
 
+
 class EventFeed:
     """The newest lane events, newest first, bounded."""
 
@@ -64,7 +65,7 @@ def _host(view: FleetView, host: str, config: FleetConfig, routes: Mapping[LaneK
         "plan_revision": plan.plan_revision if plan else None,
         "applied_revision": status.plan_revision if status else None,
         "rollout_halted": status.rollout_halted if status else "",
-        "devices": _devices(report, specs, live, config),
+        "devices": _devices(report, plan, specs, live, config),
         "lanes": lanes,
     }
 
@@ -76,6 +77,8 @@ def _config_revision(config: FleetConfig, kv_revision: int) -> int:
 
 def _lane(spec: LaneSpec, lane: LaneStatus | None, route: LaneRoute | None, busy: int, rate: float) -> dict:
     state = lane.state if lane else "pending"
+    if state == "healthy" and lane.argv and tuple(lane.argv[1:]) != spec.args:
+        state = "updating"  # still serving the previous spec while the rollout reaches it
     if route is not None and route.draining:
         state = "draining"
     elif route is not None and route.unreachable and state == "healthy":
@@ -105,28 +108,69 @@ def _lane(spec: LaneSpec, lane: LaneStatus | None, route: LaneRoute | None, busy
     }
 
 
-def _devices(report: HostReport | None, specs, live: Mapping[str, LaneStatus], config: FleetConfig) -> list[dict]:
-    """One memory bar per device: planned weights, KV, compute, the headroom kept, what is free."""
+def _devices(report: HostReport | None, plan, specs, live: Mapping[str, LaneStatus], config: FleetConfig) -> list[dict]:
+    """One memory bar per device: planned weights, KV, compute, the headroom kept, what is free, real use.
+
+    Planned parts come from each lane's per-device breakdown (a lane split over GPUs, or
+    partly offloaded, draws on every device it touches); the headroom is what the plan's
+    budget leaves of the device, so the page never re-derives the planner's rules.
+    """
     if report is None:
         return []
-    bars = [_bar("CPU", report.ram_total, report.ram_available + report.lanes_rss, config)]
-    bars += [_bar(f"GPU{i} {g.name}", g.vram_total, g.vram_free, config) for i, g in enumerate(report.gpus)]
+    cpu_available = min(report.ram_total, report.ram_available + report.lanes_rss)
+    bars = [_bar("CPU", report.ram_total, cpu_available, plan.budget_ram if plan else None, config)]
+    for i, g in enumerate(report.gpus):
+        available = min(g.vram_total, g.vram_free + g.lanes_vram)
+        budgets = getattr(plan, "budget_gpus", ()) if plan else ()
+        budget = budgets[i] if i < len(budgets) else (plan.budget_gpu if plan and plan.budget_gpu else None)
+        bars.append(_bar(f"GPU{i} {g.name}", g.vram_total, available, budget, config))
     for spec in specs:
-        bar = bars[0] if spec.memory.device == "cpu" or len(bars) == 1 else bars[1]
-        m = spec.memory
-        bar["weights"] += m.weights_bytes
-        bar["kv"] += m.kv_bytes + m.recurrent_bytes
-        bar["compute"] += m.compute_bytes + m.overhead_bytes
         lane = live.get(spec.lane_id)
-        if lane and lane.rss_bytes is not None and spec.memory.device == "cpu":
-            bar["real"] += lane.rss_bytes
+        for device, parts in _lane_parts(spec):
+            bar = _bar_for(bars, spec, device)
+            for part, n in parts.items():
+                bar[part] += n
+        if lane is None:
+            continue
+        real = getattr(lane, "devices", ())
+        if real:
+            for d in real:
+                _bar_for(bars, spec, d.device)["real"] += d.total
+        elif lane.rss_bytes is not None:
+            bars[0]["real"] += lane.rss_bytes
     for bar in bars:
         planned = bar["weights"] + bar["kv"] + bar["compute"]
         bar["free"] = max(0, bar["available"] - planned - bar["headroom"])
     return bars
 
 
-def _bar(name: str, total: int, available: int, config: FleetConfig) -> dict:
-    headroom = min(total, config.headroom_bytes + int(config.headroom_fraction * total))
-    return {"device": name, "total": total, "available": min(total, available), "headroom": headroom,
+def _lane_parts(spec: LaneSpec):
+    """(device name as the lane counts it, {part: bytes}) for each device a lane uses."""
+    m = spec.memory
+    if not m.devices:  # a plan from a planner without per-device figures
+        device = "CPU" if m.device == "cpu" else "GPU0"
+        return [(device, {"weights": m.weights_bytes, "kv": m.kv_bytes + m.recurrent_bytes,
+                          "compute": m.compute_bytes + m.overhead_bytes})]  # fmt: skip
+    parts = [(d.device, {"weights": d.model_bytes, "kv": d.kv_bytes + d.recurrent_bytes,
+                         "compute": d.compute_bytes + d.output_bytes}) for d in m.devices]  # fmt: skip
+    overhead = m.total_bytes - sum(d.total for d in m.devices)  # the process itself, in host RAM
+    parts.append(("CPU", {"weights": 0, "kv": 0, "compute": max(0, overhead)}))
+    return parts
+
+
+def _bar_for(bars: list[dict], spec: LaneSpec, device: str) -> dict:
+    """The host device behind a lane's device name: GPUk is the k-th of the GPUs the lane is pinned to."""
+    if device == "CPU" or not device.startswith("GPU") or len(bars) == 1:
+        return bars[0]
+    k = int(device[3:]) if device[3:].isdigit() else 0
+    pinned = getattr(spec, "gpu_devices", ())
+    host_index = pinned[k] if k < len(pinned) else k
+    return bars[1 + host_index] if 1 + host_index < len(bars) else bars[-1]
+
+
+def _bar(name: str, total: int, available: int, budget: int | None, config: FleetConfig) -> dict:
+    if budget is None:  # no plan yet: the fleet config's headroom rule for host RAM
+        budget = available - config.headroom_bytes - int(config.headroom_fraction * total)
+    headroom = max(0, available - max(0, budget))
+    return {"device": name, "total": total, "available": available, "headroom": headroom,
             "weights": 0, "kv": 0, "compute": 0, "real": 0, "free": 0}  # fmt: skip

@@ -142,12 +142,16 @@ async def _forward(request: web.Request, name: str, body: bytes, started: float)
                 headers={"Content-Type": "application/json", "Accept": request.headers.get("Accept", "*/*")},
                 timeout=aiohttp.ClientTimeout(total=settings.request_timeout, connect=settings.connect_timeout),
             )
-        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+        except aiohttp.ClientConnectionError as exc:  # refused, reset, closed before answering
             lease.release()
-            failure = f"lane {lane.host_id}/{lane.lane_id} unreachable: {type(exc).__name__} {exc}"
+            failure = f"lane {lane.host_id}/{lane.lane_id} failed before answering: {type(exc).__name__} {exc}"
             view.mark_unreachable(lane.key, failure)
             log.warning("lane failed before answering", lane=lane.lane_id, host=lane.host_id, error=failure)
             continue
+        except asyncio.TimeoutError:  # the request's own time is up: trying again would double the load
+            lease.release()
+            return openai_error(504, f"no answer within the request timeout of {settings.request_timeout:g} s",
+                                "timeout")  # fmt: skip
         except BaseException:
             lease.release()
             raise
@@ -167,7 +171,7 @@ async def _relay(
     """Copy the lane's answer as it arrives; a break after the first byte ends the stream with an error."""
     app, lane = request.app, lease.lane
     resp = web.StreamResponse(status=upstream.status)
-    for header in ("Content-Type", "Cache-Control"):
+    for header in ("Content-Type", "Content-Encoding", "Cache-Control"):
         if header in upstream.headers:
             resp.headers[header] = upstream.headers[header]
     if upstream.content_length is not None:

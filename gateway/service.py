@@ -101,7 +101,11 @@ async def _bus_side(gw: Gateway, servers: str, auth: NatsAuth, stop: asyncio.Eve
         return
     stack.push_async_callback(quietly(nc.close))
     gw.nc = nc
-    await nc.subscribe(subjects.ALL_EVENTS, cb=lambda msg: gw.dashboard.on_event(msg.data, msg.subject))
+
+    async def on_event(msg) -> None:  # nats-py takes coroutine callbacks only
+        gw.dashboard.on_event(msg.data, msg.subject)
+
+    await nc.subscribe(subjects.ALL_EVENTS, cb=on_event)
     while not stop.is_set():
         try:
             kv = await kv_bucket(nc)
@@ -112,6 +116,17 @@ async def _bus_side(gw: Gateway, servers: str, auth: NatsAuth, stop: asyncio.Eve
     else:
         return
     await watch_forever(kv, WATCHED_KEYS, gw.on_entry, resync=resync, stop=stop, on_caught_up=gw.on_caught_up)
+
+
+async def _logged(step, what: str) -> None:
+    """A background task that fails says so in the log instead of vanishing."""
+    try:
+        await step
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("gateway task failed", task=what)
+        raise
 
 
 async def run_gateway(
@@ -135,7 +150,7 @@ async def run_gateway(
     try:
         async with AsyncExitStack() as stack:
             tasks = [
-                asyncio.create_task(_bus_side(gw, servers, auth, stop, stack)),
+                asyncio.create_task(_logged(_bus_side(gw, servers, auth, stop, stack), "bus side")),
                 asyncio.create_task(_probe_loop(gw, stop)),
                 asyncio.create_task(gw.dashboard.run(stop)),
             ]

@@ -37,4 +37,6 @@ def agent_config(args: argparse.Namespace, data_dir: Path) -> AgentConfig:
         max_ram=getattr(args, "max_ram", None),
         dry_run=getattr(args, "dry_run", False),
         rpc_servers=tuple(e for e in (getattr(args, "rpc", None) or "").split(",") if e),
+        advertise=getattr(args, "advertise", None) or "",
+        metrics_port=getattr(args, "metrics_port", None),
     )

@@ -69,7 +69,10 @@ async def run(args: argparse.Namespace) -> int:
         return await cmd_up(args)
     auth = auth_from_args(args)
     if args.command == "planner":
-        await run_planner(args.nats, _stop_event(), auth, replicas=args.kv_replicas)
+        await run_planner(
+            args.nats, _stop_event(), auth, replicas=args.kv_replicas, lease_ttl=args.lease_ttl,
+            metrics_port=args.metrics_port,
+        )  # fmt: skip
         return 0
     if args.command == "gateway":
         await run_gateway(args.nats, _stop_event(), auth, gateway_settings(args))
@@ -178,16 +181,26 @@ def render_status(fleet: FleetStatus) -> str:
     c: FleetConfig = fleet.config
     out = [f"config r{fleet.config_revision}: kv {c.kv_cache_type_k or c.kv_cache_type or 'f16'}/"
            f"{c.kv_cache_type_v or c.kv_cache_type or 'f16'}, flash_attn {c.flash_attn or 'unset'}"]  # fmt: skip
+    if fleet.planner_id:
+        out.append(f"planner {fleet.planner_id} ({'active' if fleet.planner_active else 'stand-by'})")
     statuses = {s.host_id: s for s in fleet.statuses}
     plans = {p.host_id: p for p in fleet.plans}
+    liveness = {h.host_id: h for h in fleet.hosts}
     host_rows = []
     for r in fleet.reports:
         plan = plans.get(r.host_id)
         status = statuses.get(r.host_id)
-        host_rows.append([r.host_id, r.cpu_cores, gib(r.ram_total), gib(r.ram_available),
+        live = liveness.get(r.host_id)
+        state = live.state if live else "-"
+        if live and live.state == "lost":
+            state += f" ({live.seen_ago_s:.0f}s ago)"
+        host_rows.append([r.host_id, state, r.cpu_cores, gib(r.ram_total), gib(r.ram_available),
                           f"r{plan.plan_revision}" if plan else "-", f"r{status.plan_revision}" if status else "-",
                           len(r.models)])  # fmt: skip
-    out.append(table(["host", "cores", "ram", "free", "plan", "applied", "models"], host_rows))
+    out.append(table(["host", "state", "cores", "ram", "free", "plan", "applied", "models"], host_rows))
+    for h in fleet.hosts:
+        if h.rejected:
+            out.append(f"{h.host_id} rejected its plan: {h.rejected}")
     rows = []
     for p in fleet.plans:
         status = statuses.get(p.host_id)

@@ -27,6 +27,10 @@ class AgentConfig:
     dry_run: bool = False  # log the argv of each lane instead of launching it
     # ggml-rpc-server endpoints this host's lanes may use as GPU-type devices (--rpc), in order.
     rpc_servers: tuple[str, ...] = ()
+    # Where gateways reach this host's lanes; empty: the bind address (or, for 0.0.0.0, the host id).
+    advertise: str = ""
+    metrics_port: int | None = None  # serve /metrics on this port (0: any free); None: off
+    metrics_host: str = "0.0.0.0"
 
 
 def default_host_id() -> str:

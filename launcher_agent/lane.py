@@ -22,6 +22,7 @@ class Lane:
     failure: str | None = None
     plan_revision: int = 0
     last_good: LaneSpec | None = None  # the spec it last ran healthy with
+    draining: bool = False  # gateways are told to send it nothing new (launcher_agent/drain.py)
 
 
 Emit = Callable[[Lane, str, str], Awaitable[None]]

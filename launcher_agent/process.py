@@ -170,6 +170,15 @@ class LaneProcess:
             )
         return "healthy", ""
 
+    async def busy_slots(self) -> int | None:
+        """Slots processing a request (llama-server's /slots); None when nothing answers."""
+        status, slots = await http_get(self.spec.bind, self.spec.port, "/slots")
+        if status == 0:
+            return None
+        if status != 200 or not isinstance(slots, list):
+            return 1  # it answers but cannot say: count it busy, so only the drain timeout ends the wait
+        return sum(1 for slot in slots if isinstance(slot, dict) and slot.get("is_processing"))
+
     async def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM; a second SIGTERM after a few seconds (llama-server can miss one sent just
         after start-up, and a second interrupt makes it exit at once); SIGKILL as a last resort."""
@@ -229,6 +238,9 @@ class DryRunLane(LaneProcess):
 
     async def probe_health(self) -> tuple[str, str]:
         return "healthy", ""
+
+    async def busy_slots(self) -> int | None:
+        return 0
 
     async def stop(self, timeout: float = 10.0) -> None:
         self._stopped = True

@@ -6,15 +6,18 @@ actions this module returns, so a lost message or a restart converges.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+
+import msgspec
 
 from shared import subjects
-from shared.argv import lane_args
+from shared.argv import args_problem, lane_args
 from shared.memory import QUANTIZED
-from shared.messages import FailureKind, HostPlan, LaneSpec, LaneState, ServerCaps
+from shared.messages import FailureKind, HostPlan, LaneSpec, LaneState, ServerCaps, schema_problem
 
 MAX_FAILURES = 5
 BACKOFF_BASE = 1.0
@@ -35,11 +38,12 @@ def validate_plan(
     bind: str | None = None,
 ) -> str | None:
     """Why this plan must not be applied, or None. A rejected plan starts nothing."""
+    if (problem := schema_problem(plan)) is not None:
+        return f"plan {problem}"
     if subjects.host_token(plan.host_id) != subjects.host_token(host_id):
         return f"plan is for host {plan.host_id!r}, not {host_id!r}"
     if plan.plan_revision < applied_revision:
         return f"plan r{plan.plan_revision} is older than the applied r{applied_revision}"
-    roots = [Path(d).resolve() for d in model_dirs]
     seen_ports: set[int] = set()
     seen_ids: set[str] = set()
     for spec in plan.lanes:
@@ -48,9 +52,8 @@ def validate_plan(
             return f"{where}: duplicate lane id"
         seen_ids.add(spec.lane_id)
         try:
-            model = Path(spec.model_path).resolve()
-            inside = any(model.is_relative_to(root) for root in roots)
-            exists = inside and model.is_file()
+            inside = in_model_folders(spec.model_path, model_dirs)
+            exists = inside and Path(spec.model_path).is_file()
         except (ValueError, OSError) as exc:  # a NUL byte, a name too long for the file system
             return f"{where}: unusable model path ({exc})"
         if not inside:
@@ -69,11 +72,35 @@ def validate_plan(
                 return f"{where}: cache type {t} is not supported by this llama-server"
         if spec.cache_type_v in QUANTIZED and spec.flash_attn != "on":
             return f"{where}: quantized V cache without flash attention on would be refused"
-        expected = lane_args(spec, caps)
-        if tuple(spec.args) != expected:
-            extra = [a for a in spec.args if a not in expected]
-            return f"{where}: args disagree with the lane spec" + (f" (unexpected {extra[:3]})" if extra else "")
+        if (problem := args_problem(spec, caps)) is not None:
+            return f"{where}: args disagree with the lane spec: {problem}"
     return None
+
+
+def in_model_folders(path: str, model_dirs: Sequence[str]) -> bool:
+    """Whether the path, as written, lies in a model folder.
+
+    Symlinks the operator put in a folder are followed (a Hugging Face snapshots/
+    folder links into blobs/), so the path is compared as written, not resolved; a
+    path with `..` in it could climb out through a link and is refused.
+    """
+    if "\0" in path:
+        raise ValueError("embedded NUL byte")
+    written = PurePosixPath(path)
+    if not written.is_absolute() or ".." in written.parts:
+        return False
+    for folder in model_dirs:
+        for root in {os.path.abspath(folder), str(Path(folder).resolve())}:
+            if written.is_relative_to(root) and written != PurePosixPath(root):
+                return True
+    return False
+
+
+def as_rendered(plan: HostPlan, caps: ServerCaps) -> HostPlan:
+    """The plan with each lane's args as this agent renders them: what it launches."""
+    return msgspec.structs.replace(
+        plan, lanes=tuple(msgspec.structs.replace(s, args=lane_args(s, caps)) for s in plan.lanes)
+    )
 
 
 # ------------------------------------------------------------------ what runs

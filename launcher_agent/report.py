@@ -50,6 +50,7 @@ def host_report(
         port_count=cfg.port_count,
         lane_bind=cfg.bind,
         agent_version=VERSION,
+        report_interval=cfg.report_interval,
     )
 
 

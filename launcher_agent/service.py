@@ -20,12 +20,14 @@ from nats.micro.request import Request
 
 from launcher_agent.config import AgentConfig
 from launcher_agent.lane import Lane
+from launcher_agent.metrics import AgentMetrics
 from launcher_agent.report import VERSION, host_report
 from launcher_agent.supervisor import Supervisor
 from shared import subjects
 from shared.bus import NatsAuth, connect, kv_bucket, quietly, run_until, watch_forever
 from shared.gguf_facts import FactsCache
 from shared.messages import HostPlan, HostReport, LaneEvent, PlanRejected, encode
+from shared.metrics_http import serve_metrics
 
 log = structlog.get_logger("lanes.agent")
 STARTING_TICK = 0.02
@@ -76,7 +78,8 @@ class Agent:
     async def _reject(self, revision: int, reason: str) -> None:
         log.warning("plan rejected", plan_revision=revision, reason=reason)
         if self.nc is not None and self.nc.is_connected:
-            msg = PlanRejected(host_id=self.cfg.host_id, plan_revision=revision, reason=reason)
+            applied = self.sup.plan.plan_revision if self.sup.plan else 0
+            msg = PlanRejected(host_id=self.cfg.host_id, plan_revision=revision, reason=reason, applied_revision=applied)
             try:
                 await self.nc.publish(subjects.rejected_subject(self.host), encode(msg))
             except Exception:
@@ -215,6 +218,11 @@ async def run_agent(cfg: AgentConfig, servers: str, stop: asyncio.Event, auth: N
             asyncio.create_task(_nats_side(agent, servers, auth, stop, stack)),
             asyncio.create_task(_report_loop(agent, stop)),
         ]
+        if cfg.metrics_port is not None:
+            metrics = AgentMetrics(agent.sup)
+            serving = serve_metrics(metrics.registry, cfg.metrics_host, cfg.metrics_port, stop,
+                                    before_scrape=metrics.refresh)  # fmt: skip
+            tasks.append(asyncio.create_task(serving))
         log.info("agent running", host=cfg.host_id, binary=cfg.binary, models=cfg.model_dirs)
         # Cancelled from outside (like a SIGKILL), this leaves the lanes running for adoption.
         await run_until(stop, tasks)

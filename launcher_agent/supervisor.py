@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 import structlog
 
 from launcher_agent.config import AgentConfig
+from launcher_agent.drain import Drains
 from launcher_agent.feedback import Feedback
 from launcher_agent.health import Health
 from launcher_agent.lane import Emit, Lane, no_event
 from launcher_agent.lifecycle import Lifecycle
 from launcher_agent.persistence import StateFile
-from launcher_agent.reconcile import Observed, decide, validate_plan
+from launcher_agent.reconcile import Observed, as_rendered, decide, validate_plan
 from shared.messages import HostPlan, HostStatus, LaneStatus
 
 log = structlog.get_logger("lanes.agent")
@@ -35,6 +36,7 @@ class Supervisor:
     emit: Emit = no_event
     plan: HostPlan | None = None
     halted: tuple[int, str] | None = None  # (config revision, why) of a rollout a change broke
+    rollouts_halted: int = 0  # how often a change broke a lane here (lanes_rollouts_halted_total)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     # Changes each time the agent starts: tells a fresh status from one a dead agent left.
     session: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
@@ -42,8 +44,10 @@ class Supervisor:
     procs: Lifecycle = field(init=False)
     health: Health = field(init=False)
     store: StateFile = field(init=False)
+    drains: Drains = field(init=False)
 
     def __post_init__(self) -> None:
+        self.drains = Drains(self.emit)
         self.procs = Lifecycle(self.cfg, self.emit)
         self.health = Health(self.emit, self.feedback, self.cfg.backoff_base)
         self.store = StateFile(self.cfg.data_dir / "agent-state.json")
@@ -55,8 +59,6 @@ class Supervisor:
     def accept_plan(self, plan: HostPlan) -> str | None:
         """Apply a plan, or say why it must not be applied (then nothing changes)."""
         applied = self.plan.plan_revision if self.plan else 0
-        if self.plan is not None and plan == self.plan:
-            return None
         reason = validate_plan(
             plan,
             host_id=self.cfg.host_id,
@@ -68,6 +70,9 @@ class Supervisor:
         )
         if reason:
             return reason
+        plan = as_rendered(plan, self.cfg.caps)  # launched as this agent renders the spec
+        if plan == self.plan:
+            return None
         log.info("plan applied", plan_revision=plan.plan_revision, lanes=[s.lane_id for s in plan.lanes])
         self.plan = plan
         self._save()
@@ -79,6 +84,8 @@ class Supervisor:
         exits = await self.health.observe(self.lanes.values(), now)
         for exit in exits:
             if exit.halts and self.plan is not None:
+                if self.halted is None or self.halted[0] != self.plan.config_revision:
+                    self.rollouts_halted += 1
                 self.halted = (self.plan.config_revision, exit.halts)
                 log.warning("rollout halted", config_revision=self.plan.config_revision, reason=exit.halts)
         if exits:
@@ -105,6 +112,9 @@ class Supervisor:
             max_changes=self.plan.max_restarts,
             hold_changes=self.halted is not None,
         )
+        actions = await self.drains.gate(
+            actions, self.lanes, now=now, timeout=self.plan.drain_timeout, busy=lambda lane: lane.process.busy_slots()
+        )
         await self.procs.apply(actions, self.plan.plan_revision)
         if actions:
             self._save()
@@ -127,7 +137,8 @@ class Supervisor:
     # ------------------------------------------------------------ status out
 
     def starting(self) -> bool:
-        return any(lane.state in ("starting", "loading") for lane in self.lanes.values())
+        """A lane coming up or draining: the control loop looks again soon."""
+        return self.drains.active() or any(lane.state in ("starting", "loading") for lane in self.lanes.values())
 
     def lanes_rss(self) -> int:
         return sum(lane.process.rss() or 0 for lane in self.lanes.values() if lane.process)
@@ -174,6 +185,7 @@ class Supervisor:
                     argv=tuple(p.argv) if p else (),
                     failure=lane.failure,
                     devices=p.printed_devices() if p else (),
+                    draining=lane.draining,
                 )
             )
         return HostStatus(
@@ -184,4 +196,5 @@ class Supervisor:
             nats_connected=nats_connected,
             agent_session=self.session,
             rollout_halted=self.halted[1] if self.halted else "",
+            address=self.cfg.advertise or (self.cfg.bind if self.cfg.bind not in ("0.0.0.0", "::", "") else ""),
         )

@@ -1,13 +1,19 @@
 """The argv tail of a lane, rendered from its typed spec for one binary's flag forms.
 
-The planner calls this once to put `args` into the plan; the agent calls it again
-only to check that a plan's args are exactly what its spec says (a plan whose args
-disagree, e.g. carry an extra flag, is rejected).
+The planner renders `args` into the plan; the agent launches its own rendering of the
+spec and checks the plan's args by meaning: the same flags with the same values, in
+any order. A plan from a planner one version apart (a flag added, the order changed)
+is accepted; a flag this agent cannot render, or a value the spec contradicts, is not.
 """
 
 from __future__ import annotations
 
+from shared.memory import DEFAULT_N_UBATCH
 from shared.messages import LaneSpec, ServerCaps
+
+DEFAULT_N_BATCH = 2048  # llama-server's; the ubatch is clamped to it
+# Flags that carry no lane meaning: each side may render its own.
+_NO_MEANING = {"--verbosity"}
 
 
 def lane_args(spec: LaneSpec, caps: ServerCaps) -> tuple[str, ...]:
@@ -19,6 +25,7 @@ def lane_args(spec: LaneSpec, caps: ServerCaps) -> tuple[str, ...]:
         "--ctx-size", str(spec.ctx_total),
         "--parallel", str(spec.parallel),
         "--n-gpu-layers", str(spec.n_gpu_layers),
+        "--metrics",  # /metrics: the agent re-exports its series under lanes_ names
     ]  # fmt: skip
     if spec.rpc_servers:
         args += ["--rpc", ",".join(spec.rpc_servers)]
@@ -44,6 +51,51 @@ def lane_args(spec: LaneSpec, caps: ServerCaps) -> tuple[str, ...]:
             args.append("--flash-attn")
     if spec.fit_off:
         args += ["-fit", "off"]
+    if spec.n_ubatch != DEFAULT_N_UBATCH:  # the plan's compute and sliding-window sizes assume it
+        if spec.n_ubatch > DEFAULT_N_BATCH:
+            args += ["--batch-size", str(spec.n_ubatch)]
+        args += ["--ubatch-size", str(spec.n_ubatch)]
     # Verbosity 4 makes llama-server print its KV size, which the agent checks against the plan.
     args += ["--verbosity", "4"]
     return tuple(args)
+
+
+def _flags(args: tuple[str, ...], caps: ServerCaps) -> tuple[dict[str, str | None], str | None]:
+    """{flag: value or None for a switch}, or why the args cannot be read."""
+    switches = {"--kv-unified"} | ({"--flash-attn"} if caps.flash_attn_form == "switch" else set())
+    out: dict[str, str | None] = {}
+    i = 0
+    while i < len(args):
+        flag = args[i]
+        if not flag.startswith("-"):
+            return out, f"{flag!r} is not a flag"
+        if flag in out:
+            return out, f"{flag} given twice"
+        if flag in switches:
+            out[flag] = None
+            i += 1
+            continue
+        if i + 1 >= len(args):
+            return out, f"{flag} has no value"
+        out[flag] = args[i + 1]
+        i += 2
+    return out, None
+
+
+def args_problem(spec: LaneSpec, caps: ServerCaps) -> str | None:
+    """Why the plan's args do not mean what its typed spec says, or None."""
+    planned, problem = _flags(tuple(spec.args), caps)
+    if problem:
+        return problem
+    ours, _ = _flags(lane_args(spec, caps), caps)
+    for flag, value in planned.items():
+        if flag in _NO_MEANING:
+            continue
+        if flag not in ours:
+            return f"flag {flag} is not one this agent renders for this spec (upgrade the agent?)"
+        if ours[flag] != value:
+            return f"{flag} {value} in args, but the spec says {ours[flag]}"
+    missing = [f for f in ours if f not in planned and f not in _NO_MEANING]
+    if missing:
+        return f"args lack {', '.join(missing[:3])}, which the spec calls for"
+    return None

@@ -95,7 +95,7 @@ def read_model_facts(path: str | os.PathLike[str]) -> ModelFacts:
     layers, tied, tied_cuda = layer_weights(reader, n_layer)
     st = path.stat()
     return ModelFacts(
-        path=str(path.resolve()),
+        path=os.path.abspath(path),  # as the folder holds it: symlinks (HF snapshots/) stay links
         name=model_name(path),
         architecture=arch,
         n_layer=n_layer,

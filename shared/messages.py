@@ -11,7 +11,9 @@ from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# A reader accepts messages one schema version older or newer than its own (rolling upgrades).
+SCHEMA_SKEW = 1
 T = TypeVar("T")
 
 CacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"]
@@ -19,8 +21,10 @@ FlashAttn = Literal["on", "off", "auto"]
 FlashAttnForm = Literal["value", "switch"]
 KvLayout = Literal["streams", "shared"]
 Device = Literal["cpu", "gpu"]
-LaneState = Literal["starting", "loading", "healthy", "mismatch", "crashed", "failed", "stopped"]
-FailureKind = Literal["oom", "unsupported", "over_plan", "crash_loop", "other"]
+# "unresponsive": a serving lane stopped answering /health; routers take it out at once.
+LaneState = Literal["starting", "loading", "healthy", "unresponsive", "mismatch", "crashed", "failed", "stopped"]
+FailureKind = Literal["oom", "unsupported", "over_plan", "crash_loop", "port_busy", "unresponsive", "other"]
+HostState = Literal["live", "lost"]
 
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Bytes = Annotated[int, msgspec.Meta(ge=0)]
@@ -29,6 +33,13 @@ Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Z
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
     schema: int = SCHEMA_VERSION
+
+
+def schema_problem(msg: _Msg) -> str | None:
+    """Why a message's schema version is too far from ours to trust, or None."""
+    if abs(msg.schema - SCHEMA_VERSION) > SCHEMA_SKEW:
+        return f"schema {msg.schema} is not within {SCHEMA_SKEW} of this reader's {SCHEMA_VERSION}; upgrade it"
+    return None
 
 
 # ---------------------------------------------------------------- host facts
@@ -133,6 +144,8 @@ class HostReport(_Msg, tag="host_report", kw_only=True):
     # Address lanes listen on: 127.0.0.1 keeps them local, 0.0.0.0 serves the network.
     lane_bind: str = "127.0.0.1"
     agent_version: str = ""
+    # Seconds between this agent's reports: the planner calls the host lost after a few missed.
+    report_interval: Annotated[float, msgspec.Meta(gt=0)] = 30.0
 
 
 # ---------------------------------------------------------------- fleet intent
@@ -153,6 +166,10 @@ class FleetConfig(_Msg, tag="fleet_config", forbid_unknown_fields=True, kw_only=
     max_restarts_per_host: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 1
     # Seconds an agent waits for a draining lane's requests in flight before it restarts it.
     drain_timeout: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 30.0
+    # Seconds of silence (no report or status) after which a host is lost; unset: 3 report intervals.
+    host_lost_after: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    # Counts config changes (1, 2, 3 ...); the planner sets it on each `config set`.
+    revision: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class Persona(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -185,6 +202,8 @@ class LaneFeedback(msgspec.Struct, frozen=True, kw_only=True):
     planned_bytes: Bytes = 0
     actual_bytes: Bytes = 0
     detail: str = ""
+    port: int = 0  # port_busy: the port another program holds
+    noted_at: float = 0.0  # Unix time the agent noted it; it expires after the agent's feedback TTL
     # The spec this lane last ran healthy with, when the failing one was a change to it:
     # the planner reverts to it rather than guessing a correction.
     last_good: LaneSpec | None = None
@@ -252,6 +271,7 @@ class LaneSpec(msgspec.Struct, frozen=True, kw_only=True):
     cache_type_v: CacheType | None = None
     flash_attn: FlashAttn | None = None
     fit_off: bool = False
+    n_ubatch: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 512
     memory: MemoryBreakdown = MemoryBreakdown()
     args: tuple[str, ...] = ()
     reasons: tuple[str, ...] = ()
@@ -272,6 +292,8 @@ class HostPlan(_Msg, tag="host_plan", kw_only=True):
     budget_gpus: tuple[int, ...] = ()
     # Rollout pace: how many serving lanes the agent may restart at once for a change.
     max_restarts: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 1
+    # Seconds the agent waits for a draining lane's requests before it restarts or stops it.
+    drain_timeout: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 30.0
     lanes: tuple[LaneSpec, ...] = ()
     unplaced: tuple[Unplaced, ...] = ()
     reasons: tuple[str, ...] = ()
@@ -326,7 +348,9 @@ class HostStatus(_Msg, tag="host_status", kw_only=True):
 class LaneEvent(_Msg, tag="lane_event", kw_only=True):
     host_id: Name
     lane_id: Name
-    event: Literal["started", "healthy", "crashed", "stopped", "failed", "mismatch", "rejected"]
+    event: Literal[
+        "started", "healthy", "unresponsive", "crashed", "stopped", "failed", "mismatch", "rejected", "draining"
+    ]
     detail: str = ""
     pid: int | None = None
 
@@ -335,6 +359,7 @@ class PlanRejected(_Msg, tag="plan_rejected", kw_only=True):
     host_id: Name
     plan_revision: int = 0
     reason: str
+    applied_revision: int = 0  # the plan revision the agent runs: a replacement must be newer
 
 
 # ---------------------------------------------------------------- request/reply
@@ -354,12 +379,34 @@ class ErrorReply(_Msg, tag="error", kw_only=True):
     error: str
 
 
+class HostLiveness(msgspec.Struct, frozen=True, kw_only=True):
+    """A host as the planner sees it: `lost` after a silence; its plan is kept meanwhile."""
+
+    host_id: Name
+    state: HostState = "live"
+    seen_ago_s: float = 0.0
+    rejected: str = ""  # the agent's reason for refusing its latest plan, if it did
+
+
 class FleetStatus(_Msg, tag="fleet_status", kw_only=True):
-    config_revision: int = 0
+    config_revision: int = 0  # counts config changes, as FleetConfig.revision
     config: FleetConfig = FleetConfig()
     reports: tuple[HostReport, ...] = ()
     plans: tuple[HostPlan, ...] = ()
     statuses: tuple[HostStatus, ...] = ()
+    hosts: tuple[HostLiveness, ...] = ()
+    planner_id: str = ""  # the planner that answered
+    planner_active: bool = True  # False: a stand-by answered (it plans nothing)
+
+
+class PlannerLease(_Msg, tag="planner_lease", kw_only=True):
+    """The active planner's claim on the fleet (KV key `planner.lease`), renewed by compare-and-set.
+
+    A stand-by takes over once the entry has not changed for `ttl` seconds on its own clock.
+    """
+
+    holder: str
+    ttl: Annotated[float, msgspec.Meta(gt=0)] = 5.0
 
 
 WIRE_TYPES: tuple[type, ...] = (
@@ -375,6 +422,7 @@ WIRE_TYPES: tuple[type, ...] = (
     HostQuery,
     ErrorReply,
     FleetStatus,
+    PlannerLease,
 )
 
 

@@ -31,6 +31,7 @@ def host_token(host_id: str) -> str:
 
 CONFIG_KEY = "config"
 DEMAND_KEY = "demand"
+LEASE_KEY = "planner.lease"  # which planner plans (the others stand by)
 
 
 def plan_key(host_id: str) -> str:
@@ -70,6 +71,7 @@ def rejected_subject(host_id: str) -> str:
 
 
 ALL_EVENTS = f"{PREFIX}.event.>"
+ALL_REJECTED = f"{PREFIX}.rejected.*"
 
 
 # ------------------------------------------------------------- request/reply (micro endpoints)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 # --- tiny models ---
 # Small GGUF files written once per session with tests/tinymodels.py.
+import shutil
 import sys
 from pathlib import Path
 
@@ -36,6 +37,15 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
+@pytest.fixture
+def models(tmp_path, tiny_models) -> Path:
+    """A model folder holding llama8.gguf."""
+    folder = tmp_path / "models"
+    folder.mkdir()
+    shutil.copy(tiny_models["llama8"], folder / "llama8.gguf")
+    return folder
+
+
 # --- end tiny models ---
 
 
@@ -46,6 +56,17 @@ def gemma_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from lanes.demo_model import ensure_demo_model
 
     return ensure_demo_model(tmp_path_factory.mktemp("gemma"))
+
+
+@pytest.fixture(scope="session")
+def llama_server() -> str:
+    """The real llama-server binary the end-to-end tests run."""
+    from launcher_agent.probe import find_llama_server
+
+    binary = find_llama_server()
+    if binary is None:
+        pytest.fail("no llama-server: run `lanes install-llama` (scripts/test does) or set LLAMA_SERVER_BIN")
+    return binary
 
 
 # --- end real model ---

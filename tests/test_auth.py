@@ -33,7 +33,8 @@ from shared.natsserver import NatsServer
 
 REPO = Path(__file__).resolve().parent.parent
 AUTH_CONF = REPO / "docker" / "nats" / "auth.conf"
-PASSWORD_VARS = ("NATS_ADMIN_PASSWORD", "NATS_PLANNER_PASSWORD", "NATS_AGENT_HOST1_PASSWORD", "NATS_AGENT_HOST2_PASSWORD")
+PASSWORD_VARS = ("NATS_ADMIN_PASSWORD", "NATS_PLANNER_PASSWORD", "NATS_AGENT_HOST1_PASSWORD", "NATS_AGENT_HOST2_PASSWORD",
+                 "NATS_GATEWAY_PASSWORD")  # fmt: skip
 
 
 def _write_conf(folder: Path, body: str) -> Path:
@@ -98,14 +99,6 @@ def auth_server(tmp_path, passwords):
     server = NatsServer(folder, extra=["-c", str(conf)]).start()
     yield server
     server.stop()
-
-
-@pytest.fixture
-def models(tmp_path, tiny_models):
-    folder = tmp_path / "models"
-    folder.mkdir()
-    shutil.copy(tiny_models["llama8"], folder / "llama8.gguf")
-    return folder
 
 
 def _users(passwords) -> dict[str, NatsAuth]:

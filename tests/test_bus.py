@@ -10,7 +10,6 @@ import signal
 import urllib.request
 
 import msgspec
-import pytest
 from fixtures_bus import (
     agent_config,
     client,
@@ -28,14 +27,6 @@ from shared.bus import kv_bucket
 from shared.messages import ConfigSet, Demand, HostPlan, Persona, PlanRejected, encode
 
 GIB = 2**30
-
-
-@pytest.fixture
-def models(tmp_path, tiny_models):
-    folder = tmp_path / "models"
-    folder.mkdir()
-    shutil.copy(tiny_models["llama8"], folder / "llama8.gguf")
-    return folder
 
 
 def healthy(lane_id: str):

@@ -240,6 +240,7 @@ def test_lane_args_full():
         "--ctx-size", "8192",
         "--parallel", "2",
         "--n-gpu-layers", "33",
+        "--metrics",
         "--kv-unified",
         "--cache-type-k", "q8_0",
         "--cache-type-v", "q8_0",

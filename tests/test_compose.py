@@ -49,7 +49,8 @@ def _required_variables() -> set[str]:
 # Dummy values (letters and digits, starting with a letter, as nats-server wants them).
 PASSWORDS = {name: "pw" + name.lower().replace("_", "") for name in sorted(_required_variables())}
 # Optional variables the compose file reads: unset them so the developer's shell can't leak in.
-_OPTIONAL_VARS = ("LANES_NATS_SERVERS", "LANES_MODELS_HOST1", "LANES_MODELS_HOST2", "LANES_TAG")
+_OPTIONAL_VARS = ("LANES_NATS_SERVERS", "LANES_MODELS_HOST1", "LANES_MODELS_HOST2", "LANES_TAG",
+                  "LANES_GATEWAY_API_KEYS", "LANES_GATEWAY_PORT")  # fmt: skip
 
 
 def _env(**overrides: str | None) -> dict[str, str]:
@@ -154,13 +155,13 @@ def test_lanes_commands_are_accepted_by_the_cli(source: str, capsys: pytest.Capt
         assert result.returncode == 0, result.stderr
         doc = yaml.safe_load(result.stdout)
     services = _lanes_services(doc)
-    assert {"planner", "agent-host1", "agent-host2"} <= set(services), sorted(services)
+    assert {"planner", "agent-host1", "agent-host2", "gateway"} <= set(services), sorted(services)
     for name, svc in services.items():
         command = svc.get("command")
         assert isinstance(command, list) and command, f"{name}: command must be an exec-form list"
         assert all(isinstance(arg, str) for arg in command), f"{name}: quote every argument: {command}"
         args = _parse_lanes(command, capsys)
-        assert args.command in ("planner", "agent"), f"{name}: runs `lanes {args.command}`"
+        assert args.command in ("planner", "agent", "gateway"), f"{name}: runs `lanes {args.command}`"
         assert args.user, f"{name}: no --user (NATS user)"
         assert "LANES_NATS_PASSWORD" in (svc.get("environment") or {}), f"{name}: no LANES_NATS_PASSWORD"
         servers = args.nats.split(",")
@@ -184,8 +185,8 @@ def test_agent_services_match_their_host(capsys: pytest.CaptureFixture):
     agents = {}
     for name, svc in services.items():
         args = _parse_lanes(svc["command"], capsys)
-        if args.command == "planner":
-            assert args.user == "planner"
+        if args.command in ("planner", "gateway"):
+            assert args.user == args.command
             continue
         assert args.command == "agent"
         host = subjects.host_token(args.host_id)

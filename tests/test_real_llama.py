@@ -24,20 +24,11 @@ from fixtures_bus import (
 )
 from tinymodels import write_gemma3, write_llama
 
-from launcher_agent.probe import find_llama_server
 from launcher_agent.reconcile import MAX_FAILURES
 from shared import subjects
 from shared.messages import ConfigSet, Demand, Persona, encode
 
 MIB = 2**20
-
-
-@pytest.fixture(scope="session")
-def llama_server() -> str:
-    binary = find_llama_server()
-    if binary is None:
-        pytest.fail("no llama-server: run `lanes install-llama` (scripts/test does) or set LLAMA_SERVER_BIN")
-    return binary
 
 
 async def _planner_with(nc, s, config: dict, demand: Demand) -> None:

@@ -51,7 +51,7 @@ function renderLanes(hosts) {
       el("td", { class: "fa" }, l.flash_attn),
       el("td", { class: `state state-${l.state}` }, l.state),
       el("td", {}, `${l.slots_busy} / ${l.parallel}`), el("td", {}, l.requests_per_second.toFixed(2)),
-      el("td", {}, `${mib(l.kv_planned_bytes)} / ${mib(l.kv_real_bytes)}`),
+      el("td", { class: "kv" }, `${mib(l.kv_planned_bytes)} / ${mib(l.kv_real_bytes)}`),
       el("td", { class: "error" }, l.last_error)));
   }
   $("#lanes tbody").replaceChildren(...rows);

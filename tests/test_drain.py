@@ -1,0 +1,67 @@
+"""The agent's drain: a serving lane is marked, its requests finish (or time runs out), then it restarts."""
+
+from __future__ import annotations
+
+from launcher_agent.drain import DRAIN_GRACE, Drains, drain_done
+from launcher_agent.lane import Lane
+from launcher_agent.reconcile import Restart, Start, Stop
+from shared.messages import LaneSpec
+
+
+def _spec(lane_id: str) -> LaneSpec:
+    return LaneSpec(lane_id=lane_id, model="m", model_path="/m.gguf", alias="m", port=8080, ctx_total=4096,
+                    ctx_per_slot=2048, parallel=2)  # fmt: skip
+
+
+def test_drain_done():
+    assert not drain_done(since=0, now=0.1, busy=0, timeout=30)  # gateways may not have seen the mark yet
+    assert drain_done(since=0, now=DRAIN_GRACE, busy=0, timeout=30)
+    assert not drain_done(since=0, now=29.9, busy=2, timeout=30)
+    assert drain_done(since=0, now=30, busy=2, timeout=30)  # out of time: go anyway
+    assert drain_done(since=0, now=DRAIN_GRACE, busy=None, timeout=30)  # nothing answers: nothing serves
+    assert drain_done(since=0, now=0, busy=1, timeout=0)  # drain_timeout 0: no drain
+
+
+class _Recorder:
+    def __init__(self):
+        self.events: list[tuple[str, str]] = []
+
+    async def __call__(self, lane, event, detail=""):
+        self.events.append((lane.spec.lane_id, event))
+
+
+async def test_restart_of_a_serving_lane_waits_for_its_requests():
+    emit = _Recorder()
+    drains = Drains(emit)
+    lanes = {"a": Lane(spec=_spec("a"), state="healthy"), "b": Lane(spec=_spec("b"), state="crashed")}
+    busy = {"a": 2}
+
+    async def in_flight(lane):
+        return busy[lane.spec.lane_id]
+
+    restart_a, restart_b, start_c = Restart(_spec("a"), "change"), Restart(_spec("b"), "change"), Start(_spec("c"), "new")
+    actions = [restart_a, restart_b, start_c]
+    # First pass: a is marked and held; b does not serve and c is new, so they go at once.
+    assert await drains.gate(actions, lanes, now=0, timeout=30, busy=in_flight) == [restart_b, start_c]
+    assert lanes["a"].draining and emit.events == [("a", "draining")]
+    assert await drains.gate([restart_a], lanes, now=5, timeout=30, busy=in_flight) == []  # still busy
+    busy["a"] = 0
+    assert await drains.gate([restart_a], lanes, now=6, timeout=30, busy=in_flight) == [restart_a]
+    assert not drains.active()
+
+
+async def test_a_drain_the_plan_takes_back_is_undone_and_time_runs_out():
+    drains = Drains(_Recorder())
+    lanes = {"a": Lane(spec=_spec("a"), state="healthy")}
+
+    async def busy(lane):
+        return 1
+
+    stop_a = Stop("a", "not planned")
+    await drains.gate([stop_a], lanes, now=0, timeout=10, busy=busy)
+    assert lanes["a"].draining
+    assert await drains.gate([], lanes, now=1, timeout=10, busy=busy) == []  # the plan changed its mind
+    assert not lanes["a"].draining and not drains.active()
+    await drains.gate([stop_a], lanes, now=2, timeout=10, busy=busy)
+    assert await drains.gate([stop_a], lanes, now=11.9, timeout=10, busy=busy) == []
+    assert await drains.gate([stop_a], lanes, now=12, timeout=10, busy=busy) == [stop_a]  # requests still busy

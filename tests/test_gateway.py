@@ -1,0 +1,337 @@
+"""The gateway in front of real llama-server lanes over real NATS, used with the official `openai` client.
+
+One fleet for the module: a nats-server, the planner and one agent (host "a") serving
+the real Gemma 3 270M Q4_K_M file in two lanes of two slots each. (Lanes on separate
+hosts are tests/test_netns.py's.) Each test runs its own gateway (own settings, own
+port) on that bus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import time
+from collections import Counter
+from contextlib import asynccontextmanager
+
+import aiohttp
+import openai
+import pytest
+from fixtures_bus import Services, agent_config, client, eventually, free_port_base, host_status, lane_of
+
+from gateway.service import Gateway, run_gateway
+from gateway.settings import GatewaySettings
+from shared import subjects
+from shared.messages import ConfigSet, Demand, Persona, encode
+from shared.natsserver import NatsServer
+
+ALIAS = "chat"
+HOST = "a"
+LANES = 2
+KEY = "sk-test-" + "0123456789abcdef"
+MESSAGES = [{"role": "user", "content": "Count from one to ten."}]
+LONG = {"max_tokens": 1500, "extra_body": {"ignore_eos": True}}  # a stream that lasts seconds
+
+
+def _place_model(src, folder):
+    """A hard link (the agent refuses symlinks out of its folder), a copy across file systems."""
+    folder.mkdir(parents=True)
+    try:
+        os.link(src, folder / src.name)
+    except OSError:
+        shutil.copy(src, folder / src.name)
+
+
+@pytest.fixture(scope="module")
+async def fleet(tmp_path_factory, gemma_model, llama_server):  # noqa: F811
+    tmp = tmp_path_factory.mktemp("gateway-fleet")
+    server = NatsServer(tmp / "nats").start()
+    services = Services(server.url)
+    try:
+        services.start_planner()
+        async with client(server.url) as nc:
+            await eventually(lambda: nc.request(subjects.CONFIG_GET, b"", timeout=1), what="planner up")
+            demand = Demand(personas=(Persona(model=gemma_model.stem, alias=ALIAS, lanes=LANES, parallel=2,
+                                              ctx_min=4096, ctx_max=4096),))  # fmt: skip
+            reply = await nc.request(subjects.DEMAND_SET, encode(demand), timeout=5)
+            assert not (reply.headers or {}).get("Nats-Service-Error"), reply.headers
+            _place_model(gemma_model, tmp / "models")
+            server.agent_metrics = free_port_base(1)
+            services.start_agent(agent_config(tmp, HOST, tmp / "models", llama_server,
+                                              metrics_port=server.agent_metrics))  # fmt: skip
+            # Reading the real file's facts (262k-token vocabulary) takes the agent a while on a busy machine.
+            await eventually(lambda: _healthy_lanes(nc), timeout=300, what="both lanes healthy")
+        yield server
+    finally:
+        await services.stop_all()
+        server.stop()
+
+
+async def _healthy_lanes(nc):
+    status = await host_status(nc, HOST)
+    healthy = [lane for lane in (status.lanes if status else ()) if lane.state == "healthy"]
+    return healthy if len(healthy) == LANES else None
+
+
+@asynccontextmanager
+async def gateway(fleet, **settings):
+    settings.setdefault("api_keys", (KEY,))
+    gw = Gateway(GatewaySettings(port=0, **settings))
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_gateway(fleet.url, stop, gateway=gw))
+    try:
+        await asyncio.wait_for(gw.started.wait(), 10)
+        await eventually(lambda: len(gw.view.routable(ALIAS)) == LANES, timeout=60, what="both lanes routable")
+        yield gw
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
+
+
+def _openai(gw: Gateway, key: str = KEY, retries: int = 0) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=retries, timeout=60)
+
+
+async def _open_stream(http: aiohttp.ClientSession, gw: Gateway, **body) -> aiohttp.ClientResponse:
+    """A streaming chat request whose answer has begun (its first chunk read)."""
+    payload = {"model": ALIAS, "messages": MESSAGES, "stream": True, "max_tokens": 1500, "ignore_eos": True} | body
+    resp = await http.post(gw.url + "/v1/chat/completions", json=payload, headers={"Authorization": f"Bearer {KEY}"})
+    assert resp.status == 200, await resp.text()
+    assert (await resp.content.readany()).startswith(b"data: ")
+    return resp
+
+
+# ------------------------------------------------------------------ the openai client
+
+
+async def test_openai_client_plain_and_streaming(fleet):
+    async with gateway(fleet) as gw:
+        ai = _openai(gw)
+        raw = await ai.chat.completions.with_raw_response.create(model=ALIAS, messages=MESSAGES, max_tokens=16)
+        answer = raw.parse()
+        assert answer.choices[0].message.content and answer.usage.completion_tokens > 0
+        assert raw.headers["x-lanes-lane"].split("/")[0] == HOST
+        text = await ai.completions.create(model=ALIAS, prompt="The capital of France is", max_tokens=8)
+        assert text.choices[0].text
+
+        # Streaming: chunks arrive while the lane is still generating, not all at the end.
+        started = time.perf_counter()
+        arrivals, parts = [], []
+        stream = await ai.chat.completions.create(model=ALIAS, messages=MESSAGES, stream=True, max_tokens=64,
+                                                  extra_body={"ignore_eos": True})  # fmt: skip
+        async for chunk in stream:
+            arrivals.append(time.perf_counter() - started)
+            if chunk.choices and chunk.choices[0].delta.content:
+                parts.append(chunk.choices[0].delta.content)
+        assert len(parts) >= 32, parts
+        assert arrivals[0] < 0.5 * arrivals[-1], f"first chunk at {arrivals[0]:.3f} s of {arrivals[-1]:.3f} s"
+
+        models = await ai.models.list()
+        assert [m.id for m in models.data] == [ALIAS]
+        # The model's file name routes too.
+        by_name = await ai.chat.completions.create(model=fleet_model_name(gw), messages=MESSAGES, max_tokens=4)
+        assert by_name.choices[0].message.content is not None
+
+
+def fleet_model_name(gw: Gateway) -> str:
+    return gw.view.lanes_for(ALIAS)[0].model
+
+
+async def test_errors_come_in_openai_shape(fleet):
+    async with gateway(fleet, max_body_bytes=4096) as gw:
+        ai = _openai(gw)
+        with pytest.raises(openai.NotFoundError) as missing:
+            await ai.chat.completions.create(model="no-such-model", messages=MESSAGES)
+        assert missing.value.code == "model_not_found"
+        with pytest.raises(openai.AuthenticationError):
+            await _openai(gw, key="sk-wrong").chat.completions.create(model=ALIAS, messages=MESSAGES)
+        async with aiohttp.ClientSession() as http:
+            async with http.post(gw.url + "/v1/chat/completions", json={"model": ALIAS}) as resp:
+                assert resp.status == 401  # no key at all
+                body = await resp.json()
+                assert set(body["error"]) == {"message", "type", "param", "code"}
+            big = {"model": ALIAS, "messages": [{"role": "user", "content": "x" * 8000}]}
+            async with http.post(gw.url + "/v1/chat/completions", json=big,
+                                 headers={"Authorization": f"Bearer {KEY}"}) as resp:  # fmt: skip
+                assert resp.status == 413
+                assert (await resp.json())["error"]["type"] == "invalid_request_error"
+            async with http.get(gw.url + "/health") as resp:  # probes need no key
+                assert resp.status == 200 and (await resp.json())["lanes_routable"] == 2
+            async with http.get(gw.url + "/ready") as resp:
+                assert resp.status == 200
+
+
+async def test_no_lanes_for_a_model(tmp_path):
+    """A gateway on a bus whose fleet serves nothing: every model is unknown."""
+    server = NatsServer(tmp_path / "nats").start()
+    services = Services(server.url)
+    services.start_planner()
+    gw = Gateway(GatewaySettings(port=0))
+    stop = asyncio.Event()
+    task = asyncio.create_task(run_gateway(server.url, stop, gateway=gw))
+    try:
+        await eventually(lambda: gw.view.synced, what="gateway read the bucket")
+        ai = _openai(gw, key="unused")
+        assert (await ai.models.list()).data == []
+        with pytest.raises(openai.NotFoundError) as missing:
+            await ai.chat.completions.create(model=ALIAS, messages=MESSAGES)
+        assert missing.value.code == "model_not_found" and ALIAS in missing.value.message
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 15)
+        await services.stop_all()
+        server.stop()
+
+
+# ------------------------------------------------------------------ balancing and back-pressure
+
+
+async def test_requests_spread_by_free_slots_then_queue_then_overflow(fleet):
+    async with gateway(fleet, queue_depth=1, queue_wait=1.0) as gw, aiohttp.ClientSession() as http:
+        # Four slots in the fleet (two lanes, two each): four streams take one slot each.
+        streams = [await _open_stream(http, gw) for _ in range(4)]
+        assert sorted(Counter(r.headers["X-Lanes-Lane"] for r in streams).values()) == [2, 2]
+        assert sum(gw.view.in_flight.values()) == 4
+        # The fifth waits in the queue; the sixth finds the queue full at once.
+        fifth = asyncio.create_task(_chat(http, gw))
+        await eventually(lambda: gw.view.queued.get(ALIAS) == 1, timeout=5, what="one request queued")
+        began = time.perf_counter()
+        status, headers, body = await _chat(http, gw)
+        assert status == 503 and body["error"]["code"] == "queue_full" and headers["Retry-After"].isdigit()
+        assert time.perf_counter() - began < 0.5
+        status, headers, body = await fifth  # no slot came free within queue_wait
+        assert status == 503 and body["error"]["code"] == "queue_timeout" and "Retry-After" in headers
+        metrics = await (await http.get(gw.url + "/metrics")).text()
+        assert 'lanes_gateway_requests_total{model="chat",status="503"} 2.0' in metrics
+        assert 'lanes_lane_slots_busy{host="a",lane="' in metrics
+        # A waiting request gets the first slot that frees.
+        waiting = asyncio.create_task(_chat(http, gw))
+        await eventually(lambda: gw.view.queued.get(ALIAS) == 1, timeout=5, what="queued again")
+        streams.pop().close()  # the client leaves: its slot is handed on
+        status, _, body = await asyncio.wait_for(waiting, 60)
+        assert status == 200 and body["choices"][0]["message"]["content"] is not None
+        for resp in streams:
+            resp.close()
+        await eventually(lambda: not gw.view.in_flight, timeout=10, what="every slot given back")
+
+
+async def _chat(http: aiohttp.ClientSession, gw: Gateway, **body):
+    payload = {"model": ALIAS, "messages": MESSAGES, "max_tokens": 4} | body
+    async with http.post(gw.url + "/v1/chat/completions", json=payload,
+                         headers={"Authorization": f"Bearer {KEY}"}) as resp:  # fmt: skip
+        return resp.status, resp.headers, await resp.json()
+
+
+async def test_metrics_after_traffic(fleet):
+    async with gateway(fleet) as gw, aiohttp.ClientSession() as http:
+        for _ in range(3):
+            assert (await _chat(http, gw))[0] == 200
+        async with http.get(gw.url + "/metrics") as resp:  # open to scrapers, no key
+            assert resp.status == 200
+            text = await resp.text()
+        assert 'lanes_gateway_requests_total{model="chat",status="200"} 3.0' in text
+        assert 'lanes_gateway_time_to_first_byte_seconds_count{model="chat"} 3.0' in text
+        assert 'lanes_gateway_request_duration_seconds_count{model="chat"} 3.0' in text
+        for lane in gw.view.lanes_for(ALIAS):
+            assert f'lanes_lane_slots{{host="{HOST}",lane="{lane.lane_id}",model="{lane.model}"}} 2.0' in text
+            assert f'lanes_lane_routable{{host="{HOST}",lane="{lane.lane_id}",model="{lane.model}"}} 1.0' in text
+        assert 'lanes_build_info{service="gateway",version=' in text
+
+
+# ------------------------------------------------------------------ failures
+
+
+async def test_a_lane_killed_mid_stream(fleet):
+    """The stream that was cut ends with an error the client raises; new requests go to the other lane."""
+    async with gateway(fleet) as gw, client(fleet.url) as nc:
+        ai = _openai(gw)
+        raw = await ai.chat.completions.with_raw_response.create(model=ALIAS, messages=MESSAGES, stream=True, **LONG)
+        host, lane_id = raw.headers["x-lanes-lane"].split("/")
+        stream = raw.parse()
+        got = 0
+        with pytest.raises(openai.APIError) as broke:
+            async for chunk in stream:
+                got += 1
+                if got == 5:
+                    lane = lane_of(await host_status(nc, host), lane_id)
+                    os.kill(lane.pid, signal.SIGKILL)
+        assert "broke off" in str(broke.value.message)
+        for _ in range(3):  # the killed lane is out of rotation at once
+            answer = await ai.chat.completions.with_raw_response.create(model=ALIAS, messages=MESSAGES, max_tokens=4)
+            assert answer.headers["x-lanes-lane"] != f"{host}/{lane_id}"
+        # Its agent restarts it; once its /health answers, the gateway sends it requests again.
+        await eventually(lambda: len(gw.view.routable(ALIAS)) == LANES, timeout=90, what="restarted lane back in rotation")
+        back = lane_of(await host_status(nc, host), lane_id)
+        assert back.pid != lane.pid and back.state == "healthy"
+
+
+# ------------------------------------------------------------------ the agent's metrics
+
+
+async def test_agent_metrics_re_export_llama_server_series(fleet):
+    async with gateway(fleet) as gw, aiohttp.ClientSession() as http:
+        assert (await _chat(http, gw))[0] == 200  # some tokens for the counters
+        async with http.get(f"http://127.0.0.1:{fleet.agent_metrics}/metrics") as resp:
+            assert resp.status == 200
+            text = await resp.text()
+    lane = gw.view.lanes_for(ALIAS)[0]
+    labels = f'host="{HOST}",lane="{lane.lane_id}",model="{lane.model}"'
+    assert "llamacpp:" not in text  # colons are for recording rules
+    assert f"lanes_llama_prompt_tokens_total{{{labels}}}" in text
+    assert f"lanes_llama_requests_processing{{{labels}}}" in text
+    assert f"lanes_lane_healthy{{{labels}}} 1.0" in text
+    assert f'lanes_lane_planned_bytes{{{labels},device="cpu"}}' in text
+    assert f'lanes_lane_kv_bytes{{{labels},device="cpu"}}' in text
+    assert f"lanes_lane_restarts_total{{{labels}}}" in text
+    assert 'lanes_build_info{service="agent"' in text
+    served = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                 if line.startswith("lanes_llama_tokens_predicted_total{"))  # fmt: skip
+    assert served > 0
+
+
+# ------------------------------------------------------------------ a fleet-wide change under load (last: it changes the config)
+
+
+async def test_fleet_wide_config_change_under_load_fails_no_request(fleet):
+    """Both lanes restart for q8_0 KV one after the other, each drained first; clients see no error."""
+    async with gateway(fleet, queue_wait=120) as gw, client(fleet.url) as nc:
+        seen_draining: set[str] = set()
+        gw.view.listeners.append(lambda: seen_draining.update(l.lane_id for l in gw.view.lanes() if l.draining))
+        before = {lane.lane_id: lane.pid for lane in await _healthy_lanes(nc)}
+        ai = _openai(gw)
+        done = asyncio.Event()
+        results: Counter = Counter()
+        errors: list[str] = []
+
+        async def load():
+            while not done.is_set():
+                try:
+                    stream = await ai.chat.completions.create(model=ALIAS, messages=MESSAGES, stream=True,
+                                                              max_tokens=24, extra_body={"ignore_eos": True})  # fmt: skip
+                    chunks = [chunk async for chunk in stream]
+                    assert chunks, "empty stream"
+                    results["ok"] += 1
+                except Exception as exc:
+                    results["failed"] += 1
+                    errors.append(f"{type(exc).__name__}: {exc}")
+
+        clients = [asyncio.create_task(load()) for _ in range(4)]
+        await eventually(lambda: results["ok"] >= 8, timeout=60, what="load running")
+        reply = await nc.request(subjects.CONFIG_SET, encode(ConfigSet(changes={"kv_cache_type": "q8_0",
+                                                                                 "flash_attn": "on"})), timeout=5)  # fmt: skip
+        assert not (reply.headers or {}).get("Nats-Service-Error"), reply.headers
+
+        async def rolled_out():
+            lanes = await _healthy_lanes(nc)
+            return lanes and all("q8_0" in lane.argv and lane.pid != before[lane.lane_id] for lane in lanes)
+
+        await eventually(rolled_out, timeout=180, what="both lanes restarted with q8_0")
+        await eventually(lambda: len(gw.view.routable(ALIAS)) == LANES, timeout=30, what="both routable")
+        served_before = results["ok"]
+        await eventually(lambda: results["ok"] >= served_before + 4, timeout=60, what="load served after the change")
+        done.set()
+        await asyncio.gather(*clients)
+    assert results["failed"] == 0, errors[:5]
+    assert seen_draining == set(before), "every lane was drained before its restart"

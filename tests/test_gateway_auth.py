@@ -1,0 +1,77 @@
+"""The gateway's NATS user from docker/nats/auth.conf: it reads the whole fleet and writes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import nats
+import nats.errors
+import pytest
+import structlog
+from fixtures_bus import agent_config, eventually, fake_binary
+from test_auth import _connect, _users, auth_server, passwords  # noqa: F401 (fixtures)
+
+from gateway.service import Gateway, run_gateway
+from gateway.settings import GatewaySettings
+from launcher_agent.service import run_agent
+from planner_svc.service import run_planner
+from shared import subjects
+from shared.bus import NatsAuth
+from shared.messages import ConfigSet, encode
+
+
+async def test_gateway_user_reads_plans_status_reports_config_and_writes_nothing(
+    auth_server, passwords, tmp_path, models
+):
+    users = _users(passwords)
+    gateway_auth = NatsAuth(user="gateway", password=passwords["NATS_GATEWAY_PASSWORD"])
+    cfg = agent_config(tmp_path, "host1", models, fake_binary(tmp_path / "bin"))
+    logs = contextlib.ExitStack()
+    captured = logs.enter_context(structlog.testing.capture_logs())
+    stop = asyncio.Event()
+    gw = Gateway(GatewaySettings(port=0))
+    tasks = [
+        asyncio.create_task(run_planner(auth_server.url, stop, auth=users["planner"])),
+        asyncio.create_task(run_agent(cfg, auth_server.url, stop, auth=users["agent-host1"])),
+        asyncio.create_task(run_gateway(auth_server.url, stop, gateway_auth, gateway=gw)),
+    ]
+    errors: list[str] = []
+    nc = None
+    try:
+        # ---- it reads: the lane, its host's report and the config revision reach the view
+        lane = await eventually(lambda: next(iter(gw.view.routable("llama8")), None), timeout=40, what="lane routable")
+        assert lane.host_id == "host1" and gw.view.synced
+        assert "host1" in gw.view.reports and gw.view.config is not None and gw.view.config_revision > 0
+
+        # ---- it writes nothing: every put and every request to the planner is refused
+        nc = await _connect(auth_server.url, gateway_auth, errors)
+        kv = await nc.jetstream(timeout=1.0).key_value(subjects.BUCKET)
+        assert (await kv.get(subjects.plan_key("host1"))).value  # reading a key is allowed
+        status_key = subjects.status_key("host1")
+        for key in (subjects.plan_key("host1"), status_key, subjects.report_key("host1"), subjects.CONFIG_KEY,
+                    subjects.DEMAND_KEY):  # fmt: skip
+            with pytest.raises(nats.errors.TimeoutError):
+                await kv.put(key, b"{}")
+            subject = subjects.kv_subject(key).lower()
+            await eventually(lambda: any(f'publish to "{subject}"' in e for e in errors), timeout=5, what=subject)
+        change = encode(ConfigSet(changes={"kv_cache_type": "q8_0"}))
+        with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+            await nc.request(subjects.CONFIG_SET, change, timeout=1)
+        await nc.publish(subjects.event_subject("host1", "llama8-0", "crashed"), b"{}")
+        await nc.flush()
+        for subject in (subjects.CONFIG_SET, subjects.event_subject("host1", "llama8-0", "crashed")):
+            await eventually(lambda: any(f'publish to "{subject}"' in e for e in errors), timeout=5, what=subject)
+        # The refused config change did not happen, and the lane is still there and routable.
+        assert gw.view.config.kv_cache_type is None
+        await asyncio.sleep(0.5)
+        assert gw.view.routable("llama8")
+        # The gateway service itself was refused nothing while it ran.
+        refused = [e for e in captured if "permissions violation" in str(e.get("error", "")).lower()]
+        assert not refused, refused
+    finally:
+        if nc is not None:
+            await nc.close()
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
+        logs.close()

@@ -1,0 +1,98 @@
+"""/metrics of the planner and the agent against real NATS (fake llama-server lanes: fast),
+and the renaming of llama-server's series."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+from fixtures_bus import agent_config, client, eventually, fake_binary, free_port_base, host_status, lane_of
+from prometheus_client.parser import text_string_to_metric_families
+
+from launcher_agent.metrics import rename_llama_series
+from launcher_agent.service import run_agent
+from planner_svc.service import run_planner
+from shared import subjects
+from shared.messages import Demand, Persona, encode
+
+# As llama-server prints it (b6xxx builds): names with a colon, counters with _total.
+LLAMA_METRICS = """# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 46
+# HELP llamacpp:tokens_predicted_total Number of generation tokens processed.
+# TYPE llamacpp:tokens_predicted_total counter
+llamacpp:tokens_predicted_total 91
+# HELP llamacpp:requests_processing Number of requests processing.
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 1
+# HELP llamacpp:requests_deferred Number of requests deferred.
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 0
+"""
+
+
+def test_llama_series_are_renamed_and_labelled():
+    families = rename_llama_series(LLAMA_METRICS, {"host": "h1", "lane": "m-0", "model": "m"})
+    samples = {s.name: (s.labels, s.value) for f in families for s in f.samples}
+    assert samples["lanes_llama_prompt_tokens_total"] == ({"host": "h1", "lane": "m-0", "model": "m"}, 46)
+    assert samples["lanes_llama_requests_processing"][1] == 1
+    assert {f.type for f in families} == {"counter", "gauge"}
+    assert not any(":" in name for name in samples)
+
+
+def samples(text: str) -> dict[tuple[str, frozenset], float]:
+    """Exposition text as {(sample name, labels): value}."""
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}  # fmt: skip
+
+
+async def _get(url: str) -> str:
+    async with aiohttp.ClientSession() as http, http.get(url) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        return await resp.text()
+
+
+async def test_planner_and_agent_serve_metrics(nats_server, tmp_path, tiny_models):
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "llama8.gguf").write_bytes(tiny_models["llama8"].read_bytes())
+    planner_port, agent_port = free_port_base(1), free_port_base(1)
+    cfg = agent_config(tmp_path, "h1", models, fake_binary(tmp_path / "bin"), metrics_port=agent_port,
+                       metrics_host="127.0.0.1")  # fmt: skip
+    stop = asyncio.Event()
+    tasks = [
+        asyncio.create_task(run_planner(nats_server.url, stop, metrics_port=planner_port, metrics_host="127.0.0.1")),
+        asyncio.create_task(run_agent(cfg, nats_server.url, stop)),
+    ]
+    try:
+        async with client(nats_server.url) as nc:
+            await eventually(lambda: nc.request(subjects.CONFIG_GET, b"", timeout=1), what="planner up")
+            demand = Demand(personas=(Persona(model="llama8", parallel=3, ctx_min=1024, ctx_max=1024),))
+            await nc.request(subjects.DEMAND_SET, encode(demand), timeout=5)
+
+            async def healthy():
+                lane = lane_of(await host_status(nc, "h1"), "llama8-0")
+                return lane if lane and lane.state == "healthy" else None
+
+            lane = await eventually(healthy, timeout=40, what="lane healthy")
+        planner = await _get(f"http://127.0.0.1:{planner_port}/metrics")
+        labels = 'host="h1",lane="llama8-0",model="llama8"'
+        on_cpu = frozenset({"host": "h1", "lane": "llama8-0", "model": "llama8", "device": "cpu"}.items())
+        assert samples(planner)[("lanes_plan_lane_bytes", on_cpu)] == lane.planned_bytes
+        assert f"lanes_plan_lane_slots{{{labels}}} 3.0" in planner
+        assert 'lanes_host_memory_bytes{device="cpu",host="h1"}' in planner
+        assert "lanes_planner_hosts 1.0" in planner and "lanes_planner_replans_total" in planner
+        assert 'lanes_build_info{service="planner"' in planner
+
+        agent = await _get(f"http://127.0.0.1:{agent_port}/metrics")
+        assert f"lanes_lane_healthy{{{labels}}} 1.0" in agent
+        assert f"lanes_lane_slots{{{labels}}} 3.0" in agent
+        assert samples(agent)[("lanes_lane_kv_planned_bytes", on_cpu)] == lane.planned_kv_bytes
+        assert samples(agent)[("lanes_lane_kv_bytes", on_cpu)] == lane.kv_bytes
+        assert f"lanes_llama_requests_processing{{{labels}}}" in agent  # the lane's own series, renamed
+        assert "llamacpp:" not in agent
+        assert 'lanes_rollouts_halted_total{host="h1"} 0.0' in agent
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)

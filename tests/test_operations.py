@@ -1,0 +1,209 @@
+"""Operations at fleet scale, with real processes killed -9 and a real nats-server:
+two planners (one plans, the stand-by takes over), a host that dies (lost, its
+fleet-wide lanes placed elsewhere, back when it returns), and revisions that count."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import socket
+import subprocess
+import sys
+
+import msgspec
+from fixtures_bus import agent_config, client, eventually, fake_binary, fleet_status, free_port_base, lane_of, services
+from ops_helpers import REPO, Procs, kill_lanes_under, lease_holder, plans
+
+from shared import subjects
+from shared.bus import kv_bucket
+from shared.messages import ConfigSet, Demand, HostStatus, Persona, encode
+
+QUIET_SECONDS = 60.0
+
+
+async def _config_set(nc, **changes):
+    reply = await nc.request(subjects.CONFIG_SET, encode(ConfigSet(changes=changes)), timeout=5)
+    assert "Nats-Service-Error" not in (reply.headers or {}), reply.headers
+    return json.loads(reply.data)
+
+
+async def test_two_planners_one_plans_and_the_stand_by_takes_over(nats_server, tmp_path, models):
+    procs = Procs(tmp_path / "procs")
+    host = socket.gethostname().split(".")[0]
+    try:
+        a = procs.start("planner-a", "planner", "--nats", nats_server.url, "--lease-ttl", "2")
+        b = procs.start("planner-b", "planner", "--nats", nats_server.url, "--lease-ttl", "2")
+        ids = {f"{host}-{a.pid}": "planner-a", f"{host}-{b.pid}": "planner-b"}
+        async with client(nats_server.url) as nc, services(nats_server.url) as svc:
+            svc.start_agent(agent_config(tmp_path, "h1", models, fake_binary(tmp_path / "bin")))
+            active = await eventually(lambda: lease_holder(nc), timeout=30, what="a planner holds the lease")
+            assert active in ids
+            kv = await eventually(lambda: kv_bucket(nc), what="bucket")
+
+            async def healthy():
+                entry = await kv.get(subjects.status_key("h1"))
+                lane = lane_of(msgspec.json.decode(entry.value, type=HostStatus), "llama8-0")
+                return lane if lane and lane.state == "healthy" else None
+
+            first = await eventually(healthy, timeout=40, what="lane healthy")
+            # A quiet minute: reports and lease renewals go on; no plan is written by anyone.
+            watcher = await kv.watch("plan.*")
+            async for entry in watcher:  # noqa: B007 - drain the snapshot
+                if entry is None:
+                    break
+            writes = []
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + QUIET_SECONDS
+            while loop.time() < deadline:
+                try:
+                    entry = await watcher.updates(timeout=max(0.1, deadline - loop.time()))
+                except Exception:
+                    continue
+                if entry is not None:
+                    writes.append((entry.key, entry.revision))
+            await watcher.stop()
+            assert writes == [], f"plan churn in a quiet minute: {writes}"
+            assert await lease_holder(nc) == active
+            for name in ids.values():
+                assert "plan written" not in procs.log(name) or ids[active] == name, procs.log(name)[-2000:]
+            # Both answer the endpoints; only the active one says it plans.
+            answers = {}
+            for _ in range(20):
+                status = await fleet_status(nc)
+                answers[status.planner_id] = status.planner_active
+            assert answers.get(active) is not False
+
+            # kill -9 the active planner: the stand-by takes the lease within a few seconds.
+            procs.kill9(ids[active])
+            standby = next(i for i in ids if i != active)
+            started = loop.time()
+            await eventually(lambda: _holds(nc, standby), timeout=15, what="the stand-by took over the lease")
+            took = loop.time() - started
+            assert took < 10, took
+            await _config_set(nc, kv_cache_type="q8_0", flash_attn="on")
+
+            async def relaunched():
+                lane = await healthy()
+                return lane if lane and "q8_0" in lane.argv else None
+
+            again = await eventually(relaunched, timeout=40, what="the config change reached the agent")
+            assert again.pid != first.pid
+            assert "planner is active" in procs.log(ids[standby])
+    finally:
+        procs.close()
+
+
+async def _holds(nc, planner: str) -> bool:
+    return await lease_holder(nc) == planner
+
+
+async def _cli(*args: str) -> str:
+    """A `lanes` command as a user runs it (asynchronously: the services share this loop)."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "lanes.cli", *args, cwd=REPO,
+                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 0, err.decode()
+    return out.decode()
+
+
+async def _status_json(url: str) -> dict:
+    return json.loads(await _cli("status", "--json", "--nats", url))
+
+
+async def test_a_dead_host_is_lost_its_lanes_move_and_it_comes_back(nats_server, tmp_path, tiny_models):
+    procs = Procs(tmp_path / "procs")
+    binary = fake_binary(tmp_path / "bin")
+    folders = {}
+    for host in ("ha", "hb"):
+        folders[host] = tmp_path / f"models-{host}"
+        folders[host].mkdir()
+        shutil.copy(tiny_models["llama8"], folders[host] / "llama8.gguf")
+
+    def start_agent(host: str) -> None:
+        procs.start(f"agent-{host}", "agent", "--nats", nats_server.url, "--models", str(folders[host]),
+                    "--llama-server", binary, "--host-id", host, "--port-base", str(ports[host]),
+                    "--report-interval", "0.5", "--tick", "0.2", "--data", str(tmp_path / f"agent-{host}"))  # fmt: skip
+
+    ports = {"ha": free_port_base(), "hb": free_port_base()}
+    try:
+        async with client(nats_server.url) as nc, services(nats_server.url) as svc:
+            svc.start_planner()
+            await eventually(lambda: fleet_status(nc), what="planner up")
+            await _config_set(nc, host_lost_after=3.0)
+            reply = await nc.request(subjects.DEMAND_SET, encode(Demand(personas=(Persona(model="llama8", lanes=1),))), timeout=5)
+            assert "Nats-Service-Error" not in (reply.headers or {})
+            for host in ("ha", "hb"):
+                start_agent(host)
+
+            async def placed_on():
+                status = await fleet_status(nc)
+                live = {h.host_id for h in status.hosts if h.state == "live"}
+                holders = [p.host_id for p in status.plans if p.lanes]
+                healthy = [s.host_id for s in status.statuses for lane in s.lanes if lane.state == "healthy"]
+                return holders[0] if live == {"ha", "hb"} and len(holders) == 1 and healthy == holders else None
+
+            victim = await eventually(placed_on, timeout=40, what="one lane placed and healthy, both hosts live")
+            other = "hb" if victim == "ha" else "ha"
+            victim_plan = (await plans(nc))[victim]
+            procs.kill9(f"agent-{victim}")
+
+            async def moved():
+                status = await fleet_status(nc)
+                state = {h.host_id: h.state for h in status.hosts}
+                lanes = {s.host_id: [lane.state for lane in s.lanes] for s in status.statuses}
+                planned = {p.host_id: len(p.lanes) for p in status.plans}
+                if state.get(victim) == "lost" and planned.get(other) == 1 and lanes.get(other) == ["healthy"]:
+                    return status
+                return None
+
+            await eventually(moved, timeout=30, what=f"{victim} lost, its lane re-placed on {other}")
+            # The lost host's plan is kept as it was: a partitioned host keeps serving.
+            assert (await plans(nc))[victim] == victim_plan
+            shown = await _status_json(nats_server.url)
+            assert {h["host_id"]: h["state"] for h in shown["hosts"]} == {victim: "lost", other: "live"}
+            human = await _cli("status", "--nats", nats_server.url)
+            assert any(line.startswith(victim) and " lost" in line for line in human.splitlines()), human
+
+            start_agent(victim)  # the host returns (and adopts the lane it left running)
+
+            async def back():
+                status = await fleet_status(nc)
+                state = {h.host_id: h.state for h in status.hosts}
+                planned = sum(len(p.lanes) for p in status.plans)
+                return status if state == {"ha": "live", "hb": "live"} and planned == 1 else None
+
+            await eventually(back, timeout=30, what=f"{victim} live again, the persona's one lane planned once")
+    finally:
+        procs.close()
+        kill_lanes_under(tmp_path)
+
+
+async def test_config_and_plan_revisions_count_changes(nats_server, tmp_path, models):
+    async with client(nats_server.url) as nc, services(nats_server.url) as svc:
+        svc.start_planner()
+        svc.start_agent(agent_config(tmp_path, "h1", models, fake_binary(tmp_path / "bin")))
+        await eventually(lambda: _plan_rev(nc), timeout=30, what="first plan")
+        first = await fleet_status(nc)
+        assert first.config_revision == 0 and first.config.revision == 0
+        assert (await _config_set(nc, kv_cache_type="q8_0", flash_attn="on"))["revision"] == 1
+        await eventually(lambda: _plan_rev(nc, 2), timeout=30, what="plan r2")
+        assert (await _config_set(nc, kv_cache_type="q4_0"))["revision"] == 2
+        assert (await _config_set(nc, kv_cache_type="q4_0"))["revision"] == 2  # no change, no new revision
+
+        async def counted():
+            status = await fleet_status(nc)
+            ok = status.config_revision == 2 and all(p.config_revision == 2 for p in status.plans)
+            return status if ok and status.plans else None
+
+        status = await eventually(counted, timeout=30, what="config r2 everywhere")
+        assert [p.plan_revision for p in status.plans] == [3]  # 1: first plan, 2: q8_0, 3: q4_0
+        shown = await _status_json(nats_server.url)
+        assert shown["config_revision"] == 2 and shown["config"]["revision"] == 2
+        human = await _cli("status", "--nats", nats_server.url)
+        assert human.startswith("config r2:"), human
+
+
+async def _plan_rev(nc, at_least: int = 1) -> bool:
+    found = await plans(nc)
+    return "h1" in found and found["h1"].plan_revision >= at_least
