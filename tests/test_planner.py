@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from planner_svc.layouts import GPU_CONTEXT_BYTES
 from planner_svc.planner import plan
 from shared.memory import QUANTIZED
 from shared.messages import (
@@ -147,11 +148,21 @@ def check_invariants(fleet: FleetPlan, reports: list[HostReport]) -> None:
     assert sorted(by_id) == [hp.host_id for hp in fleet.hosts]
     for hp in fleet.hosts:
         report = by_id[hp.host_id]
-        used = {"cpu": 0, "gpu": 0}
+        # Every device a lane touches stays within its budget: RAM, and each GPU on its own.
+        used_ram, used_gpu = 0, [0] * len(report.gpus)
         for lane in hp.lanes:
-            used[lane.memory.device] += lane.memory.total_bytes
-        assert used["cpu"] <= hp.budget_ram, (hp.host_id, used, hp.budget_ram)
-        assert used["gpu"] <= hp.budget_gpu, (hp.host_id, used, hp.budget_gpu)
+            assert lane.memory.total_bytes == sum(d.total for d in lane.memory.devices) + lane.memory.overhead_bytes
+            used_ram += lane.memory.overhead_bytes
+            for d in lane.memory.devices:
+                if d.device == "CPU":
+                    used_ram += d.total
+                else:
+                    g = lane.gpu_devices[int(d.device[3:])]
+                    used_gpu[g] += d.total + GPU_CONTEXT_BYTES.get(report.gpus[g].backend, 0)
+                    used_ram += d.total if report.gpus[g].unified else 0
+        assert used_ram <= hp.budget_ram, (hp.host_id, used_ram, hp.budget_ram)
+        for g, used in enumerate(used_gpu):
+            assert used <= hp.budget_gpus[g], (hp.host_id, g, used, hp.budget_gpus)
         ports = [lane.port for lane in hp.lanes]
         assert len(set(ports)) == len(ports)
         assert all(report.port_base <= p <= report.port_base + report.port_count - 1 for p in ports)
