@@ -140,6 +140,21 @@ def encode(fleet: FleetPlan) -> bytes:
     return msgspec.json.encode(fleet)
 
 
+def device_use(lanes, report: HostReport) -> tuple[int, list[int]]:
+    """RAM and each GPU's use by these lanes, as their planned per-device buffers say."""
+    used_ram, used_gpu = 0, [0] * len(report.gpus)
+    for lane in lanes:
+        used_ram += lane.memory.overhead_bytes
+        for d in lane.memory.devices:
+            if d.device == "CPU":
+                used_ram += d.total
+            else:
+                g = lane.gpu_devices[int(d.device[3:])]
+                used_gpu[g] += d.total + GPU_CONTEXT_BYTES.get(report.gpus[g].backend, 0)
+                used_ram += d.total if report.gpus[g].unified else 0
+    return used_ram, used_gpu
+
+
 def check_invariants(fleet: FleetPlan, reports: list[HostReport]) -> None:
     """What every plan must satisfy, whatever the inputs."""
     # Every plan must survive the wire: decoding validates ports, names, ctx >= 256, ...
@@ -149,17 +164,9 @@ def check_invariants(fleet: FleetPlan, reports: list[HostReport]) -> None:
     for hp in fleet.hosts:
         report = by_id[hp.host_id]
         # Every device a lane touches stays within its budget: RAM, and each GPU on its own.
-        used_ram, used_gpu = 0, [0] * len(report.gpus)
+        used_ram, used_gpu = device_use(hp.lanes, report)
         for lane in hp.lanes:
             assert lane.memory.total_bytes == sum(d.total for d in lane.memory.devices) + lane.memory.overhead_bytes
-            used_ram += lane.memory.overhead_bytes
-            for d in lane.memory.devices:
-                if d.device == "CPU":
-                    used_ram += d.total
-                else:
-                    g = lane.gpu_devices[int(d.device[3:])]
-                    used_gpu[g] += d.total + GPU_CONTEXT_BYTES.get(report.gpus[g].backend, 0)
-                    used_ram += d.total if report.gpus[g].unified else 0
         assert used_ram <= hp.budget_ram, (hp.host_id, used_ram, hp.budget_ram)
         for g, used in enumerate(used_gpu):
             assert used <= hp.budget_gpus[g], (hp.host_id, g, used, hp.budget_gpus)

@@ -4,7 +4,7 @@ many report cycles, NVML errors, and Apple Silicon's unified memory. Pure: host 
 from __future__ import annotations
 
 import msgspec
-from test_planner import GIB, check_invariants, host, llama_8b, only_lane, window
+from test_planner import GIB, check_invariants, device_use, host, llama_8b, only_lane, window
 
 from planner_svc.layouts import GPU_CONTEXT_BYTES, Layout, cost_vector
 from planner_svc.planner import plan
@@ -104,17 +104,7 @@ def test_window_is_the_largest_that_fits_every_device():
 
 def _next_report(report: HostReport, fleet, others_vram: int) -> HostReport:
     """What the agent reports once the plan runs: the GPU shows our lanes as used, and says they are ours."""
-    hp = fleet.hosts[0]
-    held = [0] * len(report.gpus)
-    ram_held = 0
-    for lane in hp.lanes:
-        ram_held += lane.memory.overhead_bytes
-        for d in lane.memory.devices:
-            if d.device == "CPU":
-                ram_held += d.total
-            else:
-                g = lane.gpu_devices[int(d.device[3:])]
-                held[g] += d.total + GPU_CONTEXT_BYTES["cuda"]
+    ram_held, held = device_use(fleet.hosts[0].lanes, report)
     gpus = tuple(
         msgspec.structs.replace(g, vram_free=g.vram_total - others_vram - held[i], lanes_vram=held[i])
         for i, g in enumerate(report.gpus)
