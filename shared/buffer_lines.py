@@ -119,3 +119,22 @@ def devices_from_lines(lines) -> tuple:
         )
         for name in printed.devices()
     )
+
+
+def device_lines(spec, printed_devices=()) -> list[str]:
+    """One line per device of a lane: planned vs printed MiB for model, KV, compute, output."""
+    printed = {d.device: d for d in printed_devices}
+
+    def pair(planned: int, real) -> str:
+        return f"{planned / MIB:.2f}" + (f"/{real / MIB:.2f}" if real is not None else "")
+
+    out = []
+    for d in spec.memory.devices:
+        r = printed.get(d.device)
+        where = d.device if d.device == "CPU" or not spec.gpu_devices else f"{d.device} (host gpu {spec.gpu_devices[int(d.device[3:])]})"
+        out.append(
+            f"  {spec.lane_id} {where}: layers {d.layers}, MiB planned/printed: model {pair(d.model_bytes, r and r.model_bytes)}"
+            f", kv {pair(d.kv_bytes, r and r.kv_bytes)}, compute {pair(d.compute_bytes, r and r.compute_bytes)}"
+            f", output {pair(d.output_bytes, r and r.output_bytes)}"
+        )
+    return out
