@@ -49,11 +49,20 @@ class DeviceBuffers:
 
 
 _OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers")
+_USING = re.compile(r"llama_prepare_model_devices: using device (\S+) \(([^)]*)\)")
 
 
 def parse_buffers(lines) -> DeviceBuffers:
+    """Per device of the lane: GPU<i> is the i-th device llama-server says it uses (`using device`
+    lines, in its order), so a lane pinned to CUDA1 shows it as GPU0, and every ggml-rpc-server
+    (each names its buffers RPC0[host:port]) is told apart by its endpoint."""
     out = DeviceBuffers()
+    order: dict[str, int] = {}
     for line in lines:
+        if (m := _USING.search(line)) is not None:
+            name, desc = m.groups()
+            order.setdefault(f"{name}[{desc}]" if name.startswith("RPC") else name, len(order))
+            continue
         if (m := _OFFLOADED.search(line)) is not None:
             out.offloaded = (int(m.group(1)), int(m.group(2)))
             continue
@@ -61,7 +70,15 @@ def parse_buffers(lines) -> DeviceBuffers:
         if m is None:
             continue
         _, buffer, kind, value = m.groups()
-        per = out.mib.setdefault(device_name(buffer), {})
+        name = device_name(buffer)
+        if name != "CPU" and order:
+            key = buffer if buffer.startswith("RPC") else re.sub(r"_.*$", "", buffer)
+            rpc = re.match(r"RPC\d+\[(.*)\]$", buffer)
+            if rpc:  # match the server by its endpoint, whatever index it gave itself
+                key = next((k for k in order if k.endswith(f"[{rpc.group(1)}]")), key)
+            if key in order:
+                name = f"GPU{order[key]}"
+        per = out.mib.setdefault(name, {})
         per[kind] = round(per.get(kind, 0.0) + float(value), 2)
     return out
 
