@@ -21,6 +21,7 @@ from lanes.tables import gib, mib, table
 from launcher_agent.service import run_agent
 from planner_svc.service import run_planner
 from shared import subjects
+from shared.buffer_lines import device_lines
 from shared.bus import NatsAuth, auth_from_args, connect
 from shared.logs import setup_logging
 from shared.messages import (
@@ -270,6 +271,12 @@ def render_status(fleet: FleetStatus) -> str:
             rows,
         )
     )
+    for p in fleet.plans:
+        status = statuses.get(p.host_id)
+        printed = {lane.lane_id: lane.devices for lane in status.lanes} if status else {}
+        for s in p.lanes:
+            if len(s.memory.devices) > 1 or printed.get(s.lane_id):
+                out.extend(device_lines(s, printed.get(s.lane_id, ())))
     for p in fleet.plans:
         for u in p.unplaced:
             out.append(f"unplaced on {p.host_id}: {u.model}: {u.reason}")

@@ -16,7 +16,8 @@ from pathlib import Path
 import psutil
 
 from launcher_agent.reconcile import kv_mib_from_log
-from shared.messages import LaneSpec
+from shared.buffer_lines import devices_from_lines
+from shared.messages import DeviceMemory, LaneSpec
 
 TAIL_LINES = 40
 START_TIME_SLACK = 0.05  # seconds; psutil's create_time is read from /proc in clock ticks
@@ -73,6 +74,7 @@ class LaneProcess:
         self.adopted: psutil.Process | None = None
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         self.kv_lines: list[str] = []
+        self.buffer_lines: list[str] = []
         self._offset = 0
 
     @property
@@ -163,6 +165,12 @@ class LaneProcess:
             self.tail.append(line)
             if "llama_kv_cache" in line or "KV self size" in line:
                 self.kv_lines.append(line)
+            if "buffer size =" in line or "offloaded " in line:
+                self.buffer_lines.append(line)
+
+    def printed_devices(self) -> tuple[DeviceMemory, ...]:
+        """The buffers llama-server printed, per device (empty until it has loaded)."""
+        return devices_from_lines(self.buffer_lines)
 
     def kv_bytes(self) -> int | None:
         mib = kv_mib_from_log(self.kv_lines)

@@ -27,6 +27,7 @@ from launcher_agent.report import VERSION, host_report
 from launcher_agent.supervisor import Supervisor
 from shared import subjects
 from shared.bus import NatsAuth, connect, follow_key, kv_bucket, quietly, run_until
+from shared.gguf_facts import FactsCache
 from shared.messages import HostPlan, HostReport, LaneEvent, PlanRejected, encode
 from shared.metrics_http import serve_metrics
 
@@ -51,13 +52,17 @@ class Agent:
 
     def __post_init__(self) -> None:
         self.sup = Supervisor(self.cfg, emit=self._event)
+        # Model facts survive a restart: an unchanged GGUF is never read again.
+        self._facts_cache = FactsCache(self.cfg.data_dir / "model-facts.json")
 
     @property
     def host(self) -> str:
         return subjects.host_token(self.cfg.host_id)
 
     def report(self) -> HostReport:
-        return host_report(self.cfg, self.sup.lanes_rss(), self._facts_cache)
+        return host_report(
+            self.cfg, self.sup.lanes_rss(), self._facts_cache, self.sup.lane_pids(), self.sup.lanes_gpu_bytes()
+        )
 
     # ------------------------------------------------------------ plans in
 

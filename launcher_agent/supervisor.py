@@ -152,6 +152,24 @@ class Supervisor:
     def lanes_rss(self) -> int:
         return sum(lane.process.rss() or 0 for lane in self.lanes.values() if lane.process)
 
+    def lane_pids(self) -> list[int]:
+        return [lane.process.pid for lane in self.lanes.values() if lane.process and lane.process.pid]
+
+    def lanes_gpu_bytes(self) -> dict[int, int]:
+        """What the running lanes hold on each of the host's GPUs: their printed buffers once
+        loaded, the plan's figures while loading (NVML's per-process figures win where present)."""
+        held: dict[int, int] = {}
+        for lane in self.lanes.values():
+            if lane.process is None or lane.process.returncode is not None or not lane.spec.gpu_devices:
+                continue
+            printed = {d.device: d for d in lane.process.printed_devices()}
+            for d in lane.spec.memory.devices:
+                if d.device == "CPU":
+                    continue
+                gpu = lane.spec.gpu_devices[int(d.device[3:])]
+                held[gpu] = held.get(gpu, 0) + (printed[d.device].total if d.device in printed else d.total)
+        return held
+
     def status(self, nats_connected: bool = False) -> HostStatus:
         lanes = []
         for lane_id, lane in sorted(self.lanes.items()):
@@ -175,6 +193,7 @@ class Supervisor:
                     else (),
                     argv=tuple(p.argv) if p else (),
                     failure=lane.failure,
+                    devices=p.printed_devices() if p else (),
                     draining=lane.draining,
                 )
             )

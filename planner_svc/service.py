@@ -29,6 +29,7 @@ from planner_svc.lease import DEFAULT_TTL, Lease
 from planner_svc.metrics import PlannerMetrics
 from planner_svc.planner import plan
 from shared import subjects
+from shared.buffer_lines import device_lines
 from shared.bus import NatsAuth, connect, kv_bucket, quietly, run_until, watch_forever
 from shared.messages import (
     ConfigSet,
@@ -455,6 +456,10 @@ class PlannerService:
         found = self._host_plan(req)
         lines = [f"host {found.host_id} plan r{found.plan_revision} (config r{found.config_revision})"]
         lines += [f"{s.lane_id}: " + "; ".join(s.reasons) for s in found.lanes]
+        status = self.state.statuses.get(found.host_id)
+        printed = {lane.lane_id: lane.devices for lane in status.lanes} if status else {}
+        for s in found.lanes:
+            lines += device_lines(s, printed.get(s.lane_id, ()))
         lines += [f"unplaced {u.model}: {u.reason}" for u in found.unplaced]
         lines += [f"note: {r}" for r in found.reasons]
         await req.respond("\n".join(lines).encode())

@@ -27,6 +27,17 @@ def lane_args(spec: LaneSpec, caps: ServerCaps) -> tuple[str, ...]:
         "--n-gpu-layers", str(spec.n_gpu_layers),
         "--metrics",  # /metrics: the agent re-exports its series under lanes_ names
     ]  # fmt: skip
+    if spec.rpc_servers:
+        args += ["--rpc", ",".join(spec.rpc_servers)]
+    if spec.device_names:
+        # Pinned: llama-server sees only these devices, so a lane never spreads over every GPU.
+        args += ["--device", ",".join(spec.device_names)]
+    if spec.split_mode is not None:
+        args += ["--split-mode", spec.split_mode]
+    if spec.main_gpu is not None:
+        args += ["--main-gpu", str(spec.main_gpu)]
+    if spec.tensor_split:
+        args += ["--tensor-split", ",".join(map(str, spec.tensor_split))]
     if spec.kv_unified:
         args.append("--kv-unified")
     if spec.cache_type_k is not None:

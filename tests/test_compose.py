@@ -50,7 +50,8 @@ def _required_variables() -> set[str]:
 PASSWORDS = {name: "pw" + name.lower().replace("_", "") for name in sorted(_required_variables())}
 # Optional variables the compose file reads: unset them so the developer's shell can't leak in.
 _OPTIONAL_VARS = ("LANES_NATS_SERVERS", "LANES_MODELS_HOST1", "LANES_MODELS_HOST2", "LANES_TAG",
-                  "LANES_GATEWAY_API_KEYS", "LANES_GATEWAY_PORT")  # fmt: skip
+                  "LANES_GATEWAY_API_KEYS", "LANES_GATEWAY_PORT", "LANES_ADVERTISE_HOST1",
+                  "LANES_ADVERTISE_HOST2")  # fmt: skip
 
 
 def _env(**overrides: str | None) -> dict[str, str]:
