@@ -63,7 +63,7 @@ function renderConfig(state) {
   $("#config-summary").textContent =
     `config r${state.config_revision} · kv ${c.kv_cache_type_k || c.kv_cache_type || "f16"}/` +
     `${c.kv_cache_type_v || c.kv_cache_type || "f16"} · flash_attn ${c.flash_attn || "unset"}`;
-  $("#config tbody").replaceChildren(...Object.entries(c).filter(([k]) => k !== "kind" && k !== "schema")
+  $("#config tbody").replaceChildren(...Object.entries(c).filter(([k]) => !["kind", "schema", "revision"].includes(k))
     .map(([k, v]) => el("tr", {}, el("td", {}, k), el("td", {}, v == null ? "unset" : String(v)))));
 }
 
