@@ -137,6 +137,7 @@ async def test_first_run_and_live_dashboard_in_chromium(tmp_path, gemma_model, l
                 {**body, "max_tokens": 8}).encode(), headers={"Content-Type": "application/json"})  # fmt: skip
             with urllib.request.urlopen(req, timeout=60) as resp:
                 assert json.load(resp)["choices"][0]["message"]["content"] is not None
+            await expect(row.locator("td.rps")).not_to_have_text("0.00", timeout=15_000)  # the gateway counted it
 
             changed = subprocess.run([*LANES, "config", "set", "--nats", nats, "kv_cache_type=q8_0", "flash_attn=on"],
                                      capture_output=True, text=True, timeout=30)  # fmt: skip
