@@ -162,6 +162,10 @@ async def test_errors_come_in_openai_shape(fleet):
                 assert resp.status == 200 and (await resp.json())["lanes_routable"] == 2
             async with http.get(gw.url + "/ready") as resp:
                 assert resp.status == 200
+    async with gateway(fleet, request_timeout=0.5) as gw:  # a request that cannot finish in time
+        with pytest.raises(openai.APIStatusError) as slow:
+            await _openai(gw).chat.completions.create(model=ALIAS, messages=MESSAGES, **LONG)
+        assert slow.value.status_code == 504 and slow.value.code == "timeout"
 
 
 async def test_no_lanes_for_a_model(tmp_path):
