@@ -41,6 +41,7 @@ class Case:
     n_devices: int = 0
     split: tuple[float, ...] = ()
     ubatch: int = 512
+    backend: str = "rpc"
 
     def argv(self, model: str, endpoints: list[str]) -> list[str]:
         args = ["-m", model, "-c", str(self.ctx), "-np", str(self.parallel), "-fa", self.flash_attn,
@@ -56,8 +57,27 @@ class Case:
         return LaneShape(
             ctx=self.ctx, parallel=self.parallel, type_k=self.cache, type_v=self.cache,
             flash_attn=self.flash_attn == "on", n_ubatch=self.ubatch, n_gpu_layers=self.ngl,
-            tensor_split=self.split, devices=("rpc",) * self.n_devices,
+            tensor_split=self.split, devices=(self.backend,) * self.n_devices,
         )  # fmt: skip
+
+
+def cuda_matrix(n_layer: int, n_gpus: int) -> list[Case]:
+    """The per-device matrix on real GPUs (no --rpc): ngl none/partial/all, one to n_gpus devices."""
+    partial = max(1, (n_layer + 1) // 2)
+    layouts = [(0, 0, ()), (None, 1, ()), (partial, 1, ())] + ([(None, n_gpus, ())] if n_gpus > 1 else [])
+    shapes = [(4096, 1, "on", "f16"), (16384, 1, "off", "f16"), (8192, 4, "on", "q8_0"), (32768, 2, "on", "q4_0")]
+    return [Case(c, p, fa, t, ngl, n, split, backend="cuda") for (ngl, n, split), (c, p, fa, t) in
+            itertools.product(layouts, shapes)]  # fmt: skip
+
+
+def nvidia_smi_used(pid: int) -> dict:
+    """MiB nvidia-smi says this process holds (buffers + CUDA context), per GPU."""
+    import subprocess
+
+    run = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True)  # fmt: skip
+    rows = [r.split(", ") for r in run.stdout.strip().splitlines() if r.startswith(str(pid) + ",")]
+    return {"process_mib": sum(float(r[2]) for r in rows)}
 
 
 def matrix(n_layer: int, quick: bool) -> list[Case]:
@@ -77,7 +97,12 @@ def matrix(n_layer: int, quick: bool) -> list[Case]:
 
 def run_case(bin_dir: Path, model: Path, facts, case: Case, endpoints: list[str]) -> dict:
     t0 = time.perf_counter()
-    loaded = load_and_stop(str(bin_dir / "llama-server"), case.argv(str(model), endpoints[: case.n_devices]))
+    cuda = case.backend == "cuda"
+    loaded = load_and_stop(
+        str(bin_dir / "llama-server"),
+        case.argv(str(model), [] if cuda else endpoints[: case.n_devices]),
+        on_loaded=nvidia_smi_used if cuda else None,
+    )
     printed = parse_buffers(loaded.lines)
     predicted = lane_memory(facts, case.shape())
     checks = compare(predicted.devices, printed) if loaded.ok else []
@@ -88,6 +113,9 @@ def run_case(bin_dir: Path, model: Path, facts, case: Case, endpoints: list[str]
         "error": "" if loaded.ok else "\n".join(loaded.lines[-5:]),
         "offloaded": printed.offloaded,
         "checks": [dict(asdict(c), ok=c.ok) for c in checks],
+        # CUDA: what the process holds beyond its printed GPU buffers is the context (+ workspace)
+        "gpu_process": loaded.extra,
+        "gpu_printed_mib": round(sum(v for d, k in printed.mib.items() if d != "CPU" for v in k.values()), 2),
         "seconds": round(time.perf_counter() - t0, 2),
     }
 
@@ -116,19 +144,24 @@ def main() -> int:
     ap.add_argument("--models", nargs="+", required=True, help="GGUF files")
     ap.add_argument("--bin-dir", help="folder with llama-server and ggml-rpc-server (default: the RPC build)")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--cuda-gpus", type=int, default=0, help="run the CUDA matrix on this many local GPUs (no RPC)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "device_results.json"))
     args = ap.parse_args()
     from lanes.install_rpc import rpc_bin_dir
 
     bin_dir = Path(args.bin_dir) if args.bin_dir else rpc_bin_dir()
-    if bin_dir is None:
+    if bin_dir is None or not (bin_dir / "llama-server").exists():
         print("no RPC build: run `lanes install-llama --rpc` first", file=sys.stderr)
         return 2
     results = []
-    with rpc_servers(bin_dir, 3) as endpoints:
+    import contextlib
+
+    servers = contextlib.nullcontext([]) if args.cuda_gpus else rpc_servers(bin_dir, 3)
+    with servers as endpoints:
         for model in map(Path, args.models):
             facts = read_model_facts(model)
-            for case in matrix(facts.n_layer, args.quick):
+            cases = cuda_matrix(facts.n_layer, args.cuda_gpus) if args.cuda_gpus else matrix(facts.n_layer, args.quick)
+            for case in cases:
                 r = run_case(bin_dir, model, facts, case, endpoints)
                 bad = [c for c in r["checks"] if not c["ok"]]
                 print(model.name, case, "ok" if r["started"] and not bad else ("FAILED TO START" if not r["started"] else bad), flush=True)

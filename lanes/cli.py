@@ -109,7 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-type-v", type=_cache_type, default="f16")
     p.add_argument("--flash-attn", choices=["on", "off", "auto"], default="auto")
     p.add_argument("--ubatch", type=_positive, default=512)
-    p.add_argument("--llama-server", help="follow this binary's KV layout and cache types")
+    p.add_argument("--llama-server", help="follow this binary's KV layout, cache types and devices")
+    p.add_argument("--n-gpu-layers", "-ngl", default="0", help="layers on the GPUs: a count, all, auto or -1 (default 0)")
+    p.add_argument("--gpus", help="GPU-type devices in llama-server's order and their free memory: 24GiB,8GiB")
+    p.add_argument("--tensor-split", "-ts", help="shares of the layers per device: 3,1 (default: the --gpus sizes)")
+    p.add_argument("--gpu-backend", choices=["cuda", "rpc", "metal", "vulkan", "rocm"],
+                   help="what the --gpus are (default: from --llama-server's devices; else cuda with NVML, rpc without)")
+    p.add_argument("--split-mode", choices=["layer", "none"], default="layer")
+    p.add_argument("--main-gpu", type=int, default=0)
+    p.add_argument("--no-kv-offload", "-nkvo", action="store_true", help="keep the KV cache in host memory")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("plan", help="dry-run plan from host reports, config and demand files")
@@ -126,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port-count", type=int, default=16)
     p.add_argument("--bind", default="127.0.0.1")
     p.add_argument("--max-ram", type=_size, help="RAM lanes may plan for on this host, e.g. 8GiB")
+    p.add_argument("--rpc", help="ggml-rpc-server endpoints (host:port,...) lanes may use as GPU-type devices")
 
     p = sub.add_parser("up", help="local fleet: embedded nats-server, planner and one agent")
     p.add_argument(
@@ -137,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port-base", type=int, default=8080)
     p.add_argument("--host-id", default=None)
     p.add_argument("--max-ram", type=_size, help="RAM lanes may plan for on this host, e.g. 8GiB")
+    p.add_argument("--rpc", help="ggml-rpc-server endpoints (host:port,...) lanes may use as GPU-type devices")
     p.add_argument("--gateway-port", type=int, default=8000, help="port of the OpenAI-compatible gateway (0: any free)")
     _add_admin_key(p)
 
@@ -161,8 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--report-interval", type=float, default=30.0)
     p.add_argument("--tick", type=float, default=0.5, help="seconds between control passes while no lane is starting")
     p.add_argument("--max-ram", type=_size, help="RAM lanes may plan for on this host, e.g. 8GiB")
+    p.add_argument("--rpc", help="ggml-rpc-server endpoints (host:port,...) lanes may use as GPU-type devices")
     p.add_argument("--data", default=None, help="agent state folder (default ~/.lanes/agent)")
     p.add_argument("--dry-run", action="store_true", help="log each lane's argv instead of launching it")
+    p.add_argument("--probe-interval", type=float, default=5.0, help="seconds between /health probes of a serving lane")
+    p.add_argument("--probe-failures", type=_positive, default=3,
+                   help="missed probes in a row that make a lane unresponsive (then it is restarted)")  # fmt: skip
 
     p = sub.add_parser("gateway", help="OpenAI-compatible gateway in front of every lane")
     _add_connection(p)
@@ -195,7 +209,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_VALUE_MAY_START_WITH_DASH = ("--tensor-split", "-ts", "--n-gpu-layers", "-ngl")
+
+
+def _attach_dash_values(argv: list[str]) -> list[str]:
+    """`--tensor-split -1,2` reaches our own check (one clear line) instead of argparse's confusion."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in _VALUE_MAY_START_WITH_DASH and i + 1 < len(argv) and argv[i + 1].startswith("-"):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = _attach_dash_values(list(sys.argv[1:] if argv is None else argv))
     args = build_parser().parse_args(argv)
     try:
         return _dispatch(args)

@@ -49,7 +49,44 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def _n_gpu_layers(text: str) -> int | None:
+    if text in ("all", "auto", "-1"):
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise UserError(f"--n-gpu-layers {text}: use a count, all, auto or -1") from None
+    if value < -1:
+        raise UserError(f"--n-gpu-layers {value}: use a count, all, auto or -1")
+    return value
+
+
+def _sizes(text: str) -> list[int]:
+    from lanes.cli import _size
+
+    try:
+        return [_size(part) for part in text.split(",")]
+    except Exception:
+        raise UserError(f"--gpus {text}: give each device's free memory, e.g. 24GiB,8GiB") from None
+
+
+def _shares(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise UserError(f"--tensor-split {text}: give one number per device, e.g. 3,1") from None
+    if any(v < 0 for v in values) or not all(v == v and v != float("inf") for v in values):
+        raise UserError(f"--tensor-split {text}: shares must be finite and not negative")
+    if sum(values) <= 0:
+        raise UserError(f"--tensor-split {text}: the shares must not sum to zero")
+    return values
+
+
 def cmd_estimate(args: argparse.Namespace) -> int:
+    from launcher_agent.hardware import cpu_repack, gpu_backend_of
+    from shared.device_memory import LaneShape, lane_memory
+    from shared.placement import PlacementError
+
     try:
         facts = read_model_facts(args.model)
     except ModelError as exc:
@@ -69,21 +106,34 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         raise UserError(
             f"--cache-type-v {args.cache_type_v} needs flash attention; llama-server refuses it with --flash-attn off"
         )
-    flash = flash_attn_effective(args.flash_attn, caps)
-    try:
-        mem = estimate(
-            facts,
-            ctx=args.ctx,
-            parallel=args.parallel,
-            kv_unified=args.kv_unified,
-            type_k=args.cache_type_k,
-            type_v=args.cache_type_v,
-            flash_attn=flash,
-            layout=caps.kv_layout,
-            n_ubatch=args.ubatch,
+    ngl = _n_gpu_layers(args.n_gpu_layers)
+    gpus = _sizes(args.gpus) if args.gpus else []
+    shares = _shares(args.tensor_split) if args.tensor_split else tuple(float(g) for g in gpus)
+    if args.tensor_split and len(shares) > len(gpus):
+        raise UserError(
+            f"--tensor-split {args.tensor_split}: {len(shares)} shares for {len(gpus)} device(s) given by --gpus"
         )
-    except MemoryModelError as exc:
+    shares = shares + (0.0,) * (len(gpus) - len(shares))
+    if gpus and sum(shares) <= 0:
+        raise UserError("--gpus: every device has zero free memory, so no layer can be split over them")
+    if gpus and not 0 <= args.main_gpu < len(gpus):
+        raise UserError(f"--main-gpu {args.main_gpu}: the host has {len(gpus)} device(s) in --gpus")
+    backend = args.gpu_backend or gpu_backend_of(args.llama_server)
+    device = "gpu" if gpus and ngl != 0 else "cpu"
+    flash = flash_attn_effective(args.flash_attn, caps, device)
+    shape = LaneShape(
+        ctx=args.ctx, parallel=args.parallel, kv_unified=args.kv_unified, type_k=args.cache_type_k,
+        type_v=args.cache_type_v, flash_attn=flash, layout=caps.kv_layout, n_ubatch=args.ubatch,
+        n_gpu_layers=ngl, tensor_split=shares, devices=(backend,) * len(gpus), split_mode=args.split_mode,
+        main_gpu=args.main_gpu, no_kv_offload=args.no_kv_offload,
+    )  # fmt: skip
+    try:
+        mem = lane_memory(facts, shape, cpu_repack())
+    except (MemoryModelError, PlacementError) as exc:
         raise UserError(str(exc)) from None
+    over = [
+        f"GPU{i} needs {mib(d.total)} of {mib(gpus[i])}" for i, d in enumerate(mem.devices[1:]) if d.total > gpus[i]
+    ]
     if args.json:
         print(msgspec.json.encode(mem).decode())
         return 0
@@ -100,6 +150,12 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     ]  # fmt: skip
     print(f"{facts.name}: ctx {args.ctx}, {args.parallel} slot(s), kv layout '{caps.kv_layout}'")
     print(table(["part", "size"], rows))
+    if gpus:
+        per = [[d.device, d.layers, mib(d.model_bytes), mib(d.kv_bytes), mib(d.compute_bytes), mib(d.output_bytes),
+                mib(d.total)] for d in mem.devices]  # fmt: skip
+        print(table(["device", "layers", "model", "kv", "compute", "output", "total"], per))
+    for line in over:
+        print(f"does not fit: {line}")
     return 0
 
 

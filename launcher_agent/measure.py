@@ -23,6 +23,8 @@ _FAILED = ("exiting due to", "failed to load model", "error:", "main: exiting")
 class Loaded:
     rc: int | None  # None: it loaded and was stopped
     lines: list[str]
+    pid: int = 0
+    extra: dict | None = None  # what on_loaded measured while the process still held its memory
 
     @property
     def ok(self) -> bool:
@@ -35,8 +37,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def load_and_stop(binary: str, args: list[str], timeout: float = 120.0) -> Loaded:
-    """Run `binary args` (verbosity 4 added) until the model is loaded, then SIGKILL it."""
+def load_and_stop(binary: str, args: list[str], timeout: float = 120.0, on_loaded=None) -> Loaded:
+    """Run `binary args` (verbosity 4 added) until the model is loaded, then SIGKILL it.
+
+    `on_loaded(pid)` runs while the loaded process still holds its memory (e.g. to read
+    nvidia-smi's per-process figure: buffers plus the CUDA context)."""
     argv = [binary, *args]
     if "--port" not in args:
         argv += ["--port", str(free_port())]
@@ -53,10 +58,10 @@ def load_and_stop(binary: str, args: list[str], timeout: float = 120.0) -> Loade
         for line in proc.stdout:
             lines.append(line.rstrip("\n"))
             if any(marker in line for marker in _DONE):
-                return Loaded(None, lines)
+                return Loaded(None, lines, proc.pid, on_loaded(proc.pid) if on_loaded else None)
             if time.monotonic() > deadline:
                 break
-        return Loaded(proc.wait(timeout=10), lines)
+        return Loaded(proc.wait(timeout=10), lines, proc.pid)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -5,19 +5,30 @@ Pure of NATS, so `lanes report` builds the same report an agent publishes.
 
 from __future__ import annotations
 
+import msgspec
 import structlog
 
 from launcher_agent import hardware
 from launcher_agent.config import AgentConfig
 from shared.gguf_facts import scan_models
-from shared.messages import HostReport
+from shared.messages import GpuInfo, HostReport
 
 log = structlog.get_logger("lanes.agent")
 VERSION = "0.1.0"
 
 
-def host_report(cfg: AgentConfig, lanes_rss: int = 0, facts_cache: dict | None = None) -> HostReport:
-    """`facts_cache` keeps each GGUF's facts between reports (a file is read once per change)."""
+def host_report(
+    cfg: AgentConfig,
+    lanes_rss: int = 0,
+    facts_cache: dict | None = None,
+    lane_pids: list[int] | None = None,
+    lanes_gpu: dict[int, int] | None = None,
+) -> HostReport:
+    """`facts_cache` keeps each GGUF's facts between reports (a file is read once per change).
+
+    `lanes_gpu` (GPU index -> bytes our lanes hold there, from their printed buffers) fills
+    each GPU's lanes_vram where NVML has no per-process figure (RPC devices, no NVML).
+    """
     cores, total, available = hardware.ram()
     if cfg.max_ram:
         total = min(total, cfg.max_ram)
@@ -31,7 +42,8 @@ def host_report(cfg: AgentConfig, lanes_rss: int = 0, facts_cache: dict | None =
         ram_total=total,
         ram_available=available,
         lanes_rss=lanes_rss,
-        gpus=hardware.nvidia_gpus(),
+        gpus=_gpus(cfg, lane_pids or [], lanes_gpu or {}),
+        cpu_repack=hardware.cpu_repack(),
         server=cfg.caps,
         models=tuple(models),
         port_base=cfg.port_base,
@@ -40,3 +52,14 @@ def host_report(cfg: AgentConfig, lanes_rss: int = 0, facts_cache: dict | None =
         agent_version=VERSION,
         report_interval=cfg.report_interval,
     )
+
+
+def _gpus(cfg: AgentConfig, lane_pids: list[int], lanes_gpu: dict[int, int]) -> tuple[GpuInfo, ...]:
+    gpus = list(hardware.nvidia_gpus(lane_pids) or hardware.apple_gpus())
+    gpus += hardware.rpc_gpus(cfg.binary, cfg.rpc_servers) if cfg.rpc_servers else []
+    out = []
+    for i, g in enumerate(gpus):
+        if not g.lanes_vram and lanes_gpu.get(i):
+            g = msgspec.structs.replace(g, lanes_vram=lanes_gpu[i])
+        out.append(g)
+    return tuple(out)

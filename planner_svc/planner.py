@@ -11,21 +11,33 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from planner_svc.layouts import (
+    CPU_RESOURCE,
+    Layout,
+    Resource,
+    candidates,
+    cost_vector,
+    fits,
+    largest,
+    layout_memory,
+    partial_layout,
+)
 from planner_svc.policy import (
     Flags,
     correction,
     decide_flags,
-    gpu_budget,
+    gpu_budgets,
     ram_budget,
     revert_target,
     window_bounds,
 )
 from shared.argv import lane_args
 from shared.capabilities import flash_attn_effective
-from shared.memory import CTX_PAD, MemoryModelError, estimate
+from shared.device_memory import LaneShape
+from shared.memory import CTX_PAD, MemoryModelError
+from shared.placement import PlacementError
 from shared.messages import (
     Demand,
-    Device,
     FleetConfig,
     FleetPlan,
     HostPlan,
@@ -61,7 +73,7 @@ class _Lane:
     facts: ModelFacts
     index: int
     flags: Flags
-    device: Device
+    layout: Layout
     floor: int  # per-slot window
     ceiling: int
     factor: float  # >1 when the host reported more use than planned
@@ -72,12 +84,16 @@ class _Lane:
     def lane_id(self) -> str:
         return lane_id_for(self.persona.model, self.index)
 
+    @property
+    def device(self) -> str:
+        return "gpu" if self.layout.gpus else "cpu"
+
     def total_ctx(self, window: int) -> int:
         return window * self.persona.parallel
 
-    def memory(self, window: int, caps: ServerCaps, n_ubatch: int) -> MemoryBreakdown:
-        return estimate(
-            self.facts,
+    def memory(self, window: int, report: HostReport, n_ubatch: int) -> MemoryBreakdown:
+        caps = report.server
+        base = LaneShape(
             ctx=self.total_ctx(window),
             parallel=self.persona.parallel,
             kv_unified=self.persona.kv_unified,
@@ -86,19 +102,28 @@ class _Lane:
             flash_attn=flash_attn_effective(self.flags.flash_attn, caps, self.device),
             layout=caps.kv_layout,
             n_ubatch=n_ubatch,
-            device=self.device,
         )
+        return layout_memory(self.facts, self.layout, report, base)
 
 
-def _cost(lane: _Lane, window: int, caps: ServerCaps, n_ubatch: int) -> int:
-    return int(lane.memory(window, caps, n_ubatch).total_bytes * lane.factor + 0.999)
+def _cost(lane: _Lane, window: int, report: HostReport, n_ubatch: int) -> dict[Resource, int]:
+    return cost_vector(lane.memory(window, report, n_ubatch), lane.layout, report, lane.factor)
 
 
-def _grow(lanes: list[_Lane], budget: int, cost: Callable[[_Lane, int], int]) -> None:
-    """Elastic windows: one common growth fraction t for every lane in a pool.
+def _sum_costs(costs) -> dict[Resource, int]:
+    total: dict[Resource, int] = {}
+    for c in costs:
+        for r, b in c.items():
+            total[r] = total.get(r, 0) + b
+    return total
+
+
+def _grow(lanes: list[_Lane], budget: Mapping[Resource, int], cost: Callable[[_Lane, int], dict]) -> None:
+    """Elastic windows: one common growth fraction t for every lane of a host.
 
     Each lane's window is monotone in t and the largest feasible t is monotone in the
-    budget, so more memory, or a cheaper cache type, never gives any lane a smaller window.
+    budgets, so more memory, or a cheaper cache type, never gives any lane a smaller
+    window; a window is the largest that fits every device its lane touches.
     """
     if not lanes:
         return
@@ -108,18 +133,10 @@ def _grow(lanes: list[_Lane], budget: int, cost: Callable[[_Lane, int], int]) ->
         return [lane.floor + CTX_PAD * (s * t // _T_SCALE) for lane, s in zip(lanes, steps)]
 
     def fits(t: int) -> bool:
-        return sum(cost(lane, w) for lane, w in zip(lanes, windows(t))) <= budget
+        total = _sum_costs(cost(lane, w) for lane, w in zip(lanes, windows(t)))
+        return all(b <= budget.get(r, 0) for r, b in total.items())
 
-    lo, hi = 0, _T_SCALE
-    if fits(hi):
-        lo = hi
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid - 1
-    for lane, w in zip(lanes, windows(lo)):
+    for lane, w in zip(lanes, windows(largest(fits, 0, _T_SCALE))):
         lane.window = w
 
 
@@ -151,10 +168,9 @@ def plan(
     host_reasons: dict[str, list[str]] = {r.host_id: [] for r in reports}
     host_unplaced: dict[str, list[Unplaced]] = {r.host_id: [] for r in reports}
     fleet_unplaced: list[Unplaced] = []
-    remaining: dict[tuple[str, Device], int] = {}
+    remaining: dict[str, dict[Resource, int]] = {}
     for r in reports:
-        remaining[(r.host_id, "cpu")] = ram_budget(r, config)
-        remaining[(r.host_id, "gpu")] = gpu_budget(r, config)
+        remaining[r.host_id] = _budgets(r, config)
         if r.server is None:
             host_reasons[r.host_id].append("no lanes: no usable llama-server binary on this host")
     lanes: dict[str, list[_Lane]] = {r.host_id: [] for r in reports}
@@ -186,20 +202,68 @@ def plan(
                 host_unplaced[r.host_id],
                 previous.get(r.host_id),
                 config_revision,
+                feedback.get(r.host_id, ()),
             )
         )
     return FleetPlan(hosts=tuple(plans), unplaced=tuple(fleet_unplaced))
 
 
-def _place(persona, candidates, config, lanes, remaining, previous, feedback) -> tuple[bool, str]:
+def _budgets(report: HostReport, config: FleetConfig) -> dict[Resource, int]:
+    budgets = {CPU_RESOURCE: ram_budget(report, config)}
+    budgets.update({("gpu", i): b for i, b in gpu_budgets(report, config).items()})
+    return budgets
+
+
+def _previous_layout(prev: HostPlan | None, lane_id: str) -> Layout | None:
+    spec = next((s for s in prev.lanes if s.lane_id == lane_id), None) if prev else None
+    if spec is None:
+        return None
+    if not spec.gpu_devices:
+        return Layout("cpu")
+    full = spec.memory.devices and all(d.layers == 0 for d in spec.memory.devices if d.device == "CPU")
+    kind = ("gpu" if len(spec.gpu_devices) == 1 else "split") if full else "partial"
+    shares = spec.tensor_split
+    if shares and len(shares) != len(spec.gpu_devices):
+        shares = tuple(shares[g] for g in spec.gpu_devices if g < len(shares))
+    return Layout(kind, spec.gpu_devices, shares, None if full else spec.n_gpu_layers)
+
+
+def _choose_layout(lane_at, report, remaining, config, prev_layout) -> tuple[Layout, dict] | None:
+    """The first layout that fits at the floor window: the previous one if it still does
+    (steady inputs never alternate layouts), else the fastest."""
+
+    def cost(layout: Layout) -> dict[Resource, int]:
+        lane = lane_at(layout)
+        floor_cost = _cost(lane, lane.floor, report, config.n_ubatch)
+        # The layout is chosen with f16 costs, so the cache type only moves the window.
+        f16 = _cost(lane_at(layout, f16=True), lane.floor, report, config.n_ubatch)
+        return {r: max(b, f16.get(r, 0)) for r, b in floor_cost.items()}
+
+    tried = []
+    if prev_layout is not None and all(("gpu", g) in remaining for g in prev_layout.gpus):
+        tried.append(prev_layout)
+    tried += candidates(report, remaining, config.use_gpu)
+    for layout in tried:
+        c = cost(layout)
+        if fits(c, remaining):
+            return layout, c
+    layout = partial_layout(lane_at(Layout("cpu")).facts, report, remaining, cost, config.use_gpu)
+    if layout is not None:
+        return layout, cost(layout)
+    c = cost(Layout("cpu"))
+    return (Layout("cpu"), c) if fits(c, remaining) else None
+
+
+def _place(persona, candidates_, config, lanes, remaining, previous, feedback) -> tuple[bool, str]:
     """Put one lane of persona on the best candidate host where it fits at its floor."""
     options = []
     why = "does not fit"
-    for report, facts in candidates:
+    for report, facts in candidates_:
         host = report.host_id
         fb = [f for f in feedback.get(host, ()) if f.model == persona.model]
         index = sum(1 for lane in lanes[host] if lane.persona.model == persona.model)
-        revert = revert_target(config, report, facts, persona, lane_id_for(persona.model, index), fb)
+        lane_id = lane_id_for(persona.model, index)
+        revert = revert_target(config, report, facts, persona, lane_id, fb)
         if revert is not None:
             flags, floor, ceiling, bound_reasons = revert
             factor, factor_reasons = 1.0, []
@@ -219,54 +283,59 @@ def _place(persona, candidates, config, lanes, remaining, previous, feedback) ->
                 why = f"trained context {facts.n_ctx_train} is below {CTX_PAD}"
                 continue
             factor, factor_reasons = correction(fb)
-        caps = report.server
-        for device in ("gpu", "cpu"):
-            lane = _Lane(host, persona, facts, index, flags, device, floor, ceiling, factor)
-            if device == "gpu" and remaining[(host, "gpu")] <= 0:
-                continue
-            try:
-                floor_cost = _cost(lane, floor, caps, config.n_ubatch)
-                # The device is chosen with f16 costs, so the cache type only moves the window.
-                f16 = _Lane(host, persona, facts, index, Flags(None, None, None, ()), device, floor, ceiling, factor)
-                device_cost = max(floor_cost, _cost(f16, floor, caps, config.n_ubatch))
-            except MemoryModelError as exc:
-                why = str(exc)
-                break
-            if device_cost <= remaining[(host, device)]:
-                lane.reasons = list(flags.reasons) + bound_reasons + factor_reasons
-                had_before = any(
-                    s.lane_id == lane.lane_id for s in (previous.get(host).lanes if previous.get(host) else ())
-                )
-                options.append(
-                    (not had_before, -remaining[(host, device)] + floor_cost, host, device, lane, floor_cost)
-                )
-                break
+
+        def lane_at(layout: Layout, f16: bool = False) -> _Lane:
+            f = Flags(None, None, None, ()) if f16 else flags
+            return _Lane(host, persona, facts, index, f, layout, floor, ceiling, factor)
+
+        try:
+            chosen = _choose_layout(lane_at, report, remaining[host], config, _previous_layout(previous.get(host), lane_id))
+        except (MemoryModelError, PlacementError) as exc:
+            why = str(exc)
+            continue
+        if chosen is None:
+            at_floor = _cost(lane_at(Layout("cpu")), floor, report, config.n_ubatch)[CPU_RESOURCE]
             why = (
-                f"does not fit at its floor of {floor} tokens per slot: needs {_gib(floor_cost)},"
-                f" {_gib(remaining[(host, 'cpu')])} RAM left"
-            )
+                f"does not fit at its floor of {floor} tokens per slot: needs {_gib(at_floor)} on the CPU,"
+                f" {_gib(remaining[host][CPU_RESOURCE])} RAM left"
+                + (f", and no layer fits the GPUs' {_gib(sum(b for r, b in remaining[host].items() if r[0] == 'gpu'))}"
+                   if report.gpus and config.use_gpu else "")
+            )  # fmt: skip
+            continue
+        layout, floor_cost = chosen
+        lane = lane_at(layout)
+        lane.reasons = list(flags.reasons) + bound_reasons + factor_reasons
+        lane.reasons.append(f"layout: {layout.describe(facts.n_layer)}")
+        had_before = any(s.lane_id == lane.lane_id for s in (previous.get(host).lanes if previous.get(host) else ()))
+        slack = sum(remaining[host].get(r, 0) - b for r, b in floor_cost.items())
+        options.append((not had_before, layout.rank, -slack, host, lane, floor_cost))
     if not options:
         return False, why
     options.sort(key=lambda o: o[:4])
-    *_, host, device, lane, floor_cost = options[0]
-    remaining[(host, device)] -= floor_cost
+    *_, host, lane, floor_cost = options[0]
+    for r, b in floor_cost.items():
+        remaining[host][r] = remaining[host].get(r, 0) - b
     lanes[host].append(lane)
     return True, ""
 
 
-def _host_plan(report, config, lanes, reasons, unplaced, prev: HostPlan | None, config_revision) -> HostPlan:
-    budgets = {"cpu": ram_budget(report, config), "gpu": gpu_budget(report, config)}
+def _host_plan(
+    report, config, lanes, reasons, unplaced, prev: HostPlan | None, config_revision, feedback=()
+) -> HostPlan:
+    budgets = _budgets(report, config)
     specs: list[LaneSpec] = []
     if report.server is not None:
 
-        def cost(lane: _Lane, window: int) -> int:
-            return _cost(lane, window, report.server, config.n_ubatch)
+        def cost(lane: _Lane, window: int) -> dict[Resource, int]:
+            return _cost(lane, window, report, config.n_ubatch)
 
-        for device in ("gpu", "cpu"):
-            pool = [lane for lane in lanes if lane.device == device]
-            _grow(pool, budgets[device], cost)
-            _keep_stable(pool, budgets[device], cost, prev, config, report.server.has_kv_unified)
-        specs, no_port = _assign_ports(report, [_spec(report, config, lane) for lane in lanes], prev)
+        _grow(lanes, budgets, cost)
+        _keep_stable(lanes, budgets, cost, prev, config, report.server.has_kv_unified)
+        busy = {fb.port: fb.detail for fb in feedback if fb.kind == "port_busy" and fb.port}
+        specs, no_port = _assign_ports(report, [_spec(report, config, lane) for lane in lanes], prev, busy)
+        reasons = list(reasons) + [
+            f"port {port} is given to no lane: taken by another program on this host" for port in sorted(busy)
+        ]
         unplaced = list(unplaced) + [
             Unplaced(
                 model=s.model, reason=f"no free port in {report.port_base}..{report.port_base + report.port_count - 1}"
@@ -277,8 +346,9 @@ def _host_plan(report, config, lanes, reasons, unplaced, prev: HostPlan | None, 
         host_id=report.host_id,
         plan_revision=0,
         config_revision=config_revision,
-        budget_ram=budgets["cpu"],
-        budget_gpu=budgets["gpu"],
+        budget_ram=budgets[CPU_RESOURCE],
+        budget_gpu=sum(b for r, b in budgets.items() if r[0] == "gpu"),
+        budget_gpus=tuple(budgets.get(("gpu", i), 0) for i in range(len(report.gpus))),
         max_restarts=config.max_restarts_per_host,
         drain_timeout=config.drain_timeout,
         lanes=tuple(specs),
@@ -289,7 +359,12 @@ def _host_plan(report, config, lanes, reasons, unplaced, prev: HostPlan | None, 
         return msgspec.structs.replace(draft, plan_revision=1)
     # Budgets drift with every report; a plan is rewritten only when what it asks for changes.
     comparable = msgspec.structs.replace(
-        prev, plan_revision=0, config_revision=config_revision, budget_ram=draft.budget_ram, budget_gpu=draft.budget_gpu
+        prev,
+        plan_revision=0,
+        config_revision=config_revision,
+        budget_ram=draft.budget_ram,
+        budget_gpu=draft.budget_gpu,
+        budget_gpus=draft.budget_gpus,
     )
     if comparable == draft:
         return (
@@ -301,7 +376,8 @@ def _host_plan(report, config, lanes, reasons, unplaced, prev: HostPlan | None, 
 
 
 def _keep_stable(
-    pool: list[_Lane], budget: int, cost, prev: HostPlan | None, config: FleetConfig, has_kv_unified: bool = True
+    pool: list[_Lane], budget: Mapping[Resource, int], cost, prev: HostPlan | None, config: FleetConfig,
+    has_kv_unified: bool = True,
 ) -> None:
     """Keep a running lane's window when the replan would move it by less than min_gain."""
     if prev is None:
@@ -319,7 +395,8 @@ def _keep_stable(
             continue
         proposed = lane.window
         lane.window = old_window
-        if sum(cost(x, x.window) for x in pool) > budget:
+        total = _sum_costs(cost(x, x.window) for x in pool)
+        if any(b > budget.get(r, 0) for r, b in total.items()):
             lane.window = proposed
             continue
         lane.reasons.append(
@@ -336,13 +413,24 @@ def _same_shape(spec: LaneSpec, lane: _Lane, has_kv_unified: bool = True) -> boo
         and spec.cache_type_k == lane.flags.cache_type_k
         and spec.cache_type_v == lane.flags.cache_type_v
         and spec.flash_attn == lane.flags.flash_attn
-        and (spec.n_gpu_layers > 0) == (lane.device == "gpu")
+        and spec.gpu_devices == lane.layout.gpus
+        and spec.n_gpu_layers == _n_gpu_layers(lane)
     )
+
+
+def _n_gpu_layers(lane: _Lane) -> int:
+    if not lane.layout.gpus:
+        return 0
+    n = lane.layout.n_gpu_layers
+    return lane.facts.n_layer + 1 if n is None else n
 
 
 def _spec(report: HostReport, config: FleetConfig, lane: _Lane) -> LaneSpec:
     caps = report.server
-    memory = lane.memory(lane.window, caps, config.n_ubatch)
+    memory = lane.memory(lane.window, report, config.n_ubatch)
+    gpus = lane.layout.gpus
+    names = tuple(report.gpus[g].device for g in gpus)
+    rpc = tuple(report.gpus[g].endpoint for g in gpus if report.gpus[g].endpoint)
     window_reason = f"window {lane.window} tokens per slot x {lane.persona.parallel} on {lane.device}: " + (
         "the ceiling" if lane.window == lane.ceiling else "the largest multiple of 256 that fits the budget"
     )
@@ -358,7 +446,14 @@ def _spec(report: HostReport, config: FleetConfig, lane: _Lane) -> LaneSpec:
         ctx_per_slot=lane.window if not lane.persona.kv_unified else lane.total_ctx(lane.window),
         parallel=lane.persona.parallel,
         kv_unified=lane.persona.kv_unified and caps.has_kv_unified,
-        n_gpu_layers=lane.facts.n_layer + 1 if lane.device == "gpu" else 0,
+        n_gpu_layers=_n_gpu_layers(lane),
+        gpu_devices=gpus,
+        device_names=names if gpus and all(names) else (),
+        # Without device names one GPU is pinned by --split-mode none --main-gpu (all visible).
+        split_mode=None if not gpus or all(names) else ("none" if len(gpus) == 1 else "layer"),
+        main_gpu=gpus[0] if gpus and not all(names) and len(gpus) == 1 else None,
+        tensor_split=_split_arg(lane.layout, report, all(names)) if len(gpus) > 1 else (),
+        rpc_servers=rpc if gpus and len(rpc) == len(gpus) else (),
         cache_type_k=lane.flags.cache_type_k,
         cache_type_v=lane.flags.cache_type_v,
         flash_attn=lane.flags.flash_attn,
@@ -369,13 +464,26 @@ def _spec(report: HostReport, config: FleetConfig, lane: _Lane) -> LaneSpec:
     )
 
 
+def _split_arg(layout: Layout, report: HostReport, pinned: bool) -> tuple[int, ...]:
+    """-ts for the lane's devices (pinned by --device) or over every GPU, zero for the others."""
+    if pinned:
+        return layout.shares
+    shares = dict(zip(layout.gpus, layout.shares))
+    return tuple(shares.get(i, 0) for i in range(len(report.gpus)))
+
+
 def _assign_ports(
-    report: HostReport, specs: list[LaneSpec], prev: HostPlan | None
+    report: HostReport, specs: list[LaneSpec], prev: HostPlan | None, busy: Mapping[int, str] | None = None
 ) -> tuple[list[LaneSpec], list[LaneSpec]]:
-    """Keep each lane's previous port; give new lanes the lowest free port in the host's range."""
+    """Keep each lane's previous port; give new lanes the lowest free port in the host's range.
+
+    Ports the host said another program holds (`busy`) are given to no lane: a lane
+    that had one moves to a free port (the host plan's reasons say why).
+    """
+    busy = busy or {}
     allowed = range(report.port_base, min(report.port_base + report.port_count, 65536))  # ports end at 65535
     before = {s.lane_id: s.port for s in prev.lanes} if prev else {}
-    taken: set[int] = set()
+    taken: set[int] = set(busy)
     ports: dict[str, int] = {}
     for spec in specs:
         port = before.get(spec.lane_id)

@@ -23,13 +23,30 @@ def ram_budget(report: HostReport, config: FleetConfig) -> int:
     return max(0, usable - headroom)
 
 
-def gpu_budget(report: HostReport, config: FleetConfig) -> int:
-    """VRAM of the largest GPU lanes may use (no split across GPUs, no partial offload)."""
+GPU_RESERVE = 256 * 1024 * 1024  # per GPU, beyond the headroom fraction: driver, display, fragmentation
+
+
+def gpu_budgets(report: HostReport, config: FleetConfig) -> dict[int, int]:
+    """VRAM lanes may use on each GPU: what is free plus what our own lanes hold there, less headroom.
+
+    A GPU's own `lanes_vram` is what this host's lanes hold on it; older agents sent only
+    the host-wide total, which is credited to a host's single GPU.
+    """
     if not config.use_gpu or not report.gpus:
-        return 0
-    gpu = max(report.gpus, key=lambda g: (g.vram_total, g.name))
-    usable = min(gpu.vram_total, gpu.vram_free + report.lanes_vram)
-    return max(0, usable - int(config.headroom_fraction * gpu.vram_total) - 256 * 1024 * 1024)
+        return {}
+    per_gpu = [g.lanes_vram for g in report.gpus]
+    if not any(per_gpu) and report.lanes_vram and len(report.gpus) == 1:
+        per_gpu = [report.lanes_vram]
+    budgets = {}
+    for i, gpu in enumerate(report.gpus):
+        usable = min(gpu.vram_total, gpu.vram_free + per_gpu[i])
+        budgets[i] = max(0, usable - int(config.headroom_fraction * gpu.vram_total) - GPU_RESERVE)
+    return budgets
+
+
+def gpu_budget(report: HostReport, config: FleetConfig) -> int:
+    """All GPUs' budgets together (what a host plan shows)."""
+    return sum(gpu_budgets(report, config).values())
 
 
 # ------------------------------------------------------------------ flags

@@ -29,11 +29,13 @@ from planner_svc.lease import DEFAULT_TTL, Lease
 from planner_svc.metrics import PlannerMetrics
 from planner_svc.planner import plan
 from shared import subjects
+from shared.buffer_lines import device_lines
 from shared.bus import NatsAuth, connect, kv_bucket, quietly, run_until, watch_forever
 from shared.messages import (
     ConfigSet,
     Demand,
     FleetConfig,
+    FleetHosts,
     FleetStatus,
     HostLiveness,
     HostPlan,
@@ -172,7 +174,9 @@ class PlannerState:
     def apply_rejection(self, rejection: PlanRejected) -> bool:
         """An agent refused its plan. True when a rewrite can help: its applied plan is newer."""
         host = subjects.host_token(rejection.host_id)
-        self.rejected[host] = f"plan r{rejection.plan_revision}: {rejection.reason}"
+        if host not in self.reports and host not in self.statuses:
+            return False  # no such host: nothing to record or rewrite
+        self.rejected[host] = f"plan r{rejection.plan_revision}: {rejection.reason[:300]}"
         if rejection.applied_revision > self.plan_seen.get(host, 0):
             self.plan_seen[host] = rejection.applied_revision
             self.plan_stored[host] = False
@@ -285,9 +289,19 @@ class PlannerService:
             self.dirty.set()
 
     async def liveness_loop(self, stop: asyncio.Event, every: float = 1.0) -> None:
+        written: bytes | None = None
         while not stop.is_set():
             if self.state.check_liveness():
                 self.dirty.set()
+            hosts = encode(
+                FleetHosts(hosts=tuple(msgspec.structs.replace(h, seen_ago_s=0.0) for h in self.state.liveness()))
+            )
+            if hosts != written and self.ready.is_set() and self.lease.holds():
+                try:
+                    await self.kv.put(subjects.HOSTS_KEY, hosts)
+                    written = hosts
+                except Exception as exc:
+                    log.info("hosts not published", error=str(exc) or type(exc).__name__)
             try:
                 await asyncio.wait_for(stop.wait(), every)
             except TimeoutError:
@@ -442,6 +456,10 @@ class PlannerService:
         found = self._host_plan(req)
         lines = [f"host {found.host_id} plan r{found.plan_revision} (config r{found.config_revision})"]
         lines += [f"{s.lane_id}: " + "; ".join(s.reasons) for s in found.lanes]
+        status = self.state.statuses.get(found.host_id)
+        printed = {lane.lane_id: lane.devices for lane in status.lanes} if status else {}
+        for s in found.lanes:
+            lines += device_lines(s, printed.get(s.lane_id, ()))
         lines += [f"unplaced {u.model}: {u.reason}" for u in found.unplaced]
         lines += [f"note: {r}" for r in found.reasons]
         await req.respond("\n".join(lines).encode())

@@ -49,11 +49,20 @@ class DeviceBuffers:
 
 
 _OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers")
+_USING = re.compile(r"llama_prepare_model_devices: using device (\S+) \(([^)]*)\)")
 
 
 def parse_buffers(lines) -> DeviceBuffers:
+    """Per device of the lane: GPU<i> is the i-th device llama-server says it uses (`using device`
+    lines, in its order), so a lane pinned to CUDA1 shows it as GPU0, and every ggml-rpc-server
+    (each names its buffers RPC0[host:port]) is told apart by its endpoint."""
     out = DeviceBuffers()
+    order: dict[str, int] = {}
     for line in lines:
+        if (m := _USING.search(line)) is not None:
+            name, desc = m.groups()
+            order.setdefault(f"{name}[{desc}]" if name.startswith("RPC") else name, len(order))
+            continue
         if (m := _OFFLOADED.search(line)) is not None:
             out.offloaded = (int(m.group(1)), int(m.group(2)))
             continue
@@ -61,7 +70,15 @@ def parse_buffers(lines) -> DeviceBuffers:
         if m is None:
             continue
         _, buffer, kind, value = m.groups()
-        per = out.mib.setdefault(device_name(buffer), {})
+        name = device_name(buffer)
+        if name != "CPU" and order:
+            key = buffer if buffer.startswith("RPC") else re.sub(r"_.*$", "", buffer)
+            rpc = re.match(r"RPC\d+\[(.*)\]$", buffer)
+            if rpc:  # match the server by its endpoint, whatever index it gave itself
+                key = next((k for k in order if k.endswith(f"[{rpc.group(1)}]")), key)
+            if key in order:
+                name = f"GPU{order[key]}"
+        per = out.mib.setdefault(name, {})
         per[kind] = round(per.get(kind, 0.0) + float(value), 2)
     return out
 
@@ -101,4 +118,40 @@ def compare(devices, printed: DeviceBuffers) -> list[Check]:
             if predicted == 0 and shown == 0:
                 continue
             out.append(Check(name, kind, round(predicted, 2), shown))
+    return out
+
+
+def devices_from_lines(lines) -> tuple:
+    """DeviceMemory per device from printed lines, CPU first (bytes rounded from two-decimal MiB)."""
+    from shared.messages import DeviceMemory
+
+    printed = parse_buffers(lines)
+    return tuple(
+        DeviceMemory(
+            device=name,
+            model_bytes=round(printed.get(name, "model") * MIB),
+            kv_bytes=round(printed.get(name, "KV") * MIB),
+            compute_bytes=round(printed.get(name, "compute") * MIB),
+            output_bytes=round(printed.get(name, "output") * MIB),
+        )
+        for name in printed.devices()
+    )
+
+
+def device_lines(spec, printed_devices=()) -> list[str]:
+    """One line per device of a lane: planned vs printed MiB for model, KV, compute, output."""
+    printed = {d.device: d for d in printed_devices}
+
+    def pair(planned: int, real) -> str:
+        return f"{planned / MIB:.2f}" + (f"/{real / MIB:.2f}" if real is not None else "")
+
+    out = []
+    for d in spec.memory.devices:
+        r = printed.get(d.device)
+        where = d.device if d.device == "CPU" or not spec.gpu_devices else f"{d.device} (host gpu {spec.gpu_devices[int(d.device[3:])]})"
+        out.append(
+            f"  {spec.lane_id} {where}: layers {d.layers}, MiB planned/printed: model {pair(d.model_bytes, r and r.model_bytes)}"
+            f", kv {pair(d.kv_bytes, r and r.kv_bytes)}, compute {pair(d.compute_bytes, r and r.compute_bytes)}"
+            f", output {pair(d.output_bytes, r and r.output_bytes)}"
+        )
     return out

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 from shared.memory import (
     DEFAULT_N_UBATCH,
-    MIB,
     PROCESS_OVERHEAD,
     KvSize,
     MemoryModelError,
@@ -164,23 +163,53 @@ def compute_bytes(facts: ModelFacts, placement: Placement, shape: LaneShape, kv:
     n_tokens = min(shape.n_ubatch, kv.cells * kv.streams)
     f32 = 4
     mask_width = 2 if shape.flash_attn else 4
-    masks = kv.cells * n_tokens * mask_width
-    if kv.swa_cells:
-        masks += kv.swa_cells * n_tokens * mask_width
     embd = facts.n_embd * n_tokens * f32
     ffn = facts.n_ff * n_tokens * f32
     logits = facts.n_vocab * shape.parallel * f32
-    scores = 0 if shape.flash_attn else kv.cells * n_tokens * facts.n_head * f32
+    swa = tuple(facts.swa_layers) + (False,) * (facts.n_layer + 1)
+    kv_layers = [il for il in range(facts.n_layer) if facts.n_head_kv[il]]
+
+    def attention(layers) -> tuple[int, int]:
+        """(masks, scores) on a device holding these layers: one mask per kind of cache it uses."""
+        kinds = {bool(kv.swa_cells) and swa[il] for il in layers if il in kv_layers}
+        masks = sum((kv.swa_cells if k else kv.cells) * n_tokens * mask_width for k in kinds)
+        widest = max(((kv.swa_cells if k else kv.cells) for k in kinds), default=0)
+        scores = 0 if shape.flash_attn else widest * n_tokens * facts.n_head * f32
+        return masks, scores
+
+    all_masks, _ = attention(range(facts.n_layer))
     out = [0] * (1 + placement.n_devices)
-    holders = sorted({d for d in placement.layer_device})
+    holders = sorted(set(placement.layer_device))
+    cpu_has_layers = CPU in holders
+    # llama_context: several devices, full offload, split by layer -> pipeline parallelism,
+    # and ggml's scheduler keeps GGML_SCHED_MAX_COPIES (4) copies of each split's inputs.
+    pipeline = not cpu_has_layers and len(holders) > 1 and shape.split_mode == "layer" and not shape.no_kv_offload
+    copies = 4 if pipeline else 1
+    first_gpu = min((d for d in holders if d != CPU), default=None)
     for dev in holders:
         is_output = dev == placement.output_device
-        peak_ffn = masks + 5 * embd + max(3 * ffn, logits if is_output else 0)
-        peak_attn = masks + scores + 4 * ffn - embd if scores else 0
+        layers = placement.layers_on(dev)
+        if dev != CPU and not any(il in kv_layers for il in layers):
+            out[1 + dev] = logits if is_output else 0  # the output layer alone: its logits
+            continue
+        masks, scores = attention(layers)
+        if dev == CPU:
+            masks = all_masks  # graph inputs are built in host memory
+            resid, attn_extra = 5 * embd, 4 * ffn - embd
+        elif cpu_has_layers:  # partial offload: the CPU side computes the first layers
+            resid, attn_extra = 2 * embd, 4 * ffn - (7 if dev == first_gpu else 12) * embd // 2
+        else:
+            resid, attn_extra = 4 * embd, 4 * ffn - 2 * embd
+        peak_ffn = masks + resid + max(3 * ffn, logits if is_output else 0)
+        peak_attn = masks + scores + attn_extra if scores else 0
         out[1 + dev] = max(peak_ffn, peak_attn)
-    if CPU not in holders:
-        # Full offload: the CPU still gathers token embeddings and keeps graph inputs.
-        out[0] = embd + n_tokens * f32 * 4
+        if pipeline:
+            out[1 + dev] += (copies - 1) * masks + (12 if dev == first_gpu else 4) * embd
+    if not cpu_has_layers:
+        # Full offload: the CPU still builds the graph inputs (masks) and gathers token embeddings.
+        out[0] = copies * all_masks + 4 * embd
+        if pipeline:
+            out[0] += (6 if shape.flash_attn else 10) * embd
     return out
 
 

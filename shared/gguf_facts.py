@@ -208,6 +208,36 @@ def _recurrent(arch: str, key, n_layer: int, n_head_kv: tuple[int, ...]) -> tupl
     return layers, sum(layers) * (n_embd_r + n_embd_s) * 4
 
 
+class FactsCache(dict):
+    """Facts by (path, size, mtime), kept in a JSON file so a restarted agent reads no GGUF again."""
+
+    def __init__(self, file: str | os.PathLike[str] | None = None) -> None:
+        super().__init__()
+        self.file = Path(file) if file else None
+        self._saved: set = set()
+        if self.file and self.file.is_file():
+            import msgspec
+
+            try:
+                entries = msgspec.json.decode(self.file.read_bytes(), type=list[tuple[str, int, int, ModelFacts]])
+            except (msgspec.DecodeError, msgspec.ValidationError, OSError):
+                entries = []  # a damaged cache is rebuilt, never trusted
+            for path, size, mtime, facts in entries:
+                self[(path, size, mtime)] = facts
+            self._saved = set(self)
+
+    def save(self) -> None:
+        if self.file is None or set(self) == self._saved:
+            return
+        import msgspec
+
+        self.file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.file.with_suffix(".tmp")
+        tmp.write_bytes(msgspec.json.encode([(*k, v) for k, v in sorted(self.items(), key=lambda kv: kv[0])]))
+        tmp.replace(self.file)
+        self._saved = set(self)
+
+
 def scan_models(
     folders: list[str | os.PathLike[str]], cache: dict[tuple[str, int, int], ModelFacts] | None = None
 ) -> tuple[list[ModelFacts], list[str]]:
@@ -230,4 +260,8 @@ def scan_models(
                 found.append(facts)
             except (ModelError, OSError) as exc:
                 problems.append(str(exc))
+    if isinstance(cache, FactsCache):
+        for key in [k for k in cache if not Path(k[0]).exists()]:
+            del cache[key]
+        cache.save()
     return found, problems

@@ -58,6 +58,8 @@ class GpuInfo(msgspec.Struct, frozen=True, kw_only=True):
     unified: bool = False
     # The last GPU query failed (NVML error): these figures are the last good ones, not zero.
     stale: bool = False
+    # An RPC device (ggml-rpc-server): its host:port, passed to llama-server as --rpc.
+    endpoint: str = ""
 
 
 class ServerCaps(msgspec.Struct, frozen=True, kw_only=True):
@@ -260,8 +262,11 @@ class LaneSpec(msgspec.Struct, frozen=True, kw_only=True):
     # Indices into the host's reported gpus the lane is pinned to (--device), in order;
     # with more than one, tensor_split gives each its share of the layers (-ts).
     gpu_devices: tuple[int, ...] = ()
+    device_names: tuple[str, ...] = ()  # llama-server's names for them (--device), when the host reported them
     tensor_split: tuple[int, ...] = ()
     split_mode: Literal["layer", "none"] | None = None
+    main_gpu: int | None = None
+    rpc_servers: tuple[str, ...] = ()  # --rpc, for hosts whose GPU-type devices are ggml-rpc-servers
     cache_type_k: CacheType | None = None
     cache_type_v: CacheType | None = None
     flash_attn: FlashAttn | None = None
@@ -283,6 +288,8 @@ class HostPlan(_Msg, tag="host_plan", kw_only=True):
     config_revision: int = 0
     budget_ram: Bytes = 0
     budget_gpu: Bytes = 0
+    # Per GPU (index into the host report's gpus): what lanes may use there.
+    budget_gpus: tuple[int, ...] = ()
     # Rollout pace: how many serving lanes the agent may restart at once for a change.
     max_restarts: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 1
     # Seconds the agent waits for a draining lane's requests before it restarts or stops it.
@@ -316,6 +323,9 @@ class LaneStatus(msgspec.Struct, frozen=True, kw_only=True):
     stderr_tail: tuple[str, ...] = ()
     argv: tuple[str, ...] = ()
     failure: FailureKind | None = None
+    # Per device, the buffers llama-server printed (-lv 4 lines); the plan's spec.memory.devices
+    # holds the predicted ones. Empty until the lane has loaded.
+    devices: tuple[DeviceMemory, ...] = ()
     # Set while the agent waits for in-flight requests before a restart or stop:
     # gateways send a draining lane nothing new.
     draining: bool = False
@@ -339,7 +349,8 @@ class LaneEvent(_Msg, tag="lane_event", kw_only=True):
     host_id: Name
     lane_id: Name
     event: Literal[
-        "started", "healthy", "unresponsive", "crashed", "stopped", "failed", "mismatch", "rejected", "draining"
+        "started", "healthy", "unresponsive", "crashed", "stopped", "failed", "mismatch", "rejected", "rolled_back",
+        "draining",
     ]
     detail: str = ""
     pid: int | None = None
@@ -378,6 +389,13 @@ class HostLiveness(msgspec.Struct, frozen=True, kw_only=True):
     rejected: str = ""  # the agent's reason for refusing its latest plan, if it did
 
 
+class FleetHosts(_Msg, tag="fleet_hosts", kw_only=True):
+    """KV key `hosts`: every host's liveness, put by the active planner when a state changes
+    (seen_ago_s is 0 there: the key changes with states, not with time)."""
+
+    hosts: tuple[HostLiveness, ...] = ()
+
+
 class FleetStatus(_Msg, tag="fleet_status", kw_only=True):
     config_revision: int = 0  # counts config changes, as FleetConfig.revision
     config: FleetConfig = FleetConfig()
@@ -413,6 +431,7 @@ WIRE_TYPES: tuple[type, ...] = (
     ErrorReply,
     FleetStatus,
     PlannerLease,
+    FleetHosts,
 )
 
 
