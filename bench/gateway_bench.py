@@ -290,7 +290,8 @@ async def main() -> int:
         results: dict = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                                     f"Python {platform.python_version()}", "when": time.strftime("%Y-%m-%d %H:%M")}  # fmt: skip
         try:
-            connector = aiohttp.TCPConnector(limit=0)
+            # Idle connections go before llama-server's 5 s keep-alive timeout closes them (as the gateway does).
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2)
             async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as http:
                 await fleet.demand(1)
                 lane = (await fleet.lanes())[0]
