@@ -290,8 +290,10 @@ async def main() -> int:
         results: dict = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                                     f"Python {platform.python_version()}", "when": time.strftime("%Y-%m-%d %H:%M")}  # fmt: skip
         try:
-            # Idle connections go before llama-server's 5 s keep-alive timeout closes them (as the gateway does).
-            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2)
+            # A new connection per request on both paths: llama-server drops reused keep-alive
+            # connections now and then ("Server disconnected"), which the client would count
+            # as failures of the direct path. The gateway pools its own and retries those.
+            connector = aiohttp.TCPConnector(limit=0, force_close=True)
             async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as http:
                 await fleet.demand(1)
                 lane = (await fleet.lanes())[0]
