@@ -424,6 +424,9 @@ def _spec(report: HostReport, config: FleetConfig, lane: _Lane) -> LaneSpec:
     gpus = lane.layout.gpus
     names = tuple(report.gpus[g].device for g in gpus)
     rpc = tuple(report.gpus[g].endpoint for g in gpus if report.gpus[g].endpoint)
+    if gpus and len(rpc) == len(gpus):
+        # llama-server numbers RPC devices in the order of its --rpc list: the lane's own servers
+        names = tuple(f"RPC{k}" for k in range(len(rpc)))
     window_reason = f"window {lane.window} tokens per slot x {lane.persona.parallel} on {lane.device}: " + (
         "the ceiling" if lane.window == lane.ceiling else "the largest multiple of 256 that fits the budget"
     )
