@@ -61,7 +61,7 @@ def _host(view: FleetView, host: str, config: FleetConfig, routes: Mapping[LaneK
         lanes.append(_lane(spec, live.get(spec.lane_id), routes.get(key), view.busy(key), rates.get(key, 0.0)))
     return {
         "host_id": host_id,
-        "state": getattr(status, "host_state", None) or "live",
+        "state": view.host_states.get(host, "live"),
         "plan_revision": plan.plan_revision if plan else None,
         "applied_revision": status.plan_revision if status else None,
         "rollout_halted": status.rollout_halted if status else "",

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from shared import subjects
-from shared.messages import FleetConfig, HostPlan, HostReport, HostStatus
+from shared.messages import FleetConfig, FleetHosts, HostPlan, HostReport, HostStatus
 
 WILDCARD_BINDS = ("0.0.0.0", "::", "")
 
@@ -73,6 +73,7 @@ class FleetView:
     queued: dict[str, int] = field(default_factory=dict)  # requested model name -> waiting requests
     unreachable: dict[LaneKey, str] = field(default_factory=dict)
     served: dict[LaneKey, int] = field(default_factory=dict)  # requests each lane has finished (dashboard rates)
+    host_states: dict[str, str] = field(default_factory=dict)  # host token -> "live" | "lost", from the planner
     synced: bool = False  # the first full snapshot of the bucket has been read
     bad_entries: int = 0
     listeners: list[Callable[[], None]] = field(default_factory=list)
@@ -86,6 +87,11 @@ class FleetView:
         tables = {"plan": (self.plans, HostPlan), "status": (self.statuses, HostStatus),
                   "report": (self.reports, HostReport)}  # fmt: skip
         try:
+            if key == subjects.HOSTS_KEY:
+                hosts = FleetHosts() if value is None else msgspec.json.decode(value, type=FleetHosts)
+                self.host_states = {subjects.host_token(h.host_id): h.state for h in hosts.hosts}
+                self.changed()
+                return None
             if key == subjects.CONFIG_KEY:
                 if value is not None:
                     self.config = msgspec.json.decode(value, type=FleetConfig)
@@ -104,7 +110,7 @@ class FleetView:
         except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
             self.bad_entries += 1
             return f"{key}: {exc}"
-        if kind in ("plan", "status"):
+        if kind in ("plan", "status", "report") or key == subjects.CONFIG_KEY:  # the dashboard shows them all
             self.changed()
         return None
 

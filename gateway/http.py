@@ -8,6 +8,7 @@ lane; after bytes went out nothing is retried. Errors are OpenAI's shape.
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 
 import aiohttp
@@ -134,7 +135,6 @@ async def _forward(request: web.Request, name: str, body: bytes, started: float)
             retry = settings.retry_after if exc.status == 503 else None
             return openai_error(exc.status, str(exc), exc.code, retry_after=retry)
         lane = lease.lane
-        tried |= {lane.key}
         try:
             upstream = await app[SESSION].post(
                 lane.url + request.path,
@@ -145,8 +145,13 @@ async def _forward(request: web.Request, name: str, body: bytes, started: float)
         except aiohttp.ClientConnectionError as exc:  # refused, reset, closed before answering
             lease.release()
             failure = f"lane {lane.host_id}/{lane.lane_id} failed before answering: {type(exc).__name__} {exc}"
-            view.mark_unreachable(lane.key, failure)
             log.warning("lane failed before answering", lane=lane.lane_id, host=lane.host_id, error=failure)
+            dropped = isinstance(exc, aiohttp.ServerDisconnectedError)
+            if not dropped:
+                view.mark_unreachable(lane.key, failure)  # refused, unreachable: its probe brings it back
+            if not dropped or any(other.key != lane.key for other in view.lanes_for(name)):
+                tried |= {lane.key}
+            # else: the only lane, and a pooled connection it had just closed: try it once more
             continue
         except asyncio.TimeoutError:  # the request's own time is up: trying again would double the load
             lease.release()
@@ -155,6 +160,7 @@ async def _forward(request: web.Request, name: str, body: bytes, started: float)
         except BaseException:
             lease.release()
             raise
+        tried |= {lane.key}
         if upstream.status in RETRY_STATUSES:
             failure = f"lane {lane.host_id}/{lane.lane_id} answered {upstream.status}"
             upstream.release()
@@ -210,6 +216,26 @@ async def _relay(
 
 # ------------------------------------------------------------------ the app
 
+# A lane whose host vanished (a cut link, a dead machine) leaves sent bytes unacknowledged
+# and keepalive probes unanswered: the connection fails in seconds instead of the kernel's
+# quarter of an hour, so a request sent on it is retried on another lane.
+LANE_TCP_USER_TIMEOUT_MS = 5000
+LANE_KEEPALIVE_IDLE = 2.0  # seconds an idle pooled connection to a lane is kept (llama-server: 5)
+LANE_KEEPALIVE = {"TCP_KEEPIDLE": 5, "TCP_KEEPINTVL": 2, "TCP_KEEPCNT": 3}
+
+
+def lane_socket(addr_info) -> socket.socket:
+    family, type_, proto, _, _ = addr_info
+    sock = socket.socket(family=family, type=type_, proto=proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in LANE_KEEPALIVE.items():
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    if hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, LANE_TCP_USER_TIMEOUT_MS)
+    return sock
+
+
 
 def build_app(
     view: FleetView,
@@ -227,7 +253,10 @@ def build_app(
 
     async def client_session(app: web.Application):
         # No pool limit: admission bounds what is in flight; one connection per slot is kept alive.
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=10)
+        # Idle connections are let go before llama-server's own 5 s keep-alive timeout closes
+        # them: reusing one the server is closing at that instant fails the request.
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=10, keepalive_timeout=LANE_KEEPALIVE_IDLE,
+                                         socket_factory=lane_socket)  # fmt: skip
         async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
             app[SESSION] = session
             yield

@@ -174,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rpc", help="ggml-rpc-server endpoints (host:port,...) lanes may use as GPU-type devices")
     p.add_argument("--data", default=None, help="agent state folder (default ~/.lanes/agent)")
     p.add_argument("--dry-run", action="store_true", help="log each lane's argv instead of launching it")
+    p.add_argument("--probe-interval", type=float, default=5.0, help="seconds between /health probes of a serving lane")
+    p.add_argument("--probe-failures", type=_positive, default=3,
+                   help="missed probes in a row that make a lane unresponsive (then it is restarted)")  # fmt: skip
 
     p = sub.add_parser("gateway", help="OpenAI-compatible gateway in front of every lane")
     _add_connection(p)

@@ -9,6 +9,7 @@ import signal
 from pathlib import Path
 
 import msgspec
+import structlog
 
 from gateway.service import Gateway, run_gateway
 from gateway.settings import GatewaySettings
@@ -32,6 +33,8 @@ from shared.messages import (
     encode,
 )
 from shared.natsserver import NatsServer, NatsServerError
+
+log = structlog.get_logger("lanes.up")
 
 
 def _stop_event() -> asyncio.Event:
@@ -115,10 +118,44 @@ async def cmd_up(args: argparse.Namespace) -> int:
         print(f"dashboard: {gateway.url}/dashboard/", flush=True)
         print(_first_request(gateway.url, cfg.model_dirs), flush=True)
         print("  Ctrl-C stops everything, lanes included", flush=True)
-        await asyncio.gather(run_planner(server.url, stop), run_agent(cfg, server.url, stop), serving)
+        guard = asyncio.create_task(supervise_nats(server, stop))
+        await asyncio.gather(run_planner(server.url, stop), run_agent(cfg, server.url, stop), serving, guard)
+        if guard.result():  # everything has stopped, lanes included: now say why
+            raise UserError(guard.result())
     finally:
         server.stop()
     return 0
+
+
+NATS_RESTART_TRIES = 5
+
+
+async def supervise_nats(server: NatsServer, stop: asyncio.Event, every: float = 0.5) -> str | None:
+    """Restart `lanes up`'s nats-server on the same port and store if it dies; lanes keep serving
+    meanwhile (the services reconnect). If it cannot come back, stop everything and say why."""
+    failures = 0
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), every)
+            return None
+        except TimeoutError:
+            pass
+        if server.proc is None or server.proc.poll() is None:
+            failures = 0
+            continue
+        code = server.proc.returncode
+        log.warning("nats-server exited; restarting it on the same store", code=code, port=server.port)
+        try:
+            await asyncio.to_thread(server.start)
+            log.info("nats-server restarted", url=server.url)
+            failures = 0
+        except NatsServerError as exc:
+            failures += 1
+            if failures >= NATS_RESTART_TRIES:
+                stop.set()
+                return f"nats-server died (exit {code}) and could not be restarted: {exc}"
+            await asyncio.sleep(min(5.0, every * 2**failures))
+    return None
 
 
 def _first_request(url: str, model_dirs: list[str]) -> str:

@@ -25,6 +25,12 @@ class AgentConfig:
     max_ram: int | None = None  # an operator's cap on what lanes may plan for here
     backoff_base: float = 1.0
     dry_run: bool = False  # log the argv of each lane instead of launching it
+    # Serving lanes are probed (GET /health, which never wakes a sleeping model) this often;
+    # after probe_failures missed probes in a row the lane is unresponsive, then restarted.
+    probe_interval: float = 5.0
+    probe_failures: int = 3
+    probe_timeout: float = 2.0
+    feedback_ttl: float = 6 * 3600.0  # seconds an out-of-memory cap or a busy port is remembered
     # ggml-rpc-server endpoints this host's lanes may use as GPU-type devices (--rpc), in order.
     rpc_servers: tuple[str, ...] = ()
     # Where gateways reach this host's lanes; empty: the bind address (or, for 0.0.0.0, the host id).

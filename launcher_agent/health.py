@@ -7,6 +7,7 @@ crashes back off and retry until they loop.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -30,10 +31,14 @@ class Health:
     emit: Emit
     feedback: Feedback
     backoff_base: float = 1.0
+    probe_interval: float = 5.0
+    probe_failures: int = 3
+    probe_timeout: float = 2.0
 
     async def observe(self, lanes: Iterable[Lane], now: float) -> list[Exit]:
         """Fold what each process did since the last tick into its lane state."""
         exits: list[Exit] = []
+        due: list[Lane] = []
         for lane in lanes:
             proc = lane.process
             if proc is None:
@@ -58,19 +63,43 @@ class Health:
                 if lane.failures and lane.healthy_since and now - lane.healthy_since > HEALTHY_RESETS_FAILURES_AFTER:
                     lane.failures = 0
                 self.feedback.check_against_plan(lane)
+                if now >= lane.next_probe:
+                    due.append(lane)
+            elif lane.state == "unresponsive":
+                await proc.kill()  # its exit is seen on the next look, and handled like a crash
+        # Serving lanes are probed side by side: one wedged lane must not slow the others' checks.
+        await asyncio.gather(*(self._probe(lane, now) for lane in due))
         return exits
+
+    async def _probe(self, lane: Lane, now: float) -> None:
+        assert lane.process is not None
+        lane.next_probe = now + self.probe_interval
+        if await lane.process.alive(self.probe_timeout):
+            lane.missed_probes = 0
+            return
+        lane.missed_probes += 1
+        if lane.missed_probes >= self.probe_failures and lane.process.returncode is None:
+            lane.state = "unresponsive"
+            lane.last_error = f"unresponsive: no answer to {lane.missed_probes} /health probes in a row"
+            await self.emit(lane, "unresponsive", lane.last_error)
 
     async def _on_exit(self, lane: Lane, now: float) -> Exit:
         proc = lane.process
         assert proc is not None
         lines = list(proc.tail)
         kind, line = classify_failure(lines)
+        if lane.state == "unresponsive":  # killed by the agent: the restart is reported like a crash
+            kind, line = "unresponsive", lane.last_error
         died_at_start = lane.state in ("starting", "loading")
         broken_by_change = lane.last_good is not None and lane.last_good.args != lane.spec.args
         lane.failures += 1
         lane.last_error = f"exit {proc.returncode}: {line}"
         halts = f"{lane.spec.lane_id} failed with the change: {line}" if broken_by_change else None
-        if died_at_start and (kind in ("unsupported", "oom") or broken_by_change):
+        if died_at_start and kind == "port_busy":  # taken between the agent's look and the bind
+            lane.state, lane.failure = "failed", kind
+            self.feedback.port_busy(lane, line)
+            await self.emit(lane, "failed", lane.last_error)
+        elif died_at_start and (kind in ("unsupported", "oom") or broken_by_change):
             # llama-server refused this spec (or a change broke a lane that ran): restarting
             # the same argv cannot help; the planner corrects or reverts it.
             lane.state, lane.failure = "failed", kind

@@ -22,6 +22,8 @@ class Lane:
     failure: str | None = None
     plan_revision: int = 0
     last_good: LaneSpec | None = None  # the spec it last ran healthy with
+    next_probe: float = 0.0  # when a serving lane is next asked /health
+    missed_probes: int = 0
     draining: bool = False  # gateways are told to send it nothing new (launcher_agent/drain.py)
 
 

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import structlog
 
 from launcher_agent.config import AgentConfig
+from launcher_agent.feedback import Feedback
 from launcher_agent.lane import Emit, Lane
 from launcher_agent.persistence import Saved
-from launcher_agent.process import DryRunLane, LaneProcess
+from launcher_agent.process import DryRunLane, LaneProcess, port_taken
 from launcher_agent.reconcile import Action, Restart, Start, Stop
 from shared.messages import LaneSpec
 
@@ -22,6 +23,10 @@ log = structlog.get_logger("lanes.agent")
 class Lifecycle:
     cfg: AgentConfig
     emit: Emit
+    feedback: Feedback = field(default_factory=Feedback)
+    # Called after each start and stop: the state file records a pid before the next
+    # action can leave it orphaned (an agent killed mid-rollout).
+    on_change: Callable[[], None] = lambda: None
     lanes: dict[str, Lane] = field(default_factory=dict)
 
     async def apply(self, actions: Sequence[Action], plan_revision: int) -> None:
@@ -42,6 +47,16 @@ class Lifecycle:
             lane.last_good = previous.last_good
             if previous.spec.args == spec.args:
                 lane.failures, lane.restarts = previous.failures, previous.restarts + 1
+            elif previous.last_good is not None and previous.last_good.args == spec.args:
+                await self.emit(lane, "rolled_back", "back to the spec it last ran healthy with")
+        if not self.cfg.dry_run and await asyncio.to_thread(port_taken, spec.bind, spec.port):
+            # Another program holds the port: fed back, and the planner moves the lane.
+            lane.state, lane.failure = "failed", "port_busy"
+            lane.last_error = f"port {spec.port} is taken by another program on this host"
+            self.feedback.port_busy(lane, lane.last_error)
+            self.lanes[spec.lane_id] = lane
+            await self.emit(lane, "failed", lane.last_error)
+            return
         try:
             await process.start()
         except OSError as exc:
@@ -50,6 +65,7 @@ class Lifecycle:
             await self.emit(lane, "failed", lane.last_error)
             return
         self.lanes[spec.lane_id] = lane
+        self.on_change()
         log.info("lane started", lane=spec.lane_id, pid=process.pid, argv=process.argv)
         await self.emit(lane, "started", " ".join(process.argv))
 
@@ -58,6 +74,7 @@ class Lifecycle:
         if lane is None or lane.process is None:
             return
         await lane.process.stop()
+        self.on_change()
         log.info("lane stopped", lane=lane_id, reason=reason)
         if not keep_counts:
             lane.state = "stopped"
@@ -73,7 +90,7 @@ class Lifecycle:
             spec = specs.get(lane_id)
             if spec is None or self.cfg.dry_run:
                 continue
-            proc = LaneProcess.adopt(spec, self.cfg.binary, self._log_path(lane_id), pid)
+            proc = LaneProcess.adopt(spec, self.cfg.binary, self._log_path(lane_id), pid, saved.started.get(lane_id))
             if proc is not None:
                 self.lanes[lane_id] = Lane(spec=spec, process=proc, state="loading")
                 log.info("adopted running lane", lane=lane_id, pid=pid)

@@ -12,12 +12,14 @@ from pathlib import Path
 import msgspec
 
 from launcher_agent.lane import Lane
-from shared.messages import HostPlan
+from shared.messages import HostPlan, LaneFeedback
 
 
 class Saved(msgspec.Struct):
     plan: HostPlan | None = None
     pids: dict[str, int] = {}
+    started: dict[str, float] = {}  # each pid's start time: a reused pid is not adopted
+    feedback: list[LaneFeedback] = []  # what the plan got wrong, until it expires
 
 
 class StateFile:
@@ -25,8 +27,10 @@ class StateFile:
         self.path = path
         self._written = b""  # what the file holds
 
-    def save(self, plan: HostPlan | None, lanes: Mapping[str, Lane]) -> None:
-        saved = Saved(plan=plan, pids={k: v.process.pid for k, v in lanes.items() if v.process and v.process.pid})
+    def save(self, plan: HostPlan | None, lanes: Mapping[str, Lane], feedback: list[LaneFeedback] = ()) -> None:
+        running = {k: v.process for k, v in lanes.items() if v.process and v.process.pid}
+        started = {k: t for k, p in running.items() if (t := p.started_at()) is not None}
+        saved = Saved(plan=plan, pids={k: p.pid for k, p in running.items()}, started=started, feedback=list(feedback))
         data = msgspec.json.encode(saved)
         if data == self._written:
             return

@@ -20,6 +20,17 @@ from shared.buffer_lines import devices_from_lines
 from shared.messages import DeviceMemory, LaneSpec
 
 TAIL_LINES = 40
+START_TIME_SLACK = 0.05  # seconds; psutil's create_time is read from /proc in clock ticks
+
+
+def port_taken(host: str, port: int) -> bool:
+    """Whether another program listens on the port (a lane could not bind it)."""
+    import socket
+
+    host = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    with socket.socket() as probe:
+        probe.settimeout(0.5)
+        return probe.connect_ex((host, port)) == 0
 
 
 async def http_get(host: str, port: int, path: str, timeout: float = 2.0) -> tuple[int, dict | None]:
@@ -84,13 +95,18 @@ class LaneProcess:
         self._offset = 0
 
     @classmethod
-    def adopt(cls, spec: LaneSpec, binary: str, log_path: Path, pid: int) -> LaneProcess | None:
-        """Take over a lane a previous agent started, if it is still that very process."""
+    def adopt(
+        cls, spec: LaneSpec, binary: str, log_path: Path, pid: int, started: float | None = None
+    ) -> LaneProcess | None:
+        """Take over a lane a previous agent started, if it is still that very process: same
+        flags and, when recorded, the same start time (a reused pid has another)."""
         try:
             p = psutil.Process(pid)
             # Compare the flags, not argv[0]: a wrapper script may exec the real binary.
             args = list(spec.args)
             if p.cmdline()[-len(args) :] != args or p.status() == psutil.STATUS_ZOMBIE:
+                return None
+            if started is not None and abs(p.create_time() - started) > START_TIME_SLACK:
                 return None
         except (psutil.Error, OSError):
             return None
@@ -98,6 +114,13 @@ class LaneProcess:
         lane.adopted = p
         lane.read_log()
         return lane
+
+    def started_at(self) -> float | None:
+        """The process's start time (seconds since the epoch), recorded for adoption."""
+        try:
+            return psutil.Process(self.pid).create_time() if self.pid else None
+        except psutil.Error:
+            return None
 
     @property
     def pid(self) -> int | None:
@@ -170,6 +193,22 @@ class LaneProcess:
             )
         return "healthy", ""
 
+    async def alive(self, timeout: float) -> bool:
+        """Does the serving lane still answer /health? (Cheap: no request reaches the model.)"""
+        status, _ = await http_get(self.spec.bind, self.spec.port, "/health", timeout=timeout)
+        return status == 200
+
+    async def kill(self) -> None:
+        """SIGKILL: a wedged (even SIGSTOPped) process cannot be asked to stop."""
+        pid = self.pid
+        if pid is None or self.returncode is not None:
+            return
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        await self._wait(5.0)
+
     async def busy_slots(self) -> int | None:
         """Slots processing a request (llama-server's /slots); None when nothing answers."""
         status, slots = await http_get(self.spec.bind, self.spec.port, "/slots")
@@ -238,6 +277,12 @@ class DryRunLane(LaneProcess):
 
     async def probe_health(self) -> tuple[str, str]:
         return "healthy", ""
+
+    async def alive(self, timeout: float) -> bool:
+        return True
+
+    async def kill(self) -> None:
+        self._stopped = True
 
     async def busy_slots(self) -> int | None:
         return 0

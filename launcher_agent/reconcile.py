@@ -180,7 +180,7 @@ def decide(
         if obs is None:
             continue
         if obs.spec.args != spec.args:
-            if obs.state in ("crashed", "failed", "mismatch"):
+            if obs.state in ("crashed", "failed", "mismatch", "unresponsive"):
                 restarts.append(Restart(spec, "spec changed (lane was down)"))
             elif budget > 0:
                 restarts.append(Restart(spec, "spec changed"))
@@ -221,9 +221,12 @@ def kv_mib_from_log(lines: Sequence[str]) -> float | None:
     return sum(values) if values else None
 
 
+_PORT_BUSY = re.compile(r"couldn't bind HTTP server socket|Address already in use", re.IGNORECASE)
+
+
 def classify_failure(lines: Sequence[str]) -> tuple[FailureKind, str]:
     """Why a lane died, and llama-server's own line saying so."""
-    for pattern, kind in ((_UNSUPPORTED, "unsupported"), (_OOM, "oom")):
+    for pattern, kind in ((_PORT_BUSY, "port_busy"), (_UNSUPPORTED, "unsupported"), (_OOM, "oom")):
         for line in lines:
             if pattern.search(line):
                 return kind, line.strip()

@@ -1,8 +1,10 @@
 """The launcher agent's NATS side: reports this host, watches its plan, publishes
 status and events, and runs the Supervisor that keeps the host's lanes as planned.
 
-Lanes keep serving while NATS is away; the plan watch is re-created after every
-reconnect (nats-py's watcher goes silent after a server restart).
+Lanes keep serving while NATS is away. The plan is followed without a JetStream
+consumer (shared.bus.follow_key: a subscription on the key's subject plus a direct
+get), so the agent's NATS user needs no consumer rights; the key is read again after
+every reconnect and every report interval.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from launcher_agent.metrics import AgentMetrics
 from launcher_agent.report import VERSION, host_report
 from launcher_agent.supervisor import Supervisor
 from shared import subjects
-from shared.bus import NatsAuth, connect, kv_bucket, quietly, run_until, watch_forever
+from shared.bus import NatsAuth, connect, follow_key, kv_bucket, quietly, run_until
 from shared.gguf_facts import FactsCache
 from shared.messages import HostPlan, HostReport, LaneEvent, PlanRejected, encode
 from shared.metrics_http import serve_metrics
@@ -46,6 +48,7 @@ class Agent:
     resync: asyncio.Event = field(default_factory=asyncio.Event)
     _last_status: bytes = b""
     _facts_cache: dict = field(default_factory=dict)
+    _plan_seen: bytes | None = None  # the plan entry last acted on: a re-read of it changes nothing
 
     def __post_init__(self) -> None:
         self.sup = Supervisor(self.cfg, emit=self._event)
@@ -63,9 +66,10 @@ class Agent:
 
     # ------------------------------------------------------------ plans in
 
-    async def on_plan(self, key: str, value: bytes | None, revision: int) -> None:
-        if value is None:
+    async def on_plan(self, key: str, value: bytes | None) -> None:
+        if value is None or value == self._plan_seen:
             return
+        self._plan_seen = value
         try:
             plan = msgspec.json.decode(value, type=HostPlan)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -135,11 +139,18 @@ class Agent:
 
 async def _nats_side(agent: Agent, servers: str, auth: NatsAuth, stop: asyncio.Event, stack: AsyncExitStack) -> None:
     async def on_reconnect() -> None:
+        agent._plan_seen = None  # a rejection sent meanwhile may be lost: say it again
         agent.resync.set()
 
     while not stop.is_set():
         try:
-            agent.nc = await connect(servers, name=f"lanes-agent-{agent.host}", auth=auth, on_reconnect=on_reconnect)
+            agent.nc = await connect(
+                servers,
+                name=f"lanes-agent-{agent.host}",
+                auth=auth,
+                on_reconnect=on_reconnect,
+                inbox_prefix=subjects.agent_inbox(agent.host),
+            )
             break
         except Exception as exc:
             log.warning("nats not reachable; lanes keep running, retrying", error=str(exc) or type(exc).__name__)
@@ -178,7 +189,15 @@ async def _nats_side(agent: Agent, servers: str, auth: NatsAuth, stop: asyncio.E
         name="info", subject=subjects.endpoint_tail(subjects.agent_info(agent.host), where), handler=info_handler
     )
     await agent.publish_report()
-    await watch_forever(agent.kv, subjects.plan_key(agent.host), agent.on_plan, resync=agent.resync, stop=stop)
+    await follow_key(
+        agent.nc,
+        agent.kv,
+        subjects.plan_key(agent.host),
+        agent.on_plan,
+        resync=agent.resync,
+        stop=stop,
+        every=agent.cfg.report_interval,
+    )
 
 
 async def _report_loop(agent: Agent, stop: asyncio.Event) -> None:

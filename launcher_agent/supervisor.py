@@ -48,8 +48,15 @@ class Supervisor:
 
     def __post_init__(self) -> None:
         self.drains = Drains(self.emit)
-        self.procs = Lifecycle(self.cfg, self.emit)
-        self.health = Health(self.emit, self.feedback, self.cfg.backoff_base)
+        self.procs = Lifecycle(self.cfg, self.emit, self.feedback, on_change=self._save)
+        self.health = Health(
+            self.emit,
+            self.feedback,
+            self.cfg.backoff_base,
+            probe_interval=self.cfg.probe_interval,
+            probe_failures=self.cfg.probe_failures,
+            probe_timeout=self.cfg.probe_timeout,
+        )
         self.store = StateFile(self.cfg.data_dir / "agent-state.json")
 
     @property
@@ -81,6 +88,8 @@ class Supervisor:
 
     async def supervise(self, now: float) -> None:
         """Fold what each process did since the last tick into its lane state."""
+        if self.feedback.expire(self.cfg.feedback_ttl):
+            self._save()
         exits = await self.health.observe(self.lanes.values(), now)
         for exit in exits:
             if exit.halts and self.plan is not None:
@@ -88,8 +97,7 @@ class Supervisor:
                     self.rollouts_halted += 1
                 self.halted = (self.plan.config_revision, exit.halts)
                 log.warning("rollout halted", config_revision=self.plan.config_revision, reason=exit.halts)
-        if exits:
-            self._save()
+        self._save()  # exits, new feedback (written only when something changed)
 
     def observed(self) -> dict[str, Observed]:
         return {
@@ -125,13 +133,14 @@ class Supervisor:
         self._save()
 
     def _save(self) -> None:
-        self.store.save(self.plan, self.lanes)
+        self.store.save(self.plan, self.lanes, list(self.feedback.sorted()))
 
     def load_saved(self) -> None:
         saved = self.store.load()
         if saved is None:
             return
         self.plan = saved.plan
+        self.feedback.restore(saved.feedback)
         self.procs.adopt(saved)
 
     # ------------------------------------------------------------ status out

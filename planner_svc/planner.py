@@ -202,6 +202,7 @@ def plan(
                 host_unplaced[r.host_id],
                 previous.get(r.host_id),
                 config_revision,
+                feedback.get(r.host_id, ()),
             )
         )
     return FleetPlan(hosts=tuple(plans), unplaced=tuple(fleet_unplaced))
@@ -318,7 +319,9 @@ def _place(persona, candidates_, config, lanes, remaining, previous, feedback) -
     return True, ""
 
 
-def _host_plan(report, config, lanes, reasons, unplaced, prev: HostPlan | None, config_revision) -> HostPlan:
+def _host_plan(
+    report, config, lanes, reasons, unplaced, prev: HostPlan | None, config_revision, feedback=()
+) -> HostPlan:
     budgets = _budgets(report, config)
     specs: list[LaneSpec] = []
     if report.server is not None:
@@ -328,7 +331,11 @@ def _host_plan(report, config, lanes, reasons, unplaced, prev: HostPlan | None, 
 
         _grow(lanes, budgets, cost)
         _keep_stable(lanes, budgets, cost, prev, config, report.server.has_kv_unified)
-        specs, no_port = _assign_ports(report, [_spec(report, config, lane) for lane in lanes], prev)
+        busy = {fb.port: fb.detail for fb in feedback if fb.kind == "port_busy" and fb.port}
+        specs, no_port = _assign_ports(report, [_spec(report, config, lane) for lane in lanes], prev, busy)
+        reasons = list(reasons) + [
+            f"port {port} is given to no lane: taken by another program on this host" for port in sorted(busy)
+        ]
         unplaced = list(unplaced) + [
             Unplaced(
                 model=s.model, reason=f"no free port in {report.port_base}..{report.port_base + report.port_count - 1}"
@@ -469,12 +476,17 @@ def _split_arg(layout: Layout, report: HostReport, pinned: bool) -> tuple[int, .
 
 
 def _assign_ports(
-    report: HostReport, specs: list[LaneSpec], prev: HostPlan | None
+    report: HostReport, specs: list[LaneSpec], prev: HostPlan | None, busy: Mapping[int, str] | None = None
 ) -> tuple[list[LaneSpec], list[LaneSpec]]:
-    """Keep each lane's previous port; give new lanes the lowest free port in the host's range."""
+    """Keep each lane's previous port; give new lanes the lowest free port in the host's range.
+
+    Ports the host said another program holds (`busy`) are given to no lane: a lane
+    that had one moves to a free port (the host plan's reasons say why).
+    """
+    busy = busy or {}
     allowed = range(report.port_base, min(report.port_base + report.port_count, 65536))  # ports end at 65535
     before = {s.lane_id: s.port for s in prev.lanes} if prev else {}
-    taken: set[int] = set()
+    taken: set[int] = set(busy)
     ports: dict[str, int] = {}
     for spec in specs:
         port = before.get(spec.lane_id)

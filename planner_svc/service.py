@@ -35,6 +35,7 @@ from shared.messages import (
     ConfigSet,
     Demand,
     FleetConfig,
+    FleetHosts,
     FleetStatus,
     HostLiveness,
     HostPlan,
@@ -173,7 +174,9 @@ class PlannerState:
     def apply_rejection(self, rejection: PlanRejected) -> bool:
         """An agent refused its plan. True when a rewrite can help: its applied plan is newer."""
         host = subjects.host_token(rejection.host_id)
-        self.rejected[host] = f"plan r{rejection.plan_revision}: {rejection.reason}"
+        if host not in self.reports and host not in self.statuses:
+            return False  # no such host: nothing to record or rewrite
+        self.rejected[host] = f"plan r{rejection.plan_revision}: {rejection.reason[:300]}"
         if rejection.applied_revision > self.plan_seen.get(host, 0):
             self.plan_seen[host] = rejection.applied_revision
             self.plan_stored[host] = False
@@ -286,9 +289,19 @@ class PlannerService:
             self.dirty.set()
 
     async def liveness_loop(self, stop: asyncio.Event, every: float = 1.0) -> None:
+        written: bytes | None = None
         while not stop.is_set():
             if self.state.check_liveness():
                 self.dirty.set()
+            hosts = encode(
+                FleetHosts(hosts=tuple(msgspec.structs.replace(h, seen_ago_s=0.0) for h in self.state.liveness()))
+            )
+            if hosts != written and self.ready.is_set() and self.lease.holds():
+                try:
+                    await self.kv.put(subjects.HOSTS_KEY, hosts)
+                    written = hosts
+                except Exception as exc:
+                    log.info("hosts not published", error=str(exc) or type(exc).__name__)
             try:
                 await asyncio.wait_for(stop.wait(), every)
             except TimeoutError:

@@ -60,34 +60,46 @@ def lane_args(spec: LaneSpec, caps: ServerCaps) -> tuple[str, ...]:
     return tuple(args)
 
 
-def _flags(args: tuple[str, ...], caps: ServerCaps) -> tuple[dict[str, str | None], str | None]:
-    """{flag: value or None for a switch}, or why the args cannot be read."""
-    switches = {"--kv-unified"} | ({"--flash-attn"} if caps.flash_attn_form == "switch" else set())
+def _flags(args: tuple[str, ...]) -> tuple[dict[str, str | None], str | None]:
+    """{flag: value or None for a switch}, or why the args cannot be read.
+
+    A flag followed by another flag (or by nothing) is a switch; no value lanes render
+    starts with a dash (paths are absolute, names start with a letter or digit).
+    """
     out: dict[str, str | None] = {}
     i = 0
     while i < len(args):
         flag = args[i]
-        if not flag.startswith("-"):
+        if not flag.startswith("-") or flag == "-":
             return out, f"{flag!r} is not a flag"
         if flag in out:
             return out, f"{flag} given twice"
-        if flag in switches:
+        value = args[i + 1] if i + 1 < len(args) else None
+        if value is None or _is_flag(value):
             out[flag] = None
             i += 1
             continue
-        if i + 1 >= len(args):
-            return out, f"{flag} has no value"
-        out[flag] = args[i + 1]
+        out[flag] = value
         i += 2
     return out, None
 
 
+def _is_flag(token: str) -> bool:
+    if not token.startswith("-") or token == "-":
+        return False
+    try:
+        float(token)  # a negative number is a value
+    except ValueError:
+        return True
+    return False
+
+
 def args_problem(spec: LaneSpec, caps: ServerCaps) -> str | None:
     """Why the plan's args do not mean what its typed spec says, or None."""
-    planned, problem = _flags(tuple(spec.args), caps)
+    planned, problem = _flags(tuple(spec.args))
     if problem:
         return problem
-    ours, _ = _flags(lane_args(spec, caps), caps)
+    ours, _ = _flags(lane_args(spec, caps))
     for flag, value in planned.items():
         if flag in _NO_MEANING:
             continue

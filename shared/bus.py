@@ -15,9 +15,10 @@ from nats.aio.client import Client
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
-from shared.subjects import BUCKET
+from shared.subjects import BUCKET, kv_subject
 
 log = structlog.get_logger("lanes.bus")
+STORE_LAG_TRIES = 8  # reads of a key, 10 ms apart and growing, until it holds a write just seen
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ async def connect(
     on_reconnect: Callable[[], Awaitable[None]] | None = None,
     on_disconnect: Callable[[], Awaitable[None]] | None = None,
     retry_forever: bool = True,
+    inbox_prefix: str | None = None,
 ) -> Client:
     """Connect and keep reconnecting forever: a service outlives NATS restarts."""
 
@@ -110,6 +112,8 @@ async def connect(
         error_cb=error_cb,
         reconnected_cb=reconnected_cb,
         disconnected_cb=disconnected_cb,
+        # A per-user prefix lets permissions give each user its own replies only.
+        **({"inbox_prefix": inbox_prefix} if inbox_prefix else {}),
         **auth.connect_options(),
     )
 
@@ -171,6 +175,70 @@ async def watch_forever(
                     await asyncio.wait_for(watcher.stop(), 2)
                 except Exception:
                     pass
+
+
+async def follow_key(
+    nc: Client,
+    kv: KeyValue,
+    key: str,
+    on_entry: Callable[[str, bytes | None], Awaitable[None]],
+    *,
+    resync: asyncio.Event,
+    stop: asyncio.Event,
+    every: float = 30.0,
+) -> None:
+    """Follow one KV key with no JetStream consumer: a plain subscription on the key's
+    subject says when it is written, and a direct get reads what the bucket holds then
+    (a write the stream refused, a lost compare-and-set, is never taken for the value).
+    The key is also read at the start, after every reconnect (`resync`) and every
+    `every` seconds.
+
+    A user allowed only this key's subject and its direct get can follow it; it needs
+    no right to create (or delete) consumers. on_entry gets (key, value or None).
+    """
+    written = asyncio.Event()
+    last_write: list[bytes] = []  # the latest write seen on the subject
+
+    async def on_msg(msg) -> None:
+        last_write[:] = [msg.data]
+        written.set()
+
+    async def read() -> bytes | None:
+        # Subscribers hear of a write a moment before the stream has stored it: read again
+        # until the bucket holds what was written, or give up on it (a refused write).
+        for attempt in range(STORE_LAG_TRIES):
+            try:
+                value = (await kv.get(key)).value or b""  # nats-py reads an empty value as None
+            except nats.js.errors.KeyNotFoundError:
+                value = None
+            if not last_write or value == last_write[0] or attempt == STORE_LAG_TRIES - 1:
+                return value
+            await asyncio.sleep(0.01 * (attempt + 1))
+        return None
+
+    sub = await nc.subscribe(kv_subject(key), cb=on_msg)
+    try:
+        while not stop.is_set():
+            resync.clear()
+            written.clear()
+            try:
+                await on_entry(key, await read())
+            except Exception as exc:
+                log.info("key read failed; retrying", key=key, error=str(exc) or type(exc).__name__)
+                await _sleep_or(stop, 1.0)
+                continue
+            loop = asyncio.get_running_loop()
+            until = loop.time() + every
+            while not stop.is_set() and not resync.is_set() and not written.is_set() and loop.time() < until:
+                try:
+                    await asyncio.wait_for(written.wait(), min(1.0, max(0.01, until - loop.time())))
+                except TimeoutError:
+                    continue
+    finally:
+        try:
+            await asyncio.wait_for(sub.unsubscribe(), 2)
+        except Exception:
+            pass
 
 
 def quietly(step: Callable[[], Awaitable[object]], timeout: float = 2.0) -> Callable[[], Awaitable[None]]:

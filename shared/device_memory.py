@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 from shared.memory import (
     DEFAULT_N_UBATCH,
-    MIB,
     PROCESS_OVERHEAD,
     KvSize,
     MemoryModelError,

@@ -349,7 +349,8 @@ class LaneEvent(_Msg, tag="lane_event", kw_only=True):
     host_id: Name
     lane_id: Name
     event: Literal[
-        "started", "healthy", "unresponsive", "crashed", "stopped", "failed", "mismatch", "rejected", "draining"
+        "started", "healthy", "unresponsive", "crashed", "stopped", "failed", "mismatch", "rejected", "rolled_back",
+        "draining",
     ]
     detail: str = ""
     pid: int | None = None
@@ -388,6 +389,13 @@ class HostLiveness(msgspec.Struct, frozen=True, kw_only=True):
     rejected: str = ""  # the agent's reason for refusing its latest plan, if it did
 
 
+class FleetHosts(_Msg, tag="fleet_hosts", kw_only=True):
+    """KV key `hosts`: every host's liveness, put by the active planner when a state changes
+    (seen_ago_s is 0 there: the key changes with states, not with time)."""
+
+    hosts: tuple[HostLiveness, ...] = ()
+
+
 class FleetStatus(_Msg, tag="fleet_status", kw_only=True):
     config_revision: int = 0  # counts config changes, as FleetConfig.revision
     config: FleetConfig = FleetConfig()
@@ -423,6 +431,7 @@ WIRE_TYPES: tuple[type, ...] = (
     ErrorReply,
     FleetStatus,
     PlannerLease,
+    FleetHosts,
 )
 
 

@@ -32,6 +32,7 @@ def host_token(host_id: str) -> str:
 CONFIG_KEY = "config"
 DEMAND_KEY = "demand"
 LEASE_KEY = "planner.lease"  # which planner plans (the others stand by)
+HOSTS_KEY = "hosts"  # every host's liveness (live or lost), put by the active planner
 
 
 def plan_key(host_id: str) -> str:
@@ -97,6 +98,11 @@ def agent_status(host_id: str) -> str:
 
 def agent_info(host_id: str) -> str:
     return f"{agent_group(host_id)}.info"
+
+
+def agent_inbox(host_id: str) -> str:
+    """The inbox prefix of an agent's connection: its replies, and no one else's."""
+    return f"_INBOX_{host_token(host_id)}"
 
 
 def endpoint_tail(subject: str, group: str) -> str:

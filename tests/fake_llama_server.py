@@ -3,9 +3,15 @@
 
 It takes the same argv as the real binary (see shared/argv.py), refuses what the real
 one refuses with the same messages and exit codes, reads the GGUF with
-shared.gguf_facts, prints the KV cache size the real one prints (computed with
-shared.memory, byte-exact) and serves /health, /props, /v1/models, /slots, /metrics.
-It does not run a model.
+shared.gguf_facts, and serves /health, /props, /v1/models, /slots, /metrics. It does
+not run a model.
+
+The KV cache and compute buffer sizes it prints, and the context it serves, are
+figures RECORDED FROM THE REAL BINARY (tests/llama_figures.json, written by
+tests/record_llama_figures.py), never computed by the code under test: a shape with no
+record is refused ("no figures recorded"). Old-build mode (one KV cache shared by all
+slots, no SWA cache) prints the recorded figures of the same shape with a unified cache
+and --swa-full, which hold the same cells.
 
 Behaviour knobs (environment):
   FAKE_LLAMA_HELP_OLD=1        behave as an old (~b4879, March 2025) build: bare -fa switch,
@@ -24,6 +30,9 @@ Behaviour knobs (environment):
   FAKE_LLAMA_CRASH_SIGNAL=1    with CRASH_AFTER: die of a real SIGSEGV instead of exit(139)
   FAKE_LLAMA_LOG_PREFIX=0      drop the `0.00.153.786 I ` time/level prefix of log lines
                                (new builds print it; old builds never do)
+  FAKE_LLAMA_RECORD_TO=FILE    (recording only) a shape with no record is appended to FILE
+                               and served from shared.memory, so record_llama_figures.py can
+                               then measure it with the real binary
 Also honoured like the real binary: LLAMA_ARG_{MODEL,ALIAS,HOST,PORT,CTX_SIZE,N_PARALLEL,
 N_GPU_LAYERS,CACHE_TYPE_K,CACHE_TYPE_V,FLASH_ATTN} (the command line wins).
 """
@@ -629,6 +638,52 @@ def _kv_groups(facts, kv, type_k: str, type_v: str) -> list[tuple[str, int, int,
     return out
 
 
+FIGURES = Path(__file__).with_name("llama_figures.json")
+_SHAPE_FACTS = ("architecture", "n_layer", "n_embd", "n_head", "n_head_kv", "head_dim_k", "head_dim_v",
+                "n_ctx_train", "n_vocab", "n_ff", "n_swa", "swa_layers", "is_mla", "recurrent_layers",
+                "recurrent_bytes_per_seq", "weight_bytes")  # fmt: skip
+
+
+def figures_key(facts, **shape) -> str:
+    """One lane shape on one model, as the recorded table names it: the model by the facts
+    that size its buffers (not its path, name or file time)."""
+    import hashlib
+
+    import msgspec
+
+    model = {f: getattr(facts, f) for f in _SHAPE_FACTS}
+    digest = hashlib.sha256(msgspec.json.encode(model)).hexdigest()[:16]
+    return f"{facts.architecture}-{digest}|" + "|".join(f"{k}={shape[k]}" for k in sorted(shape))
+
+
+def recorded_figures(key: str, argv: list[str], model_path: str) -> dict | None:
+    """The real binary's figures for this shape; None only in recording mode."""
+    table = json.loads(FIGURES.read_text()) if FIGURES.exists() else {}
+    if key in table:
+        return table[key]
+    record_to = os.environ.get("FAKE_LLAMA_RECORD_TO")
+    if record_to:
+        with open(record_to, "a") as f:
+            f.write(json.dumps({"key": key, "argv": argv, "model": model_path}) + "\n")
+        return None
+    _fail_load(model_path, f"fake llama-server: no figures recorded from the real llama-server for {key}; "
+               "run tests/record_llama_figures.py (see its docstring)")
+
+
+def _computed_figures(facts, kv, type_k, type_v, fa, n_ubatch, n_slots) -> dict:
+    """Recording mode only: the memory model's figures, so a test run can reach every shape."""
+    from shared.memory import compute_bytes
+
+    groups = _kv_groups(facts, kv, type_k, type_v)
+    return {
+        "n_ctx": kv.cells * kv.streams,
+        "n_ctx_seq": kv.ctx_per_slot,
+        "kv": [{"swa": name == "swa", "cells": cells, "layers": layers, "seqs": f"{n_slots:2d}/{kv.streams} seqs",
+                "k_mib": k / MIB, "v_mib": v / MIB} for name, cells, layers, k, v in groups],
+        "compute_mib": compute_bytes(facts, cells=kv.cells, n_ubatch=n_ubatch, flash_attn=fa == "on") / MIB,
+    }
+
+
 def _fail_load(model_path: str, *lines: str) -> None:
     for line in lines:
         log("E", line)
@@ -709,7 +764,7 @@ def main(argv: list[str]) -> None:
     model_path = params["model"] or ""
     log("I", f"srv    load_model: loading model '{model_path}'")
     from shared.gguf_facts import read_model_facts
-    from shared.memory import MemoryModelError, compute_bytes, kv_size, pad
+    from shared.memory import MemoryModelError, kv_size, pad
 
     try:
         facts = read_model_facts(model_path)
@@ -769,23 +824,32 @@ def main(argv: list[str]) -> None:
                        f"common_init_from_params: failed to create context with model '{model_path}'")
 
     layout = "shared" if OLD else "streams"
-    try:
-        kv = kv_size(facts, ctx=pad(ctx), parallel=n_slots, kv_unified=kv_unified, type_k=type_k,
-                     type_v=type_v, layout=layout, n_ubatch=params["n_ubatch"],
-                     swa_full=bool(params["swa_full"]))
-    except MemoryModelError as exc:
-        _fail_load(model_path, f"llama_init_from_model: failed to initialize the context: {exc}",
-                   f"common_init_from_params: failed to create context with model '{model_path}'")
-    n_ctx = kv.cells if layout == "shared" else kv.cells * kv.streams
+    shape = figures_key(facts, ctx=pad(ctx), slots=n_slots, kv_unified=kv_unified or OLD, type_k=type_k,
+                        type_v=type_v, flash_attn=fa, n_ubatch=params["n_ubatch"],
+                        swa_full=bool(params["swa_full"]) or OLD)
+    fig = recorded_figures(shape, argv, model_path)
+    if fig is None:
+        try:  # recording mode only: serve the model's figures until the real binary's are recorded
+            kv = kv_size(facts, ctx=pad(ctx), parallel=n_slots, kv_unified=kv_unified or OLD, type_k=type_k,
+                         type_v=type_v, layout="streams", n_ubatch=params["n_ubatch"],
+                         swa_full=bool(params["swa_full"]) or OLD)
+        except MemoryModelError as exc:
+            _fail_load(model_path, f"llama_init_from_model: failed to initialize the context: {exc}",
+                       f"common_init_from_params: failed to create context with model '{model_path}'")
+        fig = _computed_figures(facts, kv, type_k, type_v, fa, params["n_ubatch"], n_slots)
+    if fig.get("error"):  # the real binary refused this shape: say what it said
+        _fail_load(model_path, *fig["error"])
+    n_ctx = fig["n_ctx"]
+    kv_total = round(sum(g["k_mib"] + g["v_mib"] for g in fig["kv"]) * MIB)
     STATE.n_ctx = n_ctx
-    STATE.n_ctx_slot = kv.ctx_per_slot
+    STATE.n_ctx_slot = fig["n_ctx_seq"]
     STATE.n_slots = n_slots
     if v4:
         log("I", "llama_context: constructing llama_context")
         log("I", f"llama_context: n_seq_max     = {n_slots}")
         log("I", f"llama_context: n_ctx         = {n_ctx}")
         if not OLD:
-            log("I", f"llama_context: n_ctx_seq     = {kv.ctx_per_slot}")
+            log("I", f"llama_context: n_ctx_seq     = {fig['n_ctx_seq']}")
         log("I", f"llama_context: n_batch       = {params['n_batch']}")
         log("I", f"llama_context: n_ubatch      = {params['n_ubatch']}")
         log("I", f"llama_context: flash_attn    = {'enabled' if fa == 'on' else 'disabled'}")
@@ -795,38 +859,37 @@ def main(argv: list[str]) -> None:
     oom_above = os.environ.get("FAKE_LLAMA_OOM_ABOVE_CTX")
     if oom_above and ctx > int(oom_above):
         _fail_load(model_path,
-                   f"ggml_backend_cpu_buffer_type_alloc_buffer: failed to allocate buffer of size {kv.total}",
+                   f"ggml_backend_cpu_buffer_type_alloc_buffer: failed to allocate buffer of size {kv_total}",
                    "llama_init_from_model: failed to initialize the context: failed to allocate buffer for kv cache",
                    f"common_init_from_params: failed to create context with model '{model_path}'")
 
     if OLD:
         # One cache for every slot and every layer, printed at the default verbosity.
-        log("I", f"llama_init_from_model: KV self size  = {kv.total / MIB:7.2f} MiB, "
-            f"K ({type_k}): {kv.k_bytes / MIB:7.2f} MiB, V ({type_v}): {kv.v_bytes / MIB:7.2f} MiB")
+        k = sum(g["k_mib"] for g in fig["kv"])
+        v = sum(g["v_mib"] for g in fig["kv"])
+        log("I", f"llama_init_from_model: KV self size  = {k + v:7.2f} MiB, "
+            f"K ({type_k}): {k:7.2f} MiB, V ({type_v}): {v:7.2f} MiB")
     elif v4:
-        groups = _kv_groups(facts, kv, type_k, type_v)
-        swa = any(g[0] == "swa" for g in groups)
+        swa = len(fig["kv"]) > 1
         scale = float(os.environ.get("FAKE_LLAMA_KV_SCALE", "1") or 1)
-        for name, cells, layers, k, v in groups:
-            k, v = int(k * scale), int(v * scale)
+        for g in fig["kv"]:
+            k, v = g["k_mib"] * scale, g["v_mib"] * scale
             if swa:
-                label = "non-SWA" if name == "base" else "    SWA"
-                log("I", f"llama_kv_cache_iswa: creating {label} KV cache, size = {cells} cells")
-            log("I", f"llama_kv_cache: {'CPU':>10} KV buffer size = {(k + v) / MIB:8.2f} MiB")
-            log("I", f"llama_kv_cache: size = {(k + v) / MIB:7.2f} MiB ({cells:6d} cells, {layers:3d} layers, "
-                f"{n_slots:2d}/{kv.streams} seqs), K ({type_k}): {k / MIB:7.2f} MiB, "
-                f"V ({type_v}): {v / MIB:7.2f} MiB")
+                label = "    SWA" if g["swa"] else "non-SWA"
+                log("I", f"llama_kv_cache_iswa: creating {label} KV cache, size = {g['cells']} cells")
+            log("I", f"llama_kv_cache: {'CPU':>10} KV buffer size = {k + v:8.2f} MiB")
+            log("I", f"llama_kv_cache: size = {k + v:7.2f} MiB ({g['cells']:6d} cells, {g['layers']:3d} layers, "
+                f"{g['seqs']}), K ({type_k}): {k:7.2f} MiB, V ({type_v}): {v:7.2f} MiB")
     if os.environ.get("FAKE_LLAMA_ALLOC", "") not in ("", "0"):
-        total = kv.total + facts.recurrent_bytes_per_seq * n_slots
+        total = kv_total + facts.recurrent_bytes_per_seq * n_slots
         if total > 0:
             buf = bytearray(total)
             buf[::4096] = b"\x01" * len(range(0, total, 4096))  # touch every page
             STATE.keep.append(buf)
     if v4:
-        comp = compute_bytes(facts, cells=kv.cells, n_ubatch=params["n_ubatch"], flash_attn=fa == "on")
-        log("I", f"llama_context: {'CPU':>10} compute buffer size = {comp / MIB:8.2f} MiB")
+        log("I", f"llama_context: {'CPU':>10} compute buffer size = {fig['compute_mib']:8.2f} MiB")
 
-    log("I", f"srv    load_model: initializing, n_slots = {n_slots}, n_ctx_slot = {kv.ctx_per_slot}, "
+    log("I", f"srv    load_model: initializing, n_slots = {n_slots}, n_ctx_slot = {fig['n_ctx_seq']}, "
         f"kv_unified = '{'true' if kv_unified else 'false'}'")
     log("I", "main: model loaded")
     log("I", f"main: server is listening on http://{host}:{port} - starting the main loop")

@@ -139,7 +139,12 @@ async def host_status(nc, host_id: str) -> HostStatus | None:
 
 
 async def eventually(check: Callable, timeout: float = 30.0, interval: float = 0.2, what: str = "condition"):
-    """Poll an async or sync check until it returns something truthy; fail with the last value."""
+    """Poll an async or sync check until it returns something truthy; fail with the last value.
+
+    A falsy value, or an error on the way (the bus may be mid-restart), means "not yet". An
+    AssertionError raised by the check means the check saw a final wrong value (a lane
+    that failed for good, a value that can no longer change): it fails at once.
+    """
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:
@@ -147,6 +152,8 @@ async def eventually(check: Callable, timeout: float = 30.0, interval: float = 0
             last = check()
             if asyncio.iscoroutine(last):
                 last = await last
+        except AssertionError:
+            raise
         except Exception as exc:  # the bus may be mid-restart
             last = exc
         if last and not isinstance(last, Exception):

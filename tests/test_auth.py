@@ -147,7 +147,8 @@ async def test_planner_and_agent_run_with_their_own_users(auth_server, passwords
 
         # ---- the agent's own user: its report is allowed, everything else refused
         agent_errors: list[str] = []
-        agent_nc = await _connect(auth_server.url, users["agent-host1"], agent_errors)
+        agent_nc = await _connect(auth_server.url, users["agent-host1"], agent_errors,
+                                  inbox_prefix=subjects.agent_inbox("host1"))  # fmt: skip
         opened.append(agent_nc)
         agent_kv = await agent_nc.jetstream(timeout=1.0).key_value(subjects.BUCKET)
         report = (await kv_admin.get(subjects.report_key("host1"))).value
@@ -224,6 +225,90 @@ async def test_planner_and_agent_run_with_their_own_users(auth_server, passwords
         stop.set()
         await asyncio.wait_for(asyncio.gather(planner, agent, return_exceptions=True), 30)
         capture.close()
+
+
+async def _violation(errors: list[str], action: str, subject: str) -> None:
+    """The server said no to this publish or subscription (nats-py passes its -ERR on, lowercased)."""
+    needle = f'permissions violation for {action} "{subject.lower()}"'
+    await eventually(lambda: any(needle in e for e in errors), timeout=5, what=needle)
+
+
+async def test_agent_user_is_refused_all_but_its_own(auth_server, passwords):
+    """Each refusal the shipped auth.conf makes for an agent, proved against the server."""
+    users = _users(passwords)
+    admin = await connect(auth_server.url, name="test-admin", auth=users["admin"], retry_forever=False)
+    errors: list[str] = []
+    agent = await _connect(auth_server.url, users["agent-host1"], errors, inbox_prefix=subjects.agent_inbox("host1"))
+    try:
+        kv = await kv_bucket(admin, create=True)
+        for host in ("host1", "host2"):
+            await kv.put(subjects.plan_key(host), f'{{"plan for":"{host}"}}'.encode())
+        js_admin = admin.jetstream()
+        planners_watch = await js_admin.add_consumer(
+            "KV_lanes", durable_name="planner_watch", filter_subject=subjects.kv_subject(">")
+        )
+
+        # Allowed: its own plan, read (direct get) and followed (a subscription on its key).
+        direct = "$JS.API.DIRECT.GET.KV_lanes."
+        own = await agent.request(direct + subjects.kv_subject(subjects.plan_key("host1")), b"", timeout=3)
+        assert own.data == b'{"plan for":"host1"}'
+        seen = asyncio.Queue()
+        await agent.subscribe(subjects.kv_subject(subjects.plan_key("host1")), cb=seen.put)
+        await agent.flush()
+        await kv.put(subjects.plan_key("host1"), b'{"plan for":"host1","v":2}')
+        assert (await asyncio.wait_for(seen.get(), 5)).data == b'{"plan for":"host1","v":2}'
+        assert not [e for e in errors if "permissions violation" in e]
+
+        # Refused: another host's plan, by direct get or by any other read path.
+        for subject in (
+            direct + subjects.kv_subject(subjects.plan_key("host2")),
+            direct + subjects.kv_subject(subjects.CONFIG_KEY),
+            "$JS.API.STREAM.MSG.GET.KV_lanes",
+        ):
+            with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+                await agent.request(subject, b'{"last_by_subj":"$KV.lanes.plan.host2"}', timeout=1)
+            await _violation(errors, "publish to", subject)
+        # Refused: subscribing to anything but its own key, inbox and endpoints.
+        for subject in (
+            subjects.kv_subject(subjects.plan_key("host2")),
+            subjects.kv_subject(">"),
+            subjects.kv_subject(subjects.CONFIG_KEY),
+            "_INBOX.>",
+            f"{subjects.agent_inbox('host2')}.>",
+            "lanes.>",
+        ):
+            await agent.subscribe(subject)
+            await _violation(errors, "subscription to", subject)
+        # Refused: creating consumers (filtered or not, even on its own plan) and deleting them.
+        for subject in (
+            "$JS.API.CONSUMER.CREATE.KV_lanes",
+            "$JS.API.CONSUMER.CREATE.KV_lanes.mine.$KV.lanes.plan.host1",
+            "$JS.API.CONSUMER.CREATE.KV_lanes.theirs.$KV.lanes.plan.host2",
+            "$JS.API.CONSUMER.DURABLE.CREATE.KV_lanes.mine",
+            f"$JS.API.CONSUMER.DELETE.KV_lanes.{planners_watch.name}",
+        ):
+            with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+                await agent.request(subject, b"{}", timeout=1)
+            await _violation(errors, "publish to", subject)
+        assert (await js_admin.consumer_info("KV_lanes", planners_watch.name)).name == planners_watch.name
+        # Refused: another host's events, telemetry and rejections.
+        for subject in ("lanes.event.host2.x-0.started", "lanes.telemetry.host2", "lanes.rejected.host2"):
+            await agent.publish(subject, b"{}")
+            await _violation(errors, "publish to", subject)
+    finally:
+        await agent.close()
+        await admin.close()
+
+    # Without its own inbox prefix the agent's user gets no replies at all (it may not read _INBOX.>).
+    errors.clear()
+    plain = await _connect(auth_server.url, users["agent-host1"], errors)
+    try:
+        with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+            await plain.request(direct + subjects.kv_subject(subjects.plan_key("host1")), b"", timeout=1)
+        await eventually(lambda: any('permissions violation for subscription to "_inbox.' in e for e in errors),
+                         timeout=5, what="the default inbox refused")  # fmt: skip
+    finally:
+        await plain.close()
 
 
 # ------------------------------------------------------------------ token

@@ -100,8 +100,7 @@ async def test_agent_rejects_hostile_plans_and_starts_nothing(nats_server, tmp_p
             rejected.append(msgspec.json.decode(msg.data, type=PlanRejected))
 
         await nc.subscribe(subjects.rejected_subject("beta"), cb=on_rejected)
-        s.tasks.pop("planner")[1].set()  # stop the planner so it does not overwrite our writes
-        await asyncio.sleep(0.5)
+        await s.stop("planner")  # so it does not overwrite our writes
         spec = good.lanes[0]
         r = good.plan_revision + 10
         hostile = [
@@ -116,9 +115,10 @@ async def test_agent_rejects_hostile_plans_and_starts_nothing(nats_server, tmp_p
             encode(msgspec.structs.replace(good, plan_revision=good.plan_revision - 1, lanes=())),
         ]
         lane_before = lane_of(await host_status(nc, "beta"), "llama8-0")
-        for payload in hostile:
+        for n, payload in enumerate(hostile, 1):
+            # The agent reads the key's latest value when it is written: one write at a time.
             await kv.put(subjects.plan_key("beta"), payload)
-        await eventually(lambda: len(rejected) >= len(hostile), what="every hostile plan rejected")
+            await eventually(lambda: len(rejected) >= n, what=f"hostile plan {n} rejected")
         reasons = " | ".join(x.reason for x in rejected)
         for expected in ("malformed plan", "not 'beta'", "outside the model folders", f"outside {cfg.port_base}",
                          "args disagree", "without flash attention", "older than the applied"):  # fmt: skip

@@ -50,7 +50,8 @@ def _required_variables() -> set[str]:
 PASSWORDS = {name: "pw" + name.lower().replace("_", "") for name in sorted(_required_variables())}
 # Optional variables the compose file reads: unset them so the developer's shell can't leak in.
 _OPTIONAL_VARS = ("LANES_NATS_SERVERS", "LANES_MODELS_HOST1", "LANES_MODELS_HOST2", "LANES_TAG",
-                  "LANES_GATEWAY_API_KEYS", "LANES_GATEWAY_PORT")  # fmt: skip
+                  "LANES_GATEWAY_API_KEYS", "LANES_GATEWAY_PORT", "LANES_ADVERTISE_HOST1",
+                  "LANES_ADVERTISE_HOST2")  # fmt: skip
 
 
 def _env(**overrides: str | None) -> dict[str, str]:
@@ -360,6 +361,13 @@ def test_agent_cannot_write_plans_config_or_demand(host: str):
         "$JS.API.STREAM.PURGE.KV_lanes",
         "$JS.API.STREAM.MSG.DELETE.KV_lanes",
         "$JS.API.STREAM.MSG.GET.KV_lanes",
+        # Consumers: none at all (it follows its plan by subscription and direct get).
+        "$JS.API.CONSUMER.CREATE.KV_lanes",
+        f"$JS.API.CONSUMER.CREATE.KV_lanes.c.{kv(subjects.plan_key(host))}",
+        "$JS.API.CONSUMER.DURABLE.CREATE.KV_lanes.c",
+        "$JS.API.CONSUMER.DELETE.KV_lanes.c",
+        *[f"$JS.API.DIRECT.GET.KV_lanes.{kv(subjects.plan_key(o))}" for o in others],
+        f"$JS.API.DIRECT.GET.KV_lanes.{kv(subjects.CONFIG_KEY)}",
     ]
     for target in forbidden:
         hits = [p for p in publish if _intersects(p, target)]
@@ -372,14 +380,14 @@ def test_agent_cannot_write_plans_config_or_demand(host: str):
         subjects.telemetry_subject(host),
         subjects.rejected_subject(host),
         f"{subjects.agent_group(host)}.status",
-        "$SRV.INFO.lanes-agent",
         "$JS.API.STREAM.INFO.KV_lanes",
-        "$JS.API.CONSUMER.CREATE.KV_lanes",
+        f"$JS.API.DIRECT.GET.KV_lanes.{kv(subjects.plan_key(host))}",
     ]
     for target in must_publish:
         assert any(_intersects(p, target) for p in publish), f"agent-{host} cannot publish {target}"
 
-    for target in [kv(subjects.plan_key(host)), "_INBOX.abc.def", f"{subjects.agent_group(host)}.status"]:
+    inbox = subjects.agent_inbox(host)
+    for target in [kv(subjects.plan_key(host)), f"{inbox}.abc.def", f"{subjects.agent_group(host)}.status"]:
         assert any(_intersects(s, target) for s in subscribe), f"agent-{host} cannot subscribe {target}"
     for target in [
         kv(subjects.CONFIG_KEY),
@@ -387,6 +395,8 @@ def test_agent_cannot_write_plans_config_or_demand(host: str):
         *[kv(subjects.plan_key(o)) for o in others],
         *[subjects.event_subject(o, "lane", "started") for o in others],
         *[f"{subjects.agent_group(o)}.status" for o in others],
+        "_INBOX.abc.def",  # everyone's replies
+        *[f"{subjects.agent_inbox(o)}.abc.def" for o in others],
     ]:
         hits = [s for s in subscribe if _intersects(s, target)]
         assert not hits, f"agent-{host} may subscribe to {target} through {hits}"

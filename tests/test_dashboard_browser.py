@@ -119,6 +119,8 @@ async def test_first_run_and_live_dashboard_in_chromium(tmp_path, gemma_model, l
         async with async_playwright() as pw:
             browser = await pw.chromium.launch(executable_path=_chromium(), args=CHROMIUM_FLAGS)
             page = await browser.new_page(viewport={"width": 1400, "height": 900})
+            script_errors: list[str] = []
+            page.on("pageerror", lambda exc: script_errors.append(str(exc)))
             await page.goto(dashboard)
             await page.evaluate("window.__lanesFirstLoad = true")  # gone if the page ever reloads
             row = page.locator("#lanes tbody tr")
@@ -148,6 +150,7 @@ async def test_first_run_and_live_dashboard_in_chromium(tmp_path, gemma_model, l
             await expect(page.locator("#config-revision")).to_contain_text("revision")
             await expect(page.locator("#events li").first).to_be_visible()
             assert await page.evaluate("window.__lanesFirstLoad === true"), "the page reloaded"
+            assert script_errors == []
             # Memory bar: planned parts drawn for the one CPU device.
             await expect(page.locator(".host .device")).to_have_count(1)
             assert await page.locator(".bar .kv").evaluate("e => parseFloat(e.style.width)") > 0

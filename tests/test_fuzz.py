@@ -24,6 +24,7 @@ import asyncio
 import copy
 import functools
 import json
+import os
 import shutil
 import threading
 from pathlib import Path
@@ -53,6 +54,7 @@ from shared.messages import (
     HostReport,
     HostStatus,
     LaneSpec,
+    PlannerLease,
     PlanRejected,
     encode,
 )
@@ -61,6 +63,23 @@ from shared.natsserver import NatsServer
 HOST = "host1"
 LANE = "llama8-0"
 DROPPED = "dropped malformed kv entry"  # the planner's log event for a KV entry it cannot use
+
+# The benchmark (bench/fuzz_bench.py) runs one target at a time with many more examples:
+# LANES_FUZZ_TARGET names an endpoint, a KV key or "plans"/"rejections"; LANES_FUZZ_EXAMPLES
+# sets the examples. Unset (CI), every target is fuzzed with the defaults below.
+TARGET = os.environ.get("LANES_FUZZ_TARGET", "")
+EXAMPLES = int(os.environ.get("LANES_FUZZ_EXAMPLES", "0") or 0)
+
+
+def examples(default: int) -> int:
+    return EXAMPLES or default
+
+
+def benchmark_target(*names: str) -> None:
+    """In a benchmark run for one target, the other fuzz tests stand aside."""
+    if TARGET and TARGET not in names:
+        pytest.skip(f"benchmark run for {TARGET}")
+
 
 FUZZ = settings(
     deadline=None,
@@ -299,6 +318,18 @@ class Fleet:
         self.plan = json.loads(self.plan_entry.value)
         self.config = msgspec.json.decode((await self.nc.request(subjects.CONFIG_GET, b"", timeout=5)).data, type=FleetConfig)
 
+    async def planner_active(self, active: bool) -> bool:
+        status = msgspec.json.decode((await self.nc.request(subjects.FLEET_STATUS, b"", timeout=5)).data, type=FleetStatus)
+        return status.planner_active == active
+
+    async def hold_lease(self) -> None:
+        await self.kv.put(subjects.LEASE_KEY, encode(PlannerLease(holder="fuzz-test", ttl=3600.0)))
+        await eventually(lambda: self.planner_active(False), timeout=20, what="the planner stands by")
+
+    async def release_lease(self) -> None:
+        await self.kv.delete(subjects.LEASE_KEY)
+        await eventually(lambda: self.planner_active(True), timeout=20, what="the planner is active again")
+
     async def agent_status(self) -> HostStatus:
         reply = await self.nc.request(f"{subjects.agent_group(HOST)}.status", b"", timeout=5)
         return msgspec.json.decode(reply.data, type=HostStatus)
@@ -396,8 +427,8 @@ query_requests = st.one_of(payloads(HostQuery, [{"kind": "host_query", "host_id"
 ENDPOINTS = ["config.set", "demand.set", "plan.get", "plan.explain", "config.get", "fleet.status", "agent", "srv"]
 
 
-@settings(FUZZ, max_examples=1000)
-@given(endpoint=st.sampled_from(ENDPOINTS), data=st.data())
+@settings(FUZZ, max_examples=examples(1000))
+@given(endpoint=st.sampled_from([TARGET] if TARGET in ENDPOINTS else ENDPOINTS), data=st.data())
 def _fuzz_request_endpoints(fleet, endpoint, data):
     event(endpoint)
     fleet.sent_requests += 1
@@ -450,6 +481,7 @@ def _fuzz_request_endpoints(fleet, endpoint, data):
 def test_fuzz_request_endpoints(fleet):
     """Every request gets an answer (no hang), never a 500 (an unhandled exception), 400 when invalid;
     afterwards both services run, the lane is untouched and the config unchanged."""
+    benchmark_target(*ENDPOINTS)
     fleet.sent_requests = 0
     _fuzz_request_endpoints(fleet)
     print(f"request fuzz: {fleet.sent_requests} requests sent")
@@ -464,10 +496,10 @@ def test_fuzz_request_endpoints(fleet):
 
 _TOKENS = st.from_regex(r"\A[A-Za-z0-9_-]{1,16}\Z").filter(lambda t: t != HOST)
 _OTHER_HOSTS = ["host2", "hOsT_3", "h-" + "x" * 14, "9"]  # few, so each key's strategy is built once
-planner_keys = st.sampled_from(
-    [subjects.CONFIG_KEY, subjects.DEMAND_KEY, subjects.report_key(HOST), subjects.status_key(HOST)]
-    + [f"{kind}.{host}" for kind in ("report", "status", "plan") for host in _OTHER_HOSTS]
-)
+PLANNER_KEYS = [subjects.CONFIG_KEY, subjects.DEMAND_KEY, subjects.report_key(HOST), subjects.status_key(HOST)] + [
+    f"{kind}.{host}" for kind in ("report", "status", "plan") for host in _OTHER_HOSTS
+]
+planner_keys = st.sampled_from([TARGET] if TARGET in PLANNER_KEYS else PLANNER_KEYS)
 other_keys = st.builds(lambda a, b: f"{a}.{b}", _TOKENS.filter(lambda t: t not in ("report", "status", "plan")), _TOKENS)
 
 
@@ -490,10 +522,10 @@ def _build_kv_payloads(fleet, key: str) -> st.SearchStrategy[bytes]:
     return payloads(KEY_TYPES[kind], [dict(doc, host_id=host)])
 
 
-@settings(FUZZ, max_examples=1000)
+@settings(FUZZ, max_examples=examples(1000))
 @given(data=st.data())
 def _fuzz_planner_kv_entries(fleet, data):
-    if data.draw(st.integers(0, 9)) == 0:
+    if not TARGET and data.draw(st.integers(0, 9)) == 0:
         key, value = data.draw(other_keys), data.draw(payloads())
         event("unrelated key")
     else:
@@ -510,6 +542,7 @@ def _fuzz_planner_kv_entries(fleet, data):
 def test_fuzz_planner_kv_entries(fleet):
     """Entries the planner cannot use are dropped, each with a log line; other keys are ignored;
     a bad plan entry is overwritten with the planner's own plan; the lane is untouched."""
+    benchmark_target(*PLANNER_KEYS)
     fleet.expected_drops = {}
     before_total = fleet.dropped()
     before: dict[str, int] = {}
@@ -603,7 +636,7 @@ def agent_must_reject(fleet, value: bytes) -> bool | None:
     return reason is not None
 
 
-@settings(FUZZ, max_examples=700)
+@settings(FUZZ, max_examples=examples(700))
 @given(data=st.data())
 def _fuzz_plans(fleet, data):
     value = data.draw(fleet.plan_payloads)
@@ -617,13 +650,21 @@ def _fuzz_plans(fleet, data):
     if not verdict:
         event("acceptable plan, not sent")
         return
+    if value == getattr(fleet, "last_bad_plan", None):
+        event("same entry again, not sent")  # the agent acts on a changed entry only
+        return
+    fleet.last_bad_plan = value
     event("decodes" if decodes(value, HostPlan) else "malformed")
     fleet.sent_bad_plans += 1
+    expected = len(fleet.rejected) + 1
     fleet.run(fleet.kv.put(subjects.plan_key(HOST), value))
+    # The agent reads its key's latest value when it is written: the next write waits for its answer.
+    fleet.run(eventually(lambda: len(fleet.rejected) >= expected, timeout=10, interval=0.005, what="rejection"))
 
 
 def test_fuzz_plans(fleet):
     """Every bad plan produced a PlanRejected; no lane process started; the planner dropped the malformed."""
+    benchmark_target("plans")
     fleet.agent_plan = decodes(fleet.plan_entry.value, HostPlan)
     fleet.sent_bad_plans = 0
     variants = st.sampled_from(_spec_variants(fleet))
@@ -636,7 +677,14 @@ def test_fuzz_plans(fleet):
     )
     rejected_before = len(fleet.rejected)
     dropped_before = fleet.dropped(subjects.plan_key(HOST))
-    _fuzz_plans(fleet)
+    # The planner rewrites any plan it did not write; the agent reads its key's latest value,
+    # so a rewrite could overtake a bad plan. The test holds the planner's lease meanwhile
+    # (the planner stands by: it follows the bucket and writes nothing).
+    fleet.run(fleet.hold_lease())
+    try:
+        _fuzz_plans(fleet)
+    finally:
+        fleet.run(fleet.release_lease())
     assert fleet.sent_bad_plans > 200
     fleet.run(eventually(lambda: len(fleet.rejected) - rejected_before >= fleet.sent_bad_plans, timeout=20,
                          what=f"{fleet.sent_bad_plans} rejections"))  # fmt: skip
@@ -652,6 +700,47 @@ def test_fuzz_plans(fleet):
     assert any(r.reason.startswith("malformed plan") for r in new)
     assert any("args disagree" in r.reason for r in new)
     assert fleet.dropped(subjects.plan_key(HOST)) > dropped_before
+    fleet.assert_untouched()
+
+
+# ====================================================================== rejections the planner reads
+
+
+_REJECTION = {"kind": "plan_rejected", "host_id": HOST, "plan_revision": 1, "reason": "x", "applied_revision": 0}
+
+
+@settings(FUZZ, max_examples=examples(500))
+@given(data=st.data())
+def _fuzz_rejections(fleet, data):
+    host = data.draw(st.sampled_from([HOST, "host2", "x"]))
+    value = data.draw(payloads(PlanRejected, [dict(_REJECTION, host_id=host)]))
+    rejection = decodes(value, PlanRejected)
+    valid = rejection is not None and subjects.rejected_subject(rejection.host_id) == subjects.rejected_subject(host)
+    if valid and rejection.applied_revision > 0:
+        event("valid rejection asking for a rewrite, not sent")  # it would move the plan on
+        return
+    fleet.sent_rejections += 1
+    if not valid:
+        fleet.bad_rejections += 1
+    fleet.run(fleet.nc.publish(subjects.rejected_subject(host), value))
+
+
+def test_fuzz_rejections(fleet):
+    """The planner reads lanes.rejected.*: a malformed one is dropped with a log line, a valid
+    one is recorded; neither crashes it nor touches the lane."""
+    benchmark_target("rejections")
+    fleet.sent_rejections = fleet.bad_rejections = 0
+    before = sum(1 for e in list(fleet.logs) if e.get("event") == "dropped malformed rejection")
+    _fuzz_rejections(fleet)
+    print(f"rejection fuzz: {fleet.sent_rejections} sent, {fleet.bad_rejections} malformed")
+    assert fleet.bad_rejections > 100
+
+    def all_dropped():
+        return sum(1 for e in list(fleet.logs) if e.get("event") == "dropped malformed rejection") - before >= (
+            fleet.bad_rejections
+        )
+
+    fleet.run(eventually(all_dropped, timeout=20, what="every malformed rejection dropped"))
     fleet.assert_untouched()
 
 

@@ -20,6 +20,7 @@ import aiohttp
 import openai
 import pytest
 from fixtures_bus import Services, agent_config, client, eventually, free_port_base, host_status, lane_of
+from test_metrics import samples
 
 from gateway.service import Gateway, run_gateway
 from gateway.settings import GatewaySettings
@@ -45,7 +46,7 @@ def _place_model(src, folder):
 
 
 @pytest.fixture(scope="module")
-async def fleet(tmp_path_factory, gemma_model, llama_server):  # noqa: F811
+async def fleet(tmp_path_factory, gemma_model, llama_server):
     tmp = tmp_path_factory.mktemp("gateway-fleet")
     server = NatsServer(tmp / "nats").start()
     services = Services(server.url)
@@ -282,8 +283,9 @@ async def test_agent_metrics_re_export_llama_server_series(fleet):
     assert f"lanes_llama_prompt_tokens_total{{{labels}}}" in text
     assert f"lanes_llama_requests_processing{{{labels}}}" in text
     assert f"lanes_lane_healthy{{{labels}}} 1.0" in text
-    assert f'lanes_lane_planned_bytes{{{labels},device="cpu"}}' in text
-    assert f'lanes_lane_kv_bytes{{{labels},device="cpu"}}' in text
+    on_cpu = frozenset({"host": HOST, "lane": lane.lane_id, "model": lane.model, "device": "cpu"}.items())
+    assert samples(text)[("lanes_lane_planned_bytes", on_cpu)] > 0
+    assert samples(text)[("lanes_lane_kv_bytes", on_cpu)] == samples(text)[("lanes_lane_kv_planned_bytes", on_cpu)]
     assert f"lanes_lane_restarts_total{{{labels}}}" in text
     assert 'lanes_build_info{service="agent"' in text
     served = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()

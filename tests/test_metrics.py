@@ -73,7 +73,8 @@ async def test_planner_and_agent_serve_metrics(nats_server, tmp_path, tiny_model
 
             async def healthy():
                 lane = lane_of(await host_status(nc, "h1"), "llama8-0")
-                return lane if lane and lane.state == "healthy" else None
+                planned = lane and "--parallel" in lane.argv and lane.argv[lane.argv.index("--parallel") + 1] == "3"
+                return lane if planned and lane.state == "healthy" and not lane.draining else None
 
             lane = await eventually(healthy, timeout=40, what="lane healthy")
         planner = await _get(f"http://127.0.0.1:{planner_port}/metrics")

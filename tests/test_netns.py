@@ -179,8 +179,12 @@ def _lane_cache_k(lane: LaneStatus) -> str | None:
     return argv[argv.index("--cache-type-k") + 1] if "--cache-type-k" in argv else None
 
 
-def start_fleet(topo: Topology, tmp_path: Path, tiny_models) -> str:
-    """nats-server, the planner and every agentN role of the topology; the NATS URL."""
+def start_fleet(topo: Topology, tmp_path: Path, tiny_models, *, serve_network: bool = False,
+                llama_server: str | None = None) -> str:  # fmt: skip
+    """nats-server, the planner and every agentN role of the topology; the NATS URL.
+
+    serve_network: lanes listen on 0.0.0.0 and each agent advertises its host's address
+    (for a gateway on another host); llama_server: that binary instead of the fake."""
     store = tmp_path / "nats-store"
     store.mkdir()
     # The server pings every client each second and drops one after two missed pongs: so a link
@@ -200,9 +204,10 @@ def start_fleet(topo: Topology, tmp_path: Path, tiny_models) -> str:
         models = folder / "models"
         models.mkdir(parents=True)
         shutil.copy(tiny_models["llama8"], models / "llama8.gguf")
+        network = ["--bind", "0.0.0.0", "--advertise", topo.ip[role]] if serve_network else []
         topo.spawn(role, role, [LANES, "agent", "--nats", url, "--host-id", role.replace("agent", "host"),
-                                "--models", str(models), "--llama-server", fake_binary(folder / "bin"),
-                                "--data", str(folder / "data"), "--report-interval", "1"])  # fmt: skip
+                                "--models", str(models), "--llama-server", llama_server or fake_binary(folder / "bin"),
+                                "--data", str(folder / "data"), "--report-interval", "1", *network])  # fmt: skip
     return url
 
 
@@ -327,3 +332,58 @@ async def test_agent_stops_promptly_while_cut_off(topo, tmp_path, tiny_models):
     took = time.monotonic() - began
     assert not psutil.pid_exists(lane.pid) or psutil.Process(lane.pid).status() == "zombie", "lane left running"
     assert code == 0 and took < 10, f"agent exited {code} after {took:.1f}s\n{topo.logs()}"
+
+
+GATEWAY_ROLES = ("nats", "planner", "agent1", "agent2", "gateway")
+
+
+@pytest.mark.parametrize("topo", [GATEWAY_ROLES], indirect=True)
+async def test_gateway_on_one_host_serves_lanes_of_two_others(topo, tmp_path, tiny_models):
+    """A client here, the gateway on its own host, real llama-server lanes on two more; a cut link
+    takes host2's lane out of rotation (no request fails) until the link is back."""
+    import openai
+
+    from launcher_agent.probe import find_llama_server
+
+    llama = find_llama_server()
+    assert llama, "no llama-server: run `lanes install-llama`"
+    url = start_fleet(topo, tmp_path, tiny_models, serve_network=True, llama_server=llama)
+    topo.spawn("gateway", "gateway", [LANES, "gateway", "--nats", url, "--host", "0.0.0.0", "--port", "8000",
+                                      "--connect-timeout", "1"])  # fmt: skip
+    base = f"http://{topo.ip['gateway']}:8000"
+    ai = openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=30)
+
+    def routable() -> dict[str, float]:
+        with urllib.request.urlopen(base + "/metrics", timeout=3) as r:
+            text = r.read().decode()
+        return {line.split('host="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines() if line.startswith("lanes_lane_routable{")}  # fmt: skip
+
+    async def served_by(n: int) -> list[str]:
+        hosts = []
+        for _ in range(n):
+            raw = await ai.chat.completions.with_raw_response.create(
+                model="llama8", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+            )
+            hosts.append(raw.headers["x-lanes-lane"].split("/")[0])
+        return hosts
+
+    try:
+        await eventually(lambda: routable() == {"host1": 1.0, "host2": 1.0}, timeout=90, what="both lanes routable")
+        # Lanes listen on every interface and are reached at the addresses their agents advertise.
+        assert set(await served_by(6)) == {"host1", "host2"}
+
+        topo.link("agent2", up=False)
+        during = await served_by(6)  # the first may find host2 gone: it is retried on host1
+        assert set(during[1:]) == {"host1"}, during
+        await eventually(lambda: routable() == {"host1": 1.0, "host2": 0.0}, timeout=10, what="host2 out of rotation")
+        assert set(await served_by(4)) == {"host1"}
+
+        topo.link("agent2", up=True)
+        await eventually(lambda: routable() == {"host1": 1.0, "host2": 1.0}, timeout=30, what="host2 back in rotation")
+        assert "host2" in await served_by(6)
+        for name, proc, _ in topo.procs:
+            assert proc.poll() is None, f"{name} exited with {proc.returncode}"
+    except BaseException:
+        print(topo.logs())
+        raise

@@ -6,18 +6,31 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 
 import msgspec
-from fixtures_bus import agent_config, client, eventually, fake_binary, fleet_status, free_port_base, lane_of, services
+from fixtures_bus import (
+    agent_config,
+    client,
+    eventually,
+    fake_binary,
+    fleet_status,
+    free_port_base,
+    host_status,
+    lane_of,
+    pid_alive,
+    services,
+)
 from ops_helpers import REPO, Procs, kill_lanes_under, lease_holder, plans
 
 from shared import subjects
-from shared.bus import kv_bucket
-from shared.messages import ConfigSet, Demand, HostStatus, Persona, encode
+from shared.bus import connect, kv_bucket
+from shared.messages import ConfigSet, Demand, FleetHosts, HostStatus, LaneEvent, Persona, encode
 
 QUIET_SECONDS = 60.0
 
@@ -160,6 +173,8 @@ async def test_a_dead_host_is_lost_its_lanes_move_and_it_comes_back(nats_server,
             await eventually(moved, timeout=30, what=f"{victim} lost, its lane re-placed on {other}")
             # The lost host's plan is kept as it was: a partitioned host keeps serving.
             assert (await plans(nc))[victim] == victim_plan
+            # ... and on the bus, for gateways and dashboards (KV key `hosts`, put by the active planner).
+            await eventually(lambda: _hosts_key(nc, {victim: "lost", other: "live"}), timeout=10, what="hosts key")
             shown = await _status_json(nats_server.url)
             assert {h["host_id"]: h["state"] for h in shown["hosts"]} == {victim: "lost", other: "live"}
             human = await _cli("status", "--nats", nats_server.url)
@@ -204,6 +219,198 @@ async def test_config_and_plan_revisions_count_changes(nats_server, tmp_path, mo
         assert human.startswith("config r2:"), human
 
 
+async def _hosts_key(nc, expected: dict[str, str]) -> bool:
+    entry = await (await kv_bucket(nc)).get(subjects.HOSTS_KEY)
+    return {h.host_id: h.state for h in msgspec.json.decode(entry.value, type=FleetHosts).hosts} == expected
+
+
 async def _plan_rev(nc, at_least: int = 1) -> bool:
     found = await plans(nc)
     return "h1" in found and found["h1"].plan_revision >= at_least
+
+
+async def test_a_wedged_lane_is_marked_unresponsive_then_restarted_like_a_crash(nats_server, tmp_path, models):
+    cfg = agent_config(tmp_path, "h1", models, fake_binary(tmp_path / "bin"), probe_interval=0.3, probe_failures=2,
+                       probe_timeout=0.5)  # fmt: skip
+    events: list[LaneEvent] = []
+    states: list[str] = []
+
+    async def on_event(msg):
+        events.append(msgspec.json.decode(msg.data, type=LaneEvent))
+
+    async def on_telemetry(msg):
+        status = msgspec.json.decode(msg.data, type=HostStatus)
+        states.extend(lane.state for lane in status.lanes)
+
+    async with client(nats_server.url) as nc, services(nats_server.url) as svc:
+        await nc.subscribe(subjects.ALL_EVENTS, cb=on_event)
+        await nc.subscribe(subjects.telemetry_subject("h1"), cb=on_telemetry)
+        svc.start_planner()
+        svc.start_agent(cfg)
+
+        async def healthy():
+            lane = lane_of(await host_status(nc, "h1"), "llama8-0")
+            return lane if lane and lane.state == "healthy" else None
+
+        first = await eventually(healthy, timeout=40, what="lane healthy")
+        os.kill(first.pid, signal.SIGSTOP)  # alive, holding its port, answering nothing
+        try:
+
+            async def restarted():
+                lane = lane_of(await host_status(nc, "h1"), "llama8-0")
+                assert lane is None or lane.state != "failed", f"the lane failed for good: {lane.last_error}"
+                return lane if lane and lane.state == "healthy" and lane.pid != first.pid else None
+
+            again = await eventually(restarted, timeout=30, what="the wedged lane restarted")
+        finally:
+            if pid_alive(first.pid):
+                os.kill(first.pid, signal.SIGKILL)
+        assert not pid_alive(first.pid)
+        assert again.restarts == 1
+        seen = [e.event for e in events if e.lane_id == "llama8-0" and e.pid == first.pid]
+        assert seen[-2:] == ["unresponsive", "crashed"], seen
+        crash = [e for e in events if e.event == "crashed" and e.pid == first.pid][0]
+        assert "unresponsive" in crash.detail and "/health" in crash.detail
+        assert "unresponsive" in states  # what a gateway reading status saw before the restart
+
+
+def _nats_pid(data) -> int | None:
+    files = list((data / "nats" / "ports").glob("*.ports"))
+    return int(files[0].stem.rsplit("_", 1)[1]) if files else None
+
+
+async def test_lanes_up_restarts_its_nats_server_and_exits_in_one_line_when_it_cannot(tmp_path, models):
+    procs = Procs(tmp_path / "procs")
+    data = tmp_path / "data"
+    nats_port = free_port_base(1)
+    url = f"nats://127.0.0.1:{nats_port}"
+    up = procs.start("up", "up", "--models", str(models), "--data", str(data), "--llama-server",
+                     fake_binary(tmp_path / "bin"), "--nats-port", str(nats_port), "--port-base",
+                     str(free_port_base()), "--gateway-port", "0", "--host-id", "up1")  # fmt: skip
+    try:
+        nc = await eventually(lambda: connect(url, name="test", retry_forever=True), timeout=30, what="nats up")
+        try:
+
+            async def healthy():
+                lane = lane_of(await host_status(nc, "up1"), "llama8-0")
+                return lane if lane and lane.state == "healthy" else None
+
+            lane = await eventually(healthy, timeout=60, what="lane healthy under lanes up")
+            first = _nats_pid(data)
+            os.kill(first, signal.SIGKILL)
+            assert pid_alive(lane.pid)  # the lane serves on while NATS is away
+            await eventually(lambda: (_nats_pid(data) or first) != first, timeout=20, what="nats-server restarted")
+            # Same store: the plan and the lane are the ones from before, nothing relaunched.
+            again = await eventually(healthy, timeout=30, what="status back after the restart")
+            assert again.pid == lane.pid and up.poll() is None
+            assert (await plans(nc))["up1"].plan_revision == 1
+        finally:
+            await nc.close()
+
+        # Now it cannot come back: another program takes its port the moment it dies.
+        blocker = socket.socket()
+        blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        os.kill(_nats_pid(data), signal.SIGKILL)
+        for _ in range(2000):  # the port frees as the kernel reaps it: take it at once
+            try:
+                blocker.bind(("127.0.0.1", nats_port))
+                break
+            except OSError:
+                await asyncio.sleep(0.001)
+        blocker.listen()
+        try:
+            code = await asyncio.to_thread(up.wait, 90)
+        finally:
+            blocker.close()
+        errors = [line for line in procs.log("up").splitlines() if line.startswith("lanes: error:")]
+        assert code == 2 and len(errors) == 1, procs.log("up")[-3000:]
+        assert "nats-server died" in errors[0] and "could not be restarted" in errors[0]
+        assert not pid_alive(lane.pid)  # it stopped its lanes before it left
+    finally:
+        procs.close()
+        kill_lanes_under(tmp_path)
+
+
+async def test_a_busy_port_moves_the_lane_with_a_reason(nats_server, tmp_path, models):
+    base = free_port_base()
+    squatter = socket.socket()  # another program listening on the first port of the range
+    squatter.bind(("127.0.0.1", base))
+    squatter.listen()
+    try:
+        async with client(nats_server.url) as nc, services(nats_server.url) as svc:
+            svc.start_planner()
+            svc.start_agent(agent_config(tmp_path, "h1", models, fake_binary(tmp_path / "bin"), port_base=base))
+
+            async def healthy():
+                lane = lane_of(await host_status(nc, "h1"), "llama8-0")
+                return lane if lane and lane.state == "healthy" else None
+
+            lane = await eventually(healthy, timeout=40, what="lane healthy on another port")
+            assert lane.port == base + 1
+            host_plan = (await plans(nc))["h1"]
+            assert host_plan.lanes[0].port == base + 1
+            assert any(f"port {base} is given to no lane: taken by another program" in r for r in host_plan.reasons)
+            status = await host_status(nc, "h1")
+            assert [(fb.kind, fb.port) for fb in status.feedback] == [("port_busy", base)]
+    finally:
+        squatter.close()
+
+
+async def test_a_rejected_plan_is_fed_back_and_rewritten_newer(nats_server, tmp_path, models):
+    """The bucket loses the plan (wiped, restored from an old backup): the new plan is older
+    than what the agent runs; the agent says so and the planner writes one it accepts."""
+    async with client(nats_server.url) as nc, services(nats_server.url) as svc:
+        svc.start_planner()
+        svc.start_agent(agent_config(tmp_path, "h1", models, fake_binary(tmp_path / "bin")))
+        await eventually(lambda: _plan_rev(nc, 1), timeout=30, what="first plan")
+        for n, kv_type in enumerate(("q8_0", "q4_0"), 2):
+            await _config_set(nc, kv_cache_type=kv_type, flash_attn="on")
+            await eventually(lambda: _plan_rev(nc, n), timeout=30, what=f"plan r{n}")
+
+        async def applied(rev: int):
+            status = await host_status(nc, "h1")
+            return status is not None and status.plan_revision == rev
+
+        await eventually(lambda: applied(3), timeout=30, what="agent runs r3")
+        await svc.stop("planner")
+        kv = await kv_bucket(nc)
+        await kv.purge(subjects.plan_key("h1"))
+        rejections = []
+
+        async def on_rejected(msg):
+            rejections.append(msg.data)
+
+        await nc.subscribe(subjects.rejected_subject("h1"), cb=on_rejected)
+        svc.start_planner()
+        await eventually(lambda: rejections, timeout=30, what="the agent refuses the older plan")
+        assert b"older than the applied r3" in rejections[0]
+        found = await eventually(lambda: _plan_rev(nc, 3), timeout=30, what="the planner rewrote it newer")
+        assert found
+        await eventually(lambda: applied(3), timeout=30, what="agent accepts it")
+
+        async def cleared():
+            status = await fleet_status(nc)
+            return status if all(not h.rejected for h in status.hosts) else None
+
+        await eventually(cleared, timeout=30, what="the rejection is cleared once the agent runs the plan")
+
+
+async def test_eventually_fails_at_once_on_a_final_wrong_value():
+    calls = []
+
+    def final_wrong():
+        calls.append(1)
+        assert False, "failed for good"
+
+    with pytest.raises(AssertionError, match="failed for good"):
+        await eventually(final_wrong, timeout=3600)
+    assert len(calls) == 1  # not polled until the timeout
+    flaky = iter([None, ConnectionError("bus restarting"), "value"])
+
+    def not_yet_then_value():
+        item = next(flaky)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    assert await eventually(not_yet_then_value, interval=0.01) == "value"

@@ -1,0 +1,90 @@
+"""The agent's state file: feedback kept across restarts until it expires, pids recorded
+the moment a lane starts, and adoption that refuses a reused pid. Real processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import msgspec
+import psutil
+import pytest
+from fixtures_bus import agent_config, fake_binary, free_port_base
+
+from launcher_agent.feedback import Feedback
+from launcher_agent.lane import Lane
+from launcher_agent.persistence import Saved
+from launcher_agent.process import LaneProcess
+from launcher_agent.report import host_report
+from launcher_agent.supervisor import Supervisor
+from planner_svc.planner import plan
+from shared.messages import FleetConfig
+
+
+@pytest.fixture
+def cfg(tmp_path, models):
+    return agent_config(tmp_path, "h1", models, fake_binary(tmp_path / "bin"), port_base=free_port_base())
+
+
+def _plan(cfg):
+    (host,) = plan([host_report(cfg)], FleetConfig()).hosts
+    return host
+
+
+def _saved(cfg) -> Saved:
+    return msgspec.json.decode((cfg.data_dir / "agent-state.json").read_bytes(), type=Saved)
+
+
+async def test_a_pid_is_on_disk_as_soon_as_its_lane_starts(cfg):
+    sup = Supervisor(cfg)
+    assert sup.accept_plan(_plan(cfg)) is None
+    spec = sup.plan.lanes[0]
+    await sup.procs.start(spec, sup.plan.plan_revision)  # no reconcile pass around it
+    try:
+        lane = sup.lanes[spec.lane_id]
+        saved = _saved(cfg)
+        assert saved.pids == {spec.lane_id: lane.process.pid}
+        assert saved.started[spec.lane_id] == pytest.approx(psutil.Process(lane.process.pid).create_time())
+    finally:
+        await sup.stop_all()
+    assert _saved(cfg).pids == {}
+
+
+def test_adoption_refuses_a_reused_pid(tmp_path, cfg):
+    spec = _plan(cfg).lanes[0]
+    # A process whose command line ends with the lane's flags, as a lane's would.
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *spec.args])
+    try:
+        started = psutil.Process(proc.pid).create_time()
+        log = tmp_path / "lane.log"
+        assert LaneProcess.adopt(spec, cfg.binary, log, proc.pid, started) is not None
+        assert LaneProcess.adopt(spec, cfg.binary, log, proc.pid, started - 30.0) is None  # same pid, other process
+        other = msgspec.structs.replace(spec, args=(*spec.args[:-1], "3"))
+        assert LaneProcess.adopt(other, cfg.binary, log, proc.pid, started) is None  # other flags
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_feedback_is_kept_across_restarts_and_expires(cfg):
+    now = [1_000_000.0]
+    sup = Supervisor(cfg, feedback=Feedback(clock=lambda: now[0]))
+    assert sup.accept_plan(_plan(cfg)) is None
+    lane = Lane(spec=sup.plan.lanes[0])
+    sup.feedback.failure(lane, "oom", "failed to allocate buffer")
+    sup.feedback.port_busy(lane, "port taken")
+    sup._save()
+    kinds = sorted(fb.kind for fb in _saved(cfg).feedback)
+    assert kinds == ["oom", "port_busy"]
+
+    later = Supervisor(cfg, feedback=Feedback(clock=lambda: now[0]))  # a restarted agent
+    later.load_saved()
+    assert sorted(fb.kind for fb in later.status().feedback) == ["oom", "port_busy"]
+    assert all(fb.noted_at == 1_000_000.0 for fb in later.status().feedback)
+    now[0] += cfg.feedback_ttl - 1
+    assert not later.feedback.expire(cfg.feedback_ttl)
+    now[0] += 2
+    assert later.feedback.expire(cfg.feedback_ttl)
+    assert later.status().feedback == ()
+    later._save()
+    assert _saved(cfg).feedback == []
