@@ -91,6 +91,10 @@ class _Lane:
     def total_ctx(self, window: int) -> int:
         return window * self.persona.parallel
 
+    def _fa_device(self, report: HostReport) -> str:
+        gpus = self.layout.gpus
+        return "cpu" if all(report.gpus[g].backend == "rpc" for g in gpus) else "gpu"
+
     def memory(self, window: int, report: HostReport, n_ubatch: int) -> MemoryBreakdown:
         caps = report.server
         base = LaneShape(
@@ -99,7 +103,8 @@ class _Lane:
             kv_unified=self.persona.kv_unified,
             type_k=self.flags.cache_type_k or "f16",
             type_v=self.flags.cache_type_v or "f16",
-            flash_attn=flash_attn_effective(self.flags.flash_attn, caps, self.device),
+            # RPC devices run the CPU backend's kernels: `auto` resolves to on there as on the CPU
+            flash_attn=flash_attn_effective(self.flags.flash_attn, caps, self._fa_device(report)),
             layout=caps.kv_layout,
             n_ubatch=n_ubatch,
         )
