@@ -11,20 +11,13 @@ import pytest
 from fixtures_bus import agent_config, client, eventually, fleet_status, host_status, lane_of, services
 from rpc_harness import rpc_servers
 from test_devices_real import rpc_bin  # noqa: F401  (fixture)
+from test_real_llama import _planner_with
 from tinymodels import write_llama
 
-from shared import subjects
 from shared.buffer_lines import COMPUTE_TOLERANCE
-from shared.messages import Demand, Persona, encode
+from shared.messages import Demand, Persona
 
 MIB = 2**20
-
-
-async def _demand(nc, s, demand: Demand) -> None:
-    s.start_planner()
-    await eventually(lambda: nc.request(subjects.CONFIG_GET, b"", timeout=1), what="planner up")
-    reply = await nc.request(subjects.DEMAND_SET, encode(demand), timeout=5)
-    assert not (reply.headers or {}).get("Nats-Service-Error"), reply.headers
 
 
 def _loaded(nc, host: str, lane_id: str):
@@ -49,7 +42,7 @@ async def test_lanes_pinned_to_rpc_devices_print_what_was_planned(nats_server, t
         cfg = agent_config(tmp_path, "rpc", models, str(rpc_bin / "llama-server"), rpc_servers=tuple(endpoints),
                            report_interval=1.0)  # fmt: skip
         async with services(nats_server.url) as s, client(nats_server.url) as nc:
-            await _demand(nc, s, demand)
+            await _planner_with(nc, s, {}, demand)
             s.start_agent(cfg)
             lanes = {}
             for lane_id in (f"{gemma}-0", "big-0"):
