@@ -125,7 +125,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         ctx=args.ctx, parallel=args.parallel, kv_unified=args.kv_unified, type_k=args.cache_type_k,
         type_v=args.cache_type_v, flash_attn=flash, layout=caps.kv_layout, n_ubatch=args.ubatch,
         n_gpu_layers=ngl, tensor_split=shares, devices=(backend,) * len(gpus), split_mode=args.split_mode,
-        main_gpu=args.main_gpu, no_kv_offload=args.no_kv_offload,
+        main_gpu=args.main_gpu, no_kv_offload=args.no_kv_offload, ngl_rule=caps.ngl_rule,
     )  # fmt: skip
     try:
         mem = lane_memory(facts, shape, cpu_repack())
