@@ -3,10 +3,11 @@ straight to the lane, two lanes against one, and failed requests during fleet-wi
 
 Run from the repository root:  .venv/bin/python bench/gateway_bench.py [--small] [--out bench/gateway_results.md]
 
-Everything is real: a nats-server (the wheel's), the planner, one agent running real
-llama-server lanes of Gemma 3 270M Q4_K_M (the demo model), the gateway, all in this
-process's event loop except the lanes; clients are aiohttp streaming chat requests
-(SSE), measured from the request's start to the first body byte (TTFB) and to the end.
+Everything is real: a nats-server (the wheel's), the planner and one agent (in this
+process) running real llama-server lanes of Gemma 3 270M Q4_K_M (the demo model), and
+`lanes gateway` as its own process, as deployed; clients are aiohttp streaming chat
+requests (SSE) from this process, measured from the request's start to the first body
+byte (TTFB) and to the end.
 
 1. One lane (8 slots). TTFB at 1 and 8 concurrent streams: rounds alternate direct and
    gateway (order flipped every round), so both see the same machine noise; p50 of each
@@ -26,6 +27,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,8 +38,6 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gateway.service import Gateway, run_gateway  # noqa: E402
-from gateway.settings import GatewaySettings  # noqa: E402
 from lanes.demo_model import ensure_demo_model  # noqa: E402
 from launcher_agent.config import AgentConfig  # noqa: E402
 from launcher_agent.probe import find_llama_server, probe  # noqa: E402
@@ -52,6 +52,8 @@ from shared.natsserver import NatsServer  # noqa: E402
 ALIAS = "chat"
 HOST = "bench"
 MESSAGES = [{"role": "user", "content": "Write one sentence about the sea."}]
+TTFB_TOKENS = 2  # TTFB rounds: as little generation as possible, so the lane's own time is short
+TP_TOKENS = 32
 
 
 async def stream(http: aiohttp.ClientSession, base: str, max_tokens: int) -> tuple[float, float, int]:
@@ -107,12 +109,28 @@ class Fleet:
         cfg = AgentConfig(host_id=HOST, model_dirs=[str(models)], binary=self.llama, caps=probe(self.llama),
                           data_dir=self.tmp / "agent", port_base=_free_base(), report_interval=5, tick=0.2)  # fmt: skip
         self.tasks.append(asyncio.create_task(run_agent(cfg, url, self.stop)))
-        self.gw = Gateway(GatewaySettings(port=0, queue_wait=120, queue_depth=256))
-        self.tasks.append(asyncio.create_task(run_gateway(url, self.stop, gateway=self.gw)))
+        port = _free_base()
+        self.gateway_url = f"http://127.0.0.1:{port}"
+        self.gateway = subprocess.Popen(
+            [str(Path(sys.executable).parent / "lanes"), "gateway", "--nats", url, "--port", str(port),
+             "--queue-wait", "120", "--queue-depth", "256"],
+            stdout=subprocess.DEVNULL, stderr=open(self.tmp / "gateway.log", "wb"),
+        )  # fmt: skip
         self.nc = await connect(url, name="bench", retry_forever=False)
         await _until(lambda: self.nc.request(subjects.CONFIG_GET, b"", timeout=1), 30, "planner")
         self.kv = await kv_bucket(self.nc)
-        await asyncio.wait_for(self.gw.started.wait(), 10)
+        self.http = aiohttp.ClientSession()
+        await _until(self._gateway_ready, 30, "gateway ready")
+
+    async def _gateway_ready(self) -> bool:
+        async with self.http.get(self.gateway_url + "/ready") as resp:
+            return resp.status == 200
+
+    async def routable(self) -> int:
+        async with self.http.get(self.gateway_url + "/v1/models") as resp:
+            models = (await resp.json())["data"]
+        running = len(await self.lanes())
+        return next((m["lanes"]["ready"] for m in models if m["id"] == ALIAS and m["lanes"]["total"] == running), 0)
 
     async def lanes(self) -> list:
         try:
@@ -130,10 +148,15 @@ class Fleet:
         async def ready():
             found = await self.lanes()
             ours = all(_has("--alias", ALIAS)(lane) and _has("--parallel", "8")(lane) for lane in found)
-            return len(found) == lanes and ours and all(want(lane) for lane in found) and len(
-                self.gw.view.routable(ALIAS)) == lanes and len(self.gw.view.lanes_for(ALIAS)) == lanes  # fmt: skip
+            return len(found) == lanes and ours and all(want(lane) for lane in found) and await self.routable() == lanes
 
-        await _until(ready, 600, f"{lanes} lane(s) serving")
+        try:
+            await _until(ready, 600, f"{lanes} lane(s) serving")
+        except RuntimeError:
+            async with self.http.get(self.gateway_url + "/v1/models") as resp:
+                models = await resp.text()
+            raise RuntimeError(f"{lanes} lane(s) not serving: status {await self.lanes()!r}; gateway {models}; "
+                               f"gateway log {(self.tmp / 'gateway.log').read_text()[-2000:]}") from None
 
     async def config(self, **changes) -> None:
         await self._request(subjects.CONFIG_SET, encode(ConfigSet(changes=changes)))
@@ -144,6 +167,12 @@ class Fleet:
             raise RuntimeError(reply.headers["Nats-Service-Error"])
 
     async def close(self) -> None:
+        await self.http.close()
+        self.gateway.terminate()
+        try:
+            self.gateway.wait(20)
+        except subprocess.TimeoutExpired:
+            self.gateway.kill()
         self.stop.set()
         await asyncio.gather(*self.tasks, return_exceptions=True)
         await self.nc.close()
@@ -254,26 +283,29 @@ async def main() -> int:
     if llama is None:
         print("no llama-server: run `lanes install-llama`", file=sys.stderr)
         return 2
-    rounds1, rounds8 = (3, 2) if args.small else (30, 12)
+    rounds1, rounds8, rounds_tp, rounds_lanes = (3, 2, 2, 1) if args.small else (30, 12, 4, 2)
     with tempfile.TemporaryDirectory(prefix="lanes-gw-bench-") as tmp:
         fleet = Fleet(Path(tmp), llama, args.small)
         await fleet.start()
         results: dict = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                                     f"Python {platform.python_version()}", "when": time.strftime("%Y-%m-%d %H:%M")}  # fmt: skip
         try:
-            connector = aiohttp.TCPConnector(limit=0)
+            # A new connection per request on both paths: llama-server drops reused keep-alive
+            # connections now and then ("Server disconnected"), which the client would count
+            # as failures of the direct path. The gateway pools its own and retries those.
+            connector = aiohttp.TCPConnector(limit=0, force_close=True)
             async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as http:
                 await fleet.demand(1)
-                lane = fleet.gw.view.routable(ALIAS)[0]
-                direct, gateway = lane.url, fleet.gw.url
-                await wave(http, direct, 8, 8)  # warm both paths
-                await wave(http, gateway, 8, 8)
-                results["ttfb_1"] = await interleaved(http, direct, gateway, 1, rounds1, 8)
-                results["ttfb_8"] = await interleaved(http, direct, gateway, 8, rounds8, 8)
-                results["throughput_8"] = await interleaved(http, direct, gateway, 8, max(2, rounds8 // 2), 64)
-                one = [await wave(http, gateway, 16, 64) for _ in range(2 if args.small else 4)]
+                lane = (await fleet.lanes())[0]
+                direct, gateway = f"http://127.0.0.1:{lane.port}", fleet.gateway_url
+                await wave(http, direct, 8, 4)  # warm both paths
+                await wave(http, gateway, 8, 4)
+                results["ttfb_1"] = await interleaved(http, direct, gateway, 1, rounds1, TTFB_TOKENS)
+                results["ttfb_8"] = await interleaved(http, direct, gateway, 8, rounds8, TTFB_TOKENS)
+                results["throughput_8"] = await interleaved(http, direct, gateway, 8, rounds_tp, TP_TOKENS)
+                one = [await wave(http, gateway, 16, TP_TOKENS) for _ in range(rounds_lanes)]
                 await fleet.demand(2)
-                two = [await wave(http, gateway, 16, 64) for _ in range(2 if args.small else 4)]
+                two = [await wave(http, gateway, 16, TP_TOKENS) for _ in range(rounds_lanes)]
                 results["lanes_2_vs_1"] = {
                     "tokens_per_s_one_lane": p50([t / w for _, w, t in one]),
                     "tokens_per_s_two_lanes": p50([t / w for _, w, t in two]),
@@ -316,16 +348,16 @@ Real llama-server lanes of Gemma 3 270M Q4_K_M (8 slots, 1024 tokens each), the 
 agent and the gateway over a real nats-server; aiohttp streaming chat clients. Direct and
 gateway rounds alternate (order flipped each round) in the same run.
 
-## Time to first byte (8 tokens per stream)
+## Time to first byte ({TTFB_TOKENS} tokens per stream)
 
 {chr(10).join(rows)}
 
-## Throughput at 8 streams (64 tokens each)
+## Throughput at 8 streams ({TP_TOKENS} tokens each)
 
 direct {tp['tokens_per_s_direct']:.1f} tokens/s, through the gateway {tp['tokens_per_s_gateway']:.1f} tokens/s:
 ratio **{tp['throughput_ratio']:.3f}** (median of {tp['rounds']} interleaved rounds).
 
-## Two lanes against one, through the gateway (16 streams, 64 tokens each)
+## Two lanes against one, through the gateway (16 streams, {TP_TOKENS} tokens each)
 
 one lane {l2['tokens_per_s_one_lane']:.1f} tokens/s, two lanes {l2['tokens_per_s_two_lanes']:.1f} tokens/s: ratio
 **{l2['ratio']:.2f}**. (Both lanes share the same CPU cores here: a second lane adds slots, not compute.)

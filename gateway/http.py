@@ -146,12 +146,14 @@ async def _forward(request: web.Request, name: str, body: bytes, started: float)
             lease.release()
             failure = f"lane {lane.host_id}/{lane.lane_id} failed before answering: {type(exc).__name__} {exc}"
             log.warning("lane failed before answering", lane=lane.lane_id, host=lane.host_id, error=failure)
-            dropped = isinstance(exc, aiohttp.ServerDisconnectedError)
+            # Not connected at all: the lane is unreachable (its probe brings it back). Anything else
+            # broke a connection (often a pooled one the lane had just closed): no verdict on the lane.
+            dropped = not isinstance(exc, aiohttp.ClientConnectorError)
             if not dropped:
-                view.mark_unreachable(lane.key, failure)  # refused, unreachable: its probe brings it back
+                view.mark_unreachable(lane.key, failure)
             if not dropped or any(other.key != lane.key for other in view.lanes_for(name)):
                 tried |= {lane.key}
-            # else: the only lane, and a pooled connection it had just closed: try it once more
+            # else: the only lane, and a broken connection to it: try it once more
             continue
         except asyncio.TimeoutError:  # the request's own time is up: trying again would double the load
             lease.release()

@@ -24,7 +24,8 @@ from shared.bus import NatsAuth, connect, kv_bucket, quietly, run_until, watch_f
 
 log = structlog.get_logger("lanes.gateway")
 
-WATCHED_KEYS = ">"  # plans, status, reports and config: one watch, dispatched by key
+WATCHED_KEYS = ">"
+SHUTDOWN_GRACE = 10.0  # plans, status, reports and config: one watch, dispatched by key
 
 
 @dataclass
@@ -138,7 +139,8 @@ async def run_gateway(
 ) -> None:
     """Serve until `stop` is set. Pass a Gateway to reach its view and app (tests, dashboard)."""
     gw = gateway or Gateway(settings)
-    runner = web.AppRunner(gw.app, access_log=None)
+    # On stop: no new connections, and requests in flight get SHUTDOWN_GRACE seconds to finish.
+    runner = web.AppRunner(gw.app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE)
     await runner.setup()
     site = web.TCPSite(runner, gw.settings.host, gw.settings.port)
     await site.start()

@@ -61,16 +61,24 @@ class _AgentCollector(Collector):
         restarts = CounterMetricFamily("lanes_lane_restarts", "Restarts of the lane by this agent", labels=LANE_LABELS)
         for lane_id, lane in sorted(self.sup.lanes.items()):
             values = [host, lane_id, lane.spec.model]
-            device = values + [lane.spec.memory.device]
             gauges["healthy"].add_metric(values, 1 if lane.state == "healthy" else 0)
             gauges["draining"].add_metric(values, 1 if lane.draining else 0)
             gauges["slots"].add_metric(values, lane.spec.parallel)
             restarts.add_metric(values, lane.restarts)
-            planned.add_metric(device, lane.spec.memory.total_bytes)
-            kv_planned.add_metric(device, lane.spec.memory.kv_bytes)
-            proc = lane.process
-            if proc is not None and proc.kv_bytes() is not None:
-                kv_real.add_metric(device, proc.kv_bytes())
+            memory, proc = lane.spec.memory, lane.process
+            # Per device when the plan splits the lane (device names as llama-server prints them,
+            # lower case: cpu, gpu0 ...); otherwise the whole lane on its one device.
+            for d in memory.devices or ():
+                planned.add_metric(values + [d.device.lower()], d.total)
+                kv_planned.add_metric(values + [d.device.lower()], d.kv_bytes)
+            if not memory.devices:
+                planned.add_metric(values + [memory.device], memory.total_bytes)
+                kv_planned.add_metric(values + [memory.device], memory.kv_bytes)
+            printed = proc.printed_devices() if proc is not None and memory.devices else ()
+            for d in printed:
+                kv_real.add_metric(values + [d.device.lower()], d.kv_bytes)
+            if not printed and proc is not None and proc.kv_bytes() is not None:
+                kv_real.add_metric(values + [memory.device], proc.kv_bytes())
             if proc is not None and proc.rss() is not None:
                 gauges["rss"].add_metric(values, proc.rss())
         halted = CounterMetricFamily("lanes_rollouts_halted", "Config changes this agent stopped rolling out "

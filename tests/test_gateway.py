@@ -162,6 +162,10 @@ async def test_errors_come_in_openai_shape(fleet):
                 assert resp.status == 200 and (await resp.json())["lanes_routable"] == 2
             async with http.get(gw.url + "/ready") as resp:
                 assert resp.status == 200
+    async with gateway(fleet, request_timeout=0.5) as gw:  # a request that cannot finish in time
+        with pytest.raises(openai.APIStatusError) as slow:
+            await _openai(gw).chat.completions.create(model=ALIAS, messages=MESSAGES, **LONG)
+        assert slow.value.status_code == 504 and slow.value.code == "timeout"
 
 
 async def test_no_lanes_for_a_model(tmp_path):
@@ -190,7 +194,8 @@ async def test_no_lanes_for_a_model(tmp_path):
 
 
 async def test_requests_spread_by_free_slots_then_queue_then_overflow(fleet):
-    async with gateway(fleet, queue_depth=1, queue_wait=1.0) as gw, aiohttp.ClientSession() as http:
+    # queue_wait: long enough for a slot to be handed on (below) on a loaded machine.
+    async with gateway(fleet, queue_depth=1, queue_wait=5.0) as gw, aiohttp.ClientSession() as http:
         # Four slots in the fleet (two lanes, two each): four streams take one slot each.
         streams = [await _open_stream(http, gw) for _ in range(4)]
         assert sorted(Counter(r.headers["X-Lanes-Lane"] for r in streams).values()) == [2, 2]

@@ -210,3 +210,12 @@ async def test_a_retry_excludes_the_lane_that_failed():
     first.release()
     again = await adm.acquire("gemma", exclude=frozenset({first.lane.key}))
     assert again.lane.key != first.lane.key
+
+
+def test_api_keys_are_checked_against_every_key():
+    from gateway.settings import GatewaySettings
+
+    settings = GatewaySettings(api_keys=("sk-one", "sk-two"))
+    assert settings.key_ok("sk-one") and settings.key_ok("sk-two")
+    assert not settings.key_ok("sk-on") and not settings.key_ok("") and not settings.key_ok("sk-one ")
+    assert not GatewaySettings().key_ok("anything")  # no keys configured: the middleware asks for none
