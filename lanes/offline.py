@@ -14,7 +14,7 @@ from launcher_agent.probe import ProbeError, probe
 from planner_svc.planner import plan
 from shared.capabilities import flash_attn_effective
 from shared.gguf_facts import ModelError, read_model_facts
-from shared.memory import BLOCK_BYTES, QUANTIZED, MemoryModelError, estimate
+from shared.memory import BLOCK_BYTES, QUANTIZED, MemoryModelError
 from shared.messages import Demand, FleetConfig, HostReport, ServerCaps
 
 

@@ -31,6 +31,7 @@ class Lease:
     ttl: float = DEFAULT_TTL
     clock: object = time.monotonic
     on_change: object = None  # async callable(active: bool)
+    on_holder: object = None  # callable(holder id), each time a stand-by reads the lease
     rev: int = 0  # the entry's revision this holder last wrote
     renewed_at: float = -1e18
     seen_rev: int = -1  # a stand-by's view: the entry's revision and when it last changed
@@ -79,6 +80,8 @@ class Lease:
         try:
             lease = msgspec.json.decode(value, type=PlannerLease)
             self.seen_holder = lease.holder
+            if self.on_holder:
+                self.on_holder(lease.holder)
             return lease.ttl
         except (msgspec.ValidationError, msgspec.DecodeError):
             return self.ttl

@@ -35,7 +35,6 @@ from shared.argv import lane_args
 from shared.capabilities import flash_attn_effective
 from shared.device_memory import LaneShape
 from shared.memory import CTX_PAD, MemoryModelError
-from shared.placement import PlacementError
 from shared.messages import (
     Demand,
     FleetConfig,
@@ -47,9 +46,9 @@ from shared.messages import (
     MemoryBreakdown,
     ModelFacts,
     Persona,
-    ServerCaps,
     Unplaced,
 )
+from shared.placement import PlacementError
 
 GIB = 1024**3
 _T_SCALE = 1 << 16
@@ -370,6 +369,7 @@ def _host_plan(
         budget_ram=draft.budget_ram,
         budget_gpu=draft.budget_gpu,
         budget_gpus=draft.budget_gpus,
+        planned_by="",
     )
     if comparable == draft:
         return (

@@ -75,6 +75,8 @@ class PlannerState:
         self.caught_up = False
         # A stand-by planner follows the active one: every plan on a key becomes its own.
         self.following = False
+        self.leader = ""  # the lease holder a stand-by follows (whose plans it adopts)
+        self.planner_id = ""  # written into every plan this planner writes
         self.seen: dict[str, float] = {}  # host -> when its last report or status came (clock)
         self.lost: set[str] = set()
         self.rejected: dict[str, str] = {}  # host -> why its agent refused the latest plan
@@ -199,7 +201,7 @@ class PlannerState:
             return True
         if found is not None:
             self.plan_seen[host] = max(self.plan_seen.get(host, 0), found.plan_revision)
-            if not self.caught_up or self.following:
+            if not self.caught_up or (self.following and found.planned_by and found.planned_by == self.leader):
                 self.plans[host] = found  # a previous (or the active) planner's plan: carry on from it
         self.plan_stored[host] = found is not None and found == self.plans.get(host)
         if not self.plan_stored[host] and self.caught_up and not self.following:
@@ -242,12 +244,12 @@ class PlannerState:
             for host, p in self.plans.items()
             if host in wanted
         }
-        config, demand, config_revision = self.config, self.demand, self.config_revision
+        config, demand, config_revision, me = self.config, self.demand, self.config_revision, self.planner_id
         per_host = {r.host_id: feedback.get(subjects.host_token(r.host_id), ()) for r in reports}
 
         def job() -> dict[str, HostPlan]:
             fleet = plan(reports, config, demand, previous=previous, feedback=per_host, config_revision=config_revision)
-            return {subjects.host_token(h.host_id): h for h in fleet.hosts}
+            return {subjects.host_token(h.host_id): msgspec.structs.replace(h, planned_by=me) for h in fleet.hosts}
 
         return job
 
@@ -267,6 +269,8 @@ class PlannerService:
         self.last_replan_seconds = 0.0
         self.id = name or planner_id()
         self.lease = Lease(kv, self.id, ttl=lease_ttl, on_change=self._on_lease)
+        self.state.planner_id = self.id
+        self.lease.on_holder = lambda holder: setattr(self.state, "leader", holder)
         self.replans = 0
         self.metrics = PlannerMetrics(self)
 

@@ -301,6 +301,8 @@ class HostPlan(_Msg, tag="host_plan", kw_only=True):
     lanes: tuple[LaneSpec, ...] = ()
     unplaced: tuple[Unplaced, ...] = ()
     reasons: tuple[str, ...] = ()
+    # The planner that wrote it (its lease holder id): a stand-by adopts only the active one's plans.
+    planned_by: str = ""
 
 
 class FleetPlan(_Msg, tag="fleet_plan", kw_only=True):

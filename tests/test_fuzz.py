@@ -821,8 +821,14 @@ def test_rejected_plan_does_not_steer_the_next_plan(fresh):
     port = fresh.cfg.port_base + (spec.port - fresh.cfg.port_base + 5) % fresh.cfg.port_count
     hostile = msgspec.structs.replace(current, plan_revision=current.plan_revision + 50,
                                       lanes=(msgspec.structs.replace(spec, port=port),))  # fmt: skip
-    fresh.run(fresh.kv.put(subjects.plan_key(HOST), encode(hostile)))  # its args still say the old port
-    fresh.run(eventually(lambda: fresh.rejected, what="hostile plan rejected"))
+    # Held lease: the planner stands by, so its rewrite cannot overtake the hostile plan
+    # before the agent has read it (the agent reads its key's latest value).
+    fresh.run(fresh.hold_lease())
+    try:
+        fresh.run(fresh.kv.put(subjects.plan_key(HOST), encode(hostile)))  # its args still say the old port
+        fresh.run(eventually(lambda: fresh.rejected, what="hostile plan rejected"))
+    finally:
+        fresh.run(fresh.release_lease())
     report = fresh.run(fresh.kv.get(subjects.report_key(HOST)))
     fresh.run(fresh.kv.put(subjects.report_key(HOST), report.value))  # any new report makes the planner replan
     fresh.run(asyncio.sleep(2.0))
