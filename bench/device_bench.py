@@ -139,9 +139,35 @@ def summarize(results: list[dict]) -> dict:
     }
 
 
+def standard_models(folder: Path) -> list[Path]:
+    """The committed results' models: the real Gemma file and three synthetic large-vocabulary ones."""
+    import tinymodels
+
+    from lanes.demo_model import ensure_demo_model
+
+    folder.mkdir(parents=True, exist_ok=True)
+    made = [ensure_demo_model(folder)]
+    specs = {
+        "llama_v256k.gguf": dict(n_layer=8, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_ff=512, n_vocab=262144),
+        "llama_v128k_tied.gguf": dict(n_layer=6, n_embd=256, n_head=8, n_head_kv=4, head_dim=64, n_ff=768,
+                                      n_vocab=131072, tied=True),
+    }  # fmt: skip
+    for name, kw in specs.items():
+        if not (folder / name).exists():
+            tinymodels.write_llama(folder / name, n_ctx_train=65536, **kw)
+        made.append(folder / name)
+    if not (folder / "gemma3_v200k.gguf").exists():
+        tinymodels.write_gemma3(folder / "gemma3_v200k.gguf", n_layer=6, n_embd=256, n_head=4, n_head_kv=1,
+                                head_dim=128, n_ff=512, n_vocab=200000, n_ctx_train=65536)  # fmt: skip
+    made.append(folder / "gemma3_v200k.gguf")
+    return made
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", nargs="+", required=True, help="GGUF files")
+    ap.add_argument("--models", nargs="*", default=[], help="GGUF files")
+    ap.add_argument("--standard", metavar="DIR",
+                    help="write the standard set into DIR and run it: real Gemma 3 270M + synthetic 262k/200k/128k vocabularies")
     ap.add_argument("--bin-dir", help="folder with llama-server and ggml-rpc-server (default: the RPC build)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--cuda-gpus", type=int, default=0, help="run the CUDA matrix on this many local GPUs (no RPC)")
@@ -153,6 +179,11 @@ def main() -> int:
     if bin_dir is None or not (bin_dir / "llama-server").exists():
         print("no RPC build: run `lanes install-llama --rpc` first", file=sys.stderr)
         return 2
+    models = list(args.models) + (standard_models(Path(args.standard)) if args.standard else [])
+    if not models:
+        print("give --models GGUF... or --standard DIR", file=sys.stderr)
+        return 2
+    args.models = models
     results = []
     import contextlib
 

@@ -85,14 +85,32 @@ def lanes_choice(server: str, model: Path, facts, endpoints, names, budgets_mib,
         return {"error": [u.reason for u in fleet.hosts[0].unplaced]}
     s = lanes[0]
     return {"ctx": s.ctx_total, "ngl": s.n_gpu_layers, "split": list(s.tensor_split),
-            "devices": list(s.gpu_devices)}  # fmt: skip
+            "devices": list(s.gpu_devices), "args": list(s.args)}  # fmt: skip
 
 
-def best_window(server, model, endpoints, ngl, split, extra, budgets_mib, hi: int) -> int:
+def with_ctx(args: list[str], ctx: int) -> list[str]:
+    """The lane's own argv (pinned with --device, its -ts) at another context, on a free port."""
+    from launcher_agent.measure import free_port
+
+    out = list(args)
+    out[out.index("--ctx-size") + 1] = str(ctx)
+    out[out.index("--port") + 1] = str(free_port())
+    return out
+
+
+def run_lane(server: str, args: list[str], ctx: int, gpu_devices: list[int]) -> dict:
+    """Printed use per host device: a pinned lane's GPUk is the host's gpu_devices[k]."""
+    loaded = load_and_stop(server, with_ctx(args, ctx))
+    used = device_used(loaded.lines) if loaded.ok else {}
+    host = {(f"GPU{gpu_devices[int(d[3:])]}" if d != "CPU" else d): v for d, v in used.items()}
+    return {"started": loaded.ok, "used_mib": host}
+
+
+def best_window(server, args, gpu_devices, budgets_mib, hi: int) -> int:
     """Largest multiple of 256 whose printed buffers fit every device, by starting llama-server."""
 
     def fits(ctx: int) -> bool:
-        r = run_server(server, model, endpoints, ctx, str(ngl), split, extra)
+        r = run_lane(server, args, ctx, gpu_devices)
         return r["started"] and not over(r["used_mib"], budgets_mib)
 
     lo, hi = 1, hi // 256
@@ -146,10 +164,9 @@ def main() -> int:
                 ours = lanes_choice(server, model, facts, eps, [d[0] for d in devs], budgets, fa, cache)
                 best = 0
                 if "ctx" in ours:
-                    ours.update(run_server(server, model, eps, ours["ctx"], str(ours["ngl"]), ours["split"], extra))
+                    ours.update(run_lane(server, ours["args"], ours["ctx"], ours["devices"]))
                     ours["over"] = over(ours["used_mib"], list(budgets))
-                    best = best_window(server, model, eps, ours["ngl"], ours["split"], extra, list(budgets),
-                                       facts.n_ctx_train)  # fmt: skip
+                    best = best_window(server, ours.pop("args"), ours["devices"], list(budgets), facts.n_ctx_train)
                     ours["unused_mib"] = {f"GPU{i}": round(b - ours["used_mib"].get(f"GPU{i}", 0), 1)
                                           for i, b in enumerate(budgets)}  # fmt: skip
                 if "ctx" in fit and fit.get("started"):

@@ -42,7 +42,6 @@ class DashboardHub:
     def __init__(self, view: FleetView) -> None:
         self.view = view
         self.events = EventFeed()
-        self.served: dict[LaneKey, int] = {}  # requests each lane finished; the edge counts them
         self._rates: dict[LaneKey, float] = {}
         self._last_count: tuple[float, dict[LaneKey, int]] = (time.monotonic(), {})
         self._pages: set[asyncio.Queue[str]] = set()
@@ -81,7 +80,7 @@ class DashboardHub:
         then, before = self._last_count
         if now - then < RATE_SECONDS / 2:
             return
-        counts = dict(self.served)
+        counts = dict(self.view.served)  # requests each lane finished, counted by the admission
         self._rates = {key: (n - before.get(key, 0)) / (now - then) for key, n in counts.items()}
         self._last_count = (now, counts)
 

@@ -41,7 +41,7 @@ def dashboard_snapshot(view: FleetView, events: EventFeed, rates: Mapping[LaneKe
     ]
     return {
         "config": msgspec.to_builtins(config),
-        "config_revision": _config_revision(config, view.config_revision),
+        "config_revision": config.revision,  # counts changes (1, 2, 3 ...), as `lanes status` shows it
         "synced": view.synced,
         "hosts": [_host(view, h, config, routes, rates) for h in hosts],
         "unplaced": unplaced,
@@ -68,11 +68,6 @@ def _host(view: FleetView, host: str, config: FleetConfig, routes: Mapping[LaneK
         "devices": _devices(report, plan, specs, live, config),
         "lanes": lanes,
     }
-
-
-def _config_revision(config: FleetConfig, kv_revision: int) -> int:
-    """The count of config changes where the config carries one, else the KV revision."""
-    return getattr(config, "revision", 0) or kv_revision
 
 
 def _lane(spec: LaneSpec, lane: LaneStatus | None, route: LaneRoute | None, busy: int, rate: float) -> dict:

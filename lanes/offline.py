@@ -119,13 +119,14 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if gpus and not 0 <= args.main_gpu < len(gpus):
         raise UserError(f"--main-gpu {args.main_gpu}: the host has {len(gpus)} device(s) in --gpus")
     backend = args.gpu_backend or gpu_backend_of(args.llama_server)
-    device = "gpu" if gpus and ngl != 0 else "cpu"
+    # RPC devices run the CPU backend's kernels: `auto` resolves as on the CPU
+    device = "gpu" if gpus and ngl != 0 and backend != "rpc" else "cpu"
     flash = flash_attn_effective(args.flash_attn, caps, device)
     shape = LaneShape(
         ctx=args.ctx, parallel=args.parallel, kv_unified=args.kv_unified, type_k=args.cache_type_k,
         type_v=args.cache_type_v, flash_attn=flash, layout=caps.kv_layout, n_ubatch=args.ubatch,
         n_gpu_layers=ngl, tensor_split=shares, devices=(backend,) * len(gpus), split_mode=args.split_mode,
-        main_gpu=args.main_gpu, no_kv_offload=args.no_kv_offload,
+        main_gpu=args.main_gpu, no_kv_offload=args.no_kv_offload, ngl_rule=caps.ngl_rule,
     )  # fmt: skip
     try:
         mem = lane_memory(facts, shape, cpu_repack())

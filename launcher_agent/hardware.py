@@ -152,19 +152,37 @@ def listed_devices(text: str) -> list[tuple[str, int, int]]:
     return [(m.group(1), int(m.group(2)) * 2**20, int(m.group(3)) * 2**20) for m in _LISTED.finditer(text)]
 
 
-def rpc_gpus(binary: str, endpoints: Iterable[str]) -> list[GpuInfo]:
-    """ggml-rpc-servers as GPU-type devices, named and sized as llama-server sees them."""
-    endpoints = list(endpoints)
-    try:
-        run = subprocess.run([binary, "--rpc", ",".join(endpoints), "--list-devices"],
-                             capture_output=True, text=True, timeout=30)  # fmt: skip
-        listed = [d for d in listed_devices(run.stdout + run.stderr) if d[0].startswith("RPC")]
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        log.warning("could not list the RPC devices", error=str(exc))
-        listed = []
+_rpc_listed: dict[tuple[str, ...], list[tuple[str, int, int]]] = {}
+
+
+def rpc_gpus(binary: str, endpoints: Iterable[str], held: dict[int, int] | None = None) -> list[GpuInfo]:
+    """ggml-rpc-servers as GPU-type devices, named and sized as llama-server sees them.
+
+    Listed once per agent: a ggml-rpc-server serves one client at a time, so asking it again
+    while a lane is connected would wait for that lane to end. Afterwards a loopback server's
+    free memory is this host's available RAM (what it reports); a remote one's is its first
+    figure less what our lanes hold there (`held`, GPU index -> bytes).
+    """
+    endpoints = tuple(endpoints)
+    held = held or {}
+    if endpoints not in _rpc_listed:
+        try:
+            run = subprocess.run([binary, "--rpc", ",".join(endpoints), "--list-devices"],
+                                 capture_output=True, text=True, timeout=10)  # fmt: skip
+            listed = [d for d in listed_devices(run.stdout + run.stderr) if d[0].startswith("RPC")]
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            log.warning("could not list the RPC devices", error=str(exc))
+            listed = []
+        if len(listed) == len(endpoints):
+            _rpc_listed[endpoints] = listed
+    listed = _rpc_listed.get(endpoints, [])
     out = []
     for i, endpoint in enumerate(endpoints):
-        name, total, free = listed[i] if i < len(listed) else (f"RPC{i}[{endpoint}]", 0, 0)
+        name, total, free = listed[i] if i < len(listed) else (f"RPC{i}", 0, 0)
+        if endpoint.startswith(("127.", "localhost:", "[::1]")):
+            free = min(total, psutil.virtual_memory().available)
+        else:
+            free = max(0, free - held.get(i, 0))
         out.append(GpuInfo(name=f"rpc {endpoint}", vram_total=total, vram_free=free, backend="rpc",
                            device=name, endpoint=endpoint))  # fmt: skip
     return out

@@ -56,7 +56,7 @@ def host_report(
 
 def _gpus(cfg: AgentConfig, lane_pids: list[int], lanes_gpu: dict[int, int]) -> tuple[GpuInfo, ...]:
     gpus = list(hardware.nvidia_gpus(lane_pids) or hardware.apple_gpus())
-    gpus += hardware.rpc_gpus(cfg.binary, cfg.rpc_servers) if cfg.rpc_servers else []
+    gpus += hardware.rpc_gpus(cfg.binary, cfg.rpc_servers, {i - len(gpus): b for i, b in lanes_gpu.items()}) if cfg.rpc_servers else []
     out = []
     for i, g in enumerate(gpus):
         if not g.lanes_vram and lanes_gpu.get(i):

@@ -70,6 +70,7 @@ def shape_for(layout: Layout, report: HostReport, base: LaneShape) -> LaneShape:
         flash_attn=base.flash_attn, layout=base.layout, n_ubatch=base.n_ubatch, n_gpu_layers=layout.n_gpu_layers,
         tensor_split=tuple(float(s) for s in layout.shares) if len(layout.gpus) > 1 else (),
         devices=tuple(report.gpus[g].backend for g in layout.gpus),
+        ngl_rule=report.server.ngl_rule if report.server else "output_first",
     )  # fmt: skip
 
 

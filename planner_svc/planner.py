@@ -91,6 +91,10 @@ class _Lane:
     def total_ctx(self, window: int) -> int:
         return window * self.persona.parallel
 
+    def _fa_device(self, report: HostReport) -> str:
+        gpus = self.layout.gpus
+        return "cpu" if all(report.gpus[g].backend == "rpc" for g in gpus) else "gpu"
+
     def memory(self, window: int, report: HostReport, n_ubatch: int) -> MemoryBreakdown:
         caps = report.server
         base = LaneShape(
@@ -99,7 +103,8 @@ class _Lane:
             kv_unified=self.persona.kv_unified,
             type_k=self.flags.cache_type_k or "f16",
             type_v=self.flags.cache_type_v or "f16",
-            flash_attn=flash_attn_effective(self.flags.flash_attn, caps, self.device),
+            # RPC devices run the CPU backend's kernels: `auto` resolves to on there as on the CPU
+            flash_attn=flash_attn_effective(self.flags.flash_attn, caps, self._fa_device(report)),
             layout=caps.kv_layout,
             n_ubatch=n_ubatch,
         )
@@ -431,6 +436,9 @@ def _spec(report: HostReport, config: FleetConfig, lane: _Lane) -> LaneSpec:
     gpus = lane.layout.gpus
     names = tuple(report.gpus[g].device for g in gpus)
     rpc = tuple(report.gpus[g].endpoint for g in gpus if report.gpus[g].endpoint)
+    if gpus and len(rpc) == len(gpus):
+        # llama-server numbers RPC devices in the order of its --rpc list: the lane's own servers
+        names = tuple(f"RPC{k}" for k in range(len(rpc)))
     window_reason = f"window {lane.window} tokens per slot x {lane.persona.parallel} on {lane.device}: " + (
         "the ceiling" if lane.window == lane.ceiling else "the largest multiple of 256 that fits the budget"
     )

@@ -34,6 +34,9 @@ def parse_caps(help_text: str, version_text: str = "") -> ServerCaps:
         has_swa_full="--swa-full" in help_text,
         # Per-slot KV streams and the separate SWA cache arrived together with -kvu.
         kv_layout="streams" if "--kv-unified" in help_text else "shared",
+        # The output-first -ngl rule (Dec 2025) came with -ngl taking auto/all besides a count.
+        ngl_rule="output_first" if re.search(r"n-gpu-layers N[^\n]*\n?[^\n]*(auto|all)", help_text) else "blocks_first",
+        has_device="--device" in help_text,
     )
 
 

@@ -75,6 +75,10 @@ class ServerCaps(msgspec.Struct, frozen=True, kw_only=True):
     # "streams": one KV stream per slot and a separate sliding-window cache (current builds).
     # "shared": one cache shared by all slots and no SWA cache (builds of early 2025).
     kv_layout: KvLayout = "streams"
+    # How -ngl N picks layers: "output_first" (current: the output layer, then the last N-1
+    # blocks) or "blocks_first" (older builds: the last N blocks; the output only when N > n_layer).
+    ngl_rule: Literal["output_first", "blocks_first"] = "output_first"
+    has_device: bool = True  # -dev/--device: pin a lane to named devices
 
 
 class LayerWeights(msgspec.Struct, frozen=True, array_like=True):

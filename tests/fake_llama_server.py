@@ -823,7 +823,6 @@ def main(argv: list[str]) -> None:
                        f"divide n_embd_head_{name.lower()}={hd}",
                        f"common_init_from_params: failed to create context with model '{model_path}'")
 
-    layout = "shared" if OLD else "streams"
     shape = figures_key(facts, ctx=pad(ctx), slots=n_slots, kv_unified=kv_unified or OLD, type_k=type_k,
                         type_v=type_v, flash_attn=fa, n_ubatch=params["n_ubatch"],
                         swa_full=bool(params["swa_full"]) or OLD)
@@ -840,9 +839,11 @@ def main(argv: list[str]) -> None:
     if fig.get("error"):  # the real binary refused this shape: say what it said
         _fail_load(model_path, *fig["error"])
     n_ctx = fig["n_ctx"]
+    # Old builds split the one shared cache's context evenly between the slots.
+    n_ctx_seq = n_ctx // n_slots if OLD else fig["n_ctx_seq"]
     kv_total = round(sum(g["k_mib"] + g["v_mib"] for g in fig["kv"]) * MIB)
     STATE.n_ctx = n_ctx
-    STATE.n_ctx_slot = fig["n_ctx_seq"]
+    STATE.n_ctx_slot = n_ctx_seq
     STATE.n_slots = n_slots
     if v4:
         log("I", "llama_context: constructing llama_context")
@@ -889,7 +890,7 @@ def main(argv: list[str]) -> None:
     if v4:
         log("I", f"llama_context: {'CPU':>10} compute buffer size = {fig['compute_mib']:8.2f} MiB")
 
-    log("I", f"srv    load_model: initializing, n_slots = {n_slots}, n_ctx_slot = {fig['n_ctx_seq']}, "
+    log("I", f"srv    load_model: initializing, n_slots = {n_slots}, n_ctx_slot = {n_ctx_seq}, "
         f"kv_unified = '{'true' if kv_unified else 'false'}'")
     log("I", "main: model loaded")
     log("I", f"main: server is listening on http://{host}:{port} - starting the main loop")

@@ -35,3 +35,9 @@ def test_kv_bench_quick(tmp_path):
     assert result.returncode == 0, result.stderr
     text = out.read_text()
     assert "KV size predicted exactly" in text and "Fixed-divisor windows" in text
+
+
+def test_scan_bench_runs(tiny_models):
+    result = run("scan_bench.py", "--model", str(tiny_models["gemma3"]), "--repeats", "1")
+    assert result.returncode == 0, result.stderr
+    assert "header scan" in result.stdout and "cached (agent restart)" in result.stdout

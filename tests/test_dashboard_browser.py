@@ -127,6 +127,7 @@ async def test_first_run_and_live_dashboard_in_chromium(tmp_path, gemma_model, l
             await expect(row).to_have_count(1, timeout=90_000)
             await expect(row.locator("td.state")).to_have_text("healthy", timeout=120_000)
             await expect(row.locator("td.cache")).to_have_text("f16/f16")
+            await expect(page.locator("#config-revision")).to_have_text("revision 0")
             await expect(page.locator("#connection")).to_have_text("live")
             before = int((await row.locator("td.window").inner_text()).split(" x ")[0])
 
@@ -136,6 +137,7 @@ async def test_first_run_and_live_dashboard_in_chromium(tmp_path, gemma_model, l
                 {**body, "max_tokens": 8}).encode(), headers={"Content-Type": "application/json"})  # fmt: skip
             with urllib.request.urlopen(req, timeout=60) as resp:
                 assert json.load(resp)["choices"][0]["message"]["content"] is not None
+            await expect(row.locator("td.rps")).not_to_have_text("0.00", timeout=15_000)  # the gateway counted it
 
             changed = subprocess.run([*LANES, "config", "set", "--nats", nats, "kv_cache_type=q8_0", "flash_attn=on"],
                                      capture_output=True, text=True, timeout=30)  # fmt: skip
@@ -147,7 +149,15 @@ async def test_first_run_and_live_dashboard_in_chromium(tmp_path, gemma_model, l
             await expect(row.locator("td.state")).to_have_text("healthy", timeout=120_000)  # the new spec serves
             # The KV size llama-server printed for the new lane equals the plan's, on the page.
             await expect(row.locator("td.kv")).to_have_text(re.compile(r"^(\S+ MiB) / \1$"), timeout=10_000)
-            await expect(page.locator("#config-revision")).to_contain_text("revision")
+            # Revisions count changes, the same on the page, in `lanes status` and in its JSON.
+            await expect(page.locator("#config-revision")).to_have_text("revision 1")
+            table = subprocess.run([*LANES, "status", "--nats", nats], capture_output=True, text=True, timeout=30)
+            assert "config r1:" in table.stdout, table.stdout
+            status = json.loads(subprocess.run([*LANES, "status", "--nats", nats, "--json"], capture_output=True,
+                                               text=True, timeout=30).stdout)  # fmt: skip
+            assert status["config_revision"] == 1 and status["config"]["revision"] == 1
+            (host_plan,) = status["plans"]
+            assert host_plan["config_revision"] == 1 and host_plan["plan_revision"] == 2
             await expect(page.locator("#events li").first).to_be_visible()
             assert await page.evaluate("window.__lanesFirstLoad === true"), "the page reloaded"
             assert script_errors == []

@@ -141,3 +141,39 @@ def test_a_lane_split_over_two_gpus_draws_on_both_bars() -> None:
         assert bar["headroom"] > 0 and bar["free"] >= 0
     assert cpu["weights"] == sum(d.model_bytes for d in spec.memory.devices if d.device == "CPU")  # token embeddings
     assert gpu0["device"].startswith("GPU0") and gpu1["device"].startswith("GPU1")
+
+
+def test_page_assets_ship_in_the_package_and_fetch_nothing_from_the_network() -> None:
+    import re
+    import tomllib
+    from pathlib import Path
+
+    from gateway.dashboard import STATIC
+
+    names = {p.name for p in STATIC.iterdir()}
+    assert {"index.html", "app.js", "style.css"} <= names
+    for name in names:
+        text = (STATIC / name).read_text()
+        assert not re.search(r"""(src|href)=["']?(https?:)?//""", text), name  # no remote script or style
+        assert not re.search(r"""(fetch|EventSource)\(["'`]https?:""", text), name
+        assert "@import" not in text and "url(http" not in text, name
+    pyproject = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    assert "static/*" in pyproject["tool"]["setuptools"]["package-data"]["gateway"]
+
+
+def test_requests_per_second_from_finished_requests() -> None:
+    import asyncio
+
+    from gateway.dashboard import RATE_SECONDS, DashboardHub
+
+    async def run() -> dict:
+        view = FleetView()
+        hub = DashboardHub(view)
+        then, _ = hub._last_count
+        view.served[("h1", "l1")] = 30
+        hub._last_count = (then - RATE_SECONDS * 2, {("h1", "l1"): 10})  # 20 more over 10 s
+        hub._update_rates()
+        return hub._rates
+
+    rates = asyncio.run(run())
+    assert abs(rates[("h1", "l1")] - 20 / (RATE_SECONDS * 2)) < 0.05

@@ -184,3 +184,25 @@ def test_estimate_bad_device_input_is_one_line_exit_2(tiny_models, extra, words)
     assert run.returncode == 2, (run.stdout, run.stderr)
     assert run.stdout == ""
     assert len(run.stderr.strip().splitlines()) == 1 and words in run.stderr, run.stderr
+
+
+def test_probe_reads_the_ngl_rule_from_help():
+    from shared.capabilities import parse_caps
+
+    new = ("-fa, --flash-attn [on|off|auto]\n-ngl,  --gpu-layers, --n-gpu-layers N   max. number of layers,\n"
+           "                                        'auto', or 'all' (default: auto)\n-dev,  --device <dev1,dev2,..>")
+    old = "-fa, --flash-attn\n-ngl, --gpu-layers, --n-gpu-layers N   number of layers to store in VRAM\n"
+    assert parse_caps(new).ngl_rule == "output_first" and parse_caps(new).has_device
+    assert parse_caps(old).ngl_rule == "blocks_first" and not parse_caps(old).has_device
+
+
+def test_device_lines_show_planned_and_printed():
+    from shared.buffer_lines import device_lines
+    from shared.messages import DeviceMemory, LaneSpec, MemoryBreakdown
+
+    planned = (DeviceMemory(device="CPU", model_bytes=170 * MIB), DeviceMemory(device="GPU0", kv_bytes=8 * MIB, layers=19))
+    spec = LaneSpec(lane_id="g-0", model="g", model_path="/m", alias="g", port=8080, ctx_total=4096, ctx_per_slot=4096,
+                    parallel=1, gpu_devices=(1,), memory=MemoryBreakdown(devices=planned))  # fmt: skip
+    lines = device_lines(spec, (DeviceMemory(device="GPU0", kv_bytes=8 * MIB),))
+    assert "CPU: layers 0" in lines[0] and "model 170.00, kv 0.00" in lines[0]
+    assert "GPU0 (host gpu 1)" in lines[1] and "kv 8.00/8.00" in lines[1]

@@ -485,7 +485,7 @@ def test_fuzz_request_endpoints(fleet):
     fleet.sent_requests = 0
     _fuzz_request_endpoints(fleet)
     print(f"request fuzz: {fleet.sent_requests} requests sent")
-    assert fleet.sent_requests > 700
+    assert fleet.sent_requests > 0.7 * examples(1000)
     fleet.assert_untouched()
     config = msgspec.json.decode(fleet.run(fleet.nc.request(subjects.CONFIG_GET, b"", timeout=5)).data, type=FleetConfig)
     assert config == fleet.config
@@ -552,7 +552,7 @@ def test_fuzz_planner_kv_entries(fleet):
     _fuzz_planner_kv_entries(fleet)
     expected = dict(fleet.expected_drops)
     print(f"kv fuzz: malformed entries sent per key: {expected}")
-    assert sum(expected.values()) > 200, f"too few malformed entries were sent: {expected}"
+    assert sum(expected.values()) > (0.05 if TARGET else 0.2) * examples(1000), f"too few malformed entries: {expected}"
 
     def all_dropped():
         return all(fleet.dropped(k) - before.get(k, 0) >= n for k, n in expected.items())
@@ -685,7 +685,7 @@ def test_fuzz_plans(fleet):
         _fuzz_plans(fleet)
     finally:
         fleet.run(fleet.release_lease())
-    assert fleet.sent_bad_plans > 200
+    assert fleet.sent_bad_plans > 0.25 * examples(700)
     fleet.run(eventually(lambda: len(fleet.rejected) - rejected_before >= fleet.sent_bad_plans, timeout=20,
                          what=f"{fleet.sent_bad_plans} rejections"))  # fmt: skip
     fleet.run(asyncio.sleep(1.0))
@@ -733,7 +733,7 @@ def test_fuzz_rejections(fleet):
     before = sum(1 for e in list(fleet.logs) if e.get("event") == "dropped malformed rejection")
     _fuzz_rejections(fleet)
     print(f"rejection fuzz: {fleet.sent_rejections} sent, {fleet.bad_rejections} malformed")
-    assert fleet.bad_rejections > 100
+    assert fleet.bad_rejections > 0.2 * examples(500)
 
     def all_dropped():
         return sum(1 for e in list(fleet.logs) if e.get("event") == "dropped malformed rejection") - before >= (

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import msgspec
+import pytest
 from fixtures_bus import (
     agent_config,
     client,

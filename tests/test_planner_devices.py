@@ -34,8 +34,8 @@ def test_whole_model_on_the_gpu_with_most_room_pinned_to_it():
 
 
 def test_split_over_two_gpus_with_planner_chosen_shares():
-    # 4 GiB of weights fit neither 3 GiB GPU alone
-    report = host(gpus=(gpu(0, 4, 3.5), gpu(1, 4, 3)))
+    # 4 GiB of weights fit neither GPU alone (about 3.7 and 3.3 GiB usable), both together
+    report = host(gpus=(gpu(0, 5, 4.2), gpu(1, 5, 3.8)))
     fleet = plan([report], FleetConfig())
     check_invariants(fleet, [report])
     lane = only_lane(fleet)

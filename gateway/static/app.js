@@ -50,7 +50,7 @@ function renderLanes(hosts) {
       el("td", { class: "cache" }, `${l.cache_type_k}/${l.cache_type_v}`),
       el("td", { class: "fa" }, l.flash_attn),
       el("td", { class: `state state-${l.state}` }, l.state),
-      el("td", {}, `${l.slots_busy} / ${l.parallel}`), el("td", {}, l.requests_per_second.toFixed(2)),
+      el("td", {}, `${l.slots_busy} / ${l.parallel}`), el("td", { class: "rps" }, l.requests_per_second.toFixed(2)),
       el("td", { class: "kv" }, `${mib(l.kv_planned_bytes)} / ${mib(l.kv_real_bytes)}`),
       el("td", { class: "error" }, l.last_error)));
   }
@@ -63,7 +63,7 @@ function renderConfig(state) {
   $("#config-summary").textContent =
     `config r${state.config_revision} · kv ${c.kv_cache_type_k || c.kv_cache_type || "f16"}/` +
     `${c.kv_cache_type_v || c.kv_cache_type || "f16"} · flash_attn ${c.flash_attn || "unset"}`;
-  $("#config tbody").replaceChildren(...Object.entries(c).filter(([k]) => k !== "kind" && k !== "schema")
+  $("#config tbody").replaceChildren(...Object.entries(c).filter(([k]) => !["kind", "schema", "revision"].includes(k))
     .map(([k, v]) => el("tr", {}, el("td", {}, k), el("td", {}, v == null ? "unset" : String(v)))));
 }
 
