@@ -50,7 +50,7 @@ class Health:
             if lane.state in ("starting", "loading"):
                 state, detail = await proc.probe_health()
                 if state == "healthy":
-                    proc.read_log()  # what it printed before it answered (its KV size) belongs to this status
+                    proc.read_log()  # it printed its buffers before it listened: report them with "healthy"
                     lane.state, lane.healthy_since, lane.last_error = "healthy", now, ""
                     lane.last_good = lane.spec
                     await self.emit(lane, "healthy")

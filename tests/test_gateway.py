@@ -316,7 +316,7 @@ async def test_fleet_wide_config_change_under_load_fails_no_request(fleet):
             while not done.is_set():
                 try:
                     stream = await ai.chat.completions.create(model=ALIAS, messages=MESSAGES, stream=True,
-                                                              max_tokens=24, extra_body={"ignore_eos": True})  # fmt: skip
+                                                              max_tokens=12, extra_body={"ignore_eos": True})  # fmt: skip
                     chunks = [chunk async for chunk in stream]
                     assert chunks, "empty stream"
                     results["ok"] += 1
@@ -325,7 +325,7 @@ async def test_fleet_wide_config_change_under_load_fails_no_request(fleet):
                     errors.append(f"{type(exc).__name__}: {exc}")
 
         clients = [asyncio.create_task(load()) for _ in range(4)]
-        await eventually(lambda: results["ok"] >= 8, timeout=60, what="load running")
+        await eventually(lambda: results["ok"] >= 4, timeout=180, what="load running")
         reply = await nc.request(subjects.CONFIG_SET, encode(ConfigSet(changes={"kv_cache_type": "q8_0",
                                                                                  "flash_attn": "on"})), timeout=5)  # fmt: skip
         assert not (reply.headers or {}).get("Nats-Service-Error"), reply.headers
@@ -334,10 +334,10 @@ async def test_fleet_wide_config_change_under_load_fails_no_request(fleet):
             lanes = await _healthy_lanes(nc)
             return lanes and all("q8_0" in lane.argv and lane.pid != before[lane.lane_id] for lane in lanes)
 
-        await eventually(rolled_out, timeout=180, what="both lanes restarted with q8_0")
+        await eventually(rolled_out, timeout=300, what="both lanes restarted with q8_0")
         await eventually(lambda: len(gw.view.routable(ALIAS)) == LANES, timeout=30, what="both routable")
         served_before = results["ok"]
-        await eventually(lambda: results["ok"] >= served_before + 4, timeout=60, what="load served after the change")
+        await eventually(lambda: results["ok"] >= served_before + 2, timeout=180, what="load served after the change")
         done.set()
         await asyncio.gather(*clients)
     assert results["failed"] == 0, errors[:5]
