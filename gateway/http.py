@@ -32,7 +32,9 @@ SESSION = web.AppKey("session", aiohttp.ClientSession)
 
 PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 OPEN_PATHS = ("/health", "/ready", "/metrics")  # no API key: probes and scrapers
-RETRY_STATUSES = (502, 503, 504)  # a lane that answers these sent no body worth keeping
+RETRY_STATUSES = (502, 503, 504)
+# Stale pooled connections (to a lane that restarted behind them) retried before a try counts.
+DROPPED_CONNECTION_RETRIES = 4  # a lane that answers these sent no body worth keeping
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                 405: "invalid_request_error", 413: "invalid_request_error"}  # fmt: skip
 
@@ -122,7 +124,9 @@ async def _forward(request: web.Request, name: str, body: bytes, started: float)
     view, admission, settings = app[VIEW], app[ADMISSION], app[SETTINGS]
     tried: frozenset = frozenset()
     failure = ""
-    for attempt in (1, 2):
+    attempt, dropped_left = 0, DROPPED_CONNECTION_RETRIES
+    while attempt < 2:
+        attempt += 1
         if attempt == 2:
             if not any(lane.key not in tried for lane in view.lanes_for(name)):
                 break  # no other lane to try
@@ -149,6 +153,13 @@ async def _forward(request: web.Request, name: str, body: bytes, started: float)
             # Not connected at all: the lane is unreachable (its probe brings it back). Anything else
             # broke a connection (often a pooled one the lane had just closed): no verdict on the lane.
             dropped = not isinstance(exc, aiohttp.ClientConnectorError)
+            if dropped and dropped_left > 0:
+                # A pooled connection the lane had closed (it restarted, or idled it out) sent
+                # nothing the lane answered: that costs no retry; the next try takes another
+                # connection (the connector dropped this one).
+                dropped_left -= 1
+                attempt -= 1
+                continue
             if not dropped:
                 view.mark_unreachable(lane.key, failure)
             if not dropped or any(other.key != lane.key for other in view.lanes_for(name)):
