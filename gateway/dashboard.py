@@ -27,6 +27,7 @@ from aiohttp import web
 
 from gateway.dashboard_model import EventFeed, dashboard_snapshot
 from gateway.fleet import FleetView, LaneKey
+from gateway.http import openai_error
 from shared import subjects
 from shared.messages import ConfigSet, LaneEvent, encode
 
@@ -136,23 +137,23 @@ def add_dashboard(app: web.Application, hub: DashboardHub, *, nc_getter, admin_k
 
     async def set_config(request: web.Request) -> web.Response:
         if admin_key is None:
-            return _error(403, "the dashboard is read-only: start the gateway with --admin-key to allow changes")
+            return openai_error(403, "the dashboard is read-only: start the gateway with --admin-key to allow changes")
         given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
         if not hmac.compare_digest(given.encode(), admin_key.encode()):
-            return _error(401, "admin key required")
+            return openai_error(401, "admin key required")
         try:
             changes = await request.json()
             payload = encode(ConfigSet(changes=changes))
         except (ValueError, TypeError, msgspec.ValidationError) as exc:
-            return _error(400, f"config change must be a JSON object of key: value ({exc})")
+            return openai_error(400, f"config change must be a JSON object of key: value ({exc})")
         try:
             reply = await nc_getter().request(subjects.CONFIG_SET, payload, timeout=5)
         except Exception as exc:
-            return _error(503, f"planner did not answer: {type(exc).__name__}")
+            return openai_error(503, f"planner did not answer: {type(exc).__name__}")
         code = (reply.headers or {}).get("Nats-Service-Error-Code")
         if code:  # the planner refused it: its reason, its status
             status = int(code) if code.isdigit() and 400 <= int(code) < 600 else 400
-            return _error(status, reply.headers.get("Nats-Service-Error", "refused by the planner"))
+            return openai_error(status, reply.headers.get("Nats-Service-Error", "refused by the planner"))
         return web.json_response({"config": json.loads(reply.data)})
 
     app.router.add_get("/dashboard", root_redirect)
@@ -162,6 +163,3 @@ def add_dashboard(app: web.Application, hub: DashboardHub, *, nc_getter, admin_k
     app.router.add_post("/dashboard/api/config", set_config)
     app.router.add_static("/dashboard/static/", STATIC)
 
-
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": "dashboard_error", "code": status}}, status=status)
