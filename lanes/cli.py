@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
 import sys
 
 from lanes.errors import UserError
+from lanes.tables import parse_size
 from shared.memory import BLOCK_BYTES
 
 DEFAULT_NATS = "nats://127.0.0.1:4222"
@@ -29,18 +29,6 @@ def _int_at_least(minimum: int, why: str):
 
 _positive_ctx = _int_at_least(256, "is below llama-server's minimum context of 256")
 _positive = _int_at_least(1, "must be at least 1")
-
-
-_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-
-
-def _size(text: str) -> int:
-    """8GiB, 8G, 512MiB, 1.5g or plain bytes."""
-    match = re.fullmatch(r"\s*([\d.]+)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
-    try:
-        return int(float(match.group(1)) * _UNITS[match.group(2)])
-    except (AttributeError, ValueError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 8GiB or 512MiB") from None
 
 
 def _cache_type(text: str) -> str:
@@ -85,7 +73,7 @@ def _add_gateway_options(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--api-key-file", help="file with one accepted key per line")
     _add_admin_key(p)
-    p.add_argument("--max-body", type=_size, default=d.max_body_bytes, help="largest request body, e.g. 16MiB")
+    p.add_argument("--max-body", type=parse_size, default=d.max_body_bytes, help="largest request body, e.g. 16MiB")
     p.add_argument("--queue-depth", type=_positive, default=d.queue_depth, help="requests that may wait per model")
     p.add_argument("--queue-wait", type=float, default=d.queue_wait, help="seconds a request waits for a slot")
     p.add_argument("--request-timeout", type=float, default=d.request_timeout, help="seconds per request, in all")
@@ -133,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port-base", type=int, default=8080)
     p.add_argument("--port-count", type=int, default=16)
     p.add_argument("--bind", default="127.0.0.1")
-    p.add_argument("--max-ram", type=_size, help="RAM lanes may plan for on this host, e.g. 8GiB")
+    p.add_argument("--max-ram", type=parse_size, help="RAM lanes may plan for on this host, e.g. 8GiB")
     p.add_argument("--rpc", help="ggml-rpc-server endpoints (host:port,...) lanes may use as GPU-type devices")
 
     p = sub.add_parser("up", help="local fleet: embedded nats-server, planner and one agent")
@@ -145,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nats-port", type=int, default=4222)
     p.add_argument("--port-base", type=int, default=8080)
     p.add_argument("--host-id", default=None)
-    p.add_argument("--max-ram", type=_size, help="RAM lanes may plan for on this host, e.g. 8GiB")
+    p.add_argument("--max-ram", type=parse_size, help="RAM lanes may plan for on this host, e.g. 8GiB")
     p.add_argument("--rpc", help="ggml-rpc-server endpoints (host:port,...) lanes may use as GPU-type devices")
     p.add_argument("--gateway-port", type=int, default=8000, help="port of the OpenAI-compatible gateway (0: any free)")
     _add_admin_key(p)
@@ -170,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (default: off)")
     p.add_argument("--report-interval", type=float, default=30.0)
     p.add_argument("--tick", type=float, default=0.5, help="seconds between control passes while no lane is starting")
-    p.add_argument("--max-ram", type=_size, help="RAM lanes may plan for on this host, e.g. 8GiB")
+    p.add_argument("--max-ram", type=parse_size, help="RAM lanes may plan for on this host, e.g. 8GiB")
     p.add_argument("--rpc", help="ggml-rpc-server endpoints (host:port,...) lanes may use as GPU-type devices")
     p.add_argument("--data", default=None, help="agent state folder (default ~/.lanes/agent)")
     p.add_argument("--dry-run", action="store_true", help="log each lane's argv instead of launching it")

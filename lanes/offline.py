@@ -9,7 +9,7 @@ import msgspec
 
 from lanes.errors import UserError
 from lanes.files import load_file
-from lanes.tables import gib, mib, table
+from lanes.tables import gib, mib, parse_size, table
 from launcher_agent.probe import ProbeError, probe
 from planner_svc.planner import plan
 from shared.capabilities import flash_attn_effective
@@ -62,10 +62,8 @@ def _n_gpu_layers(text: str) -> int | None:
 
 
 def _sizes(text: str) -> list[int]:
-    from lanes.cli import _size
-
     try:
-        return [_size(part) for part in text.split(",")]
+        return [parse_size(part) for part in text.split(",")]
     except Exception:
         raise UserError(f"--gpus {text}: give each device's free memory, e.g. 24GiB,8GiB") from None
 

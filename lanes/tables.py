@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
+import re
 from collections.abc import Sequence
+
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """8GiB, 8G, 512MiB, 1.5g or plain bytes."""
+    match = re.fullmatch(r"\s*([\d.]+)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    try:
+        return int(float(match.group(1)) * _UNITS[match.group(2)])
+    except (AttributeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 8GiB or 512MiB") from None
 
 
 def mib(n: int | None) -> str:
