@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 import msgspec  # noqa: E402
 
 from planner_svc.planner import plan  # noqa: E402
-from planner_svc.service import PlannerState  # noqa: E402
+from planner_svc.state import PlannerState  # noqa: E402
 from shared import subjects  # noqa: E402
 from shared.messages import FleetConfig, HostReport, ModelFacts, ServerCaps, encode  # noqa: E402
 

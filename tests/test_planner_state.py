@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from planner_svc.service import PlannerState
+from planner_svc.state import PlannerState
 from shared import subjects
 from shared.messages import (
     Demand,
@@ -71,3 +71,30 @@ def test_malformed_entries_are_dropped_and_a_bad_config_does_not_pin_its_revisio
     assert state.config_kv_rev == 31  # the next config.set compares against this revision
     mismatched = msgspec.json.decode(report("h9"), type=HostReport)
     assert not state.apply(subjects.report_key("h1"), encode(mismatched), 32)
+
+
+def test_config_set_merges_numbers_and_refuses_what_the_planner_owns():
+    import pytest
+
+    from planner_svc.state import merged_config
+    from shared.messages import ConfigSet
+
+    current = FleetConfig(kv_cache_type="q8_0", revision=4)
+    new = merged_config(current, ConfigSet(changes={"flash_attn": "on"}), 5)
+    assert (new.kv_cache_type, new.flash_attn, new.revision) == ("q8_0", "on", 5)
+    assert merged_config(current, ConfigSet(changes={"kv_cache_type": "q8_0"}), 5) is None  # nothing changes
+    for bad in ({"revision": 9}, {"kv_cache_type": "q9_0"}, {"no_such_knob": 1}):
+        with pytest.raises(msgspec.ValidationError):
+            merged_config(current, ConfigSet(changes=bad), 5)
+
+
+def test_explain_lists_each_lane_reason_and_unplaced_model():
+    from planner_svc.planner import plan
+    from planner_svc.state import explain_lines
+
+    small = msgspec.json.decode(report("h1"), type=HostReport)
+    host_plan = plan([small], FleetConfig()).hosts[0]
+    lines = explain_lines(host_plan, None)
+    assert lines[0] == "host h1 plan r1 (config r0)"
+    assert any(line.startswith("a-0: window ") for line in lines)
+    assert any("a-0 CPU: layers" in line for line in lines)
