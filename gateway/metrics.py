@@ -13,8 +13,7 @@ from prometheus_client.registry import Collector
 
 from gateway.admission import LaneCounts
 from gateway.fleet import FleetView
-
-VERSION = "0.1.0"
+from shared.version import VERSION
 
 # Seconds: from sub-millisecond (a cached short answer) to minutes (long generations).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
