@@ -3,6 +3,9 @@
 The lane with the most free slots wins (ties rotate). With every slot of a model busy,
 requests wait in a bounded FIFO queue per requested name; a slot freed, or a lane
 coming back, hands the oldest waiter its lane. No sockets: asyncio futures only.
+
+Admission owns the request counts (`LaneCounts`); the FleetView holds only what the bus
+said, so the dashboard and the metrics read the fleet from one and the load from the other.
 """
 
 from __future__ import annotations
@@ -52,6 +55,18 @@ def choose_lane(candidates: Iterable[LaneRoute], busy: dict[LaneKey, int], turn:
 
 
 @dataclass
+class LaneCounts:
+    """This gateway's load: written by its admission only, read by the dashboard and the metrics."""
+
+    in_flight: dict[LaneKey, int] = field(default_factory=dict)  # requests holding a slot of each lane
+    served: dict[LaneKey, int] = field(default_factory=dict)  # requests each lane has finished (dashboard rates)
+    queued: dict[str, int] = field(default_factory=dict)  # requested model name -> waiting requests
+
+    def busy(self, key: LaneKey) -> int:
+        return self.in_flight.get(key, 0)
+
+
+@dataclass
 class Lease:
     """One request's hold on one slot of one lane; release exactly once."""
 
@@ -77,6 +92,7 @@ class Admission:
     view: FleetView
     max_queue: int = 64  # waiting requests per requested model name
     max_wait: float = 30.0  # seconds a request may wait for a slot
+    counts: LaneCounts = field(default_factory=LaneCounts)
     _queues: dict[str, deque[_Waiter]] = field(default_factory=dict)
     _turns: itertools.count = field(default_factory=itertools.count)
 
@@ -115,19 +131,21 @@ class Admission:
 
     def _take(self, name: str, exclude: frozenset[LaneKey]) -> Lease | None:
         candidates = [lane for lane in self.view.lanes_for(name) if lane.key not in exclude]
-        lane = choose_lane(candidates, self.view.in_flight, next(self._turns))
+        counts = self.counts
+        lane = choose_lane(candidates, counts.in_flight, next(self._turns))
         if lane is None:
             return None
-        self.view.in_flight[lane.key] = self.view.busy(lane.key) + 1
+        counts.in_flight[lane.key] = counts.busy(lane.key) + 1
         return Lease(lane, self)
 
     def _release(self, key: LaneKey) -> None:
-        self.view.served[key] = self.view.served.get(key, 0) + 1
-        left = self.view.busy(key) - 1
+        counts = self.counts
+        counts.served[key] = counts.served.get(key, 0) + 1
+        left = counts.busy(key) - 1
         if left > 0:
-            self.view.in_flight[key] = left
+            counts.in_flight[key] = left
         else:
-            self.view.in_flight.pop(key, None)
+            counts.in_flight.pop(key, None)
         self.poke()
 
     def poke(self) -> None:
@@ -148,9 +166,6 @@ class Admission:
     def _count(self, name: str) -> None:
         depth = sum(not w.future.done() for w in self._queues.get(name, ()))
         if depth:
-            self.view.queued[name] = depth
+            self.counts.queued[name] = depth
         else:
-            self.view.queued.pop(name, None)
-
-    def waiting(self, name: str) -> int:
-        return self.view.queued.get(name, 0)
+            self.counts.queued.pop(name, None)

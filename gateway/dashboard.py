@@ -25,6 +25,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
+from gateway.admission import LaneCounts
 from gateway.dashboard_model import EventFeed, dashboard_snapshot
 from gateway.fleet import FleetView, LaneKey
 from gateway.http import openai_error
@@ -38,10 +39,10 @@ RATE_SECONDS = 5.0  # requests per second are measured over this
 
 
 class DashboardHub:
-    """Pushes the gateway's FleetView, plus lane events and request rates, to every open page."""
+    """Pushes the gateway's FleetView and load, plus lane events and request rates, to every open page."""
 
-    def __init__(self, view: FleetView) -> None:
-        self.view = view
+    def __init__(self, view: FleetView, counts: LaneCounts) -> None:
+        self.view, self.counts = view, counts
         self.events = EventFeed()
         self._rates: dict[LaneKey, float] = {}
         self._last_count: tuple[float, dict[LaneKey, int]] = (time.monotonic(), {})
@@ -50,7 +51,7 @@ class DashboardHub:
         view.listeners.append(self.changed)
 
     def snapshot(self) -> dict:
-        return dashboard_snapshot(self.view, self.events, self._rates)
+        return dashboard_snapshot(self.view, self.events, self._rates, self.counts)
 
     def changed(self) -> None:
         self._changed.set()
@@ -81,7 +82,7 @@ class DashboardHub:
         then, before = self._last_count
         if now - then < RATE_SECONDS / 2:
             return
-        counts = dict(self.view.served)  # requests each lane finished, counted by the admission
+        counts = dict(self.counts.served)  # requests each lane finished, counted by the admission
         self._rates = {key: (n - before.get(key, 0)) / (now - then) for key, n in counts.items()}
         self._last_count = (now, counts)
 

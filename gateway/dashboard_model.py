@@ -1,7 +1,7 @@
 """What the dashboard shows: a pure view model over the gateway's FleetView, no sockets, no clock.
 
-The page shows exactly what the gateway routes with (the same FleetView), plus the lane
-events the edge (gateway/dashboard.py) collects. Keeping this pure means the page's
+The page shows exactly what the gateway routes with (the same FleetView and the same
+admission counts), plus the lane events the edge (gateway/dashboard.py) collects. Keeping this pure means the page's
 numbers (memory bars, windows, states) are tested here without a browser or a server.
 """
 
@@ -12,6 +12,7 @@ from collections.abc import Mapping
 
 import msgspec
 
+from gateway.admission import LaneCounts
 from gateway.fleet import FleetView, LaneKey, LaneRoute
 from shared.messages import FleetConfig, HostReport, LaneEvent, LaneSpec, LaneStatus
 
@@ -28,9 +29,10 @@ class EventFeed:
         return item
 
 
-def dashboard_snapshot(view: FleetView, events: EventFeed, rates: Mapping[LaneKey, float] | None = None) -> dict:
+def dashboard_snapshot(view: FleetView, events: EventFeed, rates: Mapping[LaneKey, float] | None = None,
+                       counts: LaneCounts | None = None) -> dict:  # fmt: skip
     """The page's whole state: hosts with a memory bar per device, lanes, unplaced models, config, events."""
-    rates = rates or {}
+    rates, counts = rates or {}, counts or LaneCounts()
     config = view.config or FleetConfig()
     hosts = sorted(set(view.reports) | set(view.plans) | set(view.statuses))
     routes = {lane.key: lane for lane in view.lanes()}
@@ -43,14 +45,14 @@ def dashboard_snapshot(view: FleetView, events: EventFeed, rates: Mapping[LaneKe
         "config": msgspec.to_builtins(config),
         "config_revision": config.revision,  # counts changes (1, 2, 3 ...), as `lanes status` shows it
         "synced": view.synced,
-        "hosts": [_host(view, h, config, routes, rates) for h in hosts],
+        "hosts": [_host(view, h, config, routes, rates, counts) for h in hosts],
         "unplaced": unplaced,
         "events": list(events.items),
     }
 
 
 def _host(view: FleetView, host: str, config: FleetConfig, routes: Mapping[LaneKey, LaneRoute],
-          rates: Mapping[LaneKey, float]) -> dict:  # fmt: skip
+          rates: Mapping[LaneKey, float], counts: LaneCounts) -> dict:  # fmt: skip
     report, plan, status = view.reports.get(host), view.plans.get(host), view.statuses.get(host)
     live = {lane.lane_id: lane for lane in status.lanes} if status else {}
     specs = plan.lanes if plan else ()
@@ -58,7 +60,7 @@ def _host(view: FleetView, host: str, config: FleetConfig, routes: Mapping[LaneK
     lanes = []
     for spec in specs:
         key = (host_id, spec.lane_id)
-        lanes.append(_lane(spec, live.get(spec.lane_id), routes.get(key), view.busy(key), rates.get(key, 0.0)))
+        lanes.append(_lane(spec, live.get(spec.lane_id), routes.get(key), counts.busy(key), rates.get(key, 0.0)))
     return {
         "host_id": host_id,
         "state": view.host_states.get(host, "live"),

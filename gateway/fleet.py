@@ -1,8 +1,9 @@
-"""The gateway's view of the fleet: lanes from plans and status, requests in flight, queues.
+"""The gateway's view of the fleet: lanes from plans and status, as the bus tells them.
 
-Pure: no sockets, no clock. The bus adapter feeds it KV entries (`apply_entry`), the
-health prober marks lanes it cannot reach, the admission counts requests in and out.
-A dashboard reads the same object (`snapshot()`), so what it shows is what routes.
+Pure: no sockets, no clock. The bus adapter feeds it KV entries (`apply_entry`), and the
+health prober and failed requests mark lanes the gateway cannot reach. It holds facts
+only: the load (requests in flight, queues) is the admission's (gateway/admission.py).
+The dashboard reads the same object, so what it shows is what routes.
 """
 
 from __future__ import annotations
@@ -68,11 +69,7 @@ class FleetView:
     statuses: dict[str, HostStatus] = field(default_factory=dict)
     reports: dict[str, HostReport] = field(default_factory=dict)
     config: FleetConfig | None = None
-    config_revision: int = 0
-    in_flight: dict[LaneKey, int] = field(default_factory=dict)
-    queued: dict[str, int] = field(default_factory=dict)  # requested model name -> waiting requests
     unreachable: dict[LaneKey, str] = field(default_factory=dict)
-    served: dict[LaneKey, int] = field(default_factory=dict)  # requests each lane has finished (dashboard rates)
     host_states: dict[str, str] = field(default_factory=dict)  # host token -> "live" | "lost", from the planner
     synced: bool = False  # the first full snapshot of the bucket has been read
     bad_entries: int = 0
@@ -81,7 +78,7 @@ class FleetView:
 
     # ------------------------------------------------------------ input
 
-    def apply_entry(self, key: str, value: bytes | None, revision: int) -> str | None:
+    def apply_entry(self, key: str, value: bytes | None) -> str | None:
         """Fold one KV entry in; returns why it was dropped, or None."""
         kind, _, host = key.partition(".")
         tables = {"plan": (self.plans, HostPlan), "status": (self.statuses, HostStatus),
@@ -95,7 +92,6 @@ class FleetView:
             if key == subjects.CONFIG_KEY:
                 if value is not None:
                     self.config = msgspec.json.decode(value, type=FleetConfig)
-                    self.config_revision = revision
             elif kind in tables and host:
                 table, type_ = tables[kind]
                 if value is None:
@@ -175,32 +171,3 @@ class FleetView:
             entry["lanes"] += 1
             entry["ready"] += lane.routable
         return [names[n] for n in sorted(names)]
-
-    def busy(self, key: LaneKey) -> int:
-        return self.in_flight.get(key, 0)
-
-    # ------------------------------------------------------------ for a dashboard
-
-    def snapshot(self) -> dict:
-        """A JSON-ready picture: lanes with in-flight counts, queues, config revision."""
-        return {
-            "synced": self.synced,
-            "config_revision": self.config_revision,
-            "lanes": [
-                {
-                    "host": lane.host_id,
-                    "lane": lane.lane_id,
-                    "model": lane.model,
-                    "alias": lane.alias,
-                    "url": lane.url,
-                    "state": lane.state,
-                    "draining": lane.draining,
-                    "unreachable": lane.unreachable,
-                    "routable": lane.routable,
-                    "slots": lane.parallel,
-                    "in_flight": self.busy(lane.key),
-                }
-                for lane in self.lanes()
-            ],
-            "queued": dict(sorted(self.queued.items())),
-        }

@@ -1,8 +1,8 @@
 """The gateway's HTTP edge: OpenAI-compatible routes in front of the lanes (aiohttp).
 
 Bodies are relayed chunk by chunk as the lane sends them (SSE included); nothing is
-buffered whole. A lane that fails before its first byte is retried once on another
-lane; after bytes went out nothing is retried. Errors are OpenAI's shape.
+buffered whole. This module only performs the I/O: which lane to try after a failure,
+and when to give up, is gateway/routing.py's to decide. Errors are OpenAI's shape.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gateway import routing
 from gateway.admission import Admission, AdmissionError, Lease
 from gateway.fleet import FleetView
 from gateway.metrics import GatewayMetrics
+from gateway.routing import Attempt, Failure, GiveUp
 from gateway.settings import GatewaySettings
 
 log = structlog.get_logger("lanes.gateway")
@@ -32,9 +34,6 @@ SESSION = web.AppKey("session", aiohttp.ClientSession)
 
 PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 OPEN_PATHS = ("/health", "/ready", "/metrics")  # no API key: probes and scrapers
-RETRY_STATUSES = (502, 503, 504)
-# Stale pooled connections (to a lane that restarted behind them) retried before a try counts.
-DROPPED_CONNECTION_RETRIES = 4  # a lane that answers these sent no body worth keeping
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                 405: "invalid_request_error", 413: "invalid_request_error"}  # fmt: skip
 
@@ -46,9 +45,9 @@ def openai_error(status: int, message: str, code: str | None = None, retry_after
     return web.json_response(body, status=status, headers=headers)
 
 
-def _sse_error(message: str) -> bytes:
+def _sse_error(end: GiveUp) -> bytes:
     """An error event the openai client raises on, for a stream that broke after it began."""
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": "lane_failed"}}
+    body = {"error": {"message": end.message, "type": "server_error", "param": None, "code": end.code}}
     return b"data: " + msgspec.json.encode(body) + b"\n\n"
 
 
@@ -120,24 +119,22 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
 
 
 async def _forward(request: web.Request, name: str, body: bytes, started: float) -> web.StreamResponse:
+    """Tries lanes until one answers or routing gives up; each failure goes into the history it decides on."""
     app = request.app
     view, admission, settings = app[VIEW], app[ADMISSION], app[SETTINGS]
-    tried: frozenset = frozenset()
-    failure = ""
-    attempt, dropped_left = 0, DROPPED_CONNECTION_RETRIES
-    while attempt < 2:
-        attempt += 1
-        if attempt == 2:
-            if not any(lane.key not in tried for lane in view.lanes_for(name)):
-                break  # no other lane to try
+    history: list[Attempt] = []
+    while True:
+        step = routing.decide([lane.key for lane in view.lanes_for(name)], history,
+                              request_timeout=settings.request_timeout)  # fmt: skip
+        if isinstance(step, GiveUp):
+            return _give_up(step, settings)
+        if step.retry:
             app[METRICS].retries.labels(name).inc()
         try:
-            lease = await admission.acquire(name, exclude=tried)
+            lease = await admission.acquire(name, exclude=step.exclude)
         except AdmissionError as exc:
-            if attempt == 2:
-                break
-            retry = settings.retry_after if exc.status == 503 else None
-            return openai_error(exc.status, str(exc), exc.code, retry_after=retry)
+            history.append(Attempt(None, Failure.NO_SLOT, str(exc), exc.status, exc.code))
+            continue
         lane = lease.lane
         try:
             upstream = await app[SESSION].post(
@@ -148,40 +145,35 @@ async def _forward(request: web.Request, name: str, body: bytes, started: float)
             )
         except aiohttp.ClientConnectionError as exc:  # refused, reset, closed before answering
             lease.release()
-            failure = f"lane {lane.host_id}/{lane.lane_id} failed before answering: {type(exc).__name__} {exc}"
-            log.warning("lane failed before answering", lane=lane.lane_id, host=lane.host_id, error=failure)
-            # Not connected at all: the lane is unreachable (its probe brings it back). Anything else
-            # broke a connection (often a pooled one the lane had just closed): no verdict on the lane.
-            dropped = not isinstance(exc, aiohttp.ClientConnectorError)
-            if dropped and dropped_left > 0:
-                # A pooled connection the lane had closed (it restarted, or idled it out) sent
-                # nothing the lane answered: that costs no retry; the next try takes another
-                # connection (the connector dropped this one).
-                dropped_left -= 1
-                attempt -= 1
-                continue
-            if not dropped:
-                view.mark_unreachable(lane.key, failure)
-            if not dropped or any(other.key != lane.key for other in view.lanes_for(name)):
-                tried |= {lane.key}
-            # else: the only lane, and a broken connection to it: try it once more
+            how = Failure.UNREACHABLE if isinstance(exc, aiohttp.ClientConnectorError) else Failure.DROPPED
+            _lane_failed(view, Attempt(lane.key, how, f"{type(exc).__name__} {exc}"), history)
             continue
-        except asyncio.TimeoutError:  # the request's own time is up: trying again would double the load
+        except asyncio.TimeoutError:  # the request's own time is up
             lease.release()
-            return openai_error(504, f"no answer within the request timeout of {settings.request_timeout:g} s",
-                                "timeout")  # fmt: skip
+            history.append(Attempt(lane.key, Failure.TIMEOUT))
+            continue
         except BaseException:
             lease.release()
             raise
-        tried |= {lane.key}
-        if upstream.status in RETRY_STATUSES:
-            failure = f"lane {lane.host_id}/{lane.lane_id} answered {upstream.status}"
+        if upstream.status in routing.RETRY_STATUSES:
             upstream.release()
             lease.release()
+            history.append(Attempt(lane.key, Failure.STATUS, status=upstream.status))
             continue
         return await _relay(request, upstream, lease, started)
-    return openai_error(502, failure or "no lane could take the request", "lane_failed",
-                        retry_after=settings.retry_after)  # fmt: skip
+
+
+def _lane_failed(view: FleetView, attempt: Attempt, history: list[Attempt]) -> None:
+    """Log a lane's failure, take the lane out of rotation where routing says so, and remember it."""
+    host, lane = attempt.lane
+    log.warning("lane failed before answering", lane=lane, host=host, error=routing.describe(attempt))
+    if reason := routing.unreachable_reason(attempt):
+        view.mark_unreachable(attempt.lane, reason)
+    history.append(attempt)
+
+
+def _give_up(step: GiveUp, settings: GatewaySettings) -> web.Response:
+    return openai_error(step.status, step.message, step.code, settings.retry_after if step.retry_after else None)
 
 
 async def _relay(
@@ -208,11 +200,13 @@ async def _relay(
                 await resp.write(chunk)
             finished = True
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            reason = f"lane {lane.host_id}/{lane.lane_id} broke off its answer: {type(exc).__name__} {exc}"
-            log.warning("stream broke", lane=lane.lane_id, host=lane.host_id, error=reason)
-            app[VIEW].mark_unreachable(lane.key, reason)
+            # Bytes went out: routing ends the answer with its error, whatever other lanes there are.
+            broke = Attempt(lane.key, Failure.BROKE, f"{type(exc).__name__} {exc}")
+            end = routing.decide((), [broke], request_timeout=app[SETTINGS].request_timeout)
+            log.warning("stream broke", lane=lane.lane_id, host=lane.host_id, error=end.message)
+            app[VIEW].mark_unreachable(lane.key, routing.unreachable_reason(broke))
             if upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
-                await resp.write(_sse_error(reason))
+                await resp.write(_sse_error(end))
             else:
                 raise  # a plain answer cut short: drop the connection, the client sees it incomplete
         await resp.write_eof()
@@ -261,8 +255,9 @@ def build_app(
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_errors_and_keys])
     app[VIEW] = view
     app[SETTINGS] = settings
-    app[ADMISSION] = admission or Admission(view, max_queue=settings.queue_depth, max_wait=settings.queue_wait)
-    app[METRICS] = metrics or GatewayMetrics(view)
+    admission = admission or Admission(view, max_queue=settings.queue_depth, max_wait=settings.queue_wait)
+    app[ADMISSION] = admission
+    app[METRICS] = metrics or GatewayMetrics(view, admission.counts)
 
     async def client_session(app: web.Application):
         # No pool limit: admission bounds what is in flight; one connection per slot is kept alive.

@@ -1,7 +1,8 @@
 """The gateway's Prometheus series: requests, latency, queues, and the lanes as it routes them.
 
 One registry per gateway (several gateways may share a test process). Lane gauges are
-read from the FleetView at scrape time, so a lane that leaves the plan leaves the output.
+read at scrape time, the lanes from the FleetView and their load from the admission's
+counts, so a lane that leaves the plan leaves the output.
 """
 
 from __future__ import annotations
@@ -10,17 +11,17 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from gateway.admission import LaneCounts
 from gateway.fleet import FleetView
-
-VERSION = "0.1.0"
+from shared.version import VERSION
 
 # Seconds: from sub-millisecond (a cached short answer) to minutes (long generations).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
 class _FleetCollector(Collector):
-    def __init__(self, view: FleetView) -> None:
-        self.view = view
+    def __init__(self, view: FleetView, counts: LaneCounts) -> None:
+        self.view, self.counts = view, counts
 
     def collect(self):
         labels = ["host", "lane", "model"]
@@ -31,11 +32,11 @@ class _FleetCollector(Collector):
         for lane in self.view.lanes():
             values = [lane.host_id, lane.lane_id, lane.model]
             total.add_metric(values, lane.parallel)
-            busy.add_metric(values, self.view.busy(lane.key))
+            busy.add_metric(values, self.counts.busy(lane.key))
             up.add_metric(values, 1 if lane.routable else 0)
             draining.add_metric(values, 1 if lane.draining else 0)
         queue = GaugeMetricFamily("lanes_gateway_queue_depth", "Requests waiting for a free slot", labels=["model"])
-        for name, depth in sorted(self.view.queued.items()):
+        for name, depth in sorted(self.counts.queued.items()):
             queue.add_metric([name], depth)
         info = GaugeMetricFamily("lanes_build_info", "Version of this lanes service", labels=["service", "version"])
         info.add_metric(["gateway", VERSION], 1)
@@ -45,9 +46,9 @@ class _FleetCollector(Collector):
 
 
 class GatewayMetrics:
-    def __init__(self, view: FleetView) -> None:
+    def __init__(self, view: FleetView, counts: LaneCounts) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_FleetCollector(view))
+        self.registry.register(_FleetCollector(view, counts))
         self.requests = Counter(
             "lanes_gateway_requests",
             "Requests answered, by model and HTTP status",

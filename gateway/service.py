@@ -1,8 +1,11 @@
 """Running a gateway: the fleet read from NATS, lanes probed, the HTTP app served.
 
 Stateless: everything it knows comes from the lanes bucket (plans, status, reports,
-config), so any number of gateways can run behind one load balancer. It never writes
-to the bus (its NATS user may not).
+config), so any number of gateways can run behind one load balancer. It writes nothing
+to the bucket. The one message it sends is the dashboard's fleet config change, a
+`config.set` request to the planner, and only when started with --admin-key; the
+read-only `gateway` user of docker/nats/auth.conf may not send even that, so a gateway
+with an admin key needs a NATS user that may.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ import aiohttp
 import structlog
 from aiohttp import web
 
+from gateway.admission import Admission
 from gateway.dashboard import DashboardHub, add_dashboard
-from gateway.fleet import FleetView, LaneRoute
+from gateway.fleet import WILDCARD_BINDS, FleetView, LaneRoute
 from gateway.http import build_app
 from gateway.settings import GatewaySettings
 from shared import subjects
@@ -33,18 +37,20 @@ class Gateway:
     settings: GatewaySettings = GatewaySettings()
     view: FleetView = field(default_factory=FleetView)
     app: web.Application = field(init=False)
+    admission: Admission = field(init=False)  # its counts are the gateway's load
     url: str = ""  # http://host:port once serving
     started: asyncio.Event = field(default_factory=asyncio.Event)
     dashboard: DashboardHub = field(init=False)
     nc: object | None = None  # the NATS connection once made (the dashboard's admin changes use it)
 
     def __post_init__(self) -> None:
-        self.app = build_app(self.view, self.settings)
-        self.dashboard = DashboardHub(self.view)
+        self.admission = Admission(self.view, max_queue=self.settings.queue_depth, max_wait=self.settings.queue_wait)
+        self.app = build_app(self.view, self.settings, admission=self.admission)
+        self.dashboard = DashboardHub(self.view, self.admission.counts)
         add_dashboard(self.app, self.dashboard, nc_getter=lambda: self.nc, admin_key=self.settings.admin_key)
 
     async def on_entry(self, key: str, value: bytes | None, revision: int) -> None:
-        problem = self.view.apply_entry(key, value, revision)
+        problem = self.view.apply_entry(key, value)
         if problem:
             log.warning("bad entry dropped", reason=problem)
 
@@ -145,7 +151,7 @@ async def run_gateway(
     site = web.TCPSite(runner, gw.settings.host, gw.settings.port)
     await site.start()
     port = runner.addresses[0][1]
-    shown = gw.settings.host if gw.settings.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+    shown = gw.settings.host if gw.settings.host not in WILDCARD_BINDS else "127.0.0.1"
     gw.url = f"http://{shown}:{port}"
     gw.started.set()
     log.info("gateway serving", url=gw.url)

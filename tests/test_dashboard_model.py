@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from test_planner import GIB, host, llama_1b, llama_8b
 
+from gateway.admission import LaneCounts
 from gateway.dashboard_model import EventFeed, dashboard_snapshot
 from gateway.fleet import FleetView
 from planner_svc.planner import plan
@@ -13,13 +14,13 @@ from shared.messages import FleetConfig, HostStatus, LaneEvent, LaneStatus, enco
 def _fleet(view: FleetView, config: FleetConfig = FleetConfig(), *, ram: int = 32 * GIB):
     report = host("h1", ram_available=ram, ram_total=64 * GIB, models=(llama_8b(), llama_1b()))
     fleet = plan([report], config)
-    for key, msg, rev in (("config", config, 7), ("report.h1", report, 8), ("plan.h1", fleet.hosts[0], 9)):
-        assert view.apply_entry(key, encode(msg), rev) is None
+    for key, msg in (("config", config), ("report.h1", report), ("plan.h1", fleet.hosts[0])):
+        assert view.apply_entry(key, encode(msg)) is None
     return report, fleet.hosts[0]
 
 
-def snapshot(view: FleetView, rates=None, events: EventFeed | None = None) -> dict:
-    return dashboard_snapshot(view, events or EventFeed(), rates)
+def snapshot(view: FleetView, rates=None, events: EventFeed | None = None, counts: LaneCounts | None = None) -> dict:
+    return dashboard_snapshot(view, events or EventFeed(), rates, counts)
 
 
 def test_memory_bar_adds_up_planned_parts_and_keeps_headroom() -> None:
@@ -63,12 +64,12 @@ def test_lane_rows_follow_status_traffic_and_config() -> None:
     )
     old = HostStatus(host_id="h1", lanes=(LaneStatus(lane_id=spec.lane_id, state="healthy",
                                                      argv=("llama-server", "--ctx-size", "512")),))  # fmt: skip
-    assert view.apply_entry("status.h1", encode(old), 10) is None
+    assert view.apply_entry("status.h1", encode(old)) is None
     row = next(lane for lane in snapshot(view)["hosts"][0]["lanes"] if lane["lane_id"] == spec.lane_id)
     assert row["state"] == "updating"  # healthy, but with the spec before this plan
-    assert view.apply_entry("status.h1", encode(status), 10) is None
-    view.in_flight[("h1", spec.lane_id)] = 1
-    snap = snapshot(view, {("h1", spec.lane_id): 2.5})
+    assert view.apply_entry("status.h1", encode(status)) is None
+    counts = LaneCounts(in_flight={("h1", spec.lane_id): 1})
+    snap = snapshot(view, {("h1", spec.lane_id): 2.5}, counts=counts)
     row = next(lane for lane in snap["hosts"][0]["lanes"] if lane["lane_id"] == spec.lane_id)
     assert row["state"] == "healthy"
     assert (row["cache_type_k"], row["cache_type_v"], row["flash_attn"]) == ("q8_0", "q8_0", "on")
@@ -97,10 +98,10 @@ def test_host_liveness_from_the_planners_hosts_key() -> None:
     _fleet(view)
     assert snapshot(view)["hosts"][0]["state"] == "live"
     lost = FleetHosts(hosts=(HostLiveness(host_id="h1", state="lost"),))
-    assert view.apply_entry("hosts", encode(lost), 20) is None
+    assert view.apply_entry("hosts", encode(lost)) is None
     (h,) = snapshot(view)["hosts"]
     assert h["state"] == "lost" and h["lanes"]  # its plan is kept: a cut-off host keeps serving
-    assert view.apply_entry("hosts", b"{broken", 21) is not None
+    assert view.apply_entry("hosts", b"{broken") is not None
     assert snapshot(view)["hosts"][0]["state"] == "lost"
 
 
@@ -108,7 +109,7 @@ def test_a_deleted_plan_empties_the_host() -> None:
     view = FleetView()
     _fleet(view)
     assert snapshot(view)["hosts"][0]["lanes"]
-    assert view.apply_entry("plan.h1", None, 14) is None
+    assert view.apply_entry("plan.h1", None) is None
     assert snapshot(view)["hosts"][0]["lanes"] == []
 
 
@@ -133,7 +134,7 @@ def test_a_lane_split_over_two_gpus_draws_on_both_bars() -> None:
     assert len(on_gpus) == 2, spec.memory.devices  # the planner split it: the premise of this test
     view = FleetView()
     for key, msg in (("report.h1", report), ("plan.h1", hp)):
-        assert view.apply_entry(key, encode(msg), 1) is None
+        assert view.apply_entry(key, encode(msg)) is None
     cpu, gpu0, gpu1 = snapshot(view)["hosts"][0]["devices"]
     for bar, planned in ((gpu0, on_gpus[0]), (gpu1, on_gpus[1])):
         assert bar["weights"] == planned.model_bytes > 0
@@ -168,9 +169,10 @@ def test_requests_per_second_from_finished_requests() -> None:
 
     async def run() -> dict:
         view = FleetView()
-        hub = DashboardHub(view)
+        counts = LaneCounts()
+        hub = DashboardHub(view, counts)
         then, _ = hub._last_count
-        view.served[("h1", "l1")] = 30
+        counts.served[("h1", "l1")] = 30
         hub._last_count = (then - RATE_SECONDS * 2, {("h1", "l1"): 10})  # 20 more over 10 s
         hub._update_rates()
         return hub._rates

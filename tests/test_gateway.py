@@ -199,10 +199,10 @@ async def test_requests_spread_by_free_slots_then_queue_then_overflow(fleet):
         # Four slots in the fleet (two lanes, two each): four streams take one slot each.
         streams = [await _open_stream(http, gw) for _ in range(4)]
         assert sorted(Counter(r.headers["X-Lanes-Lane"] for r in streams).values()) == [2, 2]
-        assert sum(gw.view.in_flight.values()) == 4
+        assert sum(gw.admission.counts.in_flight.values()) == 4
         # The fifth waits in the queue; the sixth finds the queue full at once.
         fifth = asyncio.create_task(_chat(http, gw))
-        await eventually(lambda: gw.view.queued.get(ALIAS) == 1, timeout=5, what="one request queued")
+        await eventually(lambda: gw.admission.counts.queued.get(ALIAS) == 1, timeout=5, what="one request queued")
         began = time.perf_counter()
         status, headers, body = await _chat(http, gw)
         assert status == 503 and body["error"]["code"] == "queue_full" and headers["Retry-After"].isdigit()
@@ -214,13 +214,13 @@ async def test_requests_spread_by_free_slots_then_queue_then_overflow(fleet):
         assert 'lanes_lane_slots_busy{host="a",lane="' in metrics
         # A waiting request gets the first slot that frees.
         waiting = asyncio.create_task(_chat(http, gw))
-        await eventually(lambda: gw.view.queued.get(ALIAS) == 1, timeout=5, what="queued again")
+        await eventually(lambda: gw.admission.counts.queued.get(ALIAS) == 1, timeout=5, what="queued again")
         streams.pop().close()  # the client leaves: its slot is handed on
         status, _, body = await asyncio.wait_for(waiting, 60)
         assert status == 200 and body["choices"][0]["message"]["content"] is not None
         for resp in streams:
             resp.close()
-        await eventually(lambda: not gw.view.in_flight, timeout=10, what="every slot given back")
+        await eventually(lambda: not gw.admission.counts.in_flight, timeout=10, what="every slot given back")
 
 
 async def _chat(http: aiohttp.ClientSession, gw: Gateway, **body):

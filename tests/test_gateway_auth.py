@@ -42,7 +42,7 @@ async def test_gateway_user_reads_plans_status_reports_config_and_writes_nothing
         # ---- it reads: the lane, its host's report and the config revision reach the view
         lane = await eventually(lambda: next(iter(gw.view.routable("llama8")), None), timeout=40, what="lane routable")
         assert lane.host_id == "host1" and gw.view.synced
-        assert "host1" in gw.view.reports and gw.view.config is not None and gw.view.config_revision > 0
+        assert "host1" in gw.view.reports and gw.view.config is not None
 
         # ---- it writes nothing: every put and every request to the planner is refused
         nc = await _connect(auth_server.url, gateway_auth, errors)

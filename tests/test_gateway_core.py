@@ -19,12 +19,12 @@ def spec(lane_id: str, model: str = "gemma", alias: str | None = None, port: int
 
 
 def put_plan(view: FleetView, host: str, *specs: LaneSpec) -> None:
-    assert view.apply_entry(subjects.plan_key(host), encode(HostPlan(host_id=host, lanes=specs)), 1) is None
+    assert view.apply_entry(subjects.plan_key(host), encode(HostPlan(host_id=host, lanes=specs))) is None
 
 
 def put_status(view: FleetView, host: str, *lanes: LaneStatus, address: str = "") -> None:
     status = HostStatus(host_id=host, lanes=lanes, address=address)
-    assert view.apply_entry(subjects.status_key(host), encode(status), 1) is None
+    assert view.apply_entry(subjects.status_key(host), encode(status)) is None
 
 
 def healthy(lane_id: str, port: int = 8080, draining: bool = False) -> LaneStatus:
@@ -90,29 +90,20 @@ def test_draining_unhealthy_and_unreachable_lanes_get_nothing():
 
 def test_deleted_and_bad_entries():
     view = fleet(("h1", 8080))
-    assert view.apply_entry("status.h1", b"{not json", 2) is not None
-    assert view.apply_entry("plan.h2", encode(HostPlan(host_id="h1")), 2) is not None  # foreign host under a key
+    assert view.apply_entry("status.h1", b"{not json") is not None
+    assert view.apply_entry("plan.h2", encode(HostPlan(host_id="h1"))) is not None  # foreign host under a key
     assert view.bad_entries == 2 and view.lanes()[0].routable  # the good entries stay
-    view.apply_entry("status.h1", None, 3)
+    view.apply_entry("status.h1", None)
     assert view.lanes()[0].state == "pending"
-    view.apply_entry("plan.h1", None, 4)
+    view.apply_entry("plan.h1", None)
     assert view.lanes() == []
 
 
-def test_config_revision_is_the_entry_revision():
+def test_the_config_is_read_and_demand_left_alone():
     view = FleetView()
-    view.apply_entry(subjects.CONFIG_KEY, encode(FleetConfig(kv_cache_type="q8_0")), 17)
-    assert view.config_revision == 17 and view.config.kv_cache_type == "q8_0"
-    assert view.apply_entry(subjects.DEMAND_KEY, b"anything", 18) is None  # not the gateway's business
-
-
-def test_snapshot_shows_in_flight_and_queues():
-    view = fleet(("h1", 8080))
-    view.in_flight[("h1", "gemma-0")] = 2
-    view.queued["gemma"] = 3
-    snap = view.snapshot()
-    assert snap["lanes"][0]["in_flight"] == 2 and snap["lanes"][0]["slots"] == 2
-    assert snap["queued"] == {"gemma": 3}
+    view.apply_entry(subjects.CONFIG_KEY, encode(FleetConfig(kv_cache_type="q8_0")))
+    assert view.config.kv_cache_type == "q8_0"
+    assert view.apply_entry(subjects.DEMAND_KEY, b"anything") is None  # not the gateway's business
 
 
 # ------------------------------------------------------------------ route choice
@@ -143,7 +134,7 @@ async def test_requests_fill_slots_then_wait_in_order():
     await asyncio.sleep(0)
     second = asyncio.create_task(adm.acquire("gemma"))
     await asyncio.sleep(0)
-    assert view.queued == {"gemma": 2}
+    assert adm.counts.queued == {"gemma": 2}
     with pytest.raises(QueueFull):
         await adm.acquire("gemma")
     freed = leases[0]
@@ -153,8 +144,8 @@ async def test_requests_fill_slots_then_wait_in_order():
     assert got.lane.key == freed.lane.key and not second.done()
     leases[1].release()
     assert (await second).lane.key == leases[1].lane.key
-    assert view.queued == {}
-    assert sum(view.in_flight.values()) == 4
+    assert adm.counts.queued == {}
+    assert sum(adm.counts.in_flight.values()) == 4
 
 
 async def test_a_wait_ends_in_a_timeout_and_leaves_nothing_behind():
@@ -163,10 +154,10 @@ async def test_a_wait_ends_in_a_timeout_and_leaves_nothing_behind():
     held = [await adm.acquire("gemma"), await adm.acquire("gemma")]
     with pytest.raises(QueueTimeout):
         await adm.acquire("gemma")
-    assert view.queued == {} and view.in_flight == {("h1", "gemma-0"): 2}
+    assert adm.counts.queued == {} and adm.counts.in_flight == {("h1", "gemma-0"): 2}
     for lease in held:
         lease.release()
-    assert view.in_flight == {}
+    assert adm.counts.in_flight == {} and adm.counts.served == {("h1", "gemma-0"): 2}
 
 
 async def test_a_cancelled_waiter_gives_back_a_lease_it_was_handed():
@@ -179,7 +170,7 @@ async def test_a_cancelled_waiter_gives_back_a_lease_it_was_handed():
     waiter.cancel()  # ... which is cancelled before it runs again
     with pytest.raises(asyncio.CancelledError):
         await waiter
-    assert view.in_flight == {("h1", "gemma-0"): 1} and view.queued == {}
+    assert adm.counts.in_flight == {("h1", "gemma-0"): 1} and adm.counts.queued == {}
 
 
 async def test_unknown_model_and_a_model_whose_lanes_are_all_down():
@@ -210,6 +201,25 @@ async def test_a_retry_excludes_the_lane_that_failed():
     first.release()
     again = await adm.acquire("gemma", exclude=frozenset({first.lane.key}))
     assert again.lane.key != first.lane.key
+
+
+async def test_metrics_read_the_load_from_the_admission():
+    from gateway.metrics import GatewayMetrics
+
+    view = fleet(("h1", 8080))
+    adm = Admission(view, max_wait=5)
+    metrics = GatewayMetrics(view, adm.counts)
+    held = [await adm.acquire("gemma"), await adm.acquire("gemma")]
+    waiter = asyncio.create_task(adm.acquire("gemma"))
+    await asyncio.sleep(0)
+    labels = {"host": "h1", "lane": "gemma-0", "model": "gemma"}
+    assert metrics.registry.get_sample_value("lanes_lane_slots_busy", labels) == 2
+    assert metrics.registry.get_sample_value("lanes_gateway_queue_depth", {"model": "gemma"}) == 1
+    held[0].release()
+    (await waiter).release()
+    held[1].release()
+    assert metrics.registry.get_sample_value("lanes_lane_slots_busy", labels) == 0
+    assert metrics.registry.get_sample_value("lanes_gateway_queue_depth", {"model": "gemma"}) is None
 
 
 def test_api_keys_are_checked_against_every_key():
