@@ -29,8 +29,8 @@ from planner_svc.lease import DEFAULT_TTL, Lease
 from planner_svc.metrics import PlannerMetrics
 from planner_svc.planner import plan
 from shared import subjects
-from shared.buffer_lines import device_lines
 from shared.bus import NatsAuth, connect, kv_bucket, quietly, run_until, watch_forever
+from shared.llama.printed import device_lines
 from shared.messages import (
     ConfigSet,
     Demand,
