@@ -114,7 +114,7 @@ class LaneProcess:
             return None
 
     def read_log(self) -> None:
-        """Pick up new log lines: the tail for errors, and the KV size lines."""
+        """Pick up new log lines: the tail for errors, and the KV size and buffer lines."""
         try:
             with open(self.log_path, "rb") as f:
                 f.seek(self._offset)

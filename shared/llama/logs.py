@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from shared.messages import DeviceMemory, FailureKind
 
 MIB = 1024 * 1024
-KINDS = ("model", "KV", "compute", "output")
 
 # The KV size (-lv 4; old builds print `KV self size` at the default verbosity). SWA models print two.
 _KV_SIZE = re.compile(r"(?:llama_kv_cache\w*:\s+size|KV self size)\s*=\s*([\d.]+) MiB")
