@@ -25,9 +25,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from rpc_harness import rpc_servers  # noqa: E402
 
 from launcher_agent.measure import load_and_stop  # noqa: E402
-from shared.buffer_lines import compare, parse_buffers  # noqa: E402
 from shared.device_memory import LaneShape, lane_memory  # noqa: E402
 from shared.gguf_facts import read_model_facts  # noqa: E402
+from shared.llama.logs import parse_buffers  # noqa: E402
+from shared.llama.printed import compare  # noqa: E402
 from shared.memory import QUANTIZED  # noqa: E402
 
 

@@ -32,8 +32,8 @@ from launcher_agent.hardware import listed_devices  # noqa: E402
 from launcher_agent.measure import load_and_stop  # noqa: E402
 from launcher_agent.probe import probe  # noqa: E402
 from planner_svc.planner import plan  # noqa: E402
-from shared.buffer_lines import MIB, parse_buffers  # noqa: E402
 from shared.gguf_facts import read_model_facts  # noqa: E402
+from shared.llama.logs import MIB, parse_buffers  # noqa: E402
 from shared.messages import Demand, FleetConfig, GpuInfo, HostReport, Persona  # noqa: E402
 
 GPU_RESERVE_MIB = 256

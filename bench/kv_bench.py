@@ -45,10 +45,10 @@ import msgspec  # noqa: E402
 import psutil  # noqa: E402
 
 from launcher_agent.probe import find_llama_server  # noqa: E402
-from launcher_agent.reconcile import kv_mib_from_log  # noqa: E402
 from planner_svc.planner import plan  # noqa: E402
-from shared.capabilities import flash_attn_effective  # noqa: E402
 from shared.gguf_facts import read_model_facts, swa_layer_pattern  # noqa: E402
+from shared.llama.flags import flash_attn_effective  # noqa: E402
+from shared.llama.logs import kv_mib_from_log  # noqa: E402
 from shared.memory import CTX_PAD, MIB, estimate, kv_size  # noqa: E402
 from shared.messages import (  # noqa: E402
     Demand,

@@ -12,9 +12,9 @@ from lanes.files import load_file
 from lanes.tables import gib, mib, parse_size, table
 from launcher_agent.probe import ProbeError, probe
 from planner_svc.planner import plan
-from shared.capabilities import flash_attn_effective
 from shared.gguf_facts import ModelError, read_model_facts
-from shared.memory import BLOCK_BYTES, QUANTIZED, MemoryModelError
+from shared.llama.flags import cache_pair, flash_attn_effective, needs_flash_attn
+from shared.memory import BLOCK_BYTES, MemoryModelError
 from shared.messages import Demand, FleetConfig, HostReport, ServerCaps
 
 
@@ -100,7 +100,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
             raise UserError(f"{name} {value}: unknown cache type; choose one of {', '.join(BLOCK_BYTES)}")
         if value not in caps.cache_types:
             raise UserError(f"{name} {value}: {args.llama_server} does not support it ({', '.join(caps.cache_types)})")
-    if args.cache_type_v in QUANTIZED and args.flash_attn == "off":
+    if needs_flash_attn(args.cache_type_v) and args.flash_attn == "off":
         raise UserError(
             f"--cache-type-v {args.cache_type_v} needs flash attention; llama-server refuses it with --flash-attn off"
         )
@@ -187,7 +187,7 @@ def render_plan(fleet) -> str:
                 s.lane_id,
                 s.port,
                 f"{s.ctx_per_slot}x{s.parallel}",
-                f"{s.cache_type_k or 'f16'}/{s.cache_type_v or 'f16'}",
+                cache_pair(s.cache_type_k, s.cache_type_v),
                 s.flash_attn or "-",
                 s.memory.device,
                 mib(s.memory.weights_bytes),

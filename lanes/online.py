@@ -21,8 +21,9 @@ from lanes.tables import gib, mib, table
 from launcher_agent.service import run_agent
 from planner_svc.service import run_planner
 from shared import subjects
-from shared.buffer_lines import device_lines
 from shared.bus import NatsAuth, auth_from_args, connect
+from shared.llama.flags import cache_pair
+from shared.llama.printed import device_lines
 from shared.logs import setup_logging
 from shared.messages import (
     ConfigSet,
@@ -217,8 +218,10 @@ async def _request_command(args: argparse.Namespace, auth: NatsAuth) -> int:
 
 def render_status(fleet: FleetStatus) -> str:
     c: FleetConfig = fleet.config
-    out = [f"config r{fleet.config_revision}: kv {c.kv_cache_type_k or c.kv_cache_type or 'f16'}/"
-           f"{c.kv_cache_type_v or c.kv_cache_type or 'f16'}, flash_attn {c.flash_attn or 'unset'}"]  # fmt: skip
+    # The K/V types the plans give (a host whose llama-server lacks the configured type runs another).
+    planned = sorted({cache_pair(s.cache_type_k, s.cache_type_v) for p in fleet.plans for s in p.lanes})
+    out = [f"config r{fleet.config_revision}: kv {', '.join(planned) or '-'} as planned,"
+           f" flash_attn {c.flash_attn or 'unset'}"]  # fmt: skip
     if fleet.planner_id:
         out.append(f"planner {fleet.planner_id} ({'active' if fleet.planner_active else 'stand-by'})")
     statuses = {s.host_id: s for s in fleet.statuses}
@@ -247,7 +250,7 @@ def render_status(fleet: FleetStatus) -> str:
             lane = live.get(s.lane_id)
             rows.append([
                 p.host_id, s.lane_id, s.port, f"{s.ctx_per_slot}x{s.parallel}",
-                f"{s.cache_type_k or 'f16'}/{s.cache_type_v or 'f16'}", s.flash_attn or "-",
+                cache_pair(s.cache_type_k, s.cache_type_v), s.flash_attn or "-",
                 mib(s.memory.kv_bytes), mib(lane.kv_bytes) if lane else "-",
                 gib(s.memory.total_bytes), gib(lane.rss_bytes) if lane else "-",
                 lane.state if lane else "pending", (lane.last_error[:60] if lane else ""),

@@ -5,12 +5,16 @@ its requests in flight finish (llama-server's /slots says when no slot is proces
 bounded by the plan's drain_timeout; only then does the restart or stop go ahead.
 Level-triggered like the rest of the agent: a lane the plan no longer wants changed is
 un-drained, and a drain that ran out of time proceeds anyway.
+
+`decide` is pure; `Drains` holds when each drain began, asks the lanes and applies it.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import structlog
 
@@ -23,13 +27,25 @@ log = structlog.get_logger("lanes.agent")
 # before it saw the mark is still on its way to the lane.
 DRAIN_GRACE = 0.5
 
+Verdict = Literal["go", "begin", "wait", "done", "timed_out"]
 
-def drain_done(*, since: float, now: float, busy: int | None, timeout: float, grace: float = DRAIN_GRACE) -> bool:
-    """May the lane go? Idle after the grace period, or out of time. busy None: nothing answers, so nothing serves."""
+
+def verdict(
+    *, serving: bool, since: float | None, now: float, busy: int | None, timeout: float, grace: float = DRAIN_GRACE
+) -> Verdict:
+    """One lane a restart or stop targets: go (nothing serves), begin its drain, wait, or
+    go at last (idle after the grace period, or out of time). busy None: nothing answers."""
+    if since is None:
+        return "begin" if serving else "go"
     waited = now - since
     if waited >= timeout:
-        return True
-    return waited >= min(grace, timeout) and not busy
+        return "timed_out"
+    return "done" if waited >= min(grace, timeout) and not busy else "wait"
+
+
+def drain_done(*, since: float, now: float, busy: int | None, timeout: float, grace: float = DRAIN_GRACE) -> bool:
+    """May a draining lane go?"""
+    return verdict(serving=True, since=since, now=now, busy=busy, timeout=timeout, grace=grace) in ("done", "timed_out")
 
 
 def _target(action: Action) -> str | None:
@@ -38,6 +54,62 @@ def _target(action: Action) -> str | None:
     if isinstance(action, Restart):
         return action.spec.lane_id
     return None
+
+
+@dataclass(frozen=True)
+class Decision:
+    ready: tuple[Action, ...]  # may run now
+    begun: tuple[str, ...] = ()  # lanes to mark draining (gateways are told)
+    finished: tuple[tuple[str, Verdict, float], ...] = ()  # (lane, done | timed_out, seconds waited)
+    dropped: tuple[str, ...] = ()  # drains the plan no longer asks for: un-mark them
+    since: Mapping[str, float] = field(default_factory=dict)  # drains under way after this pass
+
+
+def to_ask(actions: Sequence[Action], since: Mapping[str, float]) -> list[str]:
+    """Lanes whose requests in flight `decide` needs: the draining ones an action targets."""
+    return [lane_id for a in actions if (lane_id := _target(a)) is not None and lane_id in since]
+
+
+def decide(
+    actions: Sequence[Action],
+    states: Mapping[str, str],
+    since: Mapping[str, float],
+    busy: Mapping[str, int | None],
+    *,
+    now: float,
+    timeout: float,
+) -> Decision:
+    """The actions that may run now; restarts and stops of serving lanes wait for their drain.
+
+    `states`: lane id -> state of the lanes that run; `busy`: requests in flight of the
+    lanes `to_ask` named (None: nothing answered).
+    """
+    under_way = dict(since)
+    ready: list[Action] = []
+    begun: list[str] = []
+    finished: list[tuple[str, Verdict, float]] = []
+    wanted: set[str] = set()
+    for action in actions:
+        lane_id = _target(action)
+        if lane_id is None or lane_id not in states:
+            ready.append(action)  # a start, or a lane that does not run: nothing to drain
+            continue
+        serving = states[lane_id] == "healthy"
+        v = verdict(serving=serving, since=under_way.get(lane_id), now=now, busy=busy.get(lane_id), timeout=timeout)
+        if v == "go":
+            ready.append(action)
+            continue
+        wanted.add(lane_id)
+        if v == "begin":
+            under_way[lane_id] = now
+            begun.append(lane_id)
+        elif v in ("done", "timed_out"):
+            finished.append((lane_id, v, now - under_way.pop(lane_id)))
+            ready.append(action)
+    dropped = tuple(lane_id for lane_id in under_way if lane_id not in wanted)
+    for lane_id in dropped:
+        del under_way[lane_id]
+    return Decision(tuple(ready), tuple(begun), tuple(finished), dropped, under_way)
 
 
 @dataclass
@@ -57,29 +129,19 @@ class Drains:
         timeout: float,
         busy: Callable[[Lane], Awaitable[int | None]],
     ) -> list[Action]:
-        """The actions that may run now; restarts and stops of serving lanes wait for their drain."""
-        ready: list[Action] = []
-        wanted: set[str] = set()
-        for action in actions:
-            lane_id = _target(action)
-            lane = lanes.get(lane_id) if lane_id else None
-            if lane is None or (lane.state != "healthy" and lane_id not in self.since):
-                ready.append(action)  # not serving: nothing to drain
-                continue
-            wanted.add(lane_id)
-            if lane_id not in self.since:
-                self.since[lane_id] = now
-                lane.draining = True
-                log.info("lane draining", lane=lane_id, timeout=timeout)
-                await self.emit(lane, "draining", f"waiting up to {timeout:g} s for requests in flight")
-                continue
-            in_flight = await busy(lane)
-            if drain_done(since=self.since[lane_id], now=now, busy=in_flight, timeout=timeout):
-                waited = now - self.since.pop(lane_id)
-                log.info("lane drained", lane=lane_id, waited=round(waited, 3), in_flight=in_flight)
-                ready.append(action)
-        for lane_id in [lane_id for lane_id in self.since if lane_id not in wanted]:
-            del self.since[lane_id]  # the plan no longer asks to change it (or it is gone)
+        """`decide`, with the lanes asked for their requests in flight first and its marks applied."""
+        ask = [lane_id for lane_id in to_ask(actions, self.since) if lane_id in lanes]
+        counts = dict(zip(ask, await asyncio.gather(*(busy(lanes[lane_id]) for lane_id in ask))))
+        states = {lane_id: lane.state for lane_id, lane in lanes.items()}
+        decision = decide(actions, states, self.since, counts, now=now, timeout=timeout)
+        self.since = dict(decision.since)
+        for lane_id in decision.begun:
+            lanes[lane_id].draining = True
+            log.info("lane draining", lane=lane_id, timeout=timeout)
+            await self.emit(lanes[lane_id], "draining", f"waiting up to {timeout:g} s for requests in flight")
+        for lane_id, how, waited in decision.finished:
+            log.info("lane drained", lane=lane_id, waited=round(waited, 3), in_flight=counts.get(lane_id), how=how)
+        for lane_id in decision.dropped:
             if lane_id in lanes:
                 lanes[lane_id].draining = False
-        return ready
+        return list(decision.ready)

@@ -1,117 +1,157 @@
-"""What each lane's process did since the last look: came up, serves the wrong shape, died.
+"""What each lane's process did since the last look, decided: came up, serves the wrong shape, died.
 
-A death is classified from llama-server's own log lines: a refusal or an
-out-of-memory at start fails the lane (restarting the same argv cannot help), other
-crashes back off and retry until they loop.
+Pure: `transition` takes what the agent saw of one lane (a Probe) and returns the
+lane's new health with the events to publish, the feedback to note and whether to
+kill it; the supervisor looks and applies. A death is classified from llama-server's
+own log lines: a refusal or an out-of-memory at start fails the lane (restarting the
+same argv cannot help), other crashes back off and retry until they loop.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Literal
 
-from launcher_agent.feedback import Feedback
-from launcher_agent.lane import Emit, Lane
-from launcher_agent.reconcile import MAX_FAILURES, backoff, classify_failure
+from launcher_agent.reconcile import MAX_FAILURES, backoff
+from shared.llama.logs import classify_failure
+from shared.messages import LaneSpec
 
 HEALTHY_RESETS_FAILURES_AFTER = 30.0
+COMING_UP = ("starting", "loading")
+ENDED = ("crashed", "failed", "stopped")
 
 
-@dataclass
-class Exit:
-    """A lane whose process ended; `halts` says why the rollout must stop, when a change broke it."""
+@dataclass(frozen=True)
+class LaneHealth:
+    """The part of a lane (launcher_agent.lane.Lane, same field names) that health decides."""
 
-    lane: Lane
-    halts: str | None = None
+    spec: LaneSpec
+    state: str = "starting"
+    failures: int = 0
+    retry_at: float = 0.0
+    healthy_since: float | None = None
+    last_error: str = ""
+    failure: str | None = None
+    last_good: LaneSpec | None = None
+    next_probe: float = 0.0
+    missed_probes: int = 0
+
+    @property
+    def broken_by_change(self) -> bool:
+        return self.last_good is not None and self.last_good.args != self.spec.args
 
 
-@dataclass
-class Health:
-    emit: Emit
-    feedback: Feedback
+@dataclass(frozen=True)
+class Rules:
     backoff_base: float = 1.0
     probe_interval: float = 5.0
     probe_failures: int = 3
-    probe_timeout: float = 2.0
 
-    async def observe(self, lanes: Iterable[Lane], now: float) -> list[Exit]:
-        """Fold what each process did since the last tick into its lane state."""
-        exits: list[Exit] = []
-        due: list[Lane] = []
-        for lane in lanes:
-            proc = lane.process
-            if proc is None:
-                continue
-            proc.read_log()
-            if proc.returncode is not None and lane.state not in ("crashed", "failed", "stopped"):
-                exits.append(await self._on_exit(lane, now))
-                continue
-            if lane.state in ("starting", "loading"):
-                state, detail = await proc.probe_health()
-                if state == "healthy":
-                    proc.read_log()  # it printed its buffers before it listened: report them with "healthy"
-                    lane.state, lane.healthy_since, lane.last_error = "healthy", now, ""
-                    lane.last_good = lane.spec
-                    await self.emit(lane, "healthy")
-                    self.feedback.check_against_plan(lane)
-                elif state == "mismatch":
-                    lane.state, lane.last_error = "mismatch", detail
-                    await self.emit(lane, "mismatch", detail)
-                else:
-                    lane.state = "loading"
-            elif lane.state == "healthy":
-                if lane.failures and lane.healthy_since and now - lane.healthy_since > HEALTHY_RESETS_FAILURES_AFTER:
-                    lane.failures = 0
-                self.feedback.check_against_plan(lane)
-                if now >= lane.next_probe:
-                    due.append(lane)
-            elif lane.state == "unresponsive":
-                await proc.kill()  # its exit is seen on the next look, and handled like a crash
-        # Serving lanes are probed side by side: one wedged lane must not slow the others' checks.
-        await asyncio.gather(*(self._probe(lane, now) for lane in due))
-        return exits
 
-    async def _probe(self, lane: Lane, now: float) -> None:
-        assert lane.process is not None
-        lane.next_probe = now + self.probe_interval
-        if await lane.process.alive(self.probe_timeout):
-            lane.missed_probes = 0
-            return
-        lane.missed_probes += 1
-        if lane.missed_probes >= self.probe_failures and lane.process.returncode is None:
-            lane.state = "unresponsive"
-            lane.last_error = f"unresponsive: no answer to {lane.missed_probes} /health probes in a row"
-            await self.emit(lane, "unresponsive", lane.last_error)
+@dataclass(frozen=True)
+class Probe:
+    """What the agent saw of one lane's process: its exit, its log's tail and the probe asked for."""
 
-    async def _on_exit(self, lane: Lane, now: float) -> Exit:
-        proc = lane.process
-        assert proc is not None
-        lines = list(proc.tail)
-        kind, line = classify_failure(lines)
-        if lane.state == "unresponsive":  # killed by the agent: the restart is reported like a crash
-            kind, line = "unresponsive", lane.last_error
-        died_at_start = lane.state in ("starting", "loading")
-        broken_by_change = lane.last_good is not None and lane.last_good.args != lane.spec.args
-        lane.failures += 1
-        lane.last_error = f"exit {proc.returncode}: {line}"
-        halts = f"{lane.spec.lane_id} failed with the change: {line}" if broken_by_change else None
-        if died_at_start and kind == "port_busy":  # taken between the agent's look and the bind
-            lane.state, lane.failure = "failed", kind
-            self.feedback.port_busy(lane, line)
-            await self.emit(lane, "failed", lane.last_error)
-        elif died_at_start and (kind in ("unsupported", "oom") or broken_by_change):
-            # llama-server refused this spec (or a change broke a lane that ran): restarting
-            # the same argv cannot help; the planner corrects or reverts it.
-            lane.state, lane.failure = "failed", kind
-            self.feedback.failure(lane, kind, line)
-            await self.emit(lane, "failed", lane.last_error)
-        elif lane.failures >= MAX_FAILURES:
-            lane.state, lane.failure = "failed", "crash_loop"
-            self.feedback.failure(lane, "crash_loop", line)
-            await self.emit(lane, "failed", f"crash loop: {lane.failures} failures; {lane.last_error}")
-        else:
-            lane.state, lane.failure = "crashed", kind
-            lane.retry_at = now + backoff(lane.failures, self.backoff_base)
-            await self.emit(lane, "crashed", lane.last_error)
-        return Exit(lane, halts)
+    returncode: int | None = None
+    tail: tuple[str, ...] = ()
+    ready: tuple[str, str] | None = None  # (loading | healthy | mismatch, detail), for a lane coming up
+    alive: bool | None = None  # /health of a serving lane, when its probe was due
+
+
+# Feedback to note for the planner (launcher_agent.feedback).
+@dataclass(frozen=True)
+class CheckUse:
+    """Compare what the lane uses (KV printed, resident memory) with its plan."""
+
+
+@dataclass(frozen=True)
+class PortBusy:
+    detail: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    kind: str
+    detail: str
+
+
+Note = CheckUse | PortBusy | Failed
+
+
+@dataclass(frozen=True)
+class Outcome:
+    health: LaneHealth
+    events: tuple[tuple[str, str], ...] = ()  # (event, detail) to publish
+    feedback: tuple[Note, ...] = ()
+    kill: bool = False  # SIGKILL it: its exit is seen on the next look and handled like a crash
+    exited: bool = False
+    halts: str | None = None  # why the rollout must stop, when a change broke the lane
+
+
+def what_to_probe(health: LaneHealth, now: float) -> Literal["ready", "alive"] | None:
+    """Which question to ask a running lane this tick."""
+    if health.state in COMING_UP:
+        return "ready"
+    if health.state == "healthy" and now >= health.next_probe:
+        return "alive"
+    return None
+
+
+def transition(health: LaneHealth, probe: Probe, *, now: float, rules: Rules = Rules()) -> Outcome:
+    if probe.returncode is not None and health.state not in ENDED:
+        return _exited(health, probe, now, rules)
+    if health.state in COMING_UP and probe.ready is not None:
+        ready, detail = probe.ready
+        if ready == "healthy":
+            up = replace(health, state="healthy", healthy_since=now, last_error="", last_good=health.spec)
+            return Outcome(up, (("healthy", ""),), (CheckUse(),))
+        if ready == "mismatch":
+            return Outcome(replace(health, state="mismatch", last_error=detail), (("mismatch", detail),))
+        return Outcome(replace(health, state="loading"))
+    if health.state == "healthy":
+        return _serving(health, probe, now, rules)
+    if health.state == "unresponsive":
+        return Outcome(health, kill=True)
+    return Outcome(health)
+
+
+def _serving(health: LaneHealth, probe: Probe, now: float, rules: Rules) -> Outcome:
+    since = health.healthy_since
+    if health.failures and since and now - since > HEALTHY_RESETS_FAILURES_AFTER:
+        health = replace(health, failures=0)
+    if probe.alive is None:
+        return Outcome(health, feedback=(CheckUse(),))
+    health = replace(health, next_probe=now + rules.probe_interval)
+    if probe.alive:
+        return Outcome(replace(health, missed_probes=0), feedback=(CheckUse(),))
+    missed = health.missed_probes + 1
+    if missed < rules.probe_failures:
+        return Outcome(replace(health, missed_probes=missed), feedback=(CheckUse(),))
+    why = f"unresponsive: no answer to {missed} /health probes in a row"
+    down = replace(health, missed_probes=missed, state="unresponsive", last_error=why)
+    return Outcome(down, (("unresponsive", why),), (CheckUse(),))
+
+
+def _exited(health: LaneHealth, probe: Probe, now: float, rules: Rules) -> Outcome:
+    kind, line = classify_failure(list(probe.tail))
+    if health.state == "unresponsive":  # killed by the agent: the restart is reported like a crash
+        kind, line = "unresponsive", health.last_error
+    died_at_start = health.state in COMING_UP
+    failures = health.failures + 1
+    error = f"exit {probe.returncode}: {line}"
+    halts = f"{health.spec.lane_id} failed with the change: {line}" if health.broken_by_change else None
+    health = replace(health, failures=failures, last_error=error)
+    if died_at_start and kind == "port_busy":  # taken between the agent's look and the bind
+        note: Note = PortBusy(line)
+        state, failure, event = "failed", kind, error
+    elif died_at_start and (kind in ("unsupported", "oom") or health.broken_by_change):
+        # llama-server refused this spec (or a change broke a lane that ran): restarting
+        # the same argv cannot help; the planner corrects or reverts it.
+        note, state, failure, event = Failed(kind, line), "failed", kind, error
+    elif failures >= MAX_FAILURES:
+        note, state, failure = Failed("crash_loop", line), "failed", "crash_loop"
+        event = f"crash loop: {failures} failures; {error}"
+    else:
+        crashed = replace(health, state="crashed", failure=kind, retry_at=now + backoff(failures, rules.backoff_base))
+        return Outcome(crashed, (("crashed", error),), exited=True, halts=halts)
+    return Outcome(replace(health, state=state, failure=failure), (("failed", event),), (note,), exited=True, halts=halts)

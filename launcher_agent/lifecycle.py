@@ -11,8 +11,9 @@ import structlog
 from launcher_agent.config import AgentConfig
 from launcher_agent.feedback import Feedback
 from launcher_agent.lane import Emit, Lane
+from launcher_agent.lane_http import port_taken
 from launcher_agent.persistence import Saved
-from launcher_agent.process import DryRunLane, LaneProcess, port_taken
+from launcher_agent.process import DryRunLane, LaneProcess
 from launcher_agent.reconcile import Action, Restart, Start, Stop
 from shared.messages import LaneSpec
 

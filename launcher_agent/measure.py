@@ -1,7 +1,7 @@
 """Start llama-server until it has printed its buffers, then stop it: the measuring edge.
 
-Used by the tests, the benchmarks and `lanes estimate --llama-server --measure`; a lane's own
-lines are read by launcher_agent.process as it runs.
+Used by the tests and the benchmarks; a lane's own lines are read by launcher_agent.process
+as it runs. What the lines mean is shared.llama.logs' to say.
 """
 
 from __future__ import annotations
@@ -14,9 +14,7 @@ import time
 from dataclasses import dataclass
 
 from launcher_agent.process import lane_environment
-
-_DONE = ("srv    load_model: initializing", "main: model loaded", "server is listening")
-_FAILED = ("exiting due to", "failed to load model", "error:", "main: exiting")
+from shared.llama.logs import is_loaded_line
 
 
 @dataclass
@@ -57,7 +55,7 @@ def load_and_stop(binary: str, args: list[str], timeout: float = 120.0, on_loade
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line.rstrip("\n"))
-            if any(marker in line for marker in _DONE):
+            if is_loaded_line(line):
                 return Loaded(None, lines, proc.pid, on_loaded(proc.pid) if on_loaded else None)
             if time.monotonic() > deadline:
                 break

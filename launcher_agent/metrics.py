@@ -1,9 +1,10 @@
 """The agent's Prometheus series: its lanes as it runs them, and llama-server's own series renamed.
 
-llama-server (started with --metrics) names its series `llamacpp:...`; colons are for
-recording rules, so they are re-exported as `lanes_llama_...` with host, lane and model
-labels. Each scrape reads every lane's /metrics at once (bounded by a short timeout):
-no background polling, and a lane that does not answer simply has no series this time.
+llama-server (started with --metrics) names its series `llamacpp:...`; they are
+re-exported as `lanes_llama_...` with host, lane and model labels (see
+shared.llama.endpoints). Each scrape reads every lane's /metrics at once (bounded by a
+short timeout): no background polling, and a lane that does not answer simply has no
+series this time.
 """
 
 from __future__ import annotations
@@ -13,31 +14,14 @@ import asyncio
 import aiohttp
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from launcher_agent.report import VERSION
 from launcher_agent.supervisor import Supervisor
+from shared.llama import endpoints
 
-LLAMA_PREFIX = "llamacpp:"
-EXPORT_PREFIX = "lanes_llama_"
 SCRAPE_TIMEOUT = 1.0
 LANE_LABELS = ["host", "lane", "model"]
-
-
-def rename_llama_series(text: str, labels: dict[str, str]) -> list[Metric]:
-    """llama-server's exposition text as `lanes_llama_*` families with our labels added (pure)."""
-    out = []
-    for family in text_string_to_metric_families(text):
-        if not family.name.startswith(LLAMA_PREFIX):
-            continue
-        name = EXPORT_PREFIX + family.name[len(LLAMA_PREFIX) :]
-        metric = Metric(name, family.documentation, family.type)
-        for sample in family.samples:
-            sample_name = EXPORT_PREFIX + sample.name[len(LLAMA_PREFIX) :]
-            metric.add_sample(sample_name, {**sample.labels, **labels}, sample.value)
-        out.append(metric)
-    return out
 
 
 class _AgentCollector(Collector):
@@ -108,8 +92,7 @@ class AgentMetrics:
         self._collector.llama = {lane.spec.lane_id: series for lane, series in zip(lanes, results) if series}
 
     async def _scrape(self, session: aiohttp.ClientSession, lane) -> list[Metric]:
-        host = "127.0.0.1" if lane.spec.bind in ("0.0.0.0", "::", "") else lane.spec.bind
-        url = f"http://{host}:{lane.spec.port}/metrics"
+        url = endpoints.url(lane.spec.bind, lane.spec.port, endpoints.METRICS)
         try:
             async with session.get(url) as resp:
                 if resp.status != 200:
@@ -119,6 +102,6 @@ class AgentMetrics:
             return []
         labels = {"host": self.sup.cfg.host_id, "lane": lane.spec.lane_id, "model": lane.spec.model}
         try:
-            return rename_llama_series(text, labels)
+            return endpoints.rename_llama_series(text, labels)
         except ValueError:
             return []

@@ -7,7 +7,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from shared.capabilities import parse_caps
+from shared.llama.flags import parse_caps
 from shared.messages import ServerCaps
 
 

@@ -1,4 +1,7 @@
-"""One llama-server process: spawned from an argv list, its log file tailed, its health polled.
+"""One llama-server process: spawned from an argv list, its log file tailed, stopped.
+
+What the log lines mean is shared.llama.logs' to say; asking the lane over HTTP is
+launcher_agent.lane_http's (the probe methods here only let a dry run answer for itself).
 
 The lane writes to its own log file rather than a pipe, so it survives the agent
 (no SIGPIPE when the agent is gone) and a restarted agent can adopt it.
@@ -7,7 +10,6 @@ The lane writes to its own log file rather than a pipe, so it survives the agent
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 from collections import deque
@@ -15,48 +17,12 @@ from pathlib import Path
 
 import psutil
 
-from launcher_agent.reconcile import kv_mib_from_log
-from shared.buffer_lines import devices_from_lines
+from launcher_agent import lane_http
+from shared.llama.logs import MIB, devices_from_lines, is_buffer_line, is_kv_size_line, kv_mib_from_log
 from shared.messages import DeviceMemory, LaneSpec
 
 TAIL_LINES = 40
 START_TIME_SLACK = 0.05  # seconds; psutil's create_time is read from /proc in clock ticks
-
-
-def port_taken(host: str, port: int) -> bool:
-    """Whether another program listens on the port (a lane could not bind it)."""
-    import socket
-
-    host = "127.0.0.1" if host in ("0.0.0.0", "") else host
-    with socket.socket() as probe:
-        probe.settimeout(0.5)
-        return probe.connect_ex((host, port)) == 0
-
-
-async def http_get(host: str, port: int, path: str, timeout: float = 2.0) -> tuple[int, dict | None]:
-    """A tiny HTTP/1.0 GET; (status, JSON body or None). Status 0 when nothing answers."""
-    host = "127.0.0.1" if host in ("0.0.0.0", "") else host
-    try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
-    except (OSError, asyncio.TimeoutError):
-        return 0, None
-    try:
-        writer.write(f"GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
-        await writer.drain()
-        raw = await asyncio.wait_for(reader.read(), timeout)
-    except (OSError, asyncio.TimeoutError):
-        return 0, None
-    finally:
-        writer.close()
-    head, _, body = raw.partition(b"\r\n\r\n")
-    try:
-        status = int(head.split(b" ", 2)[1])
-    except (IndexError, ValueError):
-        return 0, None
-    try:
-        return status, json.loads(body)
-    except ValueError:
-        return status, None
 
 
 def lane_environment() -> dict[str, str]:
@@ -148,7 +114,7 @@ class LaneProcess:
             return None
 
     def read_log(self) -> None:
-        """Pick up new log lines: the tail for errors, and the KV size lines."""
+        """Pick up new log lines: the tail for errors, and the KV size and buffer lines."""
         try:
             with open(self.log_path, "rb") as f:
                 f.seek(self._offset)
@@ -163,9 +129,9 @@ class LaneProcess:
         self._offset += len(complete) + 1
         for line in complete.decode(errors="replace").splitlines():
             self.tail.append(line)
-            if "llama_kv_cache" in line or "KV self size" in line:
+            if is_kv_size_line(line):
                 self.kv_lines.append(line)
-            if "buffer size =" in line or "offloaded " in line:
+            if is_buffer_line(line):
                 self.buffer_lines.append(line)
 
     def printed_devices(self) -> tuple[DeviceMemory, ...]:
@@ -174,29 +140,17 @@ class LaneProcess:
 
     def kv_bytes(self) -> int | None:
         mib = kv_mib_from_log(self.kv_lines)
-        return None if mib is None else round(mib * 1024 * 1024)
+        return None if mib is None else round(mib * MIB)
 
     async def probe_health(self) -> tuple[str, str]:
         """("loading" | "healthy" | "mismatch", detail) from /health and /props."""
-        status, _ = await http_get(self.spec.bind, self.spec.port, "/health")
-        if status != 200:
-            return "loading", f"/health answered {status or 'nothing'}"
-        status, props = await http_get(self.spec.bind, self.spec.port, "/props")
-        if status != 200 or not isinstance(props, dict):
-            return "loading", f"/props answered {status or 'nothing'}"
-        n_ctx = (props.get("default_generation_settings") or {}).get("n_ctx")
-        slots = props.get("total_slots")
-        if n_ctx != self.spec.ctx_per_slot or slots != self.spec.parallel:
-            return "mismatch", (
-                f"llama-server serves {n_ctx} per slot x {slots} slots;"
-                f" planned {self.spec.ctx_per_slot} x {self.spec.parallel}"
-            )
-        return "healthy", ""
+        return await lane_http.readiness(self.spec)
 
     async def alive(self, timeout: float) -> bool:
-        """Does the serving lane still answer /health? (Cheap: no request reaches the model.)"""
-        status, _ = await http_get(self.spec.bind, self.spec.port, "/health", timeout=timeout)
-        return status == 200
+        return await lane_http.alive(self.spec, timeout)
+
+    async def busy_slots(self) -> int | None:
+        return await lane_http.busy_slots(self.spec)
 
     async def kill(self) -> None:
         """SIGKILL: a wedged (even SIGSTOPped) process cannot be asked to stop."""
@@ -208,15 +162,6 @@ class LaneProcess:
         except ProcessLookupError:
             return
         await self._wait(5.0)
-
-    async def busy_slots(self) -> int | None:
-        """Slots processing a request (llama-server's /slots); None when nothing answers."""
-        status, slots = await http_get(self.spec.bind, self.spec.port, "/slots")
-        if status == 0:
-            return None
-        if status != 200 or not isinstance(slots, list):
-            return 1  # it answers but cannot say: count it busy, so only the drain timeout ends the wait
-        return sum(1 for slot in slots if isinstance(slot, dict) and slot.get("is_processing"))
 
     async def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM; a second SIGTERM after a few seconds (llama-server can miss one sent just

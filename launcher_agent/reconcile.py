@@ -1,23 +1,22 @@
 """The agent's pure decisions: is a plan acceptable, and what must change to reach it.
 
-No processes, no NATS, no clock: `now` is passed in. The service executes the
-actions this module returns, so a lost message or a restart converges.
+No processes, no NATS, no clock, no file system: `now` is passed in, and so is the
+check whether a model file exists. The supervisor executes the actions this module
+returns, so a lost message or a restart converges.
 """
 
 from __future__ import annotations
 
 import os
-import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 import msgspec
 
 from shared import subjects
-from shared.argv import args_problem, lane_args
-from shared.memory import QUANTIZED
-from shared.messages import FailureKind, HostPlan, LaneSpec, LaneState, ServerCaps, schema_problem
+from shared.llama.flags import args_problem, lane_args, needs_flash_attn
+from shared.messages import HostPlan, LaneSpec, LaneState, ServerCaps, schema_problem
 
 MAX_FAILURES = 5
 BACKOFF_BASE = 1.0
@@ -35,9 +34,14 @@ def validate_plan(
     port_range: range,
     caps: ServerCaps,
     applied_revision: int,
+    model_exists: Callable[[str], bool],
     bind: str | None = None,
 ) -> str | None:
-    """Why this plan must not be applied, or None. A rejected plan starts nothing."""
+    """Why this plan must not be applied, or None. A rejected plan starts nothing.
+
+    `model_exists(path)` says whether a model file is there (the agent passes one that
+    looks); it may raise OSError for a path the file system cannot take.
+    """
     if (problem := schema_problem(plan)) is not None:
         return f"plan {problem}"
     if subjects.host_token(plan.host_id) != subjects.host_token(host_id):
@@ -53,7 +57,7 @@ def validate_plan(
         seen_ids.add(spec.lane_id)
         try:
             inside = in_model_folders(spec.model_path, model_dirs)
-            exists = inside and Path(spec.model_path).is_file()
+            exists = inside and model_exists(spec.model_path)
         except (ValueError, OSError) as exc:  # a NUL byte, a name too long for the file system
             return f"{where}: unusable model path ({exc})"
         if not inside:
@@ -70,7 +74,7 @@ def validate_plan(
         for t in (spec.cache_type_k, spec.cache_type_v):
             if t is not None and t not in caps.cache_types:
                 return f"{where}: cache type {t} is not supported by this llama-server"
-        if spec.cache_type_v in QUANTIZED and spec.flash_attn != "on":
+        if needs_flash_attn(spec.cache_type_v) and spec.flash_attn != "on":
             return f"{where}: quantized V cache without flash attention on would be refused"
         if (problem := args_problem(spec, caps)) is not None:
             return f"{where}: args disagree with the lane spec: {problem}"
@@ -197,38 +201,3 @@ def decide(
             actions.append(Start(spec, "new in the plan"))
             busy.add(spec.port)
     return actions
-
-
-# ------------------------------------------------------------------ reading llama-server's log
-
-_KV_LINE = re.compile(r"(?:llama_kv_cache\w*:\s+size|KV self size)\s*=\s*([\d.]+) MiB")
-# Memory exhaustion at start, including the address-space kind a container limit or
-# `ulimit -v` gives (thread stacks then fail first: "libgomp: Thread creation failed").
-_OOM = re.compile(
-    r"failed to allocate|out of memory|cudaMalloc failed|unable to allocate|std::bad_alloc|"
-    r"Cannot allocate memory|Thread creation failed",
-    re.I,
-)
-_UNSUPPORTED = re.compile(
-    r"Unsupported cache type|invalid argument|unknown value for|requires flash_attn|does not divide|"
-    r"V cache quantization requires|expected value for argument"
-)
-
-
-def kv_mib_from_log(lines: Sequence[str]) -> float | None:
-    """The KV size llama-server printed (sum of the SWA and non-SWA caches), in MiB."""
-    values = [float(m.group(1)) for line in lines if (m := _KV_LINE.search(line))]
-    return sum(values) if values else None
-
-
-_PORT_BUSY = re.compile(r"couldn't bind HTTP server socket|Address already in use", re.IGNORECASE)
-
-
-def classify_failure(lines: Sequence[str]) -> tuple[FailureKind, str]:
-    """Why a lane died, and llama-server's own line saying so."""
-    for pattern, kind in ((_PORT_BUSY, "port_busy"), (_UNSUPPORTED, "unsupported"), (_OOM, "oom")):
-        for line in lines:
-            if pattern.search(line):
-                return kind, line.strip()
-    errors = [line.strip() for line in lines if " E " in f" {line} " or "error" in line.lower()]
-    return "other", (errors[0] if errors else (lines[-1].strip() if lines else "exited without output"))

@@ -1,28 +1,32 @@
 """Supervision of one host's lanes: apply plans, watch processes, act on the difference.
 
 Level-triggered: every tick compares the applied plan with what runs and acts on
-the difference (launcher_agent.reconcile.decide). No NATS here: events leave through
-the `emit` callback, status through `status()`. The concerns live beside it:
-lifecycle.py (processes), health.py (what they did), feedback.py (what the plan got
-wrong), persistence.py (the state file a restarted agent adopts its lanes from).
+the difference. Decisions are pure and live beside it (reconcile.py: is a plan
+acceptable, what must change; health.py: what a lane's process did; drain.py: may a
+serving lane go); the supervisor looks, asks them, and applies what they say through
+lifecycle.py (processes), feedback.py (what the plan got wrong) and persistence.py
+(the state file a restarted agent adopts its lanes from). No NATS here: events leave
+through the `emit` callback, status through `status()`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import structlog
 
+from launcher_agent import health
 from launcher_agent.config import AgentConfig
 from launcher_agent.drain import Drains
 from launcher_agent.feedback import Feedback
-from launcher_agent.health import Health
 from launcher_agent.lane import Emit, Lane, no_event
 from launcher_agent.lifecycle import Lifecycle
 from launcher_agent.persistence import StateFile
 from launcher_agent.reconcile import Observed, as_rendered, decide, validate_plan
+from shared.llama.endpoints import WILDCARD_BINDS
 from shared.messages import HostPlan, HostStatus, LaneStatus
 
 log = structlog.get_logger("lanes.agent")
@@ -42,21 +46,14 @@ class Supervisor:
     session: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     feedback: Feedback = field(default_factory=Feedback)
     procs: Lifecycle = field(init=False)
-    health: Health = field(init=False)
+    rules: health.Rules = field(init=False)
     store: StateFile = field(init=False)
     drains: Drains = field(init=False)
 
     def __post_init__(self) -> None:
         self.drains = Drains(self.emit)
         self.procs = Lifecycle(self.cfg, self.emit, self.feedback, on_change=self._save)
-        self.health = Health(
-            self.emit,
-            self.feedback,
-            self.cfg.backoff_base,
-            probe_interval=self.cfg.probe_interval,
-            probe_failures=self.cfg.probe_failures,
-            probe_timeout=self.cfg.probe_timeout,
-        )
+        self.rules = health.Rules(self.cfg.backoff_base, self.cfg.probe_interval, self.cfg.probe_failures)
         self.store = StateFile(self.cfg.data_dir / "agent-state.json")
 
     @property
@@ -73,6 +70,7 @@ class Supervisor:
             port_range=range(self.cfg.port_base, self.cfg.port_base + self.cfg.port_count),
             caps=self.cfg.caps,
             applied_revision=applied,
+            model_exists=model_file_exists,
             bind=self.cfg.bind,
         )
         if reason:
@@ -90,14 +88,44 @@ class Supervisor:
         """Fold what each process did since the last tick into its lane state."""
         if self.feedback.expire(self.cfg.feedback_ttl):
             self._save()
-        exits = await self.health.observe(self.lanes.values(), now)
-        for exit in exits:
-            if exit.halts and self.plan is not None:
+        watched = [lane for lane in self.lanes.values() if lane.process is not None]
+        # Looked at side by side: one wedged lane must not slow the others' checks.
+        probes = await asyncio.gather(*(self._look(lane, now) for lane in watched))
+        for lane, probe in zip(watched, probes):
+            outcome = health.transition(health_of(lane), probe, now=now, rules=self.rules)
+            await self._apply(lane, outcome)
+            if outcome.halts and self.plan is not None:
                 if self.halted is None or self.halted[0] != self.plan.config_revision:
                     self.rollouts_halted += 1
-                self.halted = (self.plan.config_revision, exit.halts)
-                log.warning("rollout halted", config_revision=self.plan.config_revision, reason=exit.halts)
+                self.halted = (self.plan.config_revision, outcome.halts)
+                log.warning("rollout halted", config_revision=self.plan.config_revision, reason=outcome.halts)
         self._save()  # exits, new feedback (written only when something changed)
+
+    async def _look(self, lane: Lane, now: float) -> health.Probe:
+        """Ask the lane what health.what_to_probe says, then read its log and exit (a lane that
+        printed its buffers before it listened reports them with "healthy")."""
+        proc = lane.process
+        assert proc is not None
+        ask = health.what_to_probe(health_of(lane), now) if proc.returncode is None else None
+        ready = await proc.probe_health() if ask == "ready" else None
+        alive = await proc.alive(self.cfg.probe_timeout) if ask == "alive" else None
+        proc.read_log()
+        return health.Probe(proc.returncode, tuple(proc.tail), ready, alive)
+
+    async def _apply(self, lane: Lane, outcome: health.Outcome) -> None:
+        for f in _HEALTH_FIELDS:
+            setattr(lane, f, getattr(outcome.health, f))
+        for note in outcome.feedback:
+            if isinstance(note, health.CheckUse):
+                self.feedback.check_against_plan(lane)
+            elif isinstance(note, health.PortBusy):
+                self.feedback.port_busy(lane, note.detail)
+            elif isinstance(note, health.Failed):
+                self.feedback.failure(lane, note.kind, note.detail)
+        if outcome.kill and lane.process is not None:
+            await lane.process.kill()
+        for event, detail in outcome.events:
+            await self.emit(lane, event, detail)
 
     def observed(self) -> dict[str, Observed]:
         return {
@@ -205,5 +233,17 @@ class Supervisor:
             nats_connected=nats_connected,
             agent_session=self.session,
             rollout_halted=self.halted[1] if self.halted else "",
-            address=self.cfg.advertise or (self.cfg.bind if self.cfg.bind not in ("0.0.0.0", "::", "") else ""),
+            address=self.cfg.advertise or (self.cfg.bind if self.cfg.bind not in WILDCARD_BINDS else ""),
         )
+
+
+_HEALTH_FIELDS = tuple(f.name for f in fields(health.LaneHealth))
+
+
+def health_of(lane: Lane) -> health.LaneHealth:
+    return health.LaneHealth(**{f: getattr(lane, f) for f in _HEALTH_FIELDS})
+
+
+def model_file_exists(path: str) -> bool:
+    """The file-system check validate_plan is given (OSError for a name the system cannot take)."""
+    return Path(path).is_file()

@@ -31,8 +31,7 @@ from planner_svc.policy import (
     revert_target,
     window_bounds,
 )
-from shared.argv import lane_args
-from shared.capabilities import flash_attn_effective
+from shared.llama.flags import flash_attn_effective, lane_args
 from shared.device_memory import LaneShape
 from shared.memory import CTX_PAD, MemoryModelError
 from shared.messages import (

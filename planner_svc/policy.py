@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from shared.llama.flags import cache_pair, effective_cache_type, needs_flash_attn
 from shared.memory import CTX_PAD, QUANTIZED
 from shared.messages import FleetConfig, HostReport, LaneFeedback, ModelFacts, Persona
 
@@ -44,11 +45,6 @@ def gpu_budgets(report: HostReport, config: FleetConfig) -> dict[int, int]:
     return budgets
 
 
-def gpu_budget(report: HostReport, config: FleetConfig) -> int:
-    """All GPUs' budgets together (what a host plan shows)."""
-    return sum(gpu_budgets(report, config).values())
-
-
 # ------------------------------------------------------------------ flags
 
 
@@ -71,12 +67,12 @@ def decide_flags(
     v = config.kv_cache_type_v or config.kv_cache_type
     fa = config.flash_attn
     if k or v:
-        reasons.append(f"cache types {k or 'f16'}/{v or 'f16'} from fleet config")
+        reasons.append(f"cache types {cache_pair(k, v)} from fleet config")
 
     for fb in feedback:
         if fb.kind == "unsupported" and (k, v) == (fb.cache_type_k, fb.cache_type_v) and (k or v):
             reasons.append(
-                f"f16 cache: llama-server refused {k or 'f16'}/{v or 'f16'} here ({fb.detail or 'unsupported'})"
+                f"f16 cache: llama-server refused {cache_pair(k, v)} here ({fb.detail or 'unsupported'})"
             )
             k = v = None
     for name, value in (("K", k), ("V", v)):
@@ -85,14 +81,14 @@ def decide_flags(
     k = k if k in caps.cache_types else None
     v = v if v in caps.cache_types else None
     if facts.is_mla and v is not None and v != k:
-        reasons.append(f"V cache type follows K ({k or 'f16'}): MLA models need matching types")
+        reasons.append(f"V cache type follows K ({effective_cache_type(k)}): MLA models need matching types")
         v = k
     quantized = {t for t in (k, v) if t in QUANTIZED}
     if quantized and (facts.head_dim_k % 32 or facts.head_dim_v % 32):
         reasons.append("f16 cache: head dimension is not a multiple of the 32-value quantization block")
         k = v = None
         quantized = set()
-    if v in QUANTIZED and fa != "on":
+    if needs_flash_attn(v) and fa != "on":
         reasons.append("flash attention on: a quantized V cache requires it")
         fa = "on"
     if caps.flash_attn_form == "switch" and fa in ("off", "auto"):
@@ -151,7 +147,7 @@ def revert_target(config, report, facts, persona, lane_id, feedback) -> tuple[Fl
             continue
         window = good.ctx_total // good.parallel
         reason = (
-            f"reverted to the spec that last ran healthy ({good.cache_type_k or 'f16'}/{good.cache_type_v or 'f16'},"
+            f"reverted to the spec that last ran healthy ({cache_pair(good.cache_type_k, good.cache_type_v)},"
             f" window {window}): the change failed: {fb.detail or fb.kind}"
         )
         return Flags(good.cache_type_k, good.cache_type_v, good.flash_attn, (reason,)), window, window, []

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.argv import lane_args
-from shared.capabilities import parse_caps
+from shared.llama.flags import lane_args, parse_caps
 from shared.messages import LaneSpec, ServerCaps
 
 NEW_HELP = """\
@@ -260,3 +259,21 @@ def test_version_string_skips_backend_loading_lines():
     caps = parse_caps(NEW_HELP, text)
     assert caps.build == 6325
     assert caps.version == "version: 6325 (abc123)"
+
+
+# ------------------------------------------------------------------ the rules the flags obey
+
+
+def test_default_cache_type_is_what_llama_server_runs_without_a_flag():
+    from shared.llama.flags import cache_pair, effective_cache_type
+
+    assert effective_cache_type(None) == "f16" and effective_cache_type("q8_0") == "q8_0"
+    assert cache_pair(None, "q4_0") == "f16/q4_0" and cache_pair(None, None) == "f16/f16"
+
+
+@pytest.mark.parametrize("type_v, needs", [(None, False), ("f16", False), ("bf16", False), ("f32", False),
+                                           ("q8_0", True), ("q4_0", True), ("iq4_nl", True), ("q5_1", True)])  # fmt: skip
+def test_a_quantized_v_cache_needs_flash_attention(type_v, needs):
+    from shared.llama.flags import needs_flash_attn
+
+    assert needs_flash_attn(type_v) is needs

@@ -187,7 +187,7 @@ def test_estimate_bad_device_input_is_one_line_exit_2(tiny_models, extra, words)
 
 
 def test_probe_reads_the_ngl_rule_from_help():
-    from shared.capabilities import parse_caps
+    from shared.llama.flags import parse_caps
 
     new = ("-fa, --flash-attn [on|off|auto]\n-ngl,  --gpu-layers, --n-gpu-layers N   max. number of layers,\n"
            "                                        'auto', or 'all' (default: auto)\n-dev,  --device <dev1,dev2,..>")
@@ -197,7 +197,7 @@ def test_probe_reads_the_ngl_rule_from_help():
 
 
 def test_device_lines_show_planned_and_printed():
-    from shared.buffer_lines import device_lines
+    from shared.llama.printed import device_lines
     from shared.messages import DeviceMemory, LaneSpec, MemoryBreakdown
 
     planned = (DeviceMemory(device="CPU", model_bytes=170 * MIB), DeviceMemory(device="GPU0", kv_bytes=8 * MIB, layers=19))

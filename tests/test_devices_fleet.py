@@ -14,7 +14,7 @@ from test_devices_real import rpc_bin  # noqa: F401  (fixture)
 from test_real_llama import _planner_with
 from tinymodels import write_llama
 
-from shared.buffer_lines import COMPUTE_TOLERANCE
+from shared.llama.printed import COMPUTE_TOLERANCE
 from shared.messages import Demand, Persona
 
 MIB = 2**20

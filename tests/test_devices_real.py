@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from device_bench import Case, run_case  # noqa: E402
 
 from lanes.install_rpc import rpc_bin_dir  # noqa: E402
-from shared.buffer_lines import parse_buffers  # noqa: E402
+from shared.llama.logs import parse_buffers  # noqa: E402
 from shared.device_memory import placement_for  # noqa: E402
 from shared.gguf_facts import read_model_facts  # noqa: E402
 

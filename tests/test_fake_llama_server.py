@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 
 from tinymodels import write_gemma3, write_llama  # noqa: E402
 
-from shared.capabilities import parse_caps  # noqa: E402
+from shared.llama.flags import parse_caps  # noqa: E402
 from shared.gguf_facts import read_model_facts  # noqa: E402
 from shared.memory import MIB, kv_size  # noqa: E402
 

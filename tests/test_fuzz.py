@@ -40,10 +40,11 @@ from hypothesis import strategies as st
 
 from launcher_agent.reconcile import validate_plan
 from launcher_agent.service import run_agent
+from launcher_agent.supervisor import model_file_exists
 from planner_svc.service import run_planner
 from shared import subjects
-from shared.argv import lane_args
 from shared.bus import connect, kv_bucket
+from shared.llama.flags import lane_args
 from shared.messages import (
     ConfigSet,
     Demand,
@@ -630,6 +631,7 @@ def agent_must_reject(fleet, value: bytes) -> bool | None:
             port_range=range(cfg.port_base, cfg.port_base + cfg.port_count),
             caps=cfg.caps,
             applied_revision=0,  # the most lenient: rejected here means rejected at any applied revision
+            model_exists=model_file_exists,
         )
     except Exception:
         return None

@@ -9,9 +9,9 @@ import aiohttp
 from fixtures_bus import agent_config, client, eventually, fake_binary, free_port_base, host_status, lane_of
 from prometheus_client.parser import text_string_to_metric_families
 
-from launcher_agent.metrics import rename_llama_series
 from launcher_agent.service import run_agent
 from planner_svc.service import run_planner
+from shared.llama.endpoints import rename_llama_series
 
 # As llama-server prints it (b6xxx builds): names with a colon, counters with _total.
 LLAMA_METRICS = """# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.

@@ -1,4 +1,4 @@
-"""The agent's pure decisions: plan validation, reconcile actions, reading llama-server's log."""
+"""The agent's pure decisions: plan validation and reconcile actions."""
 
 from __future__ import annotations
 
@@ -12,12 +12,10 @@ from launcher_agent.reconcile import (
     Start,
     Stop,
     backoff,
-    classify_failure,
     decide,
-    kv_mib_from_log,
     validate_plan,
 )
-from shared.argv import lane_args
+from shared.llama.flags import lane_args
 from shared.messages import HostPlan, LaneSpec, ServerCaps
 
 CAPS = ServerCaps()
@@ -102,22 +100,25 @@ def test_start_never_takes_a_port_a_kept_lane_holds():
 # ------------------------------------------------------------------ validate_plan
 
 
-@pytest.fixture
-def model_dir(tmp_path):
-    folder = tmp_path / "models"
-    folder.mkdir()
-    (folder / "m.gguf").write_bytes(b"GGUF")
-    return folder
+MODELS = "/models"
+MODEL = "/models/m.gguf"
 
 
-def _check(plan: HostPlan, model_dir, applied: int = 0) -> str | None:
-    return validate_plan(plan, host_id="h", model_dirs=[str(model_dir)], port_range=range(8080, 8090), caps=CAPS,
-                         applied_revision=applied)  # fmt: skip
+def exists(path: str) -> bool:
+    """The file system as these tests see it: one model file."""
+    if len(path) > 255:
+        raise OSError(36, "File name too long")
+    return path == MODEL
 
 
-def test_valid_plan_passes(model_dir):
-    ok = HostPlan(host_id="h", plan_revision=2, lanes=(spec("a", 8080, str(model_dir / "m.gguf")),))
-    assert _check(ok, model_dir) is None
+def _check(plan: HostPlan, applied: int = 0, caps: ServerCaps = CAPS) -> str | None:
+    return validate_plan(plan, host_id="h", model_dirs=[MODELS], port_range=range(8080, 8090), caps=caps,
+                         applied_revision=applied, model_exists=exists)  # fmt: skip
+
+
+def test_valid_plan_passes():
+    ok = HostPlan(host_id="h", plan_revision=2, lanes=(spec("a", 8080, MODEL),))
+    assert _check(ok) is None
 
 
 @pytest.mark.parametrize(
@@ -133,50 +134,19 @@ def test_valid_plan_passes(model_dir):
         (lambda s: {"lanes": (msgspec.structs.replace(s, args=(*s.args, "--rpc", "x:1")),)}, "args disagree"),
         (lambda s: {"lanes": (msgspec.structs.replace(s, ctx_total=8192),)}, "args disagree"),
         (lambda s: {"lanes": (changed(s, cache_type_v="q4_0", flash_attn="off"),)}, "without flash attention"),
+        (lambda s: {"lanes": (changed(s, model_path="/models/gone.gguf"),)}, "does not exist"),
+        (lambda s: {"lanes": (changed(s, model_path="/models/" + "a" * 300),)}, "unusable model path"),
+        (lambda s: {"lanes": (changed(s, model_path="/models/m\0.gguf"),)}, "unusable model path"),
     ],
 )
-def test_hostile_plans_are_rejected(model_dir, mutate, reason):
-    base = spec("a", 8080, str(model_dir / "m.gguf"))
+def test_hostile_plans_are_rejected(mutate, reason):
+    base = spec("a", 8080, MODEL)
     plan = HostPlan(host_id="h", plan_revision=2, lanes=(base,))
     plan = msgspec.structs.replace(plan, **mutate(base))
-    assert reason in (_check(plan, model_dir, applied=2) or "")
+    assert reason in (_check(plan, applied=2) or "")
 
 
-def test_unsupported_cache_type_rejected(model_dir):
-    caps = ServerCaps(cache_types=("f16", "q8_0"))
-    s = changed(spec("a", 8080, str(model_dir / "m.gguf")), cache_type_k="q4_0")
+def test_unsupported_cache_type_rejected():
+    s = changed(spec("a", 8080, MODEL), cache_type_k="q4_0")
     plan = HostPlan(host_id="h", plan_revision=1, lanes=(s,))
-    why = validate_plan(plan, host_id="h", model_dirs=[str(model_dir)], port_range=range(8080, 8090), caps=caps,
-                        applied_revision=0)  # fmt: skip
-    assert "not supported" in why
-
-
-# ------------------------------------------------------------------ log reading
-
-
-def test_kv_lines_are_summed_across_swa_and_full_caches():
-    lines = [
-        "0.00.199.734 I llama_kv_cache: size =    2.00 MiB (  2048 cells,   1 layers,  2/2 seqs), K (f16):    1.00 MiB",
-        "0.00.199.800 I llama_kv_cache: size =    5.00 MiB (  1024 cells,   5 layers,  2/2 seqs), K (f16):    2.50 MiB",
-        "llama_init_from_model: KV self size  =    6.38 MiB, K (q8_0):    3.19 MiB, V (q8_0):    3.19 MiB",
-    ]
-    assert kv_mib_from_log(lines[:2]) == pytest.approx(7.0)
-    assert kv_mib_from_log(lines[2:]) == pytest.approx(6.38)
-    assert kv_mib_from_log(["nothing here"]) is None
-
-
-@pytest.mark.parametrize(
-    "line, kind",
-    [
-        ("E ggml_backend_cpu_buffer_type_alloc_buffer: failed to allocate buffer of size 536870912", "oom"),
-        ("libgomp: Thread creation failed: Resource temporarily unavailable", "oom"),
-        ('error while handling argument "--cache-type-k": Unsupported cache type: q6_K', "unsupported"),
-        ("E llama_init_from_model: quantized V cache requires flash_attn to be enabled", "unsupported"),
-        ("error: unknown value for --flash-attn: '--port'", "unsupported"),
-        ("E llama_model_load: error loading model: missing tensor 'output_norm.weight'", "other"),
-    ],
-)
-def test_failures_are_classified_with_llama_servers_own_line(line, kind):
-    got_kind, got_line = classify_failure(["0.00.001 I build: 1", line, "E main: exiting due to model loading error"])
-    assert got_kind == kind
-    assert got_line == line.strip()
+    assert "not supported" in _check(plan, caps=ServerCaps(cache_types=("f16", "q8_0")))

@@ -12,10 +12,10 @@ import pytest
 
 from launcher_agent.config import AgentConfig
 from launcher_agent.reconcile import in_model_folders, validate_plan
-from launcher_agent.supervisor import Supervisor
+from launcher_agent.supervisor import Supervisor, model_file_exists
 from planner_svc.planner import plan
-from shared.argv import lane_args
 from shared.gguf_facts import scan_models
+from shared.llama.flags import lane_args
 from shared.messages import SCHEMA_VERSION, FleetConfig, HostPlan, HostReport, ServerCaps
 
 CAPS = ServerCaps()
@@ -36,7 +36,8 @@ def _plan(folder: Path, config: FleetConfig = FleetConfig()) -> HostPlan:
 
 
 def _check(p: HostPlan, folder: Path) -> str | None:
-    return validate_plan(p, host_id="h1", model_dirs=[str(folder)], port_range=PORTS, caps=CAPS, applied_revision=0)
+    return validate_plan(p, host_id="h1", model_dirs=[str(folder)], port_range=PORTS, caps=CAPS, applied_revision=0,
+                         model_exists=model_file_exists)  # real folders with links: the agent's own check
 
 
 @pytest.fixture

@@ -1,19 +1,61 @@
-"""The argv tail of a lane, rendered from its typed spec for one binary's flag forms.
+"""llama-server's flags: the argv tail of a lane, what a binary accepts, and the rules its flags obey.
 
 The planner renders `args` into the plan; the agent launches its own rendering of the
 spec and checks the plan's args by meaning: the same flags with the same values, in
 any order. A plan from a planner one version apart (a flag added, the order changed)
 is accepted; a flag this agent cannot render, or a value the spec contradicts, is not.
+
+What a binary accepts is decided from its own --help and --version text (running it
+is launcher_agent.probe's job): the flag forms and the KV layout are read from what
+--help offers, not from a build number, since distribution builds carry odd version
+strings and a wrong flag form makes llama-server exit at start.
 """
 
 from __future__ import annotations
 
-from shared.memory import DEFAULT_N_UBATCH
+import re
+
+from shared.memory import BLOCK_BYTES, DEFAULT_N_UBATCH, QUANTIZED
 from shared.messages import LaneSpec, ServerCaps
 
 DEFAULT_N_BATCH = 2048  # llama-server's; the ubatch is clamped to it
+DEFAULT_CACHE_TYPE = "f16"  # what llama-server uses for K and V when no --cache-type flag is passed
 # Flags that carry no lane meaning: each side may render its own.
 _NO_MEANING = {"--verbosity"}
+
+
+# ------------------------------------------------------------------ rules
+
+
+def effective_cache_type(cache_type: str | None) -> str:
+    """The K or V type llama-server runs with for this flag (None: no flag passed)."""
+    return cache_type or DEFAULT_CACHE_TYPE
+
+
+def cache_pair(type_k: str | None, type_v: str | None) -> str:
+    """"K/V" as llama-server runs them, the way plans, reasons and tables show them."""
+    return f"{effective_cache_type(type_k)}/{effective_cache_type(type_v)}"
+
+
+def needs_flash_attn(type_v: str | None) -> bool:
+    """A quantized V cache needs flash attention on: llama-server refuses it with flash
+    attention off (and turns it on itself from auto)."""
+    return type_v in QUANTIZED
+
+
+def flash_attn_effective(flag: str | None, caps: ServerCaps, device: str = "cpu") -> bool:
+    """Whether llama-server runs with flash attention for this flag (None: no flag passed).
+
+    Current builds default to auto, which resolves to on for CPU lanes (measured); GPU
+    backends may lack kernels, so there only an explicit "on" counts. Old switch builds
+    default to off.
+    """
+    if flag == "on":
+        return True
+    return flag in (None, "auto") and caps.flash_attn_form == "value" and device == "cpu"
+
+
+# ------------------------------------------------------------------ argv
 
 
 def lane_args(spec: LaneSpec, caps: ServerCaps) -> tuple[str, ...]:
@@ -111,3 +153,53 @@ def args_problem(spec: LaneSpec, caps: ServerCaps) -> str | None:
     if missing:
         return f"args lack {', '.join(missing[:3])}, which the spec calls for"
     return None
+
+
+# ------------------------------------------------------------------ what a binary accepts
+
+_VERSION = re.compile(r"version:\s*(?:(\d+)\s*\(|[^(]*\(build\s+(\d+))")
+_FA_VALUE = re.compile(r"--flash-attn\s+(?:\[?on\|off\|auto|FA\b|\{on,off,auto\})")
+_ALLOWED = re.compile(r"allowed values:\s*([a-z0-9_,\s]+)")
+_FIT = re.compile(r"(^|[\s,])-fit[\s,]|--fit\b")
+# The output-first -ngl rule (Dec 2025) came with -ngl taking auto/all besides a count.
+_NGL_AUTO = re.compile(r"n-gpu-layers N[^\n]*\n?[^\n]*(auto|all)")
+
+
+def parse_caps(help_text: str, version_text: str = "") -> ServerCaps:
+    match = _VERSION.search(version_text)
+    build = int(match.group(1) or match.group(2)) if match else None
+    if "--flash-attn" not in help_text and "-fa," not in help_text:
+        raise ValueError("this does not look like llama-server --help output (no --flash-attn)")
+    flash_attn_form = "value" if _FA_VALUE.search(help_text) else "switch"
+    return ServerCaps(
+        build=build,
+        version=_version_line(version_text),
+        flash_attn_form=flash_attn_form,
+        cache_types=_cache_types(help_text),
+        has_fit=bool(_FIT.search(help_text)),
+        has_kv_unified="--kv-unified" in help_text,
+        has_swa_full="--swa-full" in help_text,
+        # Per-slot KV streams and the separate SWA cache arrived together with -kvu.
+        kv_layout="streams" if "--kv-unified" in help_text else "shared",
+        ngl_rule="output_first" if _NGL_AUTO.search(help_text) else "blocks_first",
+        has_device="--device" in help_text,
+    )
+
+
+def _version_line(text: str) -> str:
+    """The `version:` line; backends loaded at start may print lines before it."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return next((ln for ln in lines if "version:" in ln), lines[0] if lines else "")
+
+
+def _cache_types(help_text: str) -> tuple[str, ...]:
+    """The values --cache-type-k lists; K and V share one list in every build seen."""
+    at = help_text.find("--cache-type-k")
+    if at >= 0:
+        match = _ALLOWED.search(help_text, at, at + 800)
+        if match:
+            listed = [t.strip() for t in match.group(1).replace("\n", " ").split(",")]
+            known = tuple(t for t in listed if t in BLOCK_BYTES)
+            if known:
+                return known
+    return ("f32", "f16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")

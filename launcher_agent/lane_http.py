@@ -1,0 +1,63 @@
+"""Asking a lane over HTTP: the I/O around shared.llama.endpoints, which says what the answers mean."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+
+from shared.llama import endpoints
+from shared.messages import LaneSpec
+
+
+def port_taken(bind: str, port: int) -> bool:
+    """Whether another program listens on the port (a lane could not bind it)."""
+    with socket.socket() as probe:
+        probe.settimeout(0.5)
+        return probe.connect_ex((endpoints.connect_host(bind), port)) == 0
+
+
+async def http_get(bind: str, port: int, path: str, timeout: float = 2.0) -> tuple[int, object]:
+    """A tiny HTTP/1.0 GET; (status, JSON body or None). Status 0 when nothing answers."""
+    host = endpoints.connect_host(bind)
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    except (OSError, asyncio.TimeoutError):
+        return 0, None
+    try:
+        writer.write(f"GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
+        await writer.drain()
+        raw = await asyncio.wait_for(reader.read(), timeout)
+    except (OSError, asyncio.TimeoutError):
+        return 0, None
+    finally:
+        writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    try:
+        status = int(head.split(b" ", 2)[1])
+    except (IndexError, ValueError):
+        return 0, None
+    try:
+        return status, json.loads(body)
+    except ValueError:
+        return status, None
+
+
+async def readiness(spec: LaneSpec) -> tuple[endpoints.Readiness, str]:
+    """("loading" | "healthy" | "mismatch", detail) from /health and /props."""
+    status, _ = await http_get(spec.bind, spec.port, endpoints.HEALTH)
+    if not endpoints.is_healthy(status):
+        return "loading", endpoints.answered(endpoints.HEALTH, status)
+    status, props = await http_get(spec.bind, spec.port, endpoints.PROPS)
+    return endpoints.props_readiness(status, props, ctx_per_slot=spec.ctx_per_slot, parallel=spec.parallel)
+
+
+async def alive(spec: LaneSpec, timeout: float) -> bool:
+    """Does the serving lane still answer /health? (Cheap: no request reaches the model.)"""
+    status, _ = await http_get(spec.bind, spec.port, endpoints.HEALTH, timeout=timeout)
+    return endpoints.is_healthy(status)
+
+
+async def busy_slots(spec: LaneSpec) -> int | None:
+    """Slots processing a request (llama-server's /slots); None when nothing answers."""
+    return endpoints.busy_slots(*await http_get(spec.bind, spec.port, endpoints.SLOTS))

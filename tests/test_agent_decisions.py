@@ -1,0 +1,204 @@
+"""The agent's pure decisions about running lanes: health.transition and drain.decide, every transition."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from launcher_agent import health
+from launcher_agent.drain import DRAIN_GRACE, decide, to_ask, verdict
+from launcher_agent.health import CheckUse, Failed, LaneHealth, Outcome, PortBusy, Probe, Rules, transition
+from launcher_agent.reconcile import MAX_FAILURES, Restart, Start, Stop, backoff
+from shared.messages import LaneSpec
+
+SPEC = LaneSpec(lane_id="a", model="m", model_path="/m.gguf", alias="m", port=8080, ctx_total=4096,
+                ctx_per_slot=2048, parallel=2, args=("--ctx-size", "4096"))  # fmt: skip
+OLD = msgspec.structs.replace(SPEC, args=("--ctx-size", "2048"))
+RULES = Rules(backoff_base=1.0, probe_interval=5.0, probe_failures=3)
+
+
+def lane(state: str, **kw) -> LaneHealth:
+    return LaneHealth(spec=SPEC, state=state, **kw)
+
+
+def step(h: LaneHealth, probe: Probe = Probe(), now: float = 100.0) -> Outcome:
+    return transition(h, probe, now=now, rules=RULES)
+
+
+# ------------------------------------------------------------------ what to ask
+
+
+@pytest.mark.parametrize(
+    "h, now, ask",
+    [
+        (lane("starting"), 0, "ready"),
+        (lane("loading"), 0, "ready"),
+        (lane("healthy", next_probe=10), 10, "alive"),
+        (lane("healthy", next_probe=10), 9.9, None),
+        (lane("mismatch"), 0, None),
+        (lane("unresponsive"), 0, None),
+        (lane("crashed"), 0, None),
+    ],
+)
+def test_what_to_probe(h, now, ask):
+    assert health.what_to_probe(h, now) == ask
+
+
+# ------------------------------------------------------------------ coming up
+
+
+def test_a_lane_that_answers_with_the_planned_shape_turns_healthy():
+    out = step(lane("loading", last_error="old"), Probe(ready=("healthy", "")))
+    h = out.health
+    assert (h.state, h.healthy_since, h.last_error, h.last_good) == ("healthy", 100.0, "", SPEC)
+    assert out.events == (("healthy", ""),) and out.feedback == (CheckUse(),)
+    assert not out.kill and not out.exited
+
+
+def test_a_lane_serving_another_shape_is_a_mismatch():
+    out = step(lane("starting"), Probe(ready=("mismatch", "serves 4096 x 1")))
+    assert (out.health.state, out.health.last_error) == ("mismatch", "serves 4096 x 1")
+    assert out.events == (("mismatch", "serves 4096 x 1"),) and out.feedback == ()
+
+
+def test_a_lane_that_does_not_answer_yet_is_loading():
+    out = step(lane("starting"), Probe(ready=("loading", "/health answered 503")))
+    assert out.health == lane("loading") and out.events == () and out.feedback == ()
+
+
+def test_a_mismatched_lane_that_runs_is_left_alone():
+    assert step(lane("mismatch", last_error="x")) == Outcome(lane("mismatch", last_error="x"))
+
+
+# ------------------------------------------------------------------ serving
+
+
+def test_a_serving_lane_between_probes_is_checked_against_its_plan():
+    h = lane("healthy", next_probe=200.0, healthy_since=90.0)
+    assert step(h) == Outcome(h, feedback=(CheckUse(),))
+
+
+def test_failures_are_forgotten_after_a_while_healthy():
+    assert step(lane("healthy", failures=2, healthy_since=60.0, next_probe=1e9)).health.failures == 0
+    assert step(lane("healthy", failures=2, healthy_since=80.0, next_probe=1e9)).health.failures == 2
+
+
+def test_an_answer_clears_missed_probes_and_schedules_the_next():
+    out = step(lane("healthy", missed_probes=2), Probe(alive=True))
+    assert (out.health.missed_probes, out.health.next_probe, out.health.state) == (0, 105.0, "healthy")
+
+
+def test_missed_probes_make_a_lane_unresponsive_at_the_limit():
+    out = step(lane("healthy", missed_probes=1), Probe(alive=False))
+    assert (out.health.missed_probes, out.health.state, out.events) == (2, "healthy", ())
+    out = step(out.health, Probe(alive=False), now=105.0)
+    why = "unresponsive: no answer to 3 /health probes in a row"
+    assert (out.health.state, out.health.last_error, out.health.next_probe) == ("unresponsive", why, 110.0)
+    assert out.events == (("unresponsive", why),) and not out.kill
+
+
+def test_an_unresponsive_lane_is_killed():
+    h = lane("unresponsive", last_error="unresponsive: no answer")
+    assert step(h) == Outcome(h, kill=True)
+
+
+# ------------------------------------------------------------------ exits
+
+
+def test_an_exit_after_the_lane_ended_changes_nothing():
+    for state in ("crashed", "failed", "stopped"):
+        assert step(lane(state), Probe(returncode=1)) == Outcome(lane(state))
+
+
+def test_a_crash_backs_off():
+    out = step(lane("healthy", failures=1), Probe(returncode=-11, tail=("I build: 1", "Segmentation fault")))
+    h = out.health
+    assert (h.state, h.failure, h.failures, h.retry_at) == ("crashed", "other", 2, 100.0 + backoff(2))
+    assert h.last_error == "exit -11: Segmentation fault"
+    assert out.events == (("crashed", h.last_error),) and out.feedback == () and out.exited and out.halts is None
+
+
+def test_a_killed_unresponsive_lane_restarts_like_a_crash():
+    out = step(lane("unresponsive", last_error="unresponsive: no answer to 3"), Probe(returncode=-9, tail=("x",)))
+    assert (out.health.state, out.health.failure) == ("crashed", "unresponsive")
+    assert out.health.last_error == "exit -9: unresponsive: no answer to 3"
+
+
+def test_port_taken_at_start_fails_the_lane_and_is_fed_back():
+    line = "E srv    start: couldn't bind HTTP server socket, hostname: 127.0.0.1, port: 8080"
+    out = step(lane("starting"), Probe(returncode=1, tail=(line,)))
+    assert (out.health.state, out.health.failure) == ("failed", "port_busy")
+    assert out.feedback == (PortBusy(line),) and out.events == (("failed", f"exit 1: {line}"),)
+
+
+@pytest.mark.parametrize(
+    "line, kind",
+    [("E llama_init_from_model: quantized V cache requires flash_attn to be enabled", "unsupported"),
+     ("E ggml_backend_cpu_buffer_type_alloc_buffer: failed to allocate buffer of size 536870912", "oom")],
+)  # fmt: skip
+def test_a_refusal_at_start_fails_the_lane(line, kind):
+    out = step(lane("loading"), Probe(returncode=1, tail=(line, "E main: exiting due to model loading error")))
+    assert (out.health.state, out.health.failure) == ("failed", kind)
+    assert out.feedback == (Failed(kind, line),) and out.events == (("failed", f"exit 1: {line}"),)
+    assert out.halts is None
+
+
+def test_a_change_that_breaks_a_lane_at_start_fails_it_and_halts_the_rollout():
+    out = step(lane("loading", last_good=OLD), Probe(returncode=1, tail=("Segmentation fault",)))
+    assert (out.health.state, out.health.failure) == ("failed", "other")
+    assert out.feedback == (Failed("other", "Segmentation fault"),)
+    assert out.halts == "a failed with the change: Segmentation fault"
+
+
+def test_a_lane_that_keeps_crashing_is_a_crash_loop():
+    out = step(lane("healthy", failures=MAX_FAILURES - 1), Probe(returncode=1, tail=("boom error",)))
+    assert (out.health.state, out.health.failure, out.health.failures) == ("failed", "crash_loop", MAX_FAILURES)
+    assert out.feedback == (Failed("crash_loop", "boom error"),)
+    assert out.events == (("failed", f"crash loop: {MAX_FAILURES} failures; exit 1: boom error"),)
+
+
+# ------------------------------------------------------------------ drain
+
+
+def test_drain_verdicts():
+    def v(since, now, busy=0, timeout=30.0, serving=True):
+        return verdict(serving=serving, since=since, now=now, busy=busy, timeout=timeout)
+
+    assert v(None, 0, serving=False) == "go"
+    assert v(None, 0) == "begin"
+    assert v(0, 0.1) == "wait"  # gateways may not have seen the mark yet
+    assert v(0, DRAIN_GRACE) == "done"
+    assert v(0, DRAIN_GRACE, busy=None) == "done"  # nothing answers: nothing serves
+    assert v(0, 29.9, busy=2) == "wait"
+    assert v(0, 30, busy=2) == "timed_out"
+    assert v(0, 0, busy=1, timeout=0) == "timed_out"  # drain_timeout 0: no drain
+
+
+def _spec(lane_id: str) -> LaneSpec:
+    return msgspec.structs.replace(SPEC, lane_id=lane_id)
+
+
+def test_drain_decide_over_a_pass():
+    restart_a, stop_b, restart_c = Restart(_spec("a"), "x"), Stop("b", "x"), Restart(_spec("c"), "x")
+    start_d = Start(_spec("d"), "x")
+    states = {"a": "healthy", "b": "healthy", "c": "crashed"}
+    # a begins, b is still busy, c does not serve, d is new.
+    since = {"b": 10.0}
+    assert to_ask([restart_a, stop_b, restart_c, start_d], since) == ["b"]
+    d = decide([restart_a, stop_b, restart_c, start_d], states, since, {"b": 2}, now=12.0, timeout=30)
+    assert d.ready == (restart_c, start_d) and d.begun == ("a",) and d.finished == () and d.dropped == ()
+    assert d.since == {"a": 12.0, "b": 10.0} and since == {"b": 10.0}  # the input is not changed
+    # b goes idle, a is out of time.
+    d = decide([restart_a, stop_b], states, {"a": 11.0, "b": 12.0}, {"a": 3, "b": 0}, now=42.0, timeout=31)
+    assert d.ready == (restart_a, stop_b)
+    assert d.finished == (("a", "timed_out", 31.0), ("b", "done", 30.0)) and d.since == {}
+
+
+def test_a_drain_the_plan_takes_back_is_dropped_and_a_draining_lane_that_crashed_still_waits():
+    d = decide([], {"a": "healthy"}, {"a": 0.0}, {}, now=1.0, timeout=10)
+    assert d.ready == () and d.dropped == ("a",) and d.since == {}
+    restart = Restart(_spec("a"), "x")
+    d = decide([restart], {"a": "crashed"}, {"a": 0.0}, {"a": 1}, now=1.0, timeout=10)
+    assert d.ready == () and d.since == {"a": 0.0}
+    d = decide([restart], {}, {"a": 0.0}, {}, now=1.0, timeout=10)  # the lane is gone: nothing to drain
+    assert d.ready == (restart,) and d.dropped == ("a",)
