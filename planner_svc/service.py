@@ -29,7 +29,6 @@ from planner_svc.metrics import PlannerMetrics
 from planner_svc.state import PlannerState, explain_lines, merged_config
 from shared import subjects
 from shared.bus import NatsAuth, connect, kv_bucket, quietly, run_until, watch_forever
-from shared.llama.printed import device_lines
 from shared.messages import (
     ConfigSet,
     Demand,

@@ -15,7 +15,7 @@ import structlog
 
 from planner_svc.planner import plan
 from shared import subjects
-from shared.buffer_lines import device_lines
+from shared.llama.printed import device_lines
 from shared.messages import (
     ConfigSet,
     Demand,
