@@ -14,6 +14,7 @@ import msgspec
 
 from gateway.admission import LaneCounts
 from gateway.fleet import FleetView, LaneKey, LaneRoute
+from shared.llama.flags import effective_cache_type
 from shared.messages import FleetConfig, HostReport, LaneEvent, LaneSpec, LaneStatus
 
 
@@ -89,8 +90,8 @@ def _lane(spec: LaneSpec, lane: LaneStatus | None, route: LaneRoute | None, busy
         "ctx_per_slot": spec.ctx_per_slot,
         "parallel": spec.parallel,
         "ctx_total": spec.ctx_total,
-        "cache_type_k": spec.cache_type_k or "f16",
-        "cache_type_v": spec.cache_type_v or "f16",
+        "cache_type_k": effective_cache_type(spec.cache_type_k),
+        "cache_type_v": effective_cache_type(spec.cache_type_v),
         "flash_attn": spec.flash_attn or "default",
         "state": state,
         "unreachable": route.unreachable if route else "",

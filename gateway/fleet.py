@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 import msgspec
 
 from shared import subjects
+from shared.llama.endpoints import WILDCARD_BINDS
 from shared.messages import FleetConfig, FleetHosts, HostPlan, HostReport, HostStatus
-
-WILDCARD_BINDS = ("0.0.0.0", "::", "")
 
 LaneKey = tuple[str, str]  # (host_id, lane_id)
 

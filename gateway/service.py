@@ -20,11 +20,12 @@ from aiohttp import web
 
 from gateway.admission import Admission
 from gateway.dashboard import DashboardHub, add_dashboard
-from gateway.fleet import WILDCARD_BINDS, FleetView, LaneRoute
+from gateway.fleet import FleetView, LaneRoute
 from gateway.http import build_app
 from gateway.settings import GatewaySettings
 from shared import subjects
 from shared.bus import NatsAuth, connect, kv_bucket, quietly, run_until, watch_forever
+from shared.llama.endpoints import connect_host
 
 log = structlog.get_logger("lanes.gateway")
 
@@ -151,8 +152,7 @@ async def run_gateway(
     site = web.TCPSite(runner, gw.settings.host, gw.settings.port)
     await site.start()
     port = runner.addresses[0][1]
-    shown = gw.settings.host if gw.settings.host not in WILDCARD_BINDS else "127.0.0.1"
-    gw.url = f"http://{shown}:{port}"
+    gw.url = f"http://{connect_host(gw.settings.host)}:{port}"
     gw.started.set()
     log.info("gateway serving", url=gw.url)
     try:

@@ -14,7 +14,12 @@ from pathlib import Path
 import psutil
 import structlog
 
-from shared.device_memory import AVX2_REPACK, AVX512_REPACK, NEON_DOTPROD_REPACK, NEON_I8MM_REPACK
+from shared.device_memory import (
+    AVX2_REPACK,
+    AVX512_REPACK,
+    NEON_DOTPROD_REPACK,
+    NEON_I8MM_REPACK,
+)
 from shared.messages import GpuInfo
 
 log = structlog.get_logger("lanes.agent")

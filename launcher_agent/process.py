@@ -18,7 +18,13 @@ from pathlib import Path
 import psutil
 
 from launcher_agent import lane_http
-from shared.llama.logs import MIB, devices_from_lines, is_buffer_line, is_kv_size_line, kv_mib_from_log
+from shared.llama.logs import (
+    MIB,
+    devices_from_lines,
+    is_buffer_line,
+    is_kv_size_line,
+    kv_mib_from_log,
+)
 from shared.messages import DeviceMemory, LaneSpec
 
 TAIL_LINES = 40

@@ -12,9 +12,9 @@ from launcher_agent import hardware
 from launcher_agent.config import AgentConfig
 from shared.gguf_facts import scan_models
 from shared.messages import GpuInfo, HostReport
+from shared.version import VERSION
 
 log = structlog.get_logger("lanes.agent")
-VERSION = "0.1.0"
 
 
 def host_report(

@@ -29,6 +29,7 @@ from planner_svc.metrics import PlannerMetrics
 from planner_svc.state import PlannerState, explain_lines, merged_config
 from shared import subjects
 from shared.bus import NatsAuth, connect, kv_bucket, quietly, run_until, watch_forever
+from shared.llama.flags import cache_pair
 from shared.messages import (
     ConfigSet,
     Demand,
@@ -191,7 +192,7 @@ class PlannerService:
             "plan written",
             host=host,
             plan_revision=new.plan_revision,
-            lanes=[f"{s.lane_id}:{s.ctx_per_slot}x{s.parallel}:{s.cache_type_k or 'f16'}" for s in new.lanes],
+            lanes=[f"{s.lane_id}:{s.ctx_per_slot}x{s.parallel}:{cache_pair(s.cache_type_k, s.cache_type_v)}" for s in new.lanes],
         )
 
     async def ensure_config(self) -> None:
