@@ -80,6 +80,7 @@ def test_devices_follow_the_order_llama_server_uses_them():
         "llama_kv_cache: RPC0[127.0.0.1:50053] KV buffer size =     4.00 MiB",
     ]
     printed = parse_buffers(lines)
+    assert parse_buffers([line for line in lines if is_buffer_line(line)]) == printed  # what the agent keeps
     assert printed.offloaded == (9, 9)
     assert printed.devices() == ["CPU", "GPU0", "GPU1"]  # CUDA1 is the lane's first device
     assert printed.get("GPU0", "model") == 20.0 and printed.get("GPU1", "model") == 17.91

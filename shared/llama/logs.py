@@ -59,8 +59,9 @@ def is_kv_size_line(line: str) -> bool:
 
 
 def is_buffer_line(line: str) -> bool:
-    """A line parse_buffers reads a figure from (buffer sizes, offloaded layers)."""
-    return _BUFFER.search(line) is not None or _OFFLOADED.search(line) is not None
+    """A line parse_buffers reads (buffer sizes, offloaded layers, and the devices in use, which
+    number a pinned lane's devices from 0 and tell RPC servers apart by endpoint)."""
+    return any(p.search(line) is not None for p in (_BUFFER, _OFFLOADED, _USING))
 
 
 def is_loaded_line(line: str) -> bool:
