@@ -31,6 +31,7 @@ from planner_svc.policy import (
     revert_target,
     window_bounds,
 )
+from planner_svc.threads import with_threads
 from shared.argv import lane_args
 from shared.capabilities import flash_attn_effective
 from shared.device_memory import LaneShape
@@ -337,6 +338,7 @@ def _host_plan(
         _keep_stable(lanes, budgets, cost, prev, config, report.server.has_kv_unified)
         busy = {fb.port: fb.detail for fb in feedback if fb.kind == "port_busy" and fb.port}
         specs, no_port = _assign_ports(report, [_spec(report, config, lane) for lane in lanes], prev, busy)
+        specs = with_threads(report, config, specs, prev)
         reasons = list(reasons) + [
             f"port {port} is given to no lane: taken by another program on this host" for port in sorted(busy)
         ]

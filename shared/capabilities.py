@@ -37,6 +37,8 @@ def parse_caps(help_text: str, version_text: str = "") -> ServerCaps:
         # The output-first -ngl rule (Dec 2025) came with -ngl taking auto/all besides a count.
         ngl_rule="output_first" if re.search(r"n-gpu-layers N[^\n]*\n?[^\n]*(auto|all)", help_text) else "blocks_first",
         has_device="--device" in help_text,
+        has_cpu_range="--cpu-range-batch" in help_text,
+        has_poll="--poll-batch" in help_text,
     )
 
 
