@@ -96,9 +96,9 @@ def split_threads(
 
 def _fresh_split(needs: Sequence[ThreadNeed], cores: Cores) -> tuple[dict[str, int], dict[str, str]]:
     total = cores.count
-    gpu = [n for n in needs if n.gpu]
-    cpu = [n for n in needs if not n.gpu]
-    if len(needs) >= total:
+    gpu = sorted((n for n in needs if n.gpu), key=lambda n: n.lane_id)
+    cpu = sorted((n for n in needs if not n.gpu), key=lambda n: n.lane_id)
+    if len(needs) > total:
         return {n.lane_id: 1 for n in needs}, {
             n.lane_id: f"threads 1: {len(needs)} lanes share {total} {cores.source}" for n in needs
         }
@@ -118,6 +118,8 @@ def _fresh_split(needs: Sequence[ThreadNeed], cores: Cores) -> tuple[dict[str, i
 def _apportion(works: Sequence[int], seats: int) -> list[int]:
     """At least 1 each, the rest by D'Hondt on work (ties to the earlier lane): deterministic,
     and a lane with more work never gets fewer threads."""
+    if not works:
+        return []
     out = [1] * len(works)
     for _ in range(seats - len(works)):
         best = 0
