@@ -86,6 +86,8 @@ def _lane(spec: LaneSpec, lane: LaneStatus | None, route: LaneRoute | None, busy
         "device": spec.memory.device,
         "ctx_per_slot": spec.ctx_per_slot,
         "parallel": spec.parallel,
+        "threads": spec.threads,  # None: llama-server's default (every core)
+        "cpus": list(spec.cpus),
         "ctx_total": spec.ctx_total,
         "cache_type_k": spec.cache_type_k or "f16",
         "cache_type_v": spec.cache_type_v or "f16",

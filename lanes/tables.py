@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from planner_svc.threads import cpu_ranges
+from shared.messages import LaneSpec
+
 
 def mib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**20:.2f} MiB"
@@ -11,6 +14,13 @@ def mib(n: int | None) -> str:
 
 def gib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def threads_text(spec: LaneSpec) -> str:
+    """A lane's planned threads and pinned CPUs ("2 @ 0-1"), or "default" (every core)."""
+    if spec.threads is None:
+        return "default"
+    return f"{spec.threads} @ {cpu_ranges(spec.cpus)}" if spec.cpus else str(spec.threads)
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

@@ -89,7 +89,7 @@ def split_threads(
     for n in needs:
         reasons = [why[n.lane_id]]
         if pinning:
-            reasons.append(f"pinned to CPUs {_ranges(cpus[n.lane_id])}" if n.lane_id in cpus else pin_reason)
+            reasons.append(f"pinned to CPUs {cpu_ranges(cpus[n.lane_id])}" if n.lane_id in cpus else pin_reason)
         out[n.lane_id] = ThreadShare(counts[n.lane_id], cpus.get(n.lane_id, ()), tuple(reasons))
     return out
 
@@ -174,7 +174,7 @@ def _take(free: list[int], k: int) -> tuple[int, ...]:
     return tuple(ids[:k])
 
 
-def _ranges(cpus: Sequence[int]) -> str:
+def cpu_ranges(cpus: Sequence[int]) -> str:
     parts, ids = [], sorted(cpus)
     start = prev = ids[0]
     for c in ids[1:] + [None]:
@@ -191,11 +191,13 @@ def _ranges(cpus: Sequence[int]) -> str:
 
 
 def with_threads(report: HostReport, config: FleetConfig, specs: Sequence[LaneSpec], prev: HostPlan | None) -> list[LaneSpec]:
-    """The host's lane specs with their threads, pinned CPUs and poll level decided (args rendered)."""
+    """The host's lane specs with their threads, pinned CPUs and poll level decided (args rendered).
+
+    An agent that reported no core count is too old to render the flags: its plan stays as
+    it was (no new reason either, so upgrading the planner bumps no plan revision)."""
     cores = host_cores(report)
     if cores is None or report.server is None:
-        why = "threads: llama-server's default (every core): the agent reported no core count (upgrade it)"
-        return [msgspec.structs.replace(s, reasons=(*s.reasons, why)) for s in specs]
+        return list(specs)
     caps = report.server
     before = {s.lane_id: s for s in prev.lanes} if prev else {}
     needs = [_need(s, before.get(s.lane_id), caps) for s in specs]
