@@ -199,6 +199,10 @@ def with_threads(report: HostReport, config: FleetConfig, specs: Sequence[LaneSp
     if cores is None or report.server is None:
         return list(specs)
     caps = report.server
+    if config.threads == 0:
+        why = "threads: llama-server's default (every core): threads 0 in the fleet config"
+        specs = [msgspec.structs.replace(s, reasons=(*s.reasons, why)) for s in specs]
+        return [msgspec.structs.replace(s, args=lane_args(s, caps)) for s in specs]
     before = {s.lane_id: s for s in prev.lanes} if prev else {}
     needs = [_need(s, before.get(s.lane_id), caps) for s in specs]
     pinning = config.cpu_pinning and caps.has_cpu_range

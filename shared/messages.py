@@ -181,8 +181,9 @@ class FleetConfig(_Msg, tag="fleet_config", forbid_unknown_fields=True, kw_only=
     drain_timeout: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 30.0
     # Seconds of silence (no report or status) after which a host is lost; unset: 3 report intervals.
     host_lost_after: Annotated[float, msgspec.Meta(gt=0)] | None = None
-    # CPU threads per lane (--threads and --threads-batch); None: planned from the host's cores.
-    threads: Annotated[int, msgspec.Meta(ge=1, le=1024)] | None = None
+    # CPU threads per lane (--threads and --threads-batch); None: planned from the host's cores;
+    # 0: no thread flags at all (llama-server's default: every core for each lane).
+    threads: Annotated[int, msgspec.Meta(ge=0, le=1024)] | None = None
     # A running lane's planned threads change only when its share moves by this fraction or more.
     threads_min_gain: Annotated[float, msgspec.Meta(ge=0.0, le=10.0)] = 0.5
     # Give the lanes of a host disjoint CPU sets (--cpu-range / --cpu-mask).

@@ -193,6 +193,12 @@ def test_planner_leaves_old_binaries_unpinned_and_unpolled():
         assert "not pinned: this host's llama-server has no --cpu-range" in s.reasons
 
 
+def test_threads_zero_in_config_means_llama_servers_default():
+    for s in _lanes(plan([_report()], FleetConfig(threads=0, cpu_pinning=True))).values():
+        assert s.threads is None and not s.cpus and "--threads" not in s.args and "--cpu-range" not in s.args
+        assert "threads 0 in the fleet config" in s.reasons[-1]
+
+
 def test_planner_leaves_old_agents_with_the_default():
     report = msgspec.structs.replace(_report(), cpu_physical=None)
     for s in _lanes(plan([report], FleetConfig(threads=2))).values():
