@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from gateway_bench import ALIAS, Fleet, _free_base, _until, stream  # noqa: E402
+from gateway_bench import ALIAS, MESSAGES, Fleet, _free_base, _until  # noqa: E402
 
 from lanes.demo_model import ensure_demo_model  # noqa: E402
 from launcher_agent.probe import find_llama_server  # noqa: E402
@@ -84,22 +84,33 @@ def _argv_has(**flags):
     return check
 
 
+async def counted_stream(http, base: str, end: float, tokens: list[int]) -> None:
+    """One streaming chat; each token counts as it arrives, until `end` (then it is dropped)."""
+    payload = {"model": ALIAS, "messages": MESSAGES, "stream": True, "max_tokens": TOKENS, "ignore_eos": True}
+    async with http.post(base + "/v1/chat/completions", json=payload) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}")
+        async for line in resp.content:
+            if time.perf_counter() > end:
+                return
+            if line.startswith(b"data: {"):
+                choices = json.loads(line[6:]).get("choices") or [{}]
+                tokens[0] += bool((choices[0].get("delta") or {}).get("content"))
+
+
 async def closed_loop(http, base: str, clients: int, seconds: float) -> float:
-    """Tokens per second of `clients` looping streaming chats for `seconds`."""
+    """Tokens per second streamed to `clients` looping chats during `seconds` (a closed loop:
+    each client sends its next request when the last ends, so every slot stays busy)."""
     tokens, failed = [0], [0]
-    began = time.perf_counter()
-    end = began + seconds
+    end = time.perf_counter() + seconds
 
     async def client():
         while time.perf_counter() < end:
             try:
-                _, _, got = await stream(http, base, TOKENS)
+                await counted_stream(http, base, end, tokens)
             except Exception:
                 failed[0] += 1
                 await asyncio.sleep(0.1)
-                continue
-            if time.perf_counter() <= end:
-                tokens[0] += got
 
     await asyncio.gather(*(client() for _ in range(clients)))
     if failed[0]:
