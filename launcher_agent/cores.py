@@ -68,7 +68,8 @@ def _linux(logical: int, physical: int) -> HostCores:
         package = (topo / "physical_package_id").read_text().strip() if (topo / "physical_package_id").exists() else ""
         siblings[cpu] = f"{package}:{path.read_text().strip()}"
     perf_file = Path("/sys/devices/cpu_core/cpus")
-    perf = parse_cpu_list(perf_file.read_text()) if perf_file.exists() and Path("/sys/devices/cpu_atom").exists() else set()
+    hybrid = perf_file.exists() and Path("/sys/devices/cpu_atom").exists()
+    perf = parse_cpu_list(perf_file.read_text()) if hybrid else set()
     ids = core_ids(siblings, perf)
     performance = sum(1 for c in ids if c in perf) if perf else None
     return HostCores(logical, physical, performance or None, ids)

@@ -141,7 +141,9 @@ def _keep_previous(needs, counts: dict[str, int], why: dict[str, str], total: in
         if change >= min_gain or sum(counts.values()) - new + old > total:
             continue
         counts[n.lane_id] = old
-        why[n.lane_id] = f"kept threads {old}: the replan's {new} differs by {change:.0%}, under the {min_gain:.0%} worth a restart"
+        why[n.lane_id] = (
+            f"kept threads {old}: the replan's {new} differs by {change:.0%}, under the {min_gain:.0%} worth a restart"
+        )
 
 
 def _pin(needs, counts: dict[str, int], cores: Cores) -> tuple[dict[str, tuple[int, ...]], str]:
@@ -190,7 +192,9 @@ def cpu_ranges(cpus: Sequence[int]) -> str:
 # ------------------------------------------------------------------ on a host's lane specs
 
 
-def with_threads(report: HostReport, config: FleetConfig, specs: Sequence[LaneSpec], prev: HostPlan | None) -> list[LaneSpec]:
+def with_threads(
+    report: HostReport, config: FleetConfig, specs: Sequence[LaneSpec], prev: HostPlan | None
+) -> list[LaneSpec]:
     """The host's lane specs with their threads, pinned CPUs and poll level decided (args rendered).
 
     An agent that reported no core count is too old to render the flags: its plan stays as
@@ -215,7 +219,7 @@ def with_threads(report: HostReport, config: FleetConfig, specs: Sequence[LaneSp
         if config.cpu_pinning and not caps.has_cpu_range:
             reasons.append("not pinned: this host's llama-server has no --cpu-range")
         if config.poll is not None:
-            reasons.append(f"poll {config.poll} from fleet config" if poll is not None else "no --poll: this build lacks it")
+            reasons.append(f"poll {config.poll} from fleet config" if poll is not None else "no --poll in this build")
         s = msgspec.structs.replace(
             s, threads=share.threads, threads_batch=share.threads, cpus=share.cpus, poll=poll, reasons=tuple(reasons)
         )
@@ -230,7 +234,9 @@ def _need(spec: LaneSpec, before: LaneSpec | None, caps: ServerCaps) -> ThreadNe
     previous = None
     if before is not None and before.threads is not None:
         # Kept only where keeping it restarts nothing: everything else of the lane is unchanged.
-        same = msgspec.structs.replace(spec, threads=before.threads, threads_batch=before.threads_batch, cpus=before.cpus)
+        same = msgspec.structs.replace(
+            spec, threads=before.threads, threads_batch=before.threads_batch, cpus=before.cpus
+        )
         if lane_args(same, caps) == tuple(before.args):
             previous = before.threads
     return ThreadNeed(spec.lane_id, on_gpu, work * spec.parallel, previous, before.cpus if previous else ())
