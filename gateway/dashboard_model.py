@@ -89,6 +89,8 @@ def _lane(spec: LaneSpec, lane: LaneStatus | None, route: LaneRoute | None, busy
         "device": spec.memory.device,
         "ctx_per_slot": spec.ctx_per_slot,
         "parallel": spec.parallel,
+        "threads": spec.threads,  # None: llama-server's default (every core)
+        "cpus": list(spec.cpus),
         "ctx_total": spec.ctx_total,
         "cache_type_k": effective_cache_type(spec.cache_type_k),
         "cache_type_v": effective_cache_type(spec.cache_type_v),

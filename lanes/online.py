@@ -17,7 +17,7 @@ from lanes.agent_setup import agent_config
 from lanes.demo_model import ensure_demo_model
 from lanes.errors import UserError
 from lanes.files import load_file
-from lanes.tables import gib, mib, table
+from lanes.tables import gib, mib, table, threads_text
 from launcher_agent.service import run_agent
 from planner_svc.service import run_planner
 from shared import subjects
@@ -249,7 +249,7 @@ def render_status(fleet: FleetStatus) -> str:
         for s in p.lanes:
             lane = live.get(s.lane_id)
             rows.append([
-                p.host_id, s.lane_id, s.port, f"{s.ctx_per_slot}x{s.parallel}",
+                p.host_id, s.lane_id, s.port, f"{s.ctx_per_slot}x{s.parallel}", threads_text(s),
                 cache_pair(s.cache_type_k, s.cache_type_v), s.flash_attn or "-",
                 mib(s.memory.kv_bytes), mib(lane.kv_bytes) if lane else "-",
                 gib(s.memory.total_bytes), gib(lane.rss_bytes) if lane else "-",
@@ -262,6 +262,7 @@ def render_status(fleet: FleetStatus) -> str:
                 "lane",
                 "port",
                 "window",
+                "threads",
                 "kv k/v",
                 "fa",
                 "kv plan",

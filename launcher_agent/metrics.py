@@ -35,6 +35,8 @@ class _AgentCollector(Collector):
             "healthy": GaugeMetricFamily("lanes_lane_healthy", "1 while the lane serves", labels=LANE_LABELS),
             "draining": GaugeMetricFamily("lanes_lane_draining", "1 while the lane drains", labels=LANE_LABELS),
             "slots": GaugeMetricFamily("lanes_lane_slots", "Slots (--parallel) of the lane", labels=LANE_LABELS),
+            "threads": GaugeMetricFamily("lanes_lane_threads", "CPU threads (--threads) the plan gives the lane; "
+                                         "absent: llama-server's default", labels=LANE_LABELS),  # fmt: skip
             "rss": GaugeMetricFamily("lanes_lane_resident_bytes", "Resident memory of the lane's process",
                                      labels=LANE_LABELS),  # fmt: skip
         }
@@ -48,6 +50,8 @@ class _AgentCollector(Collector):
             gauges["healthy"].add_metric(values, 1 if lane.state == "healthy" else 0)
             gauges["draining"].add_metric(values, 1 if lane.draining else 0)
             gauges["slots"].add_metric(values, lane.spec.parallel)
+            if lane.spec.threads is not None:
+                gauges["threads"].add_metric(values, lane.spec.threads)
             restarts.add_metric(values, lane.restarts)
             memory, proc = lane.spec.memory, lane.process
             # Per device when the plan splits the lane (device names as llama-server prints them,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import msgspec
 import structlog
 
+from launcher_agent import cores as host_cores
 from launcher_agent import hardware
 from launcher_agent.config import AgentConfig
 from shared.gguf_facts import scan_models
@@ -33,6 +34,7 @@ def host_report(
     if cfg.max_ram:
         total = min(total, cfg.max_ram)
         available = min(available, total)
+    cpus = host_cores.host_cores()
     models, problems = scan_models(cfg.model_dirs, {} if facts_cache is None else facts_cache)
     for p in problems:
         log.warning("skipped model file", problem=p)
@@ -51,6 +53,9 @@ def host_report(
         lane_bind=cfg.bind,
         agent_version=VERSION,
         report_interval=cfg.report_interval,
+        cpu_physical=cpus.physical,
+        cpu_performance=cpus.performance,
+        cpu_ids=cpus.cpu_ids,
     )
 
 

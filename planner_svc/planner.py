@@ -31,8 +31,9 @@ from planner_svc.policy import (
     revert_target,
     window_bounds,
 )
-from shared.llama.flags import flash_attn_effective, lane_args
+from planner_svc.threads import with_threads
 from shared.device_memory import LaneShape
+from shared.llama.flags import flash_attn_effective, lane_args
 from shared.memory import CTX_PAD, MemoryModelError
 from shared.messages import (
     Demand,
@@ -336,6 +337,7 @@ def _host_plan(
         _keep_stable(lanes, budgets, cost, prev, config, report.server.has_kv_unified)
         busy = {fb.port: fb.detail for fb in feedback if fb.kind == "port_busy" and fb.port}
         specs, no_port = _assign_ports(report, [_spec(report, config, lane) for lane in lanes], prev, busy)
+        specs = with_threads(report, config, specs, prev)
         reasons = list(reasons) + [
             f"port {port} is given to no lane: taken by another program on this host" for port in sorted(busy)
         ]

@@ -27,7 +27,13 @@ from shared.memory import (
     kv_size,
     row_bytes,
 )
-from shared.messages import DeviceMemory, KvLayout, LayerWeights, MemoryBreakdown, ModelFacts
+from shared.messages import (
+    DeviceMemory,
+    KvLayout,
+    LayerWeights,
+    MemoryBreakdown,
+    ModelFacts,
+)
 from shared.placement import CPU, NglRule, Placement, PlacementError, SplitMode, place
 
 # x86 with AVX2 (ggml-cpu/repack.cpp ggml_repack_get_optimal_repack_type): type -> row multiple.

@@ -10,7 +10,14 @@ import os
 import re
 from pathlib import Path
 
-from shared.gguf_scan import ArrayLength, GGUFFormatError, GGUFHeader, TensorInfo, read_header, tensor_bytes
+from shared.gguf_scan import (
+    ArrayLength,
+    GGUFFormatError,
+    GGUFHeader,
+    TensorInfo,
+    read_header,
+    tensor_bytes,
+)
 from shared.messages import LayerWeights, ModelFacts
 
 # llama.cpp's default sliding-window pattern per architecture when the GGUF has none

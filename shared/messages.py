@@ -79,6 +79,8 @@ class ServerCaps(msgspec.Struct, frozen=True, kw_only=True):
     # blocks) or "blocks_first" (older builds: the last N blocks; the output only when N > n_layer).
     ngl_rule: Literal["output_first", "blocks_first"] = "output_first"
     has_device: bool = True  # -dev/--device: pin a lane to named devices
+    has_cpu_range: bool = True  # -Cr/--cpu-range and -C/--cpu-mask: pin a lane's threads to CPUs
+    has_poll: bool = True  # --poll <0...100>: how hard idle threads spin
 
 
 class LayerWeights(msgspec.Struct, frozen=True, array_like=True):
@@ -131,7 +133,7 @@ class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
 
 class HostReport(_Msg, tag="host_report", kw_only=True):
     host_id: Name
-    cpu_cores: int
+    cpu_cores: int  # logical CPUs
     ram_total: Bytes
     ram_available: Bytes
     # Memory the host's own lanes hold now: the planner may hand it out again.
@@ -150,6 +152,13 @@ class HostReport(_Msg, tag="host_report", kw_only=True):
     agent_version: str = ""
     # Seconds between this agent's reports: the planner calls the host lost after a few missed.
     report_interval: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    # Physical cores (the logical count where the platform does not tell); None: an agent too
+    # old to render thread flags, whose lanes keep llama-server's default threads.
+    cpu_physical: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    # Performance cores of a hybrid CPU (P/E cores), where the host tells them apart.
+    cpu_performance: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    # Logical CPU ids to pin lanes to, one per core this agent may use, performance cores first.
+    cpu_ids: tuple[int, ...] = ()
 
 
 # ---------------------------------------------------------------- fleet intent
@@ -172,6 +181,15 @@ class FleetConfig(_Msg, tag="fleet_config", forbid_unknown_fields=True, kw_only=
     drain_timeout: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 30.0
     # Seconds of silence (no report or status) after which a host is lost; unset: 3 report intervals.
     host_lost_after: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    # CPU threads per lane (--threads and --threads-batch); None: planned from the host's cores;
+    # 0: no thread flags at all (llama-server's default: every core for each lane).
+    threads: Annotated[int, msgspec.Meta(ge=0, le=1024)] | None = None
+    # A running lane's planned threads change only when its share moves by this fraction or more.
+    threads_min_gain: Annotated[float, msgspec.Meta(ge=0.0, le=10.0)] = 0.5
+    # Give the lanes of a host disjoint CPU sets (--cpu-range / --cpu-mask).
+    cpu_pinning: bool = False
+    # How hard idle threads spin (--poll, 0-100; llama-server's default 50); None: no flag.
+    poll: Annotated[int, msgspec.Meta(ge=0, le=100)] | None = None
     # Counts config changes (1, 2, 3 ...); the planner sets it on each `config set`.
     revision: Annotated[int, msgspec.Meta(ge=0)] = 0
 
@@ -277,6 +295,11 @@ class LaneSpec(msgspec.Struct, frozen=True, kw_only=True):
     fit_off: bool = False
     n_ubatch: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 512
     memory: MemoryBreakdown = MemoryBreakdown()
+    # CPU threads (--threads, --threads-batch); None: llama-server's default (every core).
+    threads: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    threads_batch: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    cpus: tuple[int, ...] = ()  # CPU ids its threads are pinned to (--cpu-range / --cpu-mask)
+    poll: Annotated[int, msgspec.Meta(ge=0, le=100)] | None = None
     args: tuple[str, ...] = ()
     reasons: tuple[str, ...] = ()
 

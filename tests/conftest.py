@@ -10,6 +10,21 @@ from pathlib import Path
 
 import pytest
 
+# --- tiers ---
+# `pytest -m "not slow"` is the work loop (pure, NATS and fake-server tests, under 2 minutes on
+# 2 cores); CI runs everything. A test is slow when it runs the real llama-server (its fixture
+# or the real Gemma file), network namespaces, a browser or containers.
+SLOW_FIXTURES = frozenset({"llama_server", "gemma_model", "rpc_bin", "topo"})
+SLOW_MODULES = frozenset({"test_dashboard_browser", "test_netns", "test_compose_live", "test_bench_agent"})
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2] if item.module else ""
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())) or module in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+
+
 _TESTS_DIR = str(Path(__file__).resolve().parent)
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)

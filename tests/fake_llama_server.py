@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A small stand-in for llama.cpp's `llama-server` (build b11434) for fast agent tests.
 
-It takes the same argv as the real binary (see shared/argv.py), refuses what the real
+It takes the same argv as the real binary (see shared/llama/flags.py), refuses what the real
 one refuses with the same messages and exit codes, reads the GGUF with
 shared.gguf_facts, and serves /health, /props, /v1/models, /slots, /metrics. It does
 not run a model.
@@ -194,6 +194,23 @@ def _ngl(value: str):
     return _int(value)
 
 
+def _cpu_range(value: str) -> str:
+    lo, dash, hi = value.partition("-")
+    if not dash:
+        raise ArgError("invalid range")
+    for end in (lo, hi):
+        if end and (not end.isdigit() or int(end) >= 512):  # GGML_MAX_N_THREADS
+            raise ArgError("invalid range")
+    return value
+
+
+def _cpu_mask(value: str) -> str:
+    digits = value[2:] if value.startswith("0x") else value
+    if any(c not in "0123456789abcdefABCDEF" for c in digits):
+        raise ArgError("invalid cpumask")
+    return value
+
+
 def _load_mode(value: str) -> str:
     if value not in ("auto", "none", "mmap", "mlock", "mmap+mlock", "dio"):
         raise ArgError(f"error: unknown value for --load-mode: '{value}'\n")
@@ -210,6 +227,22 @@ def _options() -> list[Opt]:
         Opt(["-tb", "--threads-batch"], "N",
             "number of threads to use during batch and prompt processing (default: same as --threads)",
             "LLAMA_ARG_THREADS_BATCH", "threads_batch", _int),
+        Opt(["-C", "--cpu-mask"], "M", 'CPU affinity mask: arbitrarily long hex. Complements cpu-range (default: "")',
+            None, "cpu_mask", _cpu_mask),
+        Opt(["-Cr", "--cpu-range"], "lo-hi", "range of CPUs for affinity. Complements --cpu-mask",
+            None, "cpu_range", _cpu_range),
+        Opt(["--cpu-strict"], "<0|1>", "use strict CPU placement (default: 0)", None, "cpu_strict", _int),
+        Opt(["--poll"], "<0...100>", "use polling level to wait for work (0 - no polling, default: 50)",
+            None, "poll", _int),
+        Opt(["-Cb", "--cpu-mask-batch"], "M",
+            "CPU affinity mask: arbitrarily long hex. Complements cpu-range-batch (default: same as --cpu-mask)",
+            None, "cpu_mask_batch", _cpu_mask),
+        Opt(["-Crb", "--cpu-range-batch"], "lo-hi", "ranges of CPUs for affinity. Complements --cpu-mask-batch",
+            None, "cpu_range_batch", _cpu_range),
+        Opt(["--cpu-strict-batch"], "<0|1>", "use strict CPU placement (default: same as --cpu-strict)",
+            None, "cpu_strict_batch", _int),
+        Opt(["--poll-batch"], "<0|1>", "use polling to wait for work (default: same as --poll)",
+            None, "poll_batch", _int),
         Opt(["-c", "--ctx-size"], "N",
             f"size of the prompt context (default: {4096 if OLD else 0}, 0 = loaded from model)",
             "LLAMA_ARG_CTX_SIZE", "ctx", _int),
@@ -791,8 +824,9 @@ def main(argv: list[str]) -> None:
         n_slots = 1
 
     log("I", f"build: {BUILD} ({COMMIT}) with cc (GCC) 13.2.0 for x86_64-linux-gnu")
-    log("I", f"system info: n_threads = {os.cpu_count() or 1}, n_threads_batch = {os.cpu_count() or 1}, "
-        f"total_threads = {os.cpu_count() or 1}")
+    n_threads = params["threads"] if (params.get("threads") or 0) > 0 else os.cpu_count() or 1
+    n_batch = params["threads_batch"] if (params.get("threads_batch") or 0) > 0 else n_threads
+    log("I", f"system info: n_threads = {n_threads}, n_threads_batch = {n_batch}, total_threads = {os.cpu_count() or 1}")
 
     host, port = params["host"], params["port"]
     log("I", "main: binding port with default address family")

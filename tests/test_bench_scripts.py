@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -41,3 +42,11 @@ def test_scan_bench_runs(tiny_models):
     result = run("scan_bench.py", "--model", str(tiny_models["gemma3"]), "--repeats", "1")
     assert result.returncode == 0, result.stderr
     assert "header scan" in result.stdout and "cached (agent restart)" in result.stdout
+
+
+def test_threads_bench_small(tmp_path, llama_server):
+    out = tmp_path / "threads.json"
+    result = run("threads_bench.py", "--lanes", "1", "--seconds", "2", "--repeats", "1", "--out", str(out), timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["summary"]
+    assert set(row["median_tokens_per_s"]) == {"bare", "planned", "default"}

@@ -22,6 +22,8 @@ from fixtures_bus import (
     services,
 )
 
+from launcher_agent.cores import host_cores
+from planner_svc.threads import cpu_ranges
 from shared import subjects
 from shared.bus import kv_bucket
 from shared.messages import ConfigSet, Demand, HostPlan, Persona, PlanRejected, encode
@@ -46,10 +48,14 @@ async def test_config_change_relaunches_lane_with_quantized_kv(nats_server, tmp_
         first = await eventually(lambda: healthy("llama8-0")(nc, "alpha"), what="f16 lane healthy")
         assert "--cache-type-k" not in first.argv and "--flash-attn" not in first.argv
         assert first.kv_bytes == first.planned_kv_bytes
+        # the host's cores, planned: the one lane takes them all, unpinned by default
+        ids = host_cores().cpu_ids  # one CPU per core this agent may use
+        cores = str(len(ids))
+        assert first.argv[first.argv.index("--threads") + 1] == first.argv[first.argv.index("--threads-batch") + 1]
+        assert first.argv[first.argv.index("--threads") + 1] == cores and "--cpu-range" not in first.argv
 
-        reply = await nc.request(
-            subjects.CONFIG_SET, encode(ConfigSet(changes={"kv_cache_type": "q8_0", "flash_attn": "on"})), timeout=5
-        )
+        changes = {"kv_cache_type": "q8_0", "flash_attn": "on", "cpu_pinning": True}
+        reply = await nc.request(subjects.CONFIG_SET, encode(ConfigSet(changes=changes)), timeout=5)
         assert "Nats-Service-Error" not in (reply.headers or {})
 
         async def relaunched():
@@ -61,6 +67,7 @@ async def test_config_change_relaunches_lane_with_quantized_kv(nats_server, tmp_
         assert argv[argv.index("--cache-type-k") + 1] == "q8_0"
         assert argv[argv.index("--cache-type-v") + 1] == "q8_0"
         assert argv[argv.index("--flash-attn") + 1] == "on"
+        assert argv[argv.index("--cpu-range") + 1] == argv[argv.index("--cpu-range-batch") + 1] == cpu_ranges(ids)
         assert second.ctx_total > first.ctx_total
         assert second.kv_bytes == second.planned_kv_bytes
 

@@ -14,6 +14,18 @@ NEW_HELP = """\
 --version                               show version and build info
 -t,    --threads N                      number of CPU threads to use during generation (default: -1)
                                         (env: LLAMA_ARG_THREADS)
+-tb,   --threads-batch N                number of threads to use during batch and prompt processing (default:
+                                        same as --threads)
+-C,    --cpu-mask M                     CPU affinity mask: arbitrarily long hex. Complements cpu-range
+                                        (default: "")
+-Cr,   --cpu-range lo-hi                range of CPUs for affinity. Complements --cpu-mask
+--cpu-strict <0|1>                      use strict CPU placement (default: 0)
+--poll <0...100>                        use polling level to wait for work (0 - no polling, default: 50)
+-Cb,   --cpu-mask-batch M               CPU affinity mask: arbitrarily long hex. Complements cpu-range-batch
+                                        (default: same as --cpu-mask)
+-Crb,  --cpu-range-batch lo-hi          ranges of CPUs for affinity. Complements --cpu-mask-batch
+--cpu-strict-batch <0|1>                use strict CPU placement (default: same as --cpu-strict)
+--poll-batch <0|1>                      use polling to wait for work (default: same as --poll)
 -c,    --ctx-size N                     size of the prompt context (default: 4096, 0 = loaded from model)
                                         (env: LLAMA_ARG_CTX_SIZE)
 -ub,   --ubatch-size N                  physical maximum batch size (default: 512)
@@ -86,6 +98,7 @@ def test_new_build():
     assert caps.cache_types == ALL_TYPES
     assert caps.build == 6325
     assert caps.version == "version: 6325 (abc123)"
+    assert caps.has_cpu_range is True and caps.has_poll is True
 
 
 def test_old_build():
@@ -98,6 +111,7 @@ def test_old_build():
     assert "bf16" not in caps.cache_types
     assert caps.cache_types == ("f32", "f16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
     assert caps.build == 4880
+    assert caps.has_cpu_range is False and caps.has_poll is False  # this excerpt lists no threadpool flags
 
 
 def test_old_build_one_line_flash_attn():

@@ -83,6 +83,8 @@ async def test_planner_and_agent_serve_metrics(nats_server, tmp_path, tiny_model
         agent = await _get(f"http://127.0.0.1:{agent_port}/metrics")
         assert f"lanes_lane_healthy{{{labels}}} 1.0" in agent
         assert f"lanes_lane_slots{{{labels}}} 1.0" in agent
+        threads = lane.argv[lane.argv.index("--threads") + 1]  # the one lane takes every core
+        assert f"lanes_lane_threads{{{labels}}} {float(threads)}" in agent
         assert samples(agent)[("lanes_lane_kv_planned_bytes", on_cpu)] == lane.planned_kv_bytes
         assert samples(agent)[("lanes_lane_kv_bytes", on_cpu)] == lane.kv_bytes
         assert f"lanes_llama_requests_processing{{{labels}}}" in agent  # the lane's own series, renamed

@@ -87,6 +87,9 @@ async def test_reported_kv_equals_plan(case, nats_server, tmp_path, llama_server
     assert running == argv
     assert argv[argv.index("--ctx-size") + 1] == str(2816 * slots)
     assert argv[argv.index("--parallel") + 1] == str(slots)
+    # the real binary runs with the planned threads (one lane: every core this agent may use)
+    assert spec.threads is not None and spec.threads >= 1
+    assert argv[argv.index("--threads") + 1] == argv[argv.index("--threads-batch") + 1] == str(spec.threads)
     if spec.cache_type_v in ("q8_0", "q4_0"):
         assert argv[argv.index("--flash-attn") + 1] == "on"
     for flag, value in (("--cache-type-k", spec.cache_type_k), ("--cache-type-v", spec.cache_type_v)):

@@ -41,12 +41,21 @@ function renderHosts(hosts) {
     el("i", { style: "background:#fff" }), "real (RSS)"));
 }
 
+function threadsText(l) {
+  if (l.threads == null) return "default";
+  const cpus = l.cpus || [];
+  if (!cpus.length) return `${l.threads}`;
+  const lo = Math.min(...cpus), hi = Math.max(...cpus);
+  return `${l.threads} @ ${hi - lo + 1 === cpus.length ? (lo === hi ? lo : `${lo}-${hi}`) : cpus.join(",")}`;
+}
+
 function renderLanes(hosts) {
   const rows = [];
   for (const h of hosts) for (const l of h.lanes) {
     rows.push(el("tr", { "data-lane": l.lane_id, "data-host": h.host_id },
       el("td", {}, h.host_id), el("td", {}, l.lane_id), el("td", {}, l.alias),
       el("td", { class: "window" }, `${l.ctx_per_slot} x ${l.parallel}`),
+      el("td", { class: "threads" }, threadsText(l)),
       el("td", { class: "cache" }, `${l.cache_type_k}/${l.cache_type_v}`),
       el("td", { class: "fa" }, l.flash_attn),
       el("td", { class: `state state-${l.state}` }, l.state),

@@ -97,9 +97,31 @@ def lane_args(spec: LaneSpec, caps: ServerCaps) -> tuple[str, ...]:
         if spec.n_ubatch > DEFAULT_N_BATCH:
             args += ["--batch-size", str(spec.n_ubatch)]
         args += ["--ubatch-size", str(spec.n_ubatch)]
+    args += thread_args(spec)
     # Verbosity 4 makes llama-server print its KV size, which the agent checks against the plan.
     args += ["--verbosity", "4"]
     return tuple(args)
+
+
+def thread_args(spec: LaneSpec) -> list[str]:
+    """--threads/--threads-batch, the pinned CPUs (a range when contiguous, else a hex mask) and
+    --poll, each only when the plan decided it. The batch pool copies none of the generation
+    pool's settings once --threads-batch is given, so each is passed for both."""
+    args = []
+    if spec.threads is not None:
+        args += ["--threads", str(spec.threads)]
+    if spec.threads_batch is not None:
+        args += ["--threads-batch", str(spec.threads_batch)]
+    if spec.cpus:
+        lo, hi = min(spec.cpus), max(spec.cpus)
+        if hi - lo + 1 == len(set(spec.cpus)):
+            args += ["--cpu-range", f"{lo}-{hi}", "--cpu-range-batch", f"{lo}-{hi}"]
+        else:
+            mask = hex(sum(1 << c for c in set(spec.cpus)))
+            args += ["--cpu-mask", mask, "--cpu-mask-batch", mask]
+    if spec.poll is not None:
+        args += ["--poll", str(spec.poll), "--poll-batch", str(spec.poll)]
+    return args
 
 
 def _flags(args: tuple[str, ...]) -> tuple[dict[str, str | None], str | None]:
@@ -183,6 +205,8 @@ def parse_caps(help_text: str, version_text: str = "") -> ServerCaps:
         kv_layout="streams" if "--kv-unified" in help_text else "shared",
         ngl_rule="output_first" if _NGL_AUTO.search(help_text) else "blocks_first",
         has_device="--device" in help_text,
+        has_cpu_range="--cpu-range-batch" in help_text,
+        has_poll="--poll-batch" in help_text,
     )
 
 
