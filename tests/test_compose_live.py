@@ -21,6 +21,7 @@ debootstrap; skipped, with the apt line, when one is missing.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import secrets
@@ -149,7 +150,7 @@ class Deploy:
     def sweep(self, project_prefix: str = PREFIX) -> None:
         """Remove every container, pod, network and volume of this test's compose projects."""
         label = "com.docker.compose.project"
-        rows = self.podman("ps", "-a", "--format", '{{.ID}} {{index .Labels "%s"}}' % label, check=False).stdout
+        rows = self.podman("ps", "-a", "--format", f'{{{{.ID}}}} {{{{index .Labels "{label}"}}}}', check=False).stdout
         ids = [i for i, _, p in (r.partition(" ") for r in rows.splitlines()) if p.startswith(project_prefix)]
         if ids:
             self.podman("rm", "-f", "-t", "2", *ids, check=False)
@@ -283,7 +284,7 @@ async def test_gateway_answers_with_each_hosts_lanes_in_rotation(deploy):
     deploy.timings["up to both routable"] = time.monotonic() - began
     served = await _served_by(deploy, 6)
     assert set(served) == set(HOSTS), served
-    assert all(a != b for a, b in zip(served, served[1:])), f"not in rotation: {served}"
+    assert all(a != b for a, b in itertools.pairwise(served)), f"not in rotation: {served}"
 
 
 async def test_three_node_cluster_with_the_bucket_on_every_node(deploy):
