@@ -51,7 +51,7 @@ PASSWORDS = {name: "pw" + name.lower().replace("_", "") for name in sorted(_requ
 # Optional variables the compose file reads: unset them so the developer's shell can't leak in.
 _OPTIONAL_VARS = ("LANES_NATS_SERVERS", "LANES_MODELS_HOST1", "LANES_MODELS_HOST2", "LANES_TAG",
                   "LANES_GATEWAY_API_KEYS", "LANES_GATEWAY_PORT", "LANES_ADVERTISE_HOST1",
-                  "LANES_ADVERTISE_HOST2")  # fmt: skip
+                  "LANES_ADVERTISE_HOST2", "LANES_PYTHON_IMAGE", "LANES_LLAMA_IMAGE")  # fmt: skip
 
 
 def _env(**overrides: str | None) -> dict[str, str]:
@@ -469,9 +469,89 @@ def test_dockerignore_lets_the_packages_in():
 def test_dockerfiles():
     planner = (ROOT / "docker" / "Dockerfile.planner").read_text()
     agent = (ROOT / "docker" / "Dockerfile.agent").read_text()
-    assert re.search(r"^FROM python:3\.11-slim\s*$", planner, re.M)
+    # Base images are build arguments whose defaults are the official images users pull.
+    for text in (planner, agent):
+        assert re.search(r"^ARG PYTHON_IMAGE=python:3\.11-slim\s*$", text, re.M)
+        assert re.search(r"^FROM \$\{PYTHON_IMAGE\} AS build\s*$", text, re.M)
+    assert re.findall(r"^FROM .*$", planner, re.M) == ["FROM ${PYTHON_IMAGE} AS build", "FROM ${PYTHON_IMAGE}"]
     assert re.search(r"^ARG LLAMA_IMAGE=ghcr\.io/ggml-org/llama\.cpp:server\s*$", agent, re.M)
     assert re.search(r"^FROM \$\{LLAMA_IMAGE\}\s*$", agent, re.M)
     assert re.search(r"LLAMA_SERVER_BIN=/app/llama-server\b", agent)
     for text in (planner, agent):
         assert re.search(r'^ENTRYPOINT \["lanes"\]\s*$', text, re.M)
+
+
+def _dockerfile_args(path: str) -> dict[str, str]:
+    return dict(re.findall(r"^ARG (\w+)=(\S+)\s*$", (ROOT / path).read_text(), re.M))
+
+
+@needs_compose
+def test_compose_builds_on_the_official_base_images_by_default():
+    result = _compose("-f", "docker-compose.yml", "config")
+    assert result.returncode == 0, result.stderr
+    for name, svc in _lanes_services(yaml.safe_load(result.stdout)).items():
+        build = svc["build"]
+        defaults = _dockerfile_args(build["dockerfile"])
+        assert build["args"], f"{name}: no base image build arguments"
+        for arg, value in build["args"].items():
+            assert defaults.get(arg) == value, f"{name}: {arg}={value}, the Dockerfile's default is {defaults.get(arg)}"
+    cuda = _compose("-f", "docker-compose.yml", "config", env=_env(LANES_LLAMA_IMAGE="ghcr.io/ggml-org/llama.cpp:server-cuda"))
+    agent = yaml.safe_load(cuda.stdout)["services"]["agent-host1"]
+    assert agent["build"]["args"]["LLAMA_IMAGE"] == "ghcr.io/ggml-org/llama.cpp:server-cuda"
+
+
+# ------------------------------------------------------------------ docker-compose.local.yml (no registry)
+
+LOCAL = ROOT / "docker-compose.local.yml"
+BUILD_LOCAL = ROOT / "scripts" / "build-local-images"
+
+
+def _image_names(value: object) -> list[str]:
+    """Every string in an override entry (image names only, by the test below)."""
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _image_names(v)]
+    return [str(value)]
+
+
+def test_local_override_swaps_only_image_names():
+    local = yaml.safe_load(LOCAL.read_text())
+    shipped = _raw_compose()
+    assert set(local) == {"services"} | {k for k in local if k.startswith("x-")}
+    assert set(local["services"]) <= set(shipped["services"])
+    script = BUILD_LOCAL.read_text()
+    for name, svc in local["services"].items():
+        assert set(svc) <= {"image", "build"}, f"{name}: the override changes more than image names: {sorted(svc)}"
+        if "image" in svc:
+            assert shipped["services"][name]["image"].startswith("nats:"), name
+        if "build" in svc:
+            assert set(svc["build"]) == {"args"}, name
+            dockerfile_args = _dockerfile_args(shipped["services"][name]["build"]["dockerfile"])
+            assert set(svc["build"]["args"]) <= set(dockerfile_args), name
+        for image in _image_names(svc):
+            assert image.startswith("localhost/lanes-local-"), f"{name}: {image} is not a local image"
+            # The script builds under exactly these names.
+            assert re.search(rf"^\w+_IMAGE={re.escape(image)}$", script, re.M), f"{image} is not built by {BUILD_LOCAL.name}"
+
+
+@needs_compose
+def test_compose_file_with_the_local_override_is_valid():
+    result = _compose("-f", "docker-compose.yml", "-f", "docker-compose.local.yml", "config")
+    assert result.returncode == 0, result.stderr
+    doc = yaml.safe_load(result.stdout)
+    for node in NODES:
+        assert doc["services"][node]["image"] == "localhost/lanes-local-nats:latest"
+        assert doc["services"][node]["command"] == ["-c", f"/etc/nats/{node}.conf"]
+    agent = doc["services"]["agent-host2"]["build"]["args"]
+    assert agent == {"PYTHON_IMAGE": "localhost/lanes-local-python:3.11", "LLAMA_IMAGE": "localhost/lanes-local-llama:server"}
+    assert doc["services"]["gateway"]["build"]["args"] == {"PYTHON_IMAGE": "localhost/lanes-local-python:3.11"}
+
+
+def test_local_images_are_built_without_a_network():
+    script = BUILD_LOCAL.read_text()
+    builds = re.findall(r"^\s*podman build .*$", script, re.M)
+    assert builds and all("--network=none" in line for line in builds), builds
+    for dockerfile in (ROOT / "docker" / "local").glob("Dockerfile.*"):
+        text = dockerfile.read_text()
+        code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+        assert not re.search(r"apt-get|curl|wget http|git clone", code), f"{dockerfile.name} fetches something"
+        assert "ARG " in text.split("FROM", 1)[0], f"{dockerfile.name}: base images are build arguments"

@@ -1,0 +1,503 @@
+"""The shipped docker-compose.yml, run for real on containers: podman's Docker-compatible socket
+(scripts/podman-service) driving Debian's docker-compose, with the images built offline by
+scripts/build-local-images and named by docker-compose.local.yml (only image names differ).
+
+    this test (the host) ──published ports── nats-1 nats-2 nats-3 (JetStream cluster "lanes")
+                                              planner   gateway :LANES_GATEWAY_PORT
+                                              agent-host1 ── the real Gemma file, mounted
+                                              agent-host2 ── the same file, mounted
+
+One deploy for the whole module, the tests in order: the cluster and its replicated bucket, the
+plans, both hosts' lanes, the gateway's rotation, the agents' NATS users seen from inside their
+containers; then faults: a NATS node stopped, an agent container killed, the planner container
+restarted, a rolling config change under load. Every container, network and volume of the
+compose project is removed afterwards, also after a failure (and leftovers of a killed run are
+swept first).
+
+Needs root, podman, docker-compose and (until ~/.cache/lanes/deploy holds the Debian base)
+debootstrap; skipped, with the apt line, when one is missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import msgspec
+import pytest
+from fixtures_bus import eventually
+
+from shared import subjects
+from shared.bus import NatsAuth, connect, kv_bucket
+from shared.messages import FleetConfig, FleetHosts, HostPlan, HostStatus
+
+ROOT = Path(__file__).resolve().parents[1]
+PREFIX = "lanes-live-"  # compose project names of this test: leftovers are recognised by it
+HOSTS = ("host1", "host2")
+NODES = ("nats-1", "nats-2", "nats-3")
+IN_NETWORK = "nats://nats-1:4222,nats://nats-2:4222,nats://nats-3:4222"
+FROM_HOST = "nats://127.0.0.1:4222,nats://127.0.0.1:4223,nats://127.0.0.1:4224"
+# Host ports the shipped file publishes (besides the gateway's, which the test chooses).
+FIXED_PORTS = (4222, 4223, 4224, *range(8080, 8096), *range(8100, 8116))
+APT = "apt-get install -y podman debootstrap docker-compose catatonit"
+MESSAGES = [{"role": "user", "content": "Say hi."}]
+LOST_AFTER = 40  # seconds of silence: above the agents' report interval (30 s, the compose default)
+
+
+def _run(*argv: str, check: bool = True, timeout: float = 120, env: dict | None = None,
+         input: str | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, input=input, cwd=ROOT)
+    if check and result.returncode != 0:
+        raise AssertionError(f"`{' '.join(argv)}` failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    return result
+
+
+def _missing_tools() -> str | None:
+    if os.geteuid() != 0:
+        return "rootful podman is needed (run as root)"
+    missing = [t for t in ("podman", "docker-compose") if shutil.which(t) is None]
+    cache = Path(os.environ.get("LANES_CACHE_DIR", Path.home() / ".cache" / "lanes")) / "deploy"
+    if shutil.which("debootstrap") is None and not list(cache.glob("bookworm-minbase-*.tar")):
+        missing.append("debootstrap")
+    if not Path("/usr/libexec/podman/catatonit").exists():
+        missing.append("catatonit")  # `init: true` in the compose file runs podman's init
+    return f"missing {', '.join(missing)} (Debian: {APT})" if missing else None
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("0.0.0.0", 0))
+        return sock.getsockname()[1]
+
+
+class Deploy:
+    """One compose project on podman: its names, its passwords, and every way the test reaches it."""
+
+    def __init__(self, tmp: Path, model: Path):
+        self.tmp = tmp
+        self.project = PREFIX + secrets.token_hex(3)
+        self.socket_dir = tmp / "podman"
+        self.passwords = {f"NATS_{who}_PASSWORD": "pw" + secrets.token_hex(12)
+                          for who in ("ADMIN", "PLANNER", "AGENT_HOST1", "AGENT_HOST2", "GATEWAY")}  # fmt: skip
+        models = tmp / "models"
+        models.mkdir()
+        try:  # the same 250 MB file for both hosts, without a copy when possible
+            os.link(model, models / model.name)
+        except OSError:
+            shutil.copy(model, models / model.name)
+        self.alias = model.stem
+        self.gateway_port = _free_port()
+        self.gateway = f"http://127.0.0.1:{self.gateway_port}"
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "LANES_", "NATS_"))}
+        self.env.update(self.passwords, LANES_MODELS_HOST1=str(models), LANES_MODELS_HOST2=str(models),
+                        LANES_GATEWAY_PORT=str(self.gateway_port), COMPOSE_PROJECT_NAME=self.project)  # fmt: skip
+        self.timings: dict[str, float] = {}
+
+    # ---------------------------------------------------------------- commands
+    def compose(self, *args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+        return _run("docker-compose", "-p", self.project, "-f", "docker-compose.yml", "-f", "docker-compose.local.yml",
+                    *args, check=check, timeout=timeout, env=self.env)  # fmt: skip
+
+    def container(self, service: str) -> str:
+        return f"{self.project}_{service}_1"  # docker-compose 1.29's naming
+
+    def podman(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+        return _run("podman", *args, check=check, timeout=timeout)
+
+    def exec(self, service: str, *argv: str, env: dict[str, str] | None = None,
+             check: bool = False, timeout: float = 60) -> subprocess.CompletedProcess:  # fmt: skip
+        flags = [f"--env={k}={v}" for k, v in (env or {}).items()]
+        return self.podman("exec", *flags, self.container(service), *argv, check=check, timeout=timeout)
+
+    def lanes_cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        """The operator's `lanes` command in the planner's container, as admin (docs/deploy.md, section 8:
+        docker-compose 1.29's `run` asks podman for links, which it refuses)."""
+        return self.compose("exec", "-T", "-e", f"LANES_NATS_PASSWORD={self.passwords['NATS_ADMIN_PASSWORD']}",
+                            "planner", "lanes", *args, "--nats", IN_NETWORK, "--user", "admin", check=check,
+                            timeout=120)  # fmt: skip
+
+    def monitor(self, node: str, path: str) -> dict:
+        """A nats node's monitoring endpoint (port 8222, not published), read inside its container."""
+        out = self.exec(node, "wget", "-q", "-O", "-", f"http://127.0.0.1:8222/{path}", check=True, timeout=20)
+        return json.loads(out.stdout)
+
+    async def nats(self):
+        return await connect(FROM_HOST, name="compose-live-test", retry_forever=False,
+                             auth=NatsAuth(user="admin", password=self.passwords["NATS_ADMIN_PASSWORD"]))  # fmt: skip
+
+    # ---------------------------------------------------------------- life cycle
+    def sweep(self, project_prefix: str = PREFIX) -> None:
+        """Remove every container, pod, network and volume of this test's compose projects."""
+        label = "com.docker.compose.project"
+        rows = self.podman("ps", "-a", "--format", f'{{{{.ID}}}} {{{{index .Labels "{label}"}}}}', check=False).stdout
+        ids = [i for i, _, p in (r.partition(" ") for r in rows.splitlines()) if p.startswith(project_prefix)]
+        if ids:
+            self.podman("rm", "-f", "-t", "2", *ids, check=False)
+        for kind in ("network", "volume"):
+            names = self.podman(kind, "ls", "--format", "{{.Name}}", check=False).stdout.split()
+            ours = [n for n in names if n.startswith(project_prefix)]
+            if ours:
+                self.podman(kind, "rm", "-f", *ours, check=False)
+        pods = [n for n in self.podman("pod", "ls", "--format", "{{.Name}}", check=False).stdout.split()
+                if n.startswith(project_prefix)]  # fmt: skip
+        if pods:
+            self.podman("pod", "rm", "-f", *pods, check=False)
+
+    def leftovers(self) -> list[str]:
+        found = []
+        for what in (["ps", "-a"], ["network", "ls"], ["volume", "ls"], ["pod", "ls"]):
+            names = self.podman(*what, "--format", "{{.Name}}" if what[0] != "ps" else "{{.Names}}",
+                                check=False).stdout.split()  # fmt: skip
+            found += [f"{what[0]} {n}" for n in names if n.startswith(self.project)]
+        return found
+
+    def build(self) -> None:
+        began = time.monotonic()
+        result = _run("bash", "scripts/build-local-images", timeout=3600, check=False,
+                      env={**os.environ, "PYTHON": sys.executable})  # fmt: skip
+        assert result.returncode == 0, f"scripts/build-local-images failed:\n{result.stderr[-4000:]}"
+        self.timings["build images"] = time.monotonic() - began
+
+    def start_socket(self) -> None:
+        out = _run("bash", "scripts/podman-service", "start", str(self.socket_dir), timeout=60).stdout
+        self.env["DOCKER_HOST"] = out.strip().removeprefix("export DOCKER_HOST=")
+
+    def up(self) -> None:
+        busy = [p for p in FIXED_PORTS if not _port_free(p)]
+        assert not busy, f"host ports the compose file publishes are in use: {busy}"
+        began = time.monotonic()
+        self.compose("up", "-d", timeout=600)
+        self.timings["compose up -d"] = time.monotonic() - began
+
+    def logs(self) -> str:
+        return self.compose("logs", "--no-color", "--tail", "40", check=False, timeout=60).stdout
+
+    def down(self) -> None:
+        if "DOCKER_HOST" in self.env:
+            self.compose("down", "-v", "--remove-orphans", "-t", "10", check=False, timeout=180)
+        self.sweep(self.project)
+        _run("bash", "scripts/podman-service", "stop", str(self.socket_dir), check=False, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def deploy(request, tmp_path_factory, gemma_model):
+    why = _missing_tools()
+    if why:
+        pytest.skip(f"the live compose deploy needs containers: {why}")
+    d = Deploy(tmp_path_factory.mktemp("compose-live"), gemma_model)
+    failed_before = request.session.testsfailed
+    ok = False
+    try:
+        d.sweep()  # leftovers of an earlier run that was killed before its teardown
+        d.build()
+        d.start_socket()
+        d.up()
+        ok = True
+        yield d
+    finally:
+        if not ok or request.session.testsfailed > failed_before:
+            print(f"----- docker-compose logs ({d.project}) -----\n{d.logs() if 'DOCKER_HOST' in d.env else ''}")
+        d.down()
+        print("compose live timings: " + ", ".join(f"{k} {v:.0f}s" for k, v in d.timings.items()))
+        left = d.leftovers()
+        assert not left, f"left behind: {left}"
+
+
+# ------------------------------------------------------------------ helpers over NATS and HTTP
+
+
+async def _kv_value(kv, key: str, kind: type):
+    return msgspec.json.decode((await kv.get(key)).value, type=kind)
+
+
+async def _healthy(kv, host: str) -> HostStatus | None:
+    try:
+        status = await _kv_value(kv, subjects.status_key(host), HostStatus)
+    except Exception:
+        return None
+    return status if status.lanes and all(lane.state == "healthy" for lane in status.lanes) else None
+
+
+async def _host_states(kv) -> dict[str, str]:
+    return {h.host_id: h.state for h in (await _kv_value(kv, subjects.HOSTS_KEY, FleetHosts)).hosts}
+
+
+def _openai(d: Deploy):
+    import openai
+
+    return openai.AsyncOpenAI(base_url=d.gateway + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+async def _served_by(d: Deploy, n: int) -> list[str]:
+    ai = _openai(d)
+    hosts = []
+    for _ in range(n):
+        raw = await ai.chat.completions.with_raw_response.create(model=d.alias, messages=MESSAGES, max_tokens=4)
+        assert raw.parse().choices[0].message.content is not None
+        hosts.append(raw.headers["x-lanes-lane"].split("/")[0])
+    return hosts
+
+
+def _routable(d: Deploy) -> dict[str, float]:
+    with urllib.request.urlopen(d.gateway + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("lanes_lane_routable{"):
+            host = line.split('host="')[1].split('"')[0]
+            found[host] = max(found.get(host, 0.0), float(line.rsplit(" ", 1)[1]))
+    return found
+
+
+async def _both_routable(d: Deploy, timeout: float = 120) -> None:
+    await eventually(lambda: _routable(d) == {"host1": 1.0, "host2": 1.0}, timeout=timeout,
+                     what="both hosts' lanes routable at the gateway")  # fmt: skip
+
+
+# ------------------------------------------------------------------ the deploy comes up
+
+
+async def test_gateway_answers_with_each_hosts_lanes_in_rotation(deploy):
+    began = time.monotonic()
+    await _both_routable(deploy, timeout=240)
+    deploy.timings["up to both routable"] = time.monotonic() - began
+    served = await _served_by(deploy, 6)
+    assert set(served) == set(HOSTS), served
+    assert all(a != b for a, b in itertools.pairwise(served)), f"not in rotation: {served}"
+
+
+async def test_three_node_cluster_with_the_bucket_on_every_node(deploy):
+    for node in NODES:
+        routes = deploy.monitor(node, "routez")
+        peers = {r.get("remote_name") for r in routes["routes"]}
+        assert set(NODES) - {node} <= peers, f"{node} routes to {peers}"
+        jsz = deploy.monitor(node, "jsz?accounts=true&streams=true&config=true")
+        assert jsz["meta_cluster"]["cluster_size"] == 3, jsz["meta_cluster"]
+        streams = {s["name"]: s for a in jsz.get("account_details", []) for s in a.get("stream_detail", [])}
+        assert "KV_lanes" in streams, f"{node} holds no replica of the lanes bucket: {sorted(streams)}"
+        assert streams["KV_lanes"]["config"]["num_replicas"] == 3
+    nc = await deploy.nats()
+    try:
+        info = await nc.jetstream().stream_info("KV_lanes")
+        members = {info.cluster.leader, *(r.name for r in info.cluster.replicas)}
+        assert members == set(NODES), members
+        assert all(r.current for r in info.cluster.replicas), info.cluster
+    finally:
+        await nc.close()
+
+
+async def test_planner_plans_both_hosts_and_their_lanes_run(deploy):
+    nc = await deploy.nats()
+    try:
+        kv = await kv_bucket(nc)
+        for host in HOSTS:
+            plan = await _kv_value(kv, subjects.plan_key(host), HostPlan)
+            assert plan.lanes and all(lane.model_path.startswith("/models/") for lane in plan.lanes), plan
+            status = await eventually(lambda h=host: _healthy(kv, h), timeout=120, what=f"{host} lanes healthy")
+            assert {lane.lane_id for lane in status.lanes} == {lane.lane_id for lane in plan.lanes}
+        assert await _host_states(kv) == {"host1": "live", "host2": "live"}
+    finally:
+        await nc.close()
+    status = deploy.lanes_cli("status")
+    assert "host1" in status.stdout and "host2" in status.stdout and deploy.alias in status.stdout, status.stdout
+
+
+# Run inside an agent container, with that agent's own NATS user and password (its environment).
+_PEEK = r"""
+import asyncio, json, os, sys
+import nats
+from shared import subjects
+me, other = sys.argv[1], sys.argv[2]
+errors = []
+async def main():
+    async def err(e): errors.append(str(e))
+    nc = await nats.connect(os.environ["NATS_URL"].split(","), user="agent-" + me, password=os.environ["LANES_NATS_PASSWORD"],
+                            inbox_prefix=subjects.agent_inbox(me), error_cb=err, max_reconnect_attempts=0)
+    out = {}
+    for who in (me, other):
+        subject = f"$JS.API.DIRECT.GET.KV_lanes.{subjects.kv_subject(subjects.plan_key(who))}"
+        try:
+            reply = await nc.request(subject, b"", timeout=2)
+            out[f"get {who}"] = "read" if reply.data else "empty"
+        except Exception as e:
+            out[f"get {who}"] = type(e).__name__
+        sub = await nc.subscribe(subjects.kv_subject(subjects.plan_key(who)))
+        await nc.flush()
+        await asyncio.sleep(0.5)
+        out[f"subscribe {who}"] = "denied" if any(subjects.plan_key(who) in e for e in errors) else "allowed"
+        await sub.unsubscribe()
+    out["errors"] = errors
+    print(json.dumps(out))
+    await nc.close()
+asyncio.run(main())
+"""
+
+
+def test_agents_cannot_read_each_others_plans_from_inside_their_containers(deploy):
+    for me, other in (("host1", "host2"), ("host2", "host1")):
+        result = deploy.exec(f"agent-{me}", "python", "-c", _PEEK, me, other, env={"NATS_URL": IN_NETWORK})
+        assert result.returncode == 0, result.stderr
+        seen = json.loads(result.stdout)
+        assert seen[f"get {me}"] == "read" and seen[f"subscribe {me}"] == "allowed", seen
+        assert seen[f"get {other}"] != "read" and seen[f"subscribe {other}"] == "denied", seen
+        # The server's own words, as the agent's error callback got them.
+        denied = [e for e in seen["errors"] if "permissions violation" in e.lower() and f"plan.{other}" in e]
+        assert denied, seen["errors"]
+        print(f"agent-{me} reading plan.{other}: {denied[0]}")
+
+
+# ------------------------------------------------------------------ faults inside the deploy
+
+
+async def test_one_nats_node_stopped(deploy):
+    """nats-2 stopped: a config change is planned, the gateway serves, the bucket stays available."""
+    nc = await deploy.nats()
+    try:
+        kv = await kv_bucket(nc)
+        revision = (await _kv_value(kv, subjects.CONFIG_KEY, FleetConfig)).revision
+        deploy.podman("stop", "-t", "5", deploy.container("nats-2"))
+        # Also shortens the silence after which a host is lost (3 report intervals, 90 s) for the next
+        # test; it must stay above the agents' report interval (30 s) or every host flaps lost.
+        changed = deploy.lanes_cli("config", "set", f"host_lost_after={LOST_AFTER}")
+        assert "host_lost_after" in changed.stdout + changed.stderr, changed
+        # This client may be moving off nats-2, the stream may be electing a leader: a few seconds.
+        config = await eventually(lambda: _kv_value(kv, subjects.CONFIG_KEY, FleetConfig), timeout=20,
+                                  what="the config read with nats-2 stopped")  # fmt: skip
+        assert config.revision == revision + 1 and config.host_lost_after == LOST_AFTER
+
+        async def replanned():
+            plans = [await _kv_value(kv, subjects.plan_key(h), HostPlan) for h in HOSTS]
+            return all(p.config_revision == config.revision for p in plans)
+
+        await eventually(replanned, timeout=30, what="both plans made for the new config revision")
+        assert set(await _served_by(deploy, 4)) == set(HOSTS)
+        info = await eventually(lambda: nc.jetstream().stream_info("KV_lanes"), timeout=20, what="stream info")
+        assert info.cluster.leader in ("nats-1", "nats-3"), info.cluster
+    finally:
+        await nc.close()
+        deploy.podman("start", deploy.container("nats-2"))
+
+    def nats2_current() -> bool:
+        streams = {s["name"]: s for a in deploy.monitor("nats-2", "jsz?accounts=true&streams=true").get("account_details", [])
+                   for s in a.get("stream_detail", [])}  # fmt: skip
+        return "KV_lanes" in streams
+
+    await eventually(nats2_current, timeout=60, what="nats-2 back with its replica")
+
+
+async def test_agent_container_killed_goes_lost_and_comes_back(deploy):
+    nc = await deploy.nats()
+    try:
+        kv = await kv_bucket(nc)
+        deploy.podman("kill", deploy.container("agent-host2"))
+        await eventually(lambda: _lost(kv), timeout=LOST_AFTER + 20, what="host2 lost")
+        assert set(await _served_by(deploy, 4)) == {"host1"}, "a lane of the killed host is still routed to"
+        deploy.podman("start", deploy.container("agent-host2"))
+        await eventually(lambda: _live(kv), timeout=60, what="host2 live again")
+        await eventually(lambda: _healthy(kv, "host2"), timeout=120, what="host2's lanes healthy again")
+        await _both_routable(deploy)
+        assert "host2" in await _served_by(deploy, 4)
+    finally:
+        await nc.close()
+
+
+async def _lost(kv) -> bool:
+    return (await _host_states(kv)).get("host2") == "lost"
+
+
+async def _live(kv) -> bool:
+    return await _host_states(kv) == {"host1": "live", "host2": "live"}
+
+
+async def test_planner_container_restarted_plans_survive(deploy):
+    nc = await deploy.nats()
+    try:
+        kv = await kv_bucket(nc)
+        before = {h: await _kv_value(kv, subjects.plan_key(h), HostPlan) for h in HOSTS}
+        pids = {h: [lane.pid for lane in (await _healthy(kv, h)).lanes] for h in HOSTS}
+        deploy.podman("restart", "-t", "10", deploy.container("planner"))
+
+        async def planner_ready():
+            reply = await nc.request(subjects.PLANNER_INFO, b"", timeout=2)
+            return json.loads(reply.data).get("ready")
+
+        await eventually(planner_ready, timeout=60, what="the restarted planner answers")
+        await asyncio.sleep(3)  # time to replan, if it wrongly did
+        after = {h: await _kv_value(kv, subjects.plan_key(h), HostPlan) for h in HOSTS}
+        for h in HOSTS:
+            assert after[h].plan_revision == before[h].plan_revision, f"{h}: replanned after a planner restart"
+            assert after[h].lanes == before[h].lanes
+            assert [lane.pid for lane in (await _healthy(kv, h)).lanes] == pids[h], f"{h}: lanes restarted"
+        assert set(await _served_by(deploy, 4)) == set(HOSTS)
+    finally:
+        await nc.close()
+
+
+async def test_rolling_config_change_under_load_fails_no_request(deploy):
+    """`lanes config set kv_cache_type=q8_0 flash_attn=on` while clients stream through the gateway."""
+    nc = await deploy.nats()
+    try:
+        kv = await kv_bucket(nc)
+        before = {h: {lane.lane_id: lane.pid for lane in (await _healthy(kv, h)).lanes} for h in HOSTS}
+        ai = _openai(deploy)
+        done = asyncio.Event()
+        results: Counter = Counter()
+        errors: list[str] = []
+
+        async def load():
+            while not done.is_set():
+                try:
+                    stream = await ai.chat.completions.create(model=deploy.alias, messages=MESSAGES, stream=True,
+                                                              max_tokens=12, extra_body={"ignore_eos": True})  # fmt: skip
+                    assert [chunk async for chunk in stream], "empty stream"
+                    results["ok"] += 1
+                except Exception as exc:
+                    results["failed"] += 1
+                    errors.append(f"{type(exc).__name__}: {exc}")
+
+        clients = [asyncio.create_task(load()) for _ in range(3)]
+        try:
+            await eventually(lambda: results["ok"] >= 3, timeout=120, what="load running")
+            changed = await asyncio.to_thread(deploy.lanes_cli, "config", "set", "kv_cache_type=q8_0", "flash_attn=on")
+            assert changed.returncode == 0, changed.stderr
+
+            async def rolled_out():
+                for h in HOSTS:
+                    status = await _healthy(kv, h)
+                    if not status or not all("q8_0" in lane.argv and lane.pid != before[h].get(lane.lane_id)
+                                             for lane in status.lanes):  # fmt: skip
+                        return False
+                return True
+
+            await eventually(rolled_out, timeout=300, what="every lane restarted with q8_0")
+            await _both_routable(deploy, timeout=60)
+            served = results["ok"]
+            await eventually(lambda: results["ok"] >= served + 3, timeout=120, what="load served after the change")
+        finally:
+            done.set()
+            await asyncio.gather(*clients)
+    finally:
+        await nc.close()
+    assert results["failed"] == 0, errors[:5]
+    print(f"rolling change: {results['ok']} requests served, 0 failed")
