@@ -13,15 +13,28 @@ import pytest
 # --- tiers ---
 # `pytest -m "not slow"` is the work loop (pure, NATS and fake-server tests, under 2 minutes on
 # 2 cores); CI runs everything. A test is slow when it runs the real llama-server (its fixture
-# or the real Gemma file), network namespaces, a browser or containers.
+# or the real Gemma file), network namespaces, a browser, containers, a benchmark, the bus
+# fuzzers or `lanes up` as a user does, or waits out a timeout by design (lease, liveness).
 SLOW_FIXTURES = frozenset({"llama_server", "gemma_model", "rpc_bin", "topo"})
-SLOW_MODULES = frozenset({"test_dashboard_browser", "test_netns", "test_compose_live", "test_bench_agent"})
+SLOW_MODULES = frozenset({
+    "test_dashboard_browser", "test_netns", "test_compose_live", "test_bench_agent", "test_bench_scripts",
+    "test_fuzz", "test_cli_online",
+})  # fmt: skip
+SLOW_TESTS = frozenset({
+    "test_two_planners_one_plans_and_the_stand_by_takes_over",
+    "test_a_dead_host_is_lost_its_lanes_move_and_it_comes_back",
+    "test_lanes_up_restarts_its_nats_server_and_exits_in_one_line_when_it_cannot",
+})  # fmt: skip
 
 
 def pytest_collection_modifyitems(items) -> None:
     for item in items:
         module = item.module.__name__.rpartition(".")[2] if item.module else ""
-        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())) or module in SLOW_MODULES:
+        if (
+            SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+            or module in SLOW_MODULES
+            or item.name.partition("[")[0] in SLOW_TESTS
+        ):
             item.add_marker(pytest.mark.slow)
 
 
