@@ -9,8 +9,6 @@ import random
 import socket
 import stat
 import sys
-import time
-from collections.abc import Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -136,30 +134,6 @@ async def host_status(nc, host_id: str) -> HostStatus | None:
     except Exception:
         return None
     return msgspec.json.decode(entry.value, type=HostStatus)
-
-
-async def eventually(check: Callable, timeout: float = 30.0, interval: float = 0.2, what: str = "condition"):
-    """Poll an async or sync check until it returns something truthy; fail with the last value.
-
-    A falsy value, or an error on the way (the bus may be mid-restart), means "not yet". An
-    AssertionError raised by the check means the check saw a final wrong value (a lane
-    that failed for good, a value that can no longer change): it fails at once.
-    """
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = check()
-            if asyncio.iscoroutine(last):
-                last = await last
-        except AssertionError:
-            raise
-        except Exception as exc:  # the bus may be mid-restart
-            last = exc
-        if last and not isinstance(last, Exception):
-            return last
-        await asyncio.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
 
 
 def lane_of(status: HostStatus | None, lane_id: str):

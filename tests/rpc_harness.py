@@ -11,9 +11,10 @@ import os
 import signal
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from waiting import eventually_blocking
 
 
 def _free_port() -> int:
@@ -23,15 +24,12 @@ def _free_port() -> int:
 
 
 def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"ggml-rpc-server on port {port} exited with {proc.returncode}")
+    def listening() -> bool:
+        assert proc.poll() is None, f"ggml-rpc-server on port {port} exited with {proc.returncode}"
         with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise RuntimeError(f"ggml-rpc-server on port {port} did not listen within {timeout}s")
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    eventually_blocking(listening, timeout=timeout, interval=0.05, what=f"ggml-rpc-server to listen on {port}")
 
 
 @contextlib.contextmanager

@@ -22,7 +22,8 @@ import nats
 import nats.errors
 import pytest
 import structlog
-from fixtures_bus import agent_config, eventually, fake_binary, lane_of
+from fixtures_bus import agent_config, fake_binary, lane_of
+from waiting import eventually
 
 from launcher_agent.service import run_agent
 from planner_svc.service import run_planner

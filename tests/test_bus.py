@@ -10,17 +10,8 @@ import signal
 import urllib.request
 
 import msgspec
-from fixtures_bus import (
-    agent_config,
-    client,
-    eventually,
-    fake_binary,
-    fleet_status,
-    host_status,
-    lane_of,
-    pid_alive,
-    services,
-)
+from fixtures_bus import agent_config, client, fake_binary, fleet_status, host_status, lane_of, pid_alive, services
+from waiting import eventually
 
 from launcher_agent.cores import host_cores
 from planner_svc.threads import cpu_ranges

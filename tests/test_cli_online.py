@@ -8,27 +8,16 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import psutil
 from fixtures_bus import fake_binary
+from waiting import eventually_blocking
 
 LANES = [sys.executable, "-m", "lanes.cli"]
 
 
 def _lanes(*args: str, timeout: float = 20) -> subprocess.CompletedProcess:
     return subprocess.run([*LANES, *args], capture_output=True, text=True, timeout=timeout)
-
-
-def _wait(check, timeout: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        time.sleep(0.3)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
 
 
 def test_lanes_up_config_status_and_clean_stop(tmp_path, tiny_models):
@@ -56,11 +45,11 @@ def test_lanes_up_config_status_and_clean_stop(tmp_path, tiny_models):
                         return lane
             return None
 
-        f16 = _wait(lambda: lane("healthy"), what="f16 lane healthy")
+        f16 = eventually_blocking(lambda: lane("healthy"), what="f16 lane healthy")
         changed = _lanes("config", "set", "--nats", url, "kv_cache_type=q8_0", "flash_attn=on")
         assert changed.returncode == 0, changed.stderr
         assert json.loads(changed.stdout)["kv_cache_type"] == "q8_0"
-        q8 = _wait(lambda: lane("healthy", "q8_0"), what="q8_0 lane healthy")
+        q8 = eventually_blocking(lambda: lane("healthy", "q8_0"), what="q8_0 lane healthy")
         assert q8["ctx_total"] > f16["ctx_total"]
 
         table = _lanes("status", "--nats", url)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from fixtures_bus import eventually
+from waiting import eventually
 
 from shared import subjects
 from shared.bus import NatsAuth, connect, kv_bucket

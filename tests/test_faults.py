@@ -14,15 +14,8 @@ import signal
 import msgspec
 import psutil
 import pytest
-from fixtures_bus import (
-    agent_config,
-    client,
-    eventually,
-    fake_binary,
-    host_status,
-    lane_of,
-    services,
-)
+from fixtures_bus import agent_config, client, fake_binary, host_status, lane_of, services
+from waiting import eventually
 
 from shared import subjects
 from shared.bus import kv_bucket

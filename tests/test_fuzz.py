@@ -34,7 +34,8 @@ import msgspec.inspect as mi
 import psutil
 import pytest
 import structlog
-from fixtures_bus import agent_config, eventually, fake_binary, lane_of
+from fixtures_bus import agent_config, fake_binary, lane_of
+from waiting import eventually
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 

@@ -19,7 +19,8 @@ from contextlib import asynccontextmanager
 import aiohttp
 import openai
 import pytest
-from fixtures_bus import Services, agent_config, client, eventually, free_port_base, host_status, lane_of
+from fixtures_bus import Services, agent_config, client, free_port_base, host_status, lane_of
+from waiting import eventually
 from test_metrics import samples
 
 from gateway.service import Gateway, run_gateway

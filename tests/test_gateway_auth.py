@@ -9,7 +9,8 @@ import nats
 import nats.errors
 import pytest
 import structlog
-from fixtures_bus import agent_config, eventually, fake_binary
+from fixtures_bus import agent_config, fake_binary
+from waiting import eventually
 from test_auth import _connect, _users, auth_server, passwords  # noqa: F401 (fixtures)
 
 from gateway.service import Gateway, run_gateway

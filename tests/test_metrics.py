@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
-from fixtures_bus import agent_config, client, eventually, fake_binary, free_port_base, host_status, lane_of
+from fixtures_bus import agent_config, client, fake_binary, free_port_base, host_status, lane_of
+from waiting import eventually
 from prometheus_client.parser import text_string_to_metric_families
 
 from launcher_agent.service import run_agent

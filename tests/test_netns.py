@@ -31,7 +31,8 @@ from pathlib import Path
 import msgspec
 import psutil
 import pytest
-from fixtures_bus import eventually, fake_binary
+from fixtures_bus import fake_binary
+from waiting import eventually, eventually_blocking
 
 from shared import subjects
 from shared.bus import connect, kv_bucket
@@ -162,16 +163,11 @@ def topo(request, tmp_path):
 
 
 def _wait_http(url: str, timeout: float = 15) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if json.loads(r.read()).get("status") == "ok":
-                    return
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"{url} never became ready")
+    def ready() -> bool:
+        with urllib.request.urlopen(url, timeout=1) as r:
+            return json.loads(r.read()).get("status") == "ok"
+
+    eventually_blocking(ready, timeout=timeout, interval=0.1, what=f"{url} to be ready")
 
 
 def _lane_cache_k(lane: LaneStatus) -> str | None:

@@ -15,18 +15,8 @@ import sys
 
 import msgspec
 import pytest
-from fixtures_bus import (
-    agent_config,
-    client,
-    eventually,
-    fake_binary,
-    fleet_status,
-    free_port_base,
-    host_status,
-    lane_of,
-    pid_alive,
-    services,
-)
+from fixtures_bus import agent_config, client, fake_binary, fleet_status, free_port_base, host_status, lane_of, pid_alive, services
+from waiting import eventually
 from ops_helpers import REPO, Procs, kill_lanes_under, lease_holder, plans
 
 from shared import subjects

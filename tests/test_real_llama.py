@@ -13,15 +13,8 @@ import urllib.request
 
 import psutil
 import pytest
-from fixtures_bus import (
-    agent_config,
-    client,
-    eventually,
-    fleet_status,
-    host_status,
-    lane_of,
-    services,
-)
+from fixtures_bus import agent_config, client, fleet_status, host_status, lane_of, services
+from waiting import eventually
 from tinymodels import write_gemma3, write_llama
 
 from launcher_agent.reconcile import MAX_FAILURES
