@@ -1,0 +1,247 @@
+"""Every buffer llama-server allocates for a lane, on the device where it lands. Pure.
+
+The last room of a lane's memory: layout -> placement (shared.memory.placement) ->
+buffers (here); `lane_memory` is the one function that builds a MemoryBreakdown. What
+each buffer is, from the b11434 source and checked against the binary's -lv 4 lines:
+
+- model: the CPU maps the file range of its layers (token embeddings always among them:
+  `CPU_Mapped`), plus a `CPU_REPACK` copy of the matrices its kernels repack. A GPU holds
+  its layers' tensors (CUDA pads each quantized tensor by one row to 512 values, aligns
+  to 128) and, for tied embeddings, a duplicate of token_embd when it holds the output
+  layer. With a CUDA device the CPU's weights sit in pinned `CUDA_Host` memory: a copy,
+  not a mapping, and no repacking.
+- KV: each layer's K and V (shared.memory.kv.layer_kv) on its layer's device (all on the
+  CPU with -nkvo).
+- output: logits for n_vocab x parallel floats, in host memory.
+- compute: see compute_bytes.
+- recurrent: each recurrent layer's share of the per-sequence state, on its layer's device.
+
+Each per-device list has the host's RAM at index 0, then each GPU-type device of the lane.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shared.memory.cpu_repack import repack_rule
+from shared.memory.kv import DEFAULT_N_UBATCH, MIB, KvSize, MemoryModelError, kv_size
+from shared.memory.placement import CPU, NglRule, Placement, PlacementError, SplitMode, place
+from shared.messages import DeviceMemory, KvLayout, LayerWeights, MemoryBreakdown, ModelFacts, NGpuLayers
+
+# What a llama-server process holds beyond its buffers (runtime, libraries, HTTP server):
+# measured 20-23 MiB of RSS above weights + KV on CPU builds (bench/results.md).
+PROCESS_OVERHEAD = 32 * MIB
+PINNED_HOST_BACKENDS = frozenset({"cuda", "rocm"})  # their host buffer type comes first for CPU weights
+
+
+@dataclass(frozen=True)
+class LaneShape:
+    """What a lane's memory depends on, apart from the model. The device fields (n_gpu_layers
+    to ngl_rule) place the layers when the caller gives lane_memory no placement of its own."""
+
+    ctx: int
+    parallel: int = 1
+    kv_unified: bool = False
+    type_k: str = "f16"
+    type_v: str = "f16"
+    flash_attn: bool = False
+    layout: KvLayout = "streams"
+    n_ubatch: int = DEFAULT_N_UBATCH
+    n_gpu_layers: NGpuLayers = 0
+    tensor_split: tuple[float, ...] = ()  # one share per device; () with devices: equal shares
+    devices: tuple[str, ...] = ()  # backend of each GPU-type device in llama-server's order: cuda, rpc, metal
+    split_mode: SplitMode = "layer"
+    main_gpu: int = 0
+    no_kv_offload: bool = False
+    ngl_rule: NglRule = "output_first"
+
+
+def placement_for(facts: ModelFacts, shape: LaneShape) -> Placement:
+    n = len(shape.devices)
+    if shape.tensor_split and len(shape.tensor_split) != n:
+        raise PlacementError(f"tensor split has {len(shape.tensor_split)} shares for {n} device(s)")
+    shares = shape.tensor_split or (1.0,) * n
+    return place(
+        facts.n_layer, shape.n_gpu_layers, shares, split_mode=shape.split_mode, main_gpu=shape.main_gpu,
+        rule=shape.ngl_rule, backends=shape.devices,
+    )  # fmt: skip
+
+
+def _layers(facts: ModelFacts) -> dict[int, LayerWeights]:
+    if not facts.layer_weights:
+        raise MemoryModelError(f"{facts.name}: no per-layer weights in its facts (read by an older lanes)")
+    return {lw.layer: lw for lw in facts.layer_weights}
+
+
+def _repacked(lw: LayerWeights, rule: dict[str, int]) -> int:
+    return sum(b for t, rows, b in lw.repack if t in rule and rows % rule[t] == 0)
+
+
+def model_bytes(facts: ModelFacts, placement: Placement, cpu_repack: Sequence[str] | None = None) -> list[int]:
+    """Weights per device."""
+    layers = _layers(facts)
+    out = [0] * (1 + placement.n_devices)
+    pinned = any(b in PINNED_HOST_BACKENDS for b in placement.backends)
+    rule = {} if pinned else repack_rule(cpu_repack)
+    cpu_groups = [layers[-1]] if -1 in layers else []
+    for il, dev in enumerate(placement.layer_device):
+        lw = layers.get(il)
+        if lw is None:
+            continue
+        if dev == CPU:
+            cpu_groups.append(lw)
+        else:
+            out[1 + dev] += lw.cuda_bytes if placement.backend(dev) in PINNED_HOST_BACKENDS else lw.bytes
+    if cpu_groups:
+        if pinned:
+            out[0] = sum(lw.bytes for lw in cpu_groups)
+        else:
+            mapped = max(lw.end for lw in cpu_groups) - min(lw.first for lw in cpu_groups)
+            out[0] = mapped + sum(_repacked(lw, rule) for lw in cpu_groups if lw.layer >= 0)
+    if facts.tied_output_bytes and placement.output_device != CPU:
+        dev = placement.output_device
+        pinned_dev = placement.backend(dev) in PINNED_HOST_BACKENDS
+        out[1 + dev] += facts.tied_output_cuda_bytes if pinned_dev else facts.tied_output_bytes
+    return out
+
+
+def kv_bytes(kv: KvSize, placement: Placement, no_kv_offload: bool = False) -> list[int]:
+    """KV per device: each layer's K and V where its layer is (on the CPU with -nkvo)."""
+    out = [0] * (1 + placement.n_devices)
+    for il, lk in enumerate(kv.layers):
+        dev = CPU if no_kv_offload else placement.layer_device[il]
+        out[1 + dev] += lk.k_bytes + lk.v_bytes
+    return out
+
+
+def recurrent_per_device(facts: ModelFacts, placement: Placement, parallel: int) -> list[int]:
+    """Recurrent state per device: per sequence, whatever the context."""
+    out = [0] * (1 + placement.n_devices)
+    layers = [il for il, r in enumerate(facts.recurrent_layers) if r]
+    if layers:
+        per_layer = facts.recurrent_bytes_per_seq * max(1, parallel) // len(layers)
+        for il in layers:
+            out[1 + placement.layer_device[il]] += per_layer
+    return out
+
+
+def output_bytes(facts: ModelFacts, placement: Placement, parallel: int) -> list[int]:
+    """The logits buffer: n_vocab floats per slot, in host memory."""
+    return [facts.n_vocab * parallel * 4] + [0] * placement.n_devices
+
+
+def compute_bytes(facts: ModelFacts, placement: Placement, shape: LaneShape, kv: KvSize) -> list[int]:
+    """The compute buffer ggml reserves per backend for the worst-case prompt-processing graph.
+
+    No closed form exists (ggml-alloc packs the graph); this follows the tensors that are
+    alive at the graph's peaks, fitted to llama-server's own lines (CPU and RPC backends,
+    b11434): the attention masks (one per KV cache, f16 with flash attention, f32 without,
+    n_kv x n_ubatch), without flash attention the f32 scores of every head (n_kv x n_ubatch
+    x n_head), FFN activations (3 x n_ff x n_ubatch f32), residual stream (5 x n_embd x
+    n_ubatch f32), and the logits of `parallel` outputs (llama-server reserves
+    n_outputs = slots; llama-fit-params reserves all n_ubatch, hence its larger figure).
+    """
+    n_tokens = min(shape.n_ubatch, kv.cells * kv.streams)
+    f32 = 4
+    mask_width = 2 if shape.flash_attn else 4
+    embd = facts.n_embd * n_tokens * f32
+    ffn = facts.n_ff * n_tokens * f32
+    logits = facts.n_vocab * shape.parallel * f32
+    swa = tuple(facts.swa_layers) + (False,) * (facts.n_layer + 1)
+    kv_layers = [il for il in range(facts.n_layer) if facts.n_head_kv[il]]
+
+    def attention(layers) -> tuple[int, int]:
+        """(masks, scores) on a device holding these layers: one mask per kind of cache it uses."""
+        kinds = {bool(kv.swa_cells) and swa[il] for il in layers if il in kv_layers}
+        masks = sum((kv.swa_cells if k else kv.cells) * n_tokens * mask_width for k in kinds)
+        widest = max(((kv.swa_cells if k else kv.cells) for k in kinds), default=0)
+        scores = 0 if shape.flash_attn else widest * n_tokens * facts.n_head * f32
+        return masks, scores
+
+    all_masks, _ = attention(range(facts.n_layer))
+    out = [0] * (1 + placement.n_devices)
+    holders = sorted(set(placement.layer_device))
+    cpu_has_layers = CPU in holders
+    # llama_context: several devices, full offload, split by layer -> pipeline parallelism,
+    # and ggml's scheduler keeps GGML_SCHED_MAX_COPIES (4) copies of each split's inputs.
+    pipeline = not cpu_has_layers and len(holders) > 1 and placement.split_mode == "layer" and not shape.no_kv_offload
+    copies = 4 if pipeline else 1
+    first_gpu = min((d for d in holders if d != CPU), default=None)
+    for dev in holders:
+        is_output = dev == placement.output_device
+        layers = placement.layers_on(dev)
+        if dev != CPU and not any(il in kv_layers for il in layers):
+            out[1 + dev] = logits if is_output else 0  # the output layer alone: its logits
+            continue
+        masks, scores = attention(layers)
+        if dev == CPU:
+            masks = all_masks  # graph inputs are built in host memory
+            resid, attn_extra = 5 * embd, 4 * ffn - embd
+        elif cpu_has_layers:  # partial offload: the CPU side computes the first layers
+            resid, attn_extra = 2 * embd, 4 * ffn - (7 if dev == first_gpu else 12) * embd // 2
+        else:
+            resid, attn_extra = 4 * embd, 4 * ffn - 2 * embd
+        peak_ffn = masks + resid + max(3 * ffn, logits if is_output else 0)
+        peak_attn = masks + scores + attn_extra if scores else 0
+        out[1 + dev] = max(peak_ffn, peak_attn)
+        if pipeline:
+            out[1 + dev] += (copies - 1) * masks + (12 if dev == first_gpu else 4) * embd
+    if not cpu_has_layers:
+        # Full offload: the CPU still builds the graph inputs (masks) and gathers token embeddings.
+        out[0] = copies * all_masks + 4 * embd
+        if pipeline:
+            out[0] += (6 if shape.flash_attn else 10) * embd
+    return out
+
+
+def lane_memory(
+    facts: ModelFacts, shape: LaneShape, cpu_repack: Sequence[str] | None = None, *, placement: Placement | None = None
+) -> MemoryBreakdown:
+    """A lane's buffers per device. `placement`: the layers as the caller placed them (the
+    planner places its layouts); without one, the shape's device fields place them."""
+    if placement is None:
+        placement = placement_for(facts, shape)
+    elif placement.n_layer != facts.n_layer:
+        raise PlacementError(f"a placement of {placement.n_layer} layers for {facts.name} of {facts.n_layer}")
+    model = model_bytes(facts, placement, cpu_repack)
+    kv = kv_size(
+        facts, ctx=shape.ctx, parallel=shape.parallel, kv_unified=shape.kv_unified, type_k=shape.type_k,
+        type_v=shape.type_v, layout=shape.layout, n_ubatch=shape.n_ubatch,
+    )  # fmt: skip
+    kv_dev = kv_bytes(kv, placement, shape.no_kv_offload)
+    recurrent = recurrent_per_device(facts, placement, shape.parallel)
+    compute = compute_bytes(facts, placement, shape, kv)
+    output = output_bytes(facts, placement, shape.parallel)
+    devices = []
+    for i in range(1 + placement.n_devices):
+        dev = CPU if i == 0 else i - 1
+        devices.append(
+            DeviceMemory(
+                device="CPU" if i == 0 else f"GPU{i - 1}",
+                model_bytes=model[i],
+                kv_bytes=kv_dev[i],
+                compute_bytes=compute[i],
+                output_bytes=output[i],
+                recurrent_bytes=recurrent[i],
+                layers=len(placement.layers_on(dev)),
+                index=dev,
+                backend=placement.backend(dev),
+            )
+        )
+    total = sum(d.total for d in devices) + PROCESS_OVERHEAD
+    return MemoryBreakdown(
+        device="gpu" if placement.offloaded > 0 else "cpu",
+        weights_bytes=sum(model),
+        kv_bytes=kv.total,
+        kv_k_bytes=kv.k_bytes,
+        kv_v_bytes=kv.v_bytes,
+        kv_cells=kv.cells,
+        kv_streams=kv.streams,
+        swa_cells=kv.swa_cells,
+        recurrent_bytes=sum(recurrent),
+        compute_bytes=sum(compute),
+        overhead_bytes=PROCESS_OVERHEAD,
+        total_bytes=total,
+        devices=tuple(devices),
+    )
