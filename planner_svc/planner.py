@@ -228,7 +228,7 @@ def _previous_layout(prev: HostPlan | None, lane_id: str) -> Layout | None:
     # A spec from an older planner carries no layout: rebuild it from the device fields.
     if not spec.gpu_devices:
         return Layout("cpu")
-    full = spec.memory.devices and all(d.layers == 0 for d in spec.memory.devices if d.device == "CPU")
+    full = spec.memory.devices and all(d.layers == 0 for d in spec.memory.devices if d.index < 0)
     kind = ("gpu" if len(spec.gpu_devices) == 1 else "split") if full else "partial"
     shares = spec.tensor_split
     if shares and len(shares) != len(spec.gpu_devices):
