@@ -27,7 +27,7 @@ FailureKind = Literal["oom", "unsupported", "over_plan", "crash_loop", "port_bus
 HostState = Literal["live", "lost"]
 # Layers a lane offloads: a count, or every block and the output layer. The wire's
 # LaneSpec.n_gpu_layers stays the int -ngl gets (shared.memory.placement.ngl_count).
-NGpuLayers = int | Literal["all"]
+NGpuLayers = Annotated[int, msgspec.Meta(ge=0)] | Literal["all"]
 LayoutKind = Literal["gpu", "split", "partial", "cpu"]
 
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
