@@ -53,10 +53,10 @@ from fixtures_bus import free_port_base  # noqa: E402
 from tinymodels import write_llama  # noqa: E402
 
 from launcher_agent import service as agent_service  # noqa: E402
-from launcher_agent.probe import find_llama_server  # noqa: E402
-from launcher_agent.lane_http import http_get  # noqa: E402
-from launcher_agent.process import lane_environment  # noqa: E402
 from launcher_agent.config import AgentConfig  # noqa: E402
+from launcher_agent.lane_http import http_get  # noqa: E402
+from launcher_agent.probe import find_llama_server  # noqa: E402
+from launcher_agent.process import lane_environment  # noqa: E402
 from shared import subjects  # noqa: E402
 from shared.messages import (  # noqa: E402
     ConfigSet,

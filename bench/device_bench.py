@@ -2,7 +2,7 @@
 
 For each case the real llama-server (the RPC build, `lanes install-llama --rpc`) is started
 with --rpc to 0-3 ggml-rpc-server processes on loopback, loaded, and stopped; its -lv 4
-buffer lines are compared with shared.device_memory.lane_memory for the same spec.
+buffer lines are compared with shared.memory.lane_memory for the same spec.
 Model, KV and output must be exact (two decimals of MiB); compute within 3% or 4 MiB.
 
     .venv/bin/python bench/device_bench.py --models DIR [--quick] [--out bench/device_results.json]
@@ -25,11 +25,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from rpc_harness import rpc_servers  # noqa: E402
 
 from launcher_agent.measure import load_and_stop  # noqa: E402
-from shared.device_memory import LaneShape, lane_memory  # noqa: E402
 from shared.gguf_facts import read_model_facts  # noqa: E402
 from shared.llama.logs import parse_buffers  # noqa: E402
 from shared.llama.printed import compare  # noqa: E402
-from shared.memory import QUANTIZED  # noqa: E402
+from shared.memory import QUANTIZED, LaneShape, NGpuLayers, lane_memory  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -38,7 +37,7 @@ class Case:
     parallel: int = 1
     flash_attn: str = "on"
     cache: str = "f16"
-    ngl: int | None = 0  # None: all
+    ngl: NGpuLayers = 0
     n_devices: int = 0
     split: tuple[float, ...] = ()
     ubatch: int = 512
@@ -47,7 +46,7 @@ class Case:
     def argv(self, model: str, endpoints: list[str]) -> list[str]:
         args = ["-m", model, "-c", str(self.ctx), "-np", str(self.parallel), "-fa", self.flash_attn,
                 "-ctk", self.cache, "-ctv", self.cache, "-ub", str(self.ubatch), "-fit", "off",
-                "-ngl", "all" if self.ngl is None else str(self.ngl)]  # fmt: skip
+                "-ngl", str(self.ngl)]  # fmt: skip
         if endpoints:
             args += ["--rpc", ",".join(endpoints)]
         if self.split:
@@ -65,7 +64,7 @@ class Case:
 def cuda_matrix(n_layer: int, n_gpus: int) -> list[Case]:
     """The per-device matrix on real GPUs (no --rpc): ngl none/partial/all, one to n_gpus devices."""
     partial = max(1, (n_layer + 1) // 2)
-    layouts = [(0, 0, ()), (None, 1, ()), (partial, 1, ())] + ([(None, n_gpus, ())] if n_gpus > 1 else [])
+    layouts = [(0, 0, ()), ("all", 1, ()), (partial, 1, ())] + ([("all", n_gpus, ())] if n_gpus > 1 else [])
     shapes = [(4096, 1, "on", "f16"), (16384, 1, "off", "f16"), (8192, 4, "on", "q8_0"), (32768, 2, "on", "q4_0")]
     return [Case(c, p, fa, t, ngl, n, split, backend="cuda") for (ngl, n, split), (c, p, fa, t) in
             itertools.product(layouts, shapes)]  # fmt: skip
@@ -84,8 +83,8 @@ def nvidia_smi_used(pid: int) -> dict:
 def matrix(n_layer: int, quick: bool) -> list[Case]:
     partial = max(1, (n_layer + 1) // 2)
     cases = []
-    layouts = [(0, 0, ()), (None, 1, ()), (partial, 1, ()), (None, 2, ()), (None, 2, (3.0, 1.0)),
-               (partial, 2, (1.0, 1.0)), (None, 3, (1.0, 2.0, 1.0)), (partial + 1, 3, ())]  # fmt: skip
+    layouts = [(0, 0, ()), ("all", 1, ()), (partial, 1, ()), ("all", 2, ()), ("all", 2, (3.0, 1.0)),
+               (partial, 2, (1.0, 1.0)), ("all", 3, (1.0, 2.0, 1.0)), (partial + 1, 3, ())]  # fmt: skip
     shapes = [(4096, 1, "on", "f16"), (16384, 1, "off", "f16"), (8192, 4, "on", "q8_0"), (8192, 2, "on", "q4_0")]
     if quick:
         layouts, shapes = layouts[:4] + layouts[6:7], shapes[:3]

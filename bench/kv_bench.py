@@ -45,11 +45,12 @@ import msgspec  # noqa: E402
 import psutil  # noqa: E402
 
 from launcher_agent.probe import find_llama_server  # noqa: E402
+from planner_svc.layouts import with_layers  # noqa: E402
 from planner_svc.planner import plan  # noqa: E402
 from shared.gguf_facts import read_model_facts, swa_layer_pattern  # noqa: E402
 from shared.llama.flags import flash_attn_effective  # noqa: E402
 from shared.llama.logs import kv_mib_from_log  # noqa: E402
-from shared.memory import CTX_PAD, MIB, estimate, kv_size  # noqa: E402
+from shared.memory import CTX_PAD, MIB, LaneShape, kv_caches, kv_size, lane_memory  # noqa: E402
 from shared.messages import (  # noqa: E402
     Demand,
     FleetConfig,
@@ -212,22 +213,13 @@ def run_server(binary: str, argv_tail: list[str], timeout: float = 120.0) -> Run
 
 def predicted_kv_lines(facts: ModelFacts, **kw) -> list[dict]:
     """One predicted `llama_kv_cache: size = ...` line per cache (non-SWA first, then SWA)."""
-    has_swa = facts.n_swa > 0 and any(facts.swa_layers)
-    groups = [("full", [not s for s in facts.swa_layers] if has_swa else [True] * facts.n_layer)]
-    if has_swa:
-        groups.append(("swa", list(facts.swa_layers)))
-    out = []
-    for name, keep in groups:
-        masked = msgspec.structs.replace(facts, n_head_kv=tuple(h if k else 0 for h, k in zip(facts.n_head_kv, keep)))
-        kv = kv_size(masked, **kw)
-        cells = kv.swa_cells if name == "swa" else kv.cells
-        out.append(
-            dict(
-                cache=name, layers=sum(keep), cells=cells, bytes=kv.total,
-                size=f2(mib(kv.total)), k=f2(mib(kv.k_bytes)), v=f2(mib(kv.v_bytes)),
-            )
-        )  # fmt: skip
-    return out
+    return [
+        dict(
+            cache="swa" if c.swa else "full", layers=c.layers, cells=c.cells, bytes=c.total,
+            size=f2(mib(c.total)), k=f2(mib(c.k_bytes)), v=f2(mib(c.v_bytes)),
+        )
+        for c in kv_caches(kv_size(facts, **kw))
+    ]  # fmt: skip
 
 
 def part_a(binary: str, quick: bool, repeats: int, workdir: Path) -> tuple[list[dict], list[dict]]:
@@ -295,8 +287,8 @@ def evaluate_cell(name, facts, type_k, type_v, ctx, slots, fa_flag, runs: list[R
     fa_active = (r0.flash_attn or "").lower().rsplit(">", 1)[-1] in ("enabled", "on", "true", "1")
     kw = dict(ctx=ctx, parallel=slots, kv_unified=False, type_k=type_k, type_v=type_v)
     # What the lanes planner costs: flash attention as it expects the flag to resolve.
-    planned = estimate(facts, flash_attn=flash_attn_effective(fa_flag, ServerCaps()), **kw)
-    actual = estimate(facts, flash_attn=fa_active, **kw)  # with the FA state the server ran with
+    planned = lane_memory(facts, LaneShape(flash_attn=flash_attn_effective(fa_flag, ServerCaps()), **kw))
+    actual = lane_memory(facts, LaneShape(flash_attn=fa_active, **kw))  # with the FA state the server ran with
     pred_lines = predicted_kv_lines(facts, **kw)
     rep_lines = r0.kv_lines
     # Exact: every printed cache line (size, K, V, cells) equals the prediction at 0.01 MiB.
@@ -389,7 +381,9 @@ def granted_window(
 
 
 def true_total(facts: ModelFacts, window: int, slots: int, cache: str) -> int:
-    return estimate(facts, ctx=window * slots, parallel=slots, type_k=cache, type_v=cache, flash_attn=True).total_bytes
+    """A CPU lane's memory as the one model sizes it (weights spread over the layers, as the planner does)."""
+    shape = LaneShape(ctx=window * slots, parallel=slots, type_k=cache, type_v=cache, flash_attn=True)
+    return lane_memory(with_layers(facts), shape).total_bytes
 
 
 def part_b() -> list[dict]:
@@ -711,7 +705,7 @@ def render(info: dict, command: str, shapes, cells, rows, summary, quick: bool, 
         "headroom_fraction=0, flash_attn='on')`; `ram_total = ram_available = budget`). `exact` is the per-slot "
         "window `planner.plan` grants with that cache type; `divisor` is the f16 window from the same planner times 2 "
         "(q8_0) or 3 (q4_0), rounded down to 256 and capped at the trained context. `divisor need` is the true "
-        "memory of the divisor window from `shared.memory.estimate` (weights + KV + compute, FA on). Flash "
+        "memory of the divisor window from `shared.memory.lane_memory` (weights + KV + compute, FA on). Flash "
         "attention is on for every cache type so f16 and quantized lanes get the same compute model (a quantized V "
         "forces it on anyway). Per-slot windows; `slots` lanes use `--parallel slots` with one stream per slot."
     )

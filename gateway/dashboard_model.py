@@ -126,8 +126,8 @@ def _devices(report: HostReport | None, plan, specs, live: Mapping[str, LaneStat
         bars.append(_bar(f"GPU{i} {g.name}", g.vram_total, available, budget, config))
     for spec in specs:
         lane = live.get(spec.lane_id)
-        for device, parts in _lane_parts(spec):
-            bar = _bar_for(bars, spec, device)
+        for index, parts in _lane_parts(spec):
+            bar = _bar_for(bars, spec, index)
             for part, n in parts.items():
                 bar[part] += n
         if lane is None:
@@ -135,7 +135,7 @@ def _devices(report: HostReport | None, plan, specs, live: Mapping[str, LaneStat
         real = getattr(lane, "devices", ())
         if real:
             for d in real:
-                _bar_for(bars, spec, d.device)["real"] += d.total
+                _bar_for(bars, spec, d.index)["real"] += d.total
         elif lane.rss_bytes is not None:
             bars[0]["real"] += lane.rss_bytes
     for bar in bars:
@@ -145,26 +145,25 @@ def _devices(report: HostReport | None, plan, specs, live: Mapping[str, LaneStat
 
 
 def _lane_parts(spec: LaneSpec):
-    """(device name as the lane counts it, {part: bytes}) for each device a lane uses."""
+    """(the lane's device index, -1 for host RAM; {part: bytes}) for each device a lane uses."""
     m = spec.memory
     if not m.devices:  # a plan from a planner without per-device figures
-        device = "CPU" if m.device == "cpu" else "GPU0"
-        return [(device, {"weights": m.weights_bytes, "kv": m.kv_bytes + m.recurrent_bytes,
+        index = -1 if m.device == "cpu" else 0
+        return [(index, {"weights": m.weights_bytes, "kv": m.kv_bytes + m.recurrent_bytes,
                           "compute": m.compute_bytes + m.overhead_bytes})]  # fmt: skip
-    parts = [(d.device, {"weights": d.model_bytes, "kv": d.kv_bytes + d.recurrent_bytes,
+    parts = [(d.index, {"weights": d.model_bytes, "kv": d.kv_bytes + d.recurrent_bytes,
                          "compute": d.compute_bytes + d.output_bytes}) for d in m.devices]  # fmt: skip
     overhead = m.total_bytes - sum(d.total for d in m.devices)  # the process itself, in host RAM
-    parts.append(("CPU", {"weights": 0, "kv": 0, "compute": max(0, overhead)}))
+    parts.append((-1, {"weights": 0, "kv": 0, "compute": max(0, overhead)}))
     return parts
 
 
-def _bar_for(bars: list[dict], spec: LaneSpec, device: str) -> dict:
-    """The host device behind a lane's device name: GPUk is the k-th of the GPUs the lane is pinned to."""
-    if device == "CPU" or not device.startswith("GPU") or len(bars) == 1:
+def _bar_for(bars: list[dict], spec: LaneSpec, index: int) -> dict:
+    """The host device behind a lane's device index: the k-th of the GPUs the lane is pinned to."""
+    if index < 0 or len(bars) == 1:
         return bars[0]
-    k = int(device[3:]) if device[3:].isdigit() else 0
     pinned = getattr(spec, "gpu_devices", ())
-    host_index = pinned[k] if k < len(pinned) else k
+    host_index = pinned[index] if index < len(pinned) else index
     return bars[1 + host_index] if 1 + host_index < len(bars) else bars[-1]
 
 

@@ -15,7 +15,7 @@ from planner_svc.planner import plan
 from shared.gguf_facts import ModelError, read_model_facts
 from shared.llama.flags import cache_pair, flash_attn_effective, needs_flash_attn
 from shared.memory import BLOCK_BYTES, MemoryModelError
-from shared.messages import Demand, FleetConfig, HostReport, ServerCaps
+from shared.messages import Demand, FleetConfig, HostReport, NGpuLayers, ServerCaps
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -49,9 +49,10 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
-def _n_gpu_layers(text: str) -> int | None:
+def _n_gpu_layers(text: str) -> NGpuLayers:
+    """-ngl as llama-server reads it: a count, or all layers ("all", "auto" and -1 mean that here)."""
     if text in ("all", "auto", "-1"):
-        return None
+        return "all"
     try:
         value = int(text)
     except ValueError:
@@ -82,8 +83,7 @@ def _shares(text: str) -> tuple[float, ...]:
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     from launcher_agent.hardware import cpu_repack, gpu_backend_of
-    from shared.device_memory import LaneShape, lane_memory
-    from shared.placement import PlacementError
+    from shared.memory import LaneShape, PlacementError, lane_memory
 
     try:
         facts = read_model_facts(args.model)

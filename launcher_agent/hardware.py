@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import structlog
 
-from shared.device_memory import (
+from shared.memory.cpu_repack import (
     AVX2_REPACK,
     AVX512_REPACK,
     NEON_DOTPROD_REPACK,

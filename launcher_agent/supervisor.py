@@ -190,12 +190,12 @@ class Supervisor:
         for lane in self.lanes.values():
             if lane.process is None or lane.process.returncode is not None or not lane.spec.gpu_devices:
                 continue
-            printed = {d.device: d for d in lane.process.printed_devices()}
+            printed = {d.index: d for d in lane.process.printed_devices()}
             for d in lane.spec.memory.devices:
-                if d.device == "CPU":
+                if d.index < 0:
                     continue
-                gpu = lane.spec.gpu_devices[int(d.device[3:])]
-                held[gpu] = held.get(gpu, 0) + (printed[d.device].total if d.device in printed else d.total)
+                gpu = lane.spec.gpu_devices[d.index]
+                held[gpu] = held.get(gpu, 0) + (printed[d.index].total if d.index in printed else d.total)
         return held
 
     def status(self, nats_connected: bool = False) -> HostStatus:

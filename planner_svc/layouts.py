@@ -4,17 +4,25 @@ Pure. Preference (fastest first): the whole model on one GPU; split over the hos
 GPUs (shares chosen here from their free VRAM, never llama-server's load-time default);
 partial offload (as many layers as fit, the rest in RAM); the CPU. A layout's cost is
 a vector over the host's resources: RAM ("cpu", 0) and each GPU ("gpu", i), from
-shared.device_memory; on unified memory (Apple Silicon) the GPU's share is RAM too.
+shared.memory (layout -> placement -> buffers, each once); on unified memory (Apple
+Silicon) the GPU's share is RAM too. `pins_for` turns a layout into llama-server's flags.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from shared.device_memory import LaneShape, lane_memory
-from shared.messages import HostReport, LayerWeights, MemoryBreakdown, ModelFacts
+from shared.memory import LaneShape, NglRule, NGpuLayers, Placement, lane_memory, place
+from shared.messages import (
+    HostReport,
+    LaneLayout,
+    LayerWeights,
+    MemoryBreakdown,
+    ModelFacts,
+)
 
 MIB = 1024 * 1024
 Resource = tuple[str, int]
@@ -22,29 +30,64 @@ CPU_RESOURCE: Resource = ("cpu", 0)
 # What a llama-server process holds on a CUDA/ROCm GPU beyond its buffers (context, cuBLAS
 # workspace). Not measurable without a GPU here; bench/gpu_check.sh records the real figure.
 GPU_CONTEXT_BYTES = {"cuda": 384 * MIB, "rocm": 384 * MIB}
-LayoutKind = Literal["gpu", "split", "partial", "cpu"]
+# The planner's layout is the one the lane spec carries (LaneSpec.layout): one value, no copy.
+Layout = LaneLayout
 _RANK = {"gpu": 0, "split": 1, "partial": 2, "cpu": 3}
 
 
+def rank(layout: Layout) -> int:
+    """Fastest first: one GPU whole, split, partial offload, the CPU."""
+    return _RANK[layout.kind]
+
+
+def describe(layout: Layout, n_layer: int) -> str:
+    if layout.kind == "cpu":
+        return "on the CPU"
+    where = ", ".join(f"GPU{g}" for g in layout.gpus)
+    split = f" split {':'.join(map(str, layout.shares))}" if len(layout.gpus) > 1 else ""
+    if layout.n_gpu_layers == "all":
+        return f"all {n_layer + 1} layers on {where}{split}"
+    return f"{layout.n_gpu_layers}/{n_layer + 1} layers on {where}{split}, the rest in RAM"
+
+
 @dataclass(frozen=True)
-class Layout:
-    kind: LayoutKind
-    gpus: tuple[int, ...] = ()  # host GPU indices, llama-server order
-    shares: tuple[int, ...] = ()  # tensor split (MiB of free VRAM) when more than one GPU
-    n_gpu_layers: int | None = 0  # None: all layers and the output
+class DevicePins:
+    """What pins a lane to its devices, as llama-server takes it (LaneSpec's six device fields)."""
 
-    @property
-    def rank(self) -> int:
-        return _RANK[self.kind]
+    gpu_devices: tuple[int, ...] = ()  # host GPU indices, in order
+    device_names: tuple[str, ...] = ()  # --device, when the host named every one
+    tensor_split: tuple[int, ...] = ()  # -ts: over the pinned devices, or over every GPU (zero for others)
+    split_mode: Literal["layer", "none"] | None = None  # without names: one GPU by --split-mode none
+    main_gpu: int | None = None  # ... and --main-gpu
+    rpc_servers: tuple[str, ...] = ()  # --rpc, when every device is a ggml-rpc-server
 
-    def describe(self, n_layer: int) -> str:
-        if self.kind == "cpu":
-            return "on the CPU"
-        where = ", ".join(f"GPU{g}" for g in self.gpus)
-        split = f" split {':'.join(map(str, self.shares))}" if len(self.gpus) > 1 else ""
-        if self.n_gpu_layers is None:
-            return f"all {n_layer + 1} layers on {where}{split}"
-        return f"{self.n_gpu_layers}/{n_layer + 1} layers on {where}{split}, the rest in RAM"
+
+def pins_for(layout: Layout, report: HostReport) -> DevicePins:
+    gpus = layout.gpus
+    if not gpus:
+        return DevicePins()
+    names = tuple(report.gpus[g].device for g in gpus)
+    rpc = tuple(report.gpus[g].endpoint for g in gpus if report.gpus[g].endpoint)
+    all_rpc = len(rpc) == len(gpus)
+    if all_rpc:
+        # llama-server numbers RPC devices in the order of its --rpc list: the lane's own servers
+        names = tuple(f"RPC{k}" for k in range(len(rpc)))
+    named = all(names)
+    if len(gpus) == 1:
+        split = ()
+    elif named:
+        split = layout.shares
+    else:
+        shares = dict(zip(gpus, layout.shares))
+        split = tuple(shares.get(i, 0) for i in range(len(report.gpus)))
+    return DevicePins(
+        gpu_devices=gpus,
+        device_names=names if named else (),
+        tensor_split=split,
+        split_mode=None if named else ("none" if len(gpus) == 1 else "layer"),
+        main_gpu=gpus[0] if not named and len(gpus) == 1 else None,
+        rpc_servers=rpc if all_rpc else (),
+    )
 
 
 def with_layers(facts: ModelFacts) -> ModelFacts:
@@ -64,28 +107,33 @@ def with_layers(facts: ModelFacts) -> ModelFacts:
     return msgspec.structs.replace(facts, layer_weights=tuple(layers))
 
 
-def shape_for(layout: Layout, report: HostReport, base: LaneShape) -> LaneShape:
-    return LaneShape(
-        ctx=base.ctx, parallel=base.parallel, kv_unified=base.kv_unified, type_k=base.type_k, type_v=base.type_v,
-        flash_attn=base.flash_attn, layout=base.layout, n_ubatch=base.n_ubatch, n_gpu_layers=layout.n_gpu_layers,
-        tensor_split=tuple(float(s) for s in layout.shares) if len(layout.gpus) > 1 else (),
-        devices=tuple(report.gpus[g].backend for g in layout.gpus),
-        ngl_rule=report.server.ngl_rule if report.server else "output_first",
-    )  # fmt: skip
+def layout_placement(n_layer: int, layout: Layout, report: HostReport) -> Placement:
+    """The layout's layers on the host's devices, as llama-server will place them."""
+    shares = tuple(float(s) for s in layout.shares) if len(layout.gpus) > 1 and layout.shares else ()
+    backends = tuple(report.gpus[g].backend for g in layout.gpus)
+    rule = report.server.ngl_rule if report.server else "output_first"
+    return _placed(n_layer, layout.n_gpu_layers, shares or (1.0,) * len(backends), backends, rule)
+
+
+@functools.lru_cache(maxsize=4096)
+def _placed(n_layer: int, n_gpu_layers: NGpuLayers, shares, backends, rule: NglRule) -> Placement:
+    return place(n_layer, n_gpu_layers, shares, rule=rule, backends=backends)
 
 
 def layout_memory(facts: ModelFacts, layout: Layout, report: HostReport, base: LaneShape) -> MemoryBreakdown:
-    return lane_memory(with_layers(facts), shape_for(layout, report, base), report.cpu_repack)
+    """`base` gives the lane's KV and compute shape; the layout places its layers."""
+    placement = layout_placement(facts.n_layer, layout, report)
+    return lane_memory(with_layers(facts), base, report.cpu_repack, placement=placement)
 
 
 def cost_vector(memory: MemoryBreakdown, layout: Layout, report: HostReport, factor: float = 1.0) -> dict[Resource, int]:
     """Bytes per resource; the process overhead and any GPU context are counted where they land."""
     cost: dict[Resource, int] = {CPU_RESOURCE: memory.overhead_bytes}
     for dev in memory.devices:
-        if dev.device == "CPU":
+        if dev.index < 0:
             cost[CPU_RESOURCE] += dev.total
             continue
-        gpu = layout.gpus[int(dev.device[3:])]
+        gpu = layout.gpus[dev.index]
         info = report.gpus[gpu]
         used = dev.total + GPU_CONTEXT_BYTES.get(info.backend, 0)
         cost[("gpu", gpu)] = cost.get(("gpu", gpu), 0) + used
@@ -114,9 +162,9 @@ def fits(cost: Mapping[Resource, int], remaining: Mapping[Resource, int]) -> boo
 def candidates(report: HostReport, remaining: Mapping[Resource, int], use_gpu: bool) -> list[Layout]:
     """Layouts to try, fastest first (partial offload is searched separately)."""
     gpus = [i for i in range(len(report.gpus)) if remaining.get(("gpu", i), 0) > 0] if use_gpu else []
-    out = [Layout("gpu", (g,), (), None) for g in sorted(gpus, key=lambda g: (-remaining[("gpu", g)], g))]
+    out = [Layout("gpu", (g,), (), "all") for g in sorted(gpus, key=lambda g: (-remaining[("gpu", g)], g))]
     if len(gpus) > 1:
-        out.append(Layout("split", tuple(gpus), _shares(gpus, remaining), None))
+        out.append(Layout("split", tuple(gpus), _shares(gpus, remaining), "all"))
     return out
 
 

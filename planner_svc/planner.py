@@ -17,10 +17,13 @@ from planner_svc.layouts import (
     Resource,
     candidates,
     cost_vector,
+    describe,
     fits,
     largest,
     layout_memory,
     partial_layout,
+    pins_for,
+    rank,
 )
 from planner_svc.policy import (
     Flags,
@@ -32,9 +35,14 @@ from planner_svc.policy import (
     window_bounds,
 )
 from planner_svc.threads import with_threads
-from shared.device_memory import LaneShape
 from shared.llama.flags import flash_attn_effective, lane_args
-from shared.memory import CTX_PAD, MemoryModelError
+from shared.memory import (
+    CTX_PAD,
+    LaneShape,
+    MemoryModelError,
+    PlacementError,
+    ngl_count,
+)
 from shared.messages import (
     Demand,
     FleetConfig,
@@ -48,7 +56,6 @@ from shared.messages import (
     Persona,
     Unplaced,
 )
-from shared.placement import PlacementError
 
 GIB = 1024**3
 _T_SCALE = 1 << 16
@@ -222,14 +229,17 @@ def _previous_layout(prev: HostPlan | None, lane_id: str) -> Layout | None:
     spec = next((s for s in prev.lanes if s.lane_id == lane_id), None) if prev else None
     if spec is None:
         return None
+    if spec.layout is not None:
+        return spec.layout
+    # A spec from an older planner carries no layout: rebuild it from the device fields.
     if not spec.gpu_devices:
         return Layout("cpu")
-    full = spec.memory.devices and all(d.layers == 0 for d in spec.memory.devices if d.device == "CPU")
+    full = spec.memory.devices and all(d.layers == 0 for d in spec.memory.devices if d.index < 0)
     kind = ("gpu" if len(spec.gpu_devices) == 1 else "split") if full else "partial"
     shares = spec.tensor_split
     if shares and len(shares) != len(spec.gpu_devices):
         shares = tuple(shares[g] for g in spec.gpu_devices if g < len(shares))
-    return Layout(kind, spec.gpu_devices, shares, None if full else spec.n_gpu_layers)
+    return Layout(kind, spec.gpu_devices, shares, "all" if full else spec.n_gpu_layers)
 
 
 def _choose_layout(lane_at, report, remaining, config, prev_layout) -> tuple[Layout, dict] | None:
@@ -309,10 +319,10 @@ def _place(persona, candidates_, config, lanes, remaining, previous, feedback) -
         layout, floor_cost = chosen
         lane = lane_at(layout)
         lane.reasons = list(flags.reasons) + bound_reasons + factor_reasons
-        lane.reasons.append(f"layout: {layout.describe(facts.n_layer)}")
+        lane.reasons.append(f"layout: {describe(layout, facts.n_layer)}")
         had_before = any(s.lane_id == lane.lane_id for s in (previous.get(host).lanes if previous.get(host) else ()))
         slack = sum(remaining[host].get(r, 0) - b for r, b in floor_cost.items())
-        options.append((not had_before, layout.rank, -slack, host, lane, floor_cost))
+        options.append((not had_before, rank(layout), -slack, host, lane, floor_cost))
     if not options:
         return False, why
     options.sort(key=lambda o: o[:4])
@@ -372,13 +382,28 @@ def _host_plan(
         budget_gpus=draft.budget_gpus,
         planned_by="",
     )
-    if comparable == draft:
+    if _asked(comparable) == _asked(draft):
         return (
             prev
             if prev.config_revision == config_revision
             else msgspec.structs.replace(prev, config_revision=config_revision)
         )
     return msgspec.structs.replace(draft, plan_revision=prev.plan_revision + 1)
+
+
+def _asked(plan: HostPlan) -> HostPlan:
+    """The plan without what follows from the rest of it (each lane's layout, each device's
+    backend): a plan an older planner wrote, which lacks them, asks for the same."""
+    lanes = tuple(
+        msgspec.structs.replace(
+            s, layout=None,
+            memory=msgspec.structs.replace(
+                s.memory, devices=tuple(msgspec.structs.replace(d, backend="") for d in s.memory.devices)
+            ),
+        )
+        for s in plan.lanes
+    )  # fmt: skip
+    return msgspec.structs.replace(plan, lanes=lanes)
 
 
 def _keep_stable(
@@ -425,21 +450,14 @@ def _same_shape(spec: LaneSpec, lane: _Lane, has_kv_unified: bool = True) -> boo
 
 
 def _n_gpu_layers(lane: _Lane) -> int:
-    if not lane.layout.gpus:
-        return 0
-    n = lane.layout.n_gpu_layers
-    return lane.facts.n_layer + 1 if n is None else n
+    """-ngl as the spec carries it (the wire's int)."""
+    return ngl_count(lane.layout.n_gpu_layers, lane.facts.n_layer) if lane.layout.gpus else 0
 
 
 def _spec(report: HostReport, config: FleetConfig, lane: _Lane) -> LaneSpec:
     caps = report.server
     memory = lane.memory(lane.window, report, config.n_ubatch)
-    gpus = lane.layout.gpus
-    names = tuple(report.gpus[g].device for g in gpus)
-    rpc = tuple(report.gpus[g].endpoint for g in gpus if report.gpus[g].endpoint)
-    if gpus and len(rpc) == len(gpus):
-        # llama-server numbers RPC devices in the order of its --rpc list: the lane's own servers
-        names = tuple(f"RPC{k}" for k in range(len(rpc)))
+    pins = pins_for(lane.layout, report)
     window_reason = f"window {lane.window} tokens per slot x {lane.persona.parallel} on {lane.device}: " + (
         "the ceiling" if lane.window == lane.ceiling else "the largest multiple of 256 that fits the budget"
     )
@@ -456,13 +474,12 @@ def _spec(report: HostReport, config: FleetConfig, lane: _Lane) -> LaneSpec:
         parallel=lane.persona.parallel,
         kv_unified=lane.persona.kv_unified and caps.has_kv_unified,
         n_gpu_layers=_n_gpu_layers(lane),
-        gpu_devices=gpus,
-        device_names=names if gpus and all(names) else (),
-        # Without device names one GPU is pinned by --split-mode none --main-gpu (all visible).
-        split_mode=None if not gpus or all(names) else ("none" if len(gpus) == 1 else "layer"),
-        main_gpu=gpus[0] if gpus and not all(names) and len(gpus) == 1 else None,
-        tensor_split=_split_arg(lane.layout, report, all(names)) if len(gpus) > 1 else (),
-        rpc_servers=rpc if gpus and len(rpc) == len(gpus) else (),
+        gpu_devices=pins.gpu_devices,
+        device_names=pins.device_names,
+        split_mode=pins.split_mode,
+        main_gpu=pins.main_gpu,
+        tensor_split=pins.tensor_split,
+        rpc_servers=pins.rpc_servers,
         cache_type_k=lane.flags.cache_type_k,
         cache_type_v=lane.flags.cache_type_v,
         flash_attn=lane.flags.flash_attn,
@@ -470,15 +487,8 @@ def _spec(report: HostReport, config: FleetConfig, lane: _Lane) -> LaneSpec:
         n_ubatch=config.n_ubatch,
         memory=memory,
         reasons=tuple(reasons),
+        layout=lane.layout,
     )
-
-
-def _split_arg(layout: Layout, report: HostReport, pinned: bool) -> tuple[int, ...]:
-    """-ts for the lane's devices (pinned by --device) or over every GPU, zero for the others."""
-    if pinned:
-        return layout.shares
-    shares = dict(zip(layout.gpus, layout.shares))
-    return tuple(shares.get(i, 0) for i in range(len(report.gpus)))
 
 
 def _assign_ports(

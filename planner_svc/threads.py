@@ -228,7 +228,7 @@ def with_threads(
 
 
 def _need(spec: LaneSpec, before: LaneSpec | None, caps: ServerCaps) -> ThreadNeed:
-    cpu = [d for d in spec.memory.devices if d.device == "CPU"]
+    cpu = [d for d in spec.memory.devices if d.index < 0]
     on_gpu = bool(spec.gpu_devices) and (all(d.layers == 0 for d in cpu) if spec.memory.devices else True)
     work = sum(d.model_bytes for d in cpu) if spec.memory.devices else spec.memory.weights_bytes
     previous = None

@@ -129,7 +129,7 @@ def read_model_facts(path: str | os.PathLike[str]) -> ModelFacts:
 
 
 # ggml types the CPU backend's repack kernels take (ggml-cpu/repack.cpp); which of them a
-# given CPU repacks is the host's business (shared.device_memory.repack_rule).
+# given CPU repacks is the host's business (shared.memory.cpu_repack.repack_rule).
 _REPACK_TYPES = {"Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "IQ4_NL", "MXFP4", "Q8_0", "Q1_0"}
 _INPUT_TENSORS = ("token_embd.", "token_embd_norm.", "token_types.", "position_embd.")
 _OUTPUT_TENSORS = ("output.", "output_norm.", "cls.", "cls_out.")

@@ -25,6 +25,10 @@ Device = Literal["cpu", "gpu"]
 LaneState = Literal["starting", "loading", "healthy", "unresponsive", "mismatch", "crashed", "failed", "stopped"]
 FailureKind = Literal["oom", "unsupported", "over_plan", "crash_loop", "port_busy", "unresponsive", "other"]
 HostState = Literal["live", "lost"]
+# Layers a lane offloads: a count, or every block and the output layer. The wire's
+# LaneSpec.n_gpu_layers stays the int -ngl gets (shared.memory.placement.ngl_count).
+NGpuLayers = Annotated[int, msgspec.Meta(ge=0)] | Literal["all"]
+LayoutKind = Literal["gpu", "split", "partial", "cpu"]
 
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Bytes = Annotated[int, msgspec.Meta(ge=0)]
@@ -244,6 +248,18 @@ class DeviceMemory(msgspec.Struct, frozen=True, kw_only=True):
     output_bytes: Bytes = 0
     recurrent_bytes: Bytes = 0
     layers: int = 0  # layers (blocks and output) assigned here
+    # The lane's device: -1 host RAM, k the k-th GPU-type device in llama-server's order for the
+    # lane (LaneSpec.gpu_devices[k] on the host). Read this, never the name.
+    index: int = -1
+    backend: str = ""  # "cpu" for host RAM; cuda, rocm, metal, rpc, vulkan; "" not known
+
+    def __post_init__(self) -> None:
+        # Written by an older lanes (no index, no backend): the name is all there is.
+        if self.device == "CPU":
+            if not self.backend:
+                msgspec.structs.force_setattr(self, "backend", "cpu")
+        elif self.index < 0 and self.device[3:].isdigit():
+            msgspec.structs.force_setattr(self, "index", int(self.device[3:]))
 
     @property
     def total(self) -> int:
@@ -265,6 +281,16 @@ class MemoryBreakdown(msgspec.Struct, frozen=True, kw_only=True):
     total_bytes: Bytes = 0
     # Per device (CPU first); the totals above are their sums plus the process overhead.
     devices: tuple[DeviceMemory, ...] = ()
+
+
+class LaneLayout(msgspec.Struct, frozen=True):
+    """Where a lane runs on its host, as the planner chose it (the fastest that fit): one GPU
+    whole, split over several, partial offload, or the CPU. A replan starts from it."""
+
+    kind: LayoutKind = "cpu"
+    gpus: tuple[int, ...] = ()  # host GPU indices, llama-server order
+    shares: tuple[int, ...] = ()  # tensor split (MiB of free VRAM) when more than one GPU
+    n_gpu_layers: NGpuLayers = 0
 
 
 class LaneSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -302,6 +328,8 @@ class LaneSpec(msgspec.Struct, frozen=True, kw_only=True):
     poll: Annotated[int, msgspec.Meta(ge=0, le=100)] | None = None
     args: tuple[str, ...] = ()
     reasons: tuple[str, ...] = ()
+    # The layout the device fields above were rendered from (None: an older planner wrote the spec).
+    layout: LaneLayout | None = None
 
 
 class Unplaced(msgspec.Struct, frozen=True, kw_only=True):

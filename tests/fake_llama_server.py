@@ -31,8 +31,9 @@ Behaviour knobs (environment):
   FAKE_LLAMA_LOG_PREFIX=0      drop the `0.00.153.786 I ` time/level prefix of log lines
                                (new builds print it; old builds never do)
   FAKE_LLAMA_RECORD_TO=FILE    (recording only) a shape with no record is appended to FILE
-                               and served from shared.memory, so record_llama_figures.py can
-                               then measure it with the real binary
+                               and served from shared.memory's model (its KV caches and CPU
+                               compute buffer), so record_llama_figures.py can then measure
+                               it with the real binary
 Also honoured like the real binary: LLAMA_ARG_{MODEL,ALIAS,HOST,PORT,CTX_SIZE,N_PARALLEL,
 N_GPU_LAYERS,CACHE_TYPE_K,CACHE_TYPE_V,FLASH_ATTN} (the command line wins).
 """
@@ -651,26 +652,6 @@ class Server6(Server):
 # ---------------------------------------------------------------------------- startup
 
 
-def _kv_groups(facts, kv, type_k: str, type_v: str) -> list[tuple[str, int, int, int, int]]:
-    """(name, cells, layers, k_bytes, v_bytes) per KV cache: the full one, then the SWA one."""
-    from shared.memory import row_bytes
-
-    recurrent = facts.recurrent_layers or (False,) * facts.n_layer
-    groups = {"base": [kv.cells, 0, 0, 0], "swa": [kv.swa_cells, 0, 0, 0]}
-    for layer in range(facts.n_layer):
-        n_kv = facts.n_head_kv[layer]
-        if n_kv == 0 or recurrent[layer]:
-            continue
-        g = groups["swa" if kv.swa_cells and facts.swa_layers[layer] else "base"]
-        g[1] += 1
-        g[2] += row_bytes(type_k, facts.head_dim_k * n_kv) * g[0] * kv.streams
-        if not facts.is_mla:
-            g[3] += row_bytes(type_v, facts.head_dim_v * n_kv) * g[0] * kv.streams
-    out = [(name, *vals) for name, vals in groups.items() if vals[1]]
-    assert sum(g[3] for g in out) == kv.k_bytes and sum(g[4] for g in out) == kv.v_bytes
-    return out
-
-
 FIGURES = Path(__file__).with_name("llama_figures.json")
 _SHAPE_FACTS = ("architecture", "n_layer", "n_embd", "n_head", "n_head_kv", "head_dim_k", "head_dim_v",
                 "n_ctx_train", "n_vocab", "n_ff", "n_swa", "swa_layers", "is_mla", "recurrent_layers",
@@ -750,17 +731,20 @@ def _other_context(table: dict, key: str) -> dict | None:
     return {"n_ctx": cells * streams, "n_ctx_seq": cells, "kv": groups, "compute_mib": fig["compute_mib"]}
 
 
-def _computed_figures(facts, kv, type_k, type_v, fa, n_ubatch, n_slots) -> dict:
-    """Recording mode only: the memory model's figures, so a test run can reach every shape."""
-    from shared.memory import compute_bytes
+def _computed_figures(facts, *, swa_full: bool, **shape) -> dict:
+    """Recording mode only: the memory model's figures (its KV caches and its CPU compute buffer,
+    shared.memory), so a test run can reach every shape until the real binary's are recorded."""
+    from shared.memory import LaneShape, kv_caches, kv_size, lane_memory
 
-    groups = _kv_groups(facts, kv, type_k, type_v)
+    lane = LaneShape(**shape)
+    kv = kv_size(facts, ctx=lane.ctx, parallel=lane.parallel, kv_unified=lane.kv_unified, type_k=lane.type_k,
+                 type_v=lane.type_v, n_ubatch=lane.n_ubatch, swa_full=swa_full)  # fmt: skip
     return {
         "n_ctx": kv.cells * kv.streams,
         "n_ctx_seq": kv.ctx_per_slot,
-        "kv": [{"swa": name == "swa", "cells": cells, "layers": layers, "seqs": f"{n_slots:2d}/{kv.streams} seqs",
-                "k_mib": k / MIB, "v_mib": v / MIB} for name, cells, layers, k, v in groups],
-        "compute_mib": compute_bytes(facts, cells=kv.cells, n_ubatch=n_ubatch, flash_attn=fa == "on") / MIB,
+        "kv": [{"swa": c.swa, "cells": c.cells, "layers": c.layers, "seqs": f"{lane.parallel:2d}/{kv.streams} seqs",
+                "k_mib": c.k_bytes / MIB, "v_mib": c.v_bytes / MIB} for c in kv_caches(kv)],
+        "compute_mib": lane_memory(facts, lane).devices[0].compute_bytes / MIB,
     }
 
 
@@ -845,7 +829,7 @@ def main(argv: list[str]) -> None:
     model_path = params["model"] or ""
     log("I", f"srv    load_model: loading model '{model_path}'")
     from shared.gguf_facts import read_model_facts
-    from shared.memory import MemoryModelError, kv_size, pad
+    from shared.memory import MemoryModelError, pad
 
     try:
         facts = read_model_facts(model_path)
@@ -910,13 +894,12 @@ def main(argv: list[str]) -> None:
     fig = recorded_figures(shape, argv, model_path)
     if fig is None:
         try:  # recording mode only: serve the model's figures until the real binary's are recorded
-            kv = kv_size(facts, ctx=pad(ctx), parallel=n_slots, kv_unified=kv_unified or OLD, type_k=type_k,
-                         type_v=type_v, layout="streams", n_ubatch=params["n_ubatch"],
-                         swa_full=bool(params["swa_full"]) or OLD)
+            fig = _computed_figures(facts, ctx=pad(ctx), parallel=n_slots, kv_unified=kv_unified or OLD,
+                                    type_k=type_k, type_v=type_v, flash_attn=fa == "on", n_ubatch=params["n_ubatch"],
+                                    swa_full=bool(params["swa_full"]) or OLD)  # fmt: skip
         except MemoryModelError as exc:
             _fail_load(model_path, f"llama_init_from_model: failed to initialize the context: {exc}",
                        f"common_init_from_params: failed to create context with model '{model_path}'")
-        fig = _computed_figures(facts, kv, type_k, type_v, fa, params["n_ubatch"], n_slots)
     if fig.get("error"):  # the real binary refused this shape: say what it said
         _fail_load(model_path, *fig["error"])
     n_ctx = fig["n_ctx"]

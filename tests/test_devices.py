@@ -11,10 +11,9 @@ import gguf
 import pytest
 from tinymodels import write_llama
 
-from shared.device_memory import LaneShape, lane_memory, repack_rule
 from shared.gguf_facts import FactsCache, read_model_facts, scan_models
 from shared.gguf_scan import read_header
-from shared.placement import CPU, PlacementError, normalised_splits, place
+from shared.memory import CPU, LaneShape, PlacementError, lane_memory, ngl_count, normalised_splits, place, repack_rule
 
 MIB = 2**20
 
@@ -32,25 +31,33 @@ def test_ngl_offloads_the_output_layer_first():
 
 
 def test_ngl_all_and_none():
-    assert place(8, None, (1.0,)).offloaded == 9
+    assert place(8, "all", (1.0,)).offloaded == 9
     assert place(8, 99, (1.0,)).offloaded == 9
     assert place(8, 0, (1.0,)).offloaded == 0
-    assert place(8, None, ()).offloaded == 0  # no GPU-type device: all on the CPU
+    assert place(8, "all", ()).offloaded == 0  # no GPU-type device: all on the CPU
+
+
+def test_ngl_is_a_count_or_all():
+    # "all" is the only word for every layer inside lanes: no None, no -1
+    assert ngl_count("all", 8) == 9 and ngl_count(5, 8) == 5
+    for bad in (-1, None, "auto"):
+        with pytest.raises(PlacementError, match="n-gpu-layers"):
+            place(8, bad, (1.0,))
 
 
 def test_split_boundary_goes_to_the_next_device():
     # 9 layers over 3:1 -> cumulative 0.75, 1.0; layer il goes where splits > il/9
-    p = place(8, None, (3.0, 1.0))
+    p = place(8, "all", (3.0, 1.0))
     assert p.layer_device == (0, 0, 0, 0, 0, 0, 0, 1, 1)
     # equal split of 4 layers: 0.5 boundary: il/4 = 0.5 is not < 0.5 -> device 1
-    assert place(3, None, (1.0, 1.0)).layer_device == (0, 0, 1, 1)
+    assert place(3, "all", (1.0, 1.0)).layer_device == (0, 0, 1, 1)
 
 
 def test_zero_share_device_gets_nothing_and_split_none_uses_main_gpu():
-    assert 1 not in place(8, None, (1.0, 0.0, 1.0)).layer_device
-    assert set(place(8, None, (1.0, 1.0, 1.0), split_mode="none", main_gpu=2).layer_device) == {2}
+    assert 1 not in place(8, "all", (1.0, 0.0, 1.0)).layer_device
+    assert set(place(8, "all", (1.0, 1.0, 1.0), split_mode="none", main_gpu=2).layer_device) == {2}
     with pytest.raises(PlacementError):
-        place(8, None, (1.0, 1.0), split_mode="none", main_gpu=5)
+        place(8, "all", (1.0, 1.0), split_mode="none", main_gpu=5)
 
 
 def test_splits_are_float32_like_llama_cpp():
@@ -115,7 +122,7 @@ def test_weights_per_device_add_up_to_the_file(llama8):
     # the whole mapped range of the file; an f16 model has nothing to repack
     layers = llama8.layer_weights
     assert cpu.devices[0].model_bytes == max(lw.end for lw in layers) - min(lw.first for lw in layers)
-    split = lane_memory(llama8, LaneShape(ctx=4096, n_gpu_layers=None, devices=("rpc", "rpc"), tensor_split=(1, 1)))
+    split = lane_memory(llama8, LaneShape(ctx=4096, n_gpu_layers="all", devices=("rpc", "rpc"), tensor_split=(1, 1)))
     by = {d.device: d for d in split.devices}
     blocks = {lw.layer: lw.bytes for lw in layers}
     assert by["CPU"].model_bytes == blocks[-1]  # token embeddings only
@@ -134,9 +141,24 @@ def test_kv_follows_layers_and_nkvo_keeps_it_on_the_host(llama8):
     assert nkvo["GPU0"].kv_bytes == 0 and nkvo["CPU"].kv_bytes == 8 * per_layer
 
 
+def test_devices_carry_their_index_and_backend(llama8):
+    split = lane_memory(llama8, LaneShape(ctx=4096, n_gpu_layers="all", devices=("cuda", "rpc"), tensor_split=(1, 1)))
+    assert [(d.device, d.index, d.backend) for d in split.devices] == [
+        ("CPU", -1, "cpu"), ("GPU0", 0, "cuda"), ("GPU1", 1, "rpc")
+    ]
+
+
+def test_a_given_placement_is_the_one_used(llama8):
+    shape = LaneShape(ctx=4096, n_gpu_layers=5, devices=("rpc",))
+    placed = place(llama8.n_layer, 5, (1.0,), backends=("rpc",))
+    assert lane_memory(llama8, LaneShape(ctx=4096), placement=placed) == lane_memory(llama8, shape)
+    with pytest.raises(PlacementError):
+        lane_memory(llama8, shape, placement=place(llama8.n_layer + 1, 5, (1.0,)))
+
+
 def test_cuda_pins_cpu_weights_and_pads_rows(llama8):
-    rpc = {d.device: d for d in lane_memory(llama8, LaneShape(ctx=4096, n_gpu_layers=None, devices=("rpc",))).devices}
-    cuda = {d.device: d for d in lane_memory(llama8, LaneShape(ctx=4096, n_gpu_layers=None, devices=("cuda",))).devices}
+    rpc = {d.device: d for d in lane_memory(llama8, LaneShape(ctx=4096, n_gpu_layers="all", devices=("rpc",))).devices}
+    cuda = {d.device: d for d in lane_memory(llama8, LaneShape(ctx=4096, n_gpu_layers="all", devices=("cuda",))).devices}
     assert cuda["GPU0"].model_bytes >= rpc["GPU0"].model_bytes
 
 

@@ -23,9 +23,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 from device_bench import Case, run_case  # noqa: E402
 
 from lanes.install_rpc import rpc_bin_dir  # noqa: E402
-from shared.llama.logs import parse_buffers  # noqa: E402
-from shared.device_memory import placement_for  # noqa: E402
 from shared.gguf_facts import read_model_facts  # noqa: E402
+from shared.llama.logs import parse_buffers  # noqa: E402
+from shared.memory import placement_for  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -73,11 +73,11 @@ def _check(rpc_bin, endpoints, model: Path, case: Case) -> None:
 
 SYNTHETIC_CASES = [
     Case(4096, 1, "on", "f16", 0, 0),
-    Case(8192, 1, "off", "f16", None, 1),
+    Case(8192, 1, "off", "f16", "all", 1),
     Case(8192, 4, "on", "q8_0", 3, 1),
-    Case(4096, 2, "on", "q4_0", None, 2, (3.0, 1.0)),
+    Case(4096, 2, "on", "q4_0", "all", 2, (3.0, 1.0)),
     Case(16384, 1, "off", "f16", 4, 2),
-    Case(8192, 3, "on", "q8_0", None, 3, (1.0, 2.0, 1.0)),
+    Case(8192, 3, "on", "q8_0", "all", 3, (1.0, 2.0, 1.0)),
 ]
 
 
@@ -90,7 +90,7 @@ def test_synthetic_large_vocab_per_device(rpc_bin, endpoints, big_vocab_models, 
 GEMMA_CASES = [
     Case(32768, 1, "on", "f16", 0, 0),
     Case(2048, 1, "off", "f16", 10, 1),  # partial: output + 9 blocks on GPU0, tied output duplicated there
-    Case(32768, 4, "on", "q8_0", None, 2, (1.0, 1.0)),
+    Case(32768, 4, "on", "q8_0", "all", 2, (1.0, 1.0)),
     Case(8192, 2, "on", "q4_0", 12, 3, (2.0, 1.0, 1.0)),
 ]
 

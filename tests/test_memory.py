@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 
 from shared.gguf_facts import read_model_facts
-from shared.memory import MemoryModelError, estimate, kv_cells, kv_size, row_bytes
+from planner_svc.layouts import with_layers
+from shared.memory import LaneShape, MemoryModelError, kv_caches, kv_cells, kv_size, lane_memory, row_bytes
 from shared.messages import ModelFacts
 
 MIB = 2**20
@@ -103,14 +104,39 @@ def test_quantized_ratios_are_not_2x_and_4x(llama8):
     assert f16 != 2 * q8
 
 
-def test_estimate_adds_up(llama8):
-    mem = estimate(llama8, ctx=32768, type_k="q8_0", type_v="q8_0", flash_attn=True)
+def test_lane_memory_adds_up(llama8):
+    mem = lane_memory(llama8, LaneShape(ctx=32768, type_k="q8_0", type_v="q8_0", flash_attn=True))
     assert mem.kv_bytes == 272 * MIB
     assert mem.kv_k_bytes + mem.kv_v_bytes == mem.kv_bytes
-    assert mem.weights_bytes == llama8.weight_bytes
     assert mem.overhead_bytes == 32 * 2**20
-    assert mem.total_bytes == mem.weights_bytes + mem.kv_bytes + mem.recurrent_bytes + mem.compute_bytes + mem.overhead_bytes
-    assert mem.compute_bytes > 0 and mem.compute_bytes % MIB == 0
+    assert mem.total_bytes == mem.weights_bytes + mem.kv_bytes + mem.recurrent_bytes + mem.compute_bytes + sum(
+        d.output_bytes for d in mem.devices
+    ) + mem.overhead_bytes
+    assert mem.compute_bytes > 0
+
+
+# ------------------------------------------------------------------ one per-layer figure, every total its sum
+
+
+def test_every_total_is_the_sum_of_the_layers(gemma3):
+    kv = kv_size(gemma3, ctx=8192, parallel=2, type_k="q8_0", type_v="f16")
+    assert len(kv.layers) == gemma3.n_layer
+    assert kv.k_bytes == sum(lk.k_bytes for lk in kv.layers)
+    assert kv.v_bytes == sum(lk.v_bytes for lk in kv.layers)
+    # gemma3 tiny: 2 KV heads x 64; q8_0 K row 136 bytes, f16 V row 256; 5 SWA layers then one full
+    swa = kv.layers[0]
+    assert (swa.swa, swa.cells, swa.k_bytes, swa.v_bytes) == (True, 1024, 136 * 1024 * 2, 256 * 1024 * 2)
+    assert not kv.layers[5].swa and kv.layers[5].cells == 4096
+    caches = kv_caches(kv)
+    assert [(c.swa, c.cells, c.layers) for c in caches] == [(False, 4096, 1), (True, 1024, 5)]
+    assert sum(c.total for c in caches) == kv.total
+
+
+def test_layers_without_a_cache_count_zero():
+    facts = _facts(n_layer=4, n_head_kv=(8, 0, 8, 8), recurrent_layers=(False, False, True, False))
+    kv = kv_size(facts, ctx=1024)
+    assert [lk.k_bytes > 0 for lk in kv.layers] == [True, False, False, True]
+    assert kv_caches(kv)[0].layers == 2
 
 
 # ------------------------------------------------------------------ row sizes
@@ -155,7 +181,7 @@ def test_context_below_256_is_an_error(ctx):
     with pytest.raises(MemoryModelError):
         kv_size(_facts(), ctx=ctx)
     with pytest.raises(MemoryModelError):
-        estimate(_facts(), ctx=ctx)
+        lane_memory(with_layers(_facts()), LaneShape(ctx=ctx))
 
 
 def test_context_256_is_fine():
@@ -347,6 +373,6 @@ def test_recurrent_layers_hold_no_kv_and_fixed_state():
     )
     kv = kv_size(facts, ctx=4096)
     assert kv.total == 4096 * 2 * 2 * (512 // 32) * 64  # two attention layers, K+V
-    small = estimate(facts, ctx=4096, parallel=2)
-    large = estimate(facts, ctx=65536, parallel=2)
+    small = lane_memory(with_layers(facts), LaneShape(ctx=4096, parallel=2))
+    large = lane_memory(with_layers(facts), LaneShape(ctx=65536, parallel=2))
     assert small.recurrent_bytes == large.recurrent_bytes == 2_000_000

@@ -146,10 +146,10 @@ def device_use(lanes, report: HostReport) -> tuple[int, list[int]]:
     for lane in lanes:
         used_ram += lane.memory.overhead_bytes
         for d in lane.memory.devices:
-            if d.device == "CPU":
+            if d.index < 0:
                 used_ram += d.total
             else:
-                g = lane.gpu_devices[int(d.device[3:])]
+                g = lane.gpu_devices[d.index]
                 used_gpu[g] += d.total + GPU_CONTEXT_BYTES.get(report.gpus[g].backend, 0)
                 used_ram += d.total if report.gpus[g].unified else 0
     return used_ram, used_gpu

@@ -6,15 +6,16 @@ from __future__ import annotations
 import msgspec
 from test_planner import GIB, check_invariants, device_use, host, llama_8b, only_lane, window
 
-from planner_svc.layouts import GPU_CONTEXT_BYTES, Layout, cost_vector
+from planner_svc.layouts import GPU_CONTEXT_BYTES, DevicePins, Layout, cost_vector, pins_for
 from planner_svc.planner import plan
-from shared.messages import Demand, FleetConfig, GpuInfo, HostReport, Persona
+from shared.messages import Demand, FleetConfig, GpuInfo, HostPlan, HostReport, LaneLayout, Persona
 
 MIB = 2**20
 
 
 def gpu(i: int, total: float, free: float, **kw) -> GpuInfo:
-    return GpuInfo(name=f"gpu{i}", vram_total=int(total * GIB), vram_free=int(free * GIB), device=f"CUDA{i}", **kw)
+    kw.setdefault("device", f"CUDA{i}")
+    return GpuInfo(name=f"gpu{i}", vram_total=int(total * GIB), vram_free=int(free * GIB), **kw)
 
 
 def arg(lane, flag):
@@ -110,6 +111,70 @@ def _next_report(report: HostReport, fleet, others_vram: int) -> HostReport:
         for i, g in enumerate(report.gpus)
     )
     return msgspec.structs.replace(report, gpus=gpus, lanes_rss=ram_held, ram_available=report.ram_total // 2 - ram_held)
+
+
+def _as_an_older_planner_wrote_it(hp: HostPlan) -> HostPlan:
+    """The plan without the fields added since (the lane's layout, each device's backend and index)."""
+    raw = msgspec.to_builtins(hp)
+    for lane in raw["lanes"]:
+        del lane["layout"]
+        for d in lane["memory"]["devices"]:
+            del d["backend"], d["index"]
+    return msgspec.convert(raw, HostPlan)
+
+
+def test_the_layout_rides_in_the_spec_and_a_replan_reads_it():
+    from planner_svc import planner as p
+
+    whole = host(gpus=(gpu(0, 8, 7), gpu(1, 24, 23)))
+    split = host(gpus=(gpu(0, 5, 4.2), gpu(1, 5, 3.8)))
+    partial = host(gpus=(gpu(0, 3, 2.5),))
+    cpu = host(gpus=(gpu(0, 1, 0.3),))
+    seen = set()
+    for report in (whole, split, partial, cpu):
+        hp = plan([report], FleetConfig()).hosts[0]
+        lane = hp.lanes[0]
+        layout = lane.layout
+        assert isinstance(layout, LaneLayout) and layout.gpus == lane.gpu_devices
+        assert (layout.n_gpu_layers == "all") == (layout.kind in ("gpu", "split"))
+        assert lane.n_gpu_layers == (33 if layout.n_gpu_layers == "all" else layout.n_gpu_layers)  # the wire's int
+        seen.add(layout.kind)
+        assert p._previous_layout(hp, lane.lane_id) == layout
+        # a plan from an older planner carries no layout: rebuilt from the device fields, the same one
+        old = _as_an_older_planner_wrote_it(hp)
+        assert old.lanes[0].layout is None
+        assert p._previous_layout(old, lane.lane_id) == layout
+        # ... and a replan that asks for the same keeps it, revision and all
+        again = plan([report], FleetConfig(), previous={hp.host_id: old}).hosts[0]
+        assert again.plan_revision == old.plan_revision and again.lanes[0].args == lane.args
+    assert seen == {"gpu", "split", "partial", "cpu"}
+
+
+def test_device_indices_are_read_from_the_buffers_not_their_names():
+    report = host(gpus=(gpu(0, 5, 4.2, backend="rocm"), gpu(1, 5, 3.8, backend="rocm")))
+    lane = only_lane(plan([report], FleetConfig()))
+    assert [(d.index, d.backend) for d in lane.memory.devices] == [(-1, "cpu"), (0, "rocm"), (1, "rocm")]
+    old = _as_an_older_planner_wrote_it(plan([report], FleetConfig()).hosts[0]).lanes[0]
+    assert [d.index for d in old.memory.devices] == [-1, 0, 1]  # read from an older planner's names
+
+
+def test_pins_for_each_kind_of_host():
+    named = host(gpus=(gpu(0, 8, 7), gpu(1, 8, 7), gpu(2, 8, 7)))
+    assert pins_for(Layout("cpu"), named) == DevicePins()
+    assert pins_for(Layout("gpu", (1,), (), "all"), named) == DevicePins(gpu_devices=(1,), device_names=("CUDA1",))
+    assert pins_for(Layout("split", (0, 2), (3, 1), "all"), named) == DevicePins(
+        gpu_devices=(0, 2), device_names=("CUDA0", "CUDA2"), tensor_split=(3, 1)
+    )
+    unnamed = host(gpus=tuple(gpu(i, 8, 7, device="") for i in range(3)))
+    assert pins_for(Layout("gpu", (2,), (), "all"), unnamed) == DevicePins(gpu_devices=(2,), split_mode="none",
+                                                                            main_gpu=2)  # fmt: skip
+    assert pins_for(Layout("partial", (0, 2), (3, 1), 10), unnamed) == DevicePins(
+        gpu_devices=(0, 2), tensor_split=(3, 0, 1), split_mode="layer"
+    )  # -ts over every visible GPU, zero for the one not used
+    rpc = host(gpus=tuple(gpu(i, 2, 2, backend="rpc", device=f"RPC{i}[h:{i}]", endpoint=f"h:{i}") for i in range(3)))
+    assert pins_for(Layout("split", (1, 2), (1, 1), "all"), rpc) == DevicePins(
+        gpu_devices=(1, 2), device_names=("RPC0", "RPC1"), tensor_split=(1, 1), rpc_servers=("h:1", "h:2")
+    )  # the lane's own --rpc list numbers its devices
 
 
 def test_steady_inputs_never_alternate_layouts_over_many_cycles():

@@ -54,7 +54,7 @@ def device_lines(spec, printed_devices=()) -> list[str]:
     out = []
     for d in spec.memory.devices:
         r = printed.get(d.device)
-        where = d.device if d.device == "CPU" or not spec.gpu_devices else f"{d.device} (host gpu {spec.gpu_devices[int(d.device[3:])]})"
+        where = d.device if d.index < 0 or not spec.gpu_devices else f"{d.device} (host gpu {spec.gpu_devices[d.index]})"
         out.append(
             f"  {spec.lane_id} {where}: layers {d.layers}, MiB planned/printed: model {pair(d.model_bytes, r and r.model_bytes)}"
             f", kv {pair(d.kv_bytes, r and r.kv_bytes)}, compute {pair(d.compute_bytes, r and r.compute_bytes)}"

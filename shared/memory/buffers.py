@@ -1,7 +1,8 @@
 """Every buffer llama-server allocates for a lane, on the device where it lands. Pure.
 
-The trip is facts -> placement (shared.placement) -> per-device sizes (here). What each
-buffer is, from the b11434 source and checked against the binary's -lv 4 lines:
+The last room of a lane's memory: layout -> placement (shared.memory.placement) ->
+buffers (here); `lane_memory` is the one function that builds a MemoryBreakdown. What
+each buffer is, from the b11434 source and checked against the binary's -lv 4 lines:
 
 - model: the CPU maps the file range of its layers (token embeddings always among them:
   `CPU_Mapped`), plus a `CPU_REPACK` copy of the matrices its kernels repack. A GPU holds
@@ -9,9 +10,13 @@ buffer is, from the b11434 source and checked against the binary's -lv 4 lines:
   to 128) and, for tied embeddings, a duplicate of token_embd when it holds the output
   layer. With a CUDA device the CPU's weights sit in pinned `CUDA_Host` memory: a copy,
   not a mapping, and no repacking.
-- KV: each layer's K and V on its layer's device (all on the CPU with -nkvo).
+- KV: each layer's K and V (shared.memory.kv.layer_kv) on its layer's device (all on the
+  CPU with -nkvo).
 - output: logits for n_vocab x parallel floats, in host memory.
 - compute: see compute_bytes.
+- recurrent: each recurrent layer's share of the per-sequence state, on its layer's device.
+
+Each per-device list has the host's RAM at index 0, then each GPU-type device of the lane.
 """
 
 from __future__ import annotations
@@ -19,13 +24,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shared.memory import (
-    DEFAULT_N_UBATCH,
-    PROCESS_OVERHEAD,
-    KvSize,
-    MemoryModelError,
-    kv_size,
-    row_bytes,
+from shared.memory.cpu_repack import repack_rule
+from shared.memory.kv import DEFAULT_N_UBATCH, MIB, KvSize, MemoryModelError, kv_size
+from shared.memory.placement import (
+    CPU,
+    NglRule,
+    Placement,
+    PlacementError,
+    SplitMode,
+    place,
 )
 from shared.messages import (
     DeviceMemory,
@@ -33,20 +40,19 @@ from shared.messages import (
     LayerWeights,
     MemoryBreakdown,
     ModelFacts,
+    NGpuLayers,
 )
-from shared.placement import CPU, NglRule, Placement, PlacementError, SplitMode, place
 
-# x86 with AVX2 (ggml-cpu/repack.cpp ggml_repack_get_optimal_repack_type): type -> row multiple.
-AVX2_REPACK = ("Q4_0:8", "Q4_K:8", "IQ4_NL:8", "MXFP4:8")
-AVX512_REPACK = (*AVX2_REPACK, "Q2_K:8")
-NEON_I8MM_REPACK = ("Q4_0:4", "Q4_K:8", "Q5_K:8", "Q6_K:8", "IQ4_NL:4", "MXFP4:4", "Q8_0:4", "Q1_0:4")
-NEON_DOTPROD_REPACK = NEON_I8MM_REPACK
+# What a llama-server process holds beyond its buffers (runtime, libraries, HTTP server):
+# measured 20-23 MiB of RSS above weights + KV on CPU builds (bench/results.md).
+PROCESS_OVERHEAD = 32 * MIB
 PINNED_HOST_BACKENDS = frozenset({"cuda", "rocm"})  # their host buffer type comes first for CPU weights
 
 
 @dataclass(frozen=True)
 class LaneShape:
-    """What a lane's memory depends on, apart from the model."""
+    """What a lane's memory depends on, apart from the model. The device fields (n_gpu_layers
+    to ngl_rule) place the layers when the caller gives lane_memory no placement of its own."""
 
     ctx: int
     parallel: int = 1
@@ -56,7 +62,7 @@ class LaneShape:
     flash_attn: bool = False
     layout: KvLayout = "streams"
     n_ubatch: int = DEFAULT_N_UBATCH
-    n_gpu_layers: int | None = 0  # None: all
+    n_gpu_layers: NGpuLayers = 0
     tensor_split: tuple[float, ...] = ()  # one share per device; () with devices: equal shares
     devices: tuple[str, ...] = ()  # backend of each GPU-type device in llama-server's order: cuda, rpc, metal
     split_mode: SplitMode = "layer"
@@ -65,25 +71,14 @@ class LaneShape:
     ngl_rule: NglRule = "output_first"
 
 
-def repack_rule(cpu_repack: Sequence[str] | None) -> dict[str, int]:
-    """{"Q4_K": 8, ...} from a host's report (None: assume x86 AVX2)."""
-    rule = {}
-    for item in AVX2_REPACK if cpu_repack is None else cpu_repack:
-        name, _, rows = item.partition(":")
-        rule[name] = int(rows or 1)
-    return rule
-
-
 def placement_for(facts: ModelFacts, shape: LaneShape) -> Placement:
     n = len(shape.devices)
     if shape.tensor_split and len(shape.tensor_split) != n:
         raise PlacementError(f"tensor split has {len(shape.tensor_split)} shares for {n} device(s)")
-    if shape.n_gpu_layers is not None and shape.n_gpu_layers < -1:
-        raise PlacementError(f"--n-gpu-layers {shape.n_gpu_layers}: use a count, -1, 'all' or 'auto'")
     shares = shape.tensor_split or (1.0,) * n
     return place(
         facts.n_layer, shape.n_gpu_layers, shares, split_mode=shape.split_mode, main_gpu=shape.main_gpu,
-        rule=shape.ngl_rule,
+        rule=shape.ngl_rule, backends=shape.devices,
     )  # fmt: skip
 
 
@@ -97,11 +92,11 @@ def _repacked(lw: LayerWeights, rule: dict[str, int]) -> int:
     return sum(b for t, rows, b in lw.repack if t in rule and rows % rule[t] == 0)
 
 
-def model_bytes(facts: ModelFacts, placement: Placement, backends: Sequence[str], cpu_repack=None) -> list[int]:
-    """Weights per device: index 0 the CPU, then each GPU-type device."""
+def model_bytes(facts: ModelFacts, placement: Placement, cpu_repack: Sequence[str] | None = None) -> list[int]:
+    """Weights per device."""
     layers = _layers(facts)
     out = [0] * (1 + placement.n_devices)
-    pinned = any(b in PINNED_HOST_BACKENDS for b in backends)
+    pinned = any(b in PINNED_HOST_BACKENDS for b in placement.backends)
     rule = {} if pinned else repack_rule(cpu_repack)
     cpu_groups = [layers[-1]] if -1 in layers else []
     for il, dev in enumerate(placement.layer_device):
@@ -111,7 +106,7 @@ def model_bytes(facts: ModelFacts, placement: Placement, backends: Sequence[str]
         if dev == CPU:
             cpu_groups.append(lw)
         else:
-            out[1 + dev] += lw.cuda_bytes if backends[dev] in PINNED_HOST_BACKENDS else lw.bytes
+            out[1 + dev] += lw.cuda_bytes if placement.backend(dev) in PINNED_HOST_BACKENDS else lw.bytes
     if cpu_groups:
         if pinned:
             out[0] = sum(lw.bytes for lw in cpu_groups)
@@ -120,32 +115,22 @@ def model_bytes(facts: ModelFacts, placement: Placement, backends: Sequence[str]
             out[0] = mapped + sum(_repacked(lw, rule) for lw in cpu_groups if lw.layer >= 0)
     if facts.tied_output_bytes and placement.output_device != CPU:
         dev = placement.output_device
-        out[1 + dev] += facts.tied_output_cuda_bytes if backends[dev] in PINNED_HOST_BACKENDS else facts.tied_output_bytes
+        pinned_dev = placement.backend(dev) in PINNED_HOST_BACKENDS
+        out[1 + dev] += facts.tied_output_cuda_bytes if pinned_dev else facts.tied_output_bytes
     return out
 
 
-def kv_bytes(facts: ModelFacts, placement: Placement, shape: LaneShape) -> tuple[list[int], KvSize]:
-    kv = kv_size(
-        facts, ctx=shape.ctx, parallel=shape.parallel, kv_unified=shape.kv_unified, type_k=shape.type_k,
-        type_v=shape.type_v, layout=shape.layout, n_ubatch=shape.n_ubatch,
-    )  # fmt: skip
+def kv_bytes(kv: KvSize, placement: Placement, no_kv_offload: bool = False) -> list[int]:
+    """KV per device: each layer's K and V where its layer is (on the CPU with -nkvo)."""
     out = [0] * (1 + placement.n_devices)
-    recurrent = tuple(facts.recurrent_layers) + (False,) * facts.n_layer
-    swa = tuple(facts.swa_layers) + (False,) * facts.n_layer
-    for il in range(facts.n_layer):
-        n_kv = facts.n_head_kv[il]
-        if not n_kv or recurrent[il]:
-            continue
-        cells = kv.swa_cells if kv.swa_cells and swa[il] else kv.cells
-        size = row_bytes(shape.type_k, facts.head_dim_k * n_kv) * cells * kv.streams
-        if not facts.is_mla:
-            size += row_bytes(shape.type_v, facts.head_dim_v * n_kv) * cells * kv.streams
-        dev = CPU if shape.no_kv_offload else placement.layer_device[il]
-        out[1 + dev] += size
-    return out, kv
+    for il, lk in enumerate(kv.layers):
+        dev = CPU if no_kv_offload else placement.layer_device[il]
+        out[1 + dev] += lk.k_bytes + lk.v_bytes
+    return out
 
 
 def recurrent_per_device(facts: ModelFacts, placement: Placement, parallel: int) -> list[int]:
+    """Recurrent state per device: per sequence, whatever the context."""
     out = [0] * (1 + placement.n_devices)
     layers = [il for il, r in enumerate(facts.recurrent_layers) if r]
     if layers:
@@ -153,6 +138,11 @@ def recurrent_per_device(facts: ModelFacts, placement: Placement, parallel: int)
         for il in layers:
             out[1 + placement.layer_device[il]] += per_layer
     return out
+
+
+def output_bytes(facts: ModelFacts, placement: Placement, parallel: int) -> list[int]:
+    """The logits buffer: n_vocab floats per slot, in host memory."""
+    return [facts.n_vocab * parallel * 4] + [0] * placement.n_devices
 
 
 def compute_bytes(facts: ModelFacts, placement: Placement, shape: LaneShape, kv: KvSize) -> list[int]:
@@ -189,7 +179,7 @@ def compute_bytes(facts: ModelFacts, placement: Placement, shape: LaneShape, kv:
     cpu_has_layers = CPU in holders
     # llama_context: several devices, full offload, split by layer -> pipeline parallelism,
     # and ggml's scheduler keeps GGML_SCHED_MAX_COPIES (4) copies of each split's inputs.
-    pipeline = not cpu_has_layers and len(holders) > 1 and shape.split_mode == "layer" and not shape.no_kv_offload
+    pipeline = not cpu_has_layers and len(holders) > 1 and placement.split_mode == "layer" and not shape.no_kv_offload
     copies = 4 if pipeline else 1
     first_gpu = min((d for d in holders if d != CPU), default=None)
     for dev in holders:
@@ -219,17 +209,27 @@ def compute_bytes(facts: ModelFacts, placement: Placement, shape: LaneShape, kv:
     return out
 
 
-def lane_memory(facts: ModelFacts, shape: LaneShape, cpu_repack: Sequence[str] | None = None) -> MemoryBreakdown:
-    placement = placement_for(facts, shape)
-    backends = shape.devices
-    model = model_bytes(facts, placement, backends, cpu_repack)
-    kv_dev, kv = kv_bytes(facts, placement, shape)
+def lane_memory(
+    facts: ModelFacts, shape: LaneShape, cpu_repack: Sequence[str] | None = None, *, placement: Placement | None = None
+) -> MemoryBreakdown:
+    """A lane's buffers per device. `placement`: the layers as the caller placed them (the
+    planner places its layouts); without one, the shape's device fields place them."""
+    if placement is None:
+        placement = placement_for(facts, shape)
+    elif placement.n_layer != facts.n_layer:
+        raise PlacementError(f"a placement of {placement.n_layer} layers for {facts.name} of {facts.n_layer}")
+    model = model_bytes(facts, placement, cpu_repack)
+    kv = kv_size(
+        facts, ctx=shape.ctx, parallel=shape.parallel, kv_unified=shape.kv_unified, type_k=shape.type_k,
+        type_v=shape.type_v, layout=shape.layout, n_ubatch=shape.n_ubatch,
+    )  # fmt: skip
+    kv_dev = kv_bytes(kv, placement, shape.no_kv_offload)
     recurrent = recurrent_per_device(facts, placement, shape.parallel)
     compute = compute_bytes(facts, placement, shape, kv)
-    output = [facts.n_vocab * shape.parallel * 4] + [0] * placement.n_devices
+    output = output_bytes(facts, placement, shape.parallel)
     devices = []
     for i in range(1 + placement.n_devices):
-        layers = placement.layers_on(CPU if i == 0 else i - 1)
+        dev = CPU if i == 0 else i - 1
         devices.append(
             DeviceMemory(
                 device="CPU" if i == 0 else f"GPU{i - 1}",
@@ -238,13 +238,14 @@ def lane_memory(facts: ModelFacts, shape: LaneShape, cpu_repack: Sequence[str] |
                 compute_bytes=compute[i],
                 output_bytes=output[i],
                 recurrent_bytes=recurrent[i],
-                layers=len(layers),
+                layers=len(placement.layers_on(dev)),
+                index=dev,
+                backend=placement.backend(dev),
             )
         )
     total = sum(d.total for d in devices) + PROCESS_OVERHEAD
-    on_gpu = placement.offloaded > 0
     return MemoryBreakdown(
-        device="gpu" if on_gpu else "cpu",
+        device="gpu" if placement.offloaded > 0 else "cpu",
         weights_bytes=sum(model),
         kv_bytes=kv.total,
         kv_k_bytes=kv.k_bytes,

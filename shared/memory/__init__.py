@@ -1,0 +1,67 @@
+"""One memory model of a llama-server lane, in three rooms walked once, in order:
+
+- kv: the KV cache, K and V of each layer for a shape (every KV total is their sum);
+- placement: which device each layer lands on (load_tensors' rule);
+- buffers: every buffer on every device (`lane_memory`, the one builder of a MemoryBreakdown);
+
+plus cpu_repack, the matrix types a CPU backend repacks (also read by hardware detection).
+"""
+
+from shared.memory.buffers import (
+    PINNED_HOST_BACKENDS,
+    PROCESS_OVERHEAD,
+    LaneShape,
+    compute_bytes,
+    kv_bytes,
+    lane_memory,
+    model_bytes,
+    output_bytes,
+    placement_for,
+    recurrent_per_device,
+)
+from shared.memory.cpu_repack import (
+    AVX2_REPACK,
+    AVX512_REPACK,
+    NEON_DOTPROD_REPACK,
+    NEON_I8MM_REPACK,
+    repack_rule,
+)
+from shared.memory.kv import (
+    BLOCK_BYTES,
+    BLOCK_VALUES,
+    CTX_PAD,
+    DEFAULT_N_UBATCH,
+    MIB,
+    QUANTIZED,
+    KvCache,
+    KvSize,
+    LayerKv,
+    MemoryModelError,
+    kv_caches,
+    kv_cells,
+    kv_size,
+    layer_kv,
+    pad,
+    row_bytes,
+    swa_cells_for,
+)
+from shared.memory.placement import (
+    CPU,
+    NglRule,
+    NGpuLayers,
+    Placement,
+    PlacementError,
+    SplitMode,
+    ngl_count,
+    normalised_splits,
+    place,
+)
+
+__all__ = [
+    "AVX2_REPACK", "AVX512_REPACK", "BLOCK_BYTES", "BLOCK_VALUES", "CPU", "CTX_PAD", "DEFAULT_N_UBATCH", "MIB",
+    "NEON_DOTPROD_REPACK", "NEON_I8MM_REPACK", "PINNED_HOST_BACKENDS", "PROCESS_OVERHEAD", "QUANTIZED", "KvCache",
+    "KvSize", "LaneShape", "LayerKv", "MemoryModelError", "NGpuLayers", "NglRule", "Placement", "PlacementError",
+    "SplitMode", "compute_bytes", "kv_bytes", "kv_caches", "kv_cells", "kv_size", "lane_memory", "layer_kv",
+    "model_bytes", "ngl_count", "normalised_splits", "output_bytes", "pad", "place", "placement_for",
+    "recurrent_per_device", "repack_rule", "row_bytes", "swa_cells_for",
+]  # fmt: skip
