@@ -35,7 +35,7 @@ from planner_svc.policy import (
     window_bounds,
 )
 from planner_svc.threads import with_threads
-from shared.llama.flags import flash_attn_effective, lane_args
+from shared.llama.flags import effective_cache_type, flash_attn_effective, lane_args
 from shared.memory import (
     CTX_PAD,
     LaneShape,
@@ -107,8 +107,8 @@ class _Lane:
             ctx=self.total_ctx(window),
             parallel=self.persona.parallel,
             kv_unified=self.persona.kv_unified,
-            type_k=self.flags.cache_type_k or "f16",
-            type_v=self.flags.cache_type_v or "f16",
+            type_k=effective_cache_type(self.flags.cache_type_k),
+            type_v=effective_cache_type(self.flags.cache_type_v),
             # RPC devices run the CPU backend's kernels: `auto` resolves to on there as on the CPU
             flash_attn=flash_attn_effective(self.flags.flash_attn, caps, self._fa_device(report)),
             layout=caps.kv_layout,
