@@ -278,6 +278,7 @@ class PlannerService:
             "ready": self.ready.is_set(),
             "planner_id": self.id,
             "active": self.lease.holds(),
+            "replans": self.replans,  # tests and operators can wait for a replan instead of sleeping
             "lost": sorted(s.lost),
         }
         await req.respond(msgspec.json.encode(info))

@@ -161,8 +161,11 @@ async def test_restarted_planner_recovers_plans_from_kv(nats_server, tmp_path, m
         before = (await kv.get(subjects.plan_key("delta"))).revision
         await s.stop("planner")
         s.start_planner("planner2")
-        await eventually(lambda: nc.request(subjects.FLEET_STATUS, b"", timeout=1), what="new planner answers")
-        await asyncio.sleep(1.5)
+        async def replanned() -> bool:
+            info = msgspec.json.decode((await nc.request(subjects.PLANNER_INFO, b"", timeout=1)).data)
+            return info["active"] and info["ready"] and info["replans"] >= 1
+
+        await eventually(replanned, what="the new planner holds the lease and replanned")
         assert (await kv.get(subjects.plan_key("delta"))).revision == before  # nothing rewritten
         after = lane_of(await host_status(nc, "delta"), "llama8-0")
         assert after.pid == lane.pid
