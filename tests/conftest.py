@@ -14,11 +14,12 @@ import pytest
 # `pytest -m "not slow"` is the work loop (pure, NATS and fake-server tests, under 2 minutes on
 # 2 cores); CI runs everything. A test is slow when it runs the real llama-server (its fixture
 # or the real Gemma file), network namespaces, a browser, containers, a benchmark, the bus
-# fuzzers or `lanes up` as a user does, or waits out a timeout by design (lease, liveness).
+# fuzzers, the NATS permission suites (their own configured servers), the fault injections or
+# `lanes up` as a user does, or waits out a timeout by design (lease, liveness).
 SLOW_FIXTURES = frozenset({"llama_server", "gemma_model", "rpc_bin", "topo"})
 SLOW_MODULES = frozenset({
     "test_dashboard_browser", "test_netns", "test_compose_live", "test_bench_agent", "test_bench_scripts",
-    "test_fuzz", "test_cli_online",
+    "test_fuzz", "test_cli_online", "test_auth", "test_gateway_auth", "test_faults",
 })  # fmt: skip
 SLOW_TESTS = frozenset({
     "test_two_planners_one_plans_and_the_stand_by_takes_over",
