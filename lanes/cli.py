@@ -46,7 +46,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_connection(p: argparse.ArgumentParser) -> None:
-    from shared.bus import add_auth_arguments
+    from shared.nats_auth import add_auth_arguments
 
     p.add_argument(
         "--nats", default=os.environ.get("LANES_NATS_URL", DEFAULT_NATS), help="NATS server URL(s), comma separated"

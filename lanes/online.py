@@ -17,9 +17,10 @@ from lanes.agent_setup import agent_config
 from lanes.demo_model import ensure_demo_model
 from lanes.errors import UserError
 from lanes.files import load_file
-from lanes.tables import gib, mib, table, threads_text
+from lanes.tables import gib, mib, table
 from launcher_agent.service import run_agent
 from planner_svc.service import run_planner
+from planner_svc.threads import cpu_ranges
 from shared import subjects
 from shared.bus import NatsAuth, auth_from_args, connect
 from shared.llama.flags import cache_pair
@@ -31,11 +32,19 @@ from shared.messages import (
     FleetConfig,
     FleetStatus,
     HostQuery,
+    LaneSpec,
     encode,
 )
 from shared.natsserver import NatsServer, NatsServerError
 
 log = structlog.get_logger("lanes.up")
+
+
+def threads_text(spec: LaneSpec) -> str:
+    """A lane's planned threads and pinned CPUs ("2 @ 0-1"), or "default" (every core)."""
+    if spec.threads is None:
+        return "default"
+    return f"{spec.threads} @ {cpu_ranges(spec.cpus)}" if spec.cpus else str(spec.threads)
 
 
 def _stop_event() -> asyncio.Event:

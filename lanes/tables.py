@@ -6,9 +6,6 @@ import argparse
 import re
 from collections.abc import Sequence
 
-from planner_svc.threads import cpu_ranges
-from shared.messages import LaneSpec
-
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
@@ -27,13 +24,6 @@ def mib(n: int | None) -> str:
 
 def gib(n: int | None) -> str:
     return "-" if n is None else f"{n / 2**30:.2f} GiB"
-
-
-def threads_text(spec: LaneSpec) -> str:
-    """A lane's planned threads and pinned CPUs ("2 @ 0-1"), or "default" (every core)."""
-    if spec.threads is None:
-        return "default"
-    return f"{spec.threads} @ {cpu_ranges(spec.cpus)}" if spec.cpus else str(spec.threads)
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
