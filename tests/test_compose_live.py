@@ -1,21 +1,24 @@
-"""The shipped docker-compose.yml, run for real on containers: podman's Docker-compatible socket
-(scripts/podman-service) driving Debian's docker-compose, with the images built offline by
-scripts/build-local-images and named by docker-compose.local.yml (only image names differ).
+"""The shipped docker-compose.yml, run for real on containers: `bash scripts/compose-up` brings it up
+with podman (the images built offline by scripts/build-local-images and named by
+docker-compose.local.yml, only image names differ; podman's Docker-compatible socket from
+scripts/podman-service driving Debian's docker-compose) and `bash scripts/compose-down` removes it.
 
     this test (the host) ──published ports── nats-1 nats-2 nats-3 (JetStream cluster "lanes")
                                               planner   gateway :LANES_GATEWAY_PORT
                                               agent-host1 ── the real Gemma file, mounted
                                               agent-host2 ── the same file, mounted
 
-One deploy for the whole module, the tests in order: the cluster and its replicated bucket, the
-plans, both hosts' lanes, the gateway's rotation, the agents' NATS users seen from inside their
-containers; then faults: a NATS node stopped, an agent container killed, the planner container
-restarted, a rolling config change under load. Every container, network and volume of the
-compose project is removed afterwards, also after a failure (and leftovers of a killed run are
-swept first).
+One deploy for the whole module, the tests in order: the gateway's rotation, the cluster and its
+replicated bucket, the plans and both hosts' lanes, the fleet read from outside as an operator
+would (nats-py: micro services, KV keys as JSON; `lanes status`), the agents' NATS users seen
+from inside their containers; then faults: a NATS node stopped, an agent container killed (its
+fleet-wide lane moves, lane events followed), the planner container restarted, a second planner
+replica taking the lease, a rolling config change under load. Every container, network, volume,
+pod and the podman service of the run are gone afterwards, also after a failure (what
+compose-down leaves is swept and fails the run; leftovers of a killed run are swept first).
 
 Needs root, podman, docker-compose and (until ~/.cache/lanes/deploy holds the Debian base)
-debootstrap; skipped, with the apt line, when one is missing.
+debootstrap; skipped, with the apt line, when one is missing. About 3 minutes with warm images.
 """
 
 from __future__ import annotations
@@ -98,8 +101,8 @@ class Deploy:
         self.tmp = tmp
         self.project = PREFIX + secrets.token_hex(3)
         self.socket_dir = tmp / "podman"
-        self.passwords = {f"NATS_{who}_PASSWORD": "pw" + secrets.token_hex(12)
-                          for who in ("ADMIN", "PLANNER", "AGENT_HOST1", "AGENT_HOST2", "GATEWAY")}  # fmt: skip
+        self.env_file = tmp / "lanes.env"  # compose-up writes the passwords there
+        self.passwords: dict[str, str] = {}
         models = tmp / "models"
         models.mkdir()
         try:  # the same 250 MB file for both hosts, without a copy when possible
@@ -109,18 +112,24 @@ class Deploy:
         self.alias = model.stem
         self.gateway_port = _free_port()
         self.gateway = f"http://127.0.0.1:{self.gateway_port}"
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "LANES_", "NATS_"))}
-        self.env.update(self.passwords, LANES_MODELS_HOST1=str(models), LANES_MODELS_HOST2=str(models),
-                        LANES_GATEWAY_PORT=str(self.gateway_port), COMPOSE_PROJECT_NAME=self.project)  # fmt: skip
+        self.env = {k: v for k, v in os.environ.items()
+                    if not k.startswith(("COMPOSE_", "LANES_", "NATS_")) and k != "DOCKER_HOST"}  # fmt: skip
+        # What scripts/compose-up and compose-down read; podman, also where a Docker engine answers.
+        self.env.update(LANES_MODELS_HOST1=str(models), LANES_MODELS_HOST2=str(models), LANES_ENGINE="podman",
+                        LANES_GATEWAY_PORT=str(self.gateway_port), COMPOSE_PROJECT_NAME=self.project,
+                        LANES_ENV_FILE=str(self.env_file), LANES_PODMAN_DIR=str(self.socket_dir),
+                        PYTHON=sys.executable)  # fmt: skip
         self.timings: dict[str, float] = {}
 
     # ---------------------------------------------------------------- commands
-    def compose(self, *args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
-        return _run("docker-compose", "-p", self.project, "-f", "docker-compose.yml", "-f", "docker-compose.local.yml",
-                    *args, check=check, timeout=timeout, env=self.env)  # fmt: skip
+    def compose(self, *args: str, check: bool = True, timeout: float = 300,
+                input: str | None = None) -> subprocess.CompletedProcess:  # fmt: skip
+        env_file = ["--env-file", str(self.env_file)] if self.env_file.exists() else []
+        return _run("docker-compose", "-p", self.project, *env_file, "-f", "docker-compose.yml", "-f",
+                    "docker-compose.local.yml", *args, check=check, timeout=timeout, env=self.env, input=input)  # fmt: skip
 
-    def container(self, service: str) -> str:
-        return f"{self.project}_{service}_1"  # docker-compose 1.29's naming
+    def container(self, service: str, index: int = 1) -> str:
+        return f"{self.project}_{service}_{index}"  # docker-compose 1.29's naming
 
     def podman(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
         return _run("podman", *args, check=check, timeout=timeout)
@@ -130,12 +139,19 @@ class Deploy:
         flags = [f"--env={k}={v}" for k, v in (env or {}).items()]
         return self.podman("exec", *flags, self.container(service), *argv, check=check, timeout=timeout)
 
-    def lanes_cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    def lanes_cli(self, *args: str, check: bool = True, replica: int = 1) -> subprocess.CompletedProcess:
         """The operator's `lanes` command in the planner's container, as admin (docs/deploy.md, section 8:
         docker-compose 1.29's `run` asks podman for links, which it refuses)."""
-        return self.compose("exec", "-T", "-e", f"LANES_NATS_PASSWORD={self.passwords['NATS_ADMIN_PASSWORD']}",
-                            "planner", "lanes", *args, "--nats", IN_NETWORK, "--user", "admin", check=check,
+        return self.compose("exec", "-T", "--index", str(replica), "-e",
+                            f"LANES_NATS_PASSWORD={self.passwords['NATS_ADMIN_PASSWORD']}", "planner", "lanes", *args, "--nats", IN_NETWORK, "--user", "admin", check=check,
                             timeout=120)  # fmt: skip
+
+    def set_demand(self, demand: dict) -> None:
+        """`lanes demand set FILE` with FILE written into the planner's container first."""
+        command = f"cat > /tmp/demand.json && exec lanes demand set /tmp/demand.json --nats {IN_NETWORK} --user admin"
+        out = self.compose("exec", "-T", "-e", f"LANES_NATS_PASSWORD={self.passwords['NATS_ADMIN_PASSWORD']}",
+                           "planner", "sh", "-c", command, input=json.dumps(demand), timeout=120)  # fmt: skip
+        assert "demand set" in out.stdout, out
 
     def monitor(self, node: str, path: str) -> dict:
         """A nats node's monitoring endpoint (port 8222, not published), read inside its container."""
@@ -172,32 +188,50 @@ class Deploy:
             found += [f"{what[0]} {n}" for n in names if n.startswith(self.project)]
         return found
 
-    def build(self) -> None:
-        began = time.monotonic()
-        result = _run("bash", "scripts/build-local-images", timeout=3600, check=False,
-                      env={**os.environ, "PYTHON": sys.executable})  # fmt: skip
-        assert result.returncode == 0, f"scripts/build-local-images failed:\n{result.stderr[-4000:]}"
-        self.timings["build images"] = time.monotonic() - began
-
-    def start_socket(self) -> None:
-        out = _run("bash", "scripts/podman-service", "start", str(self.socket_dir), timeout=60).stdout
-        self.env["DOCKER_HOST"] = out.strip().removeprefix("export DOCKER_HOST=")
+    def service_answers(self) -> bool:
+        return _run("bash", "scripts/podman-service", "status", str(self.socket_dir), check=False).returncode == 0
 
     def up(self) -> None:
+        """`bash scripts/compose-up`: images, the podman socket, passwords, up, the gateway's /ready."""
         busy = [p for p in FIXED_PORTS if not _port_free(p)]
         assert not busy, f"host ports the compose file publishes are in use: {busy}"
         began = time.monotonic()
-        self.compose("up", "-d", timeout=600)
-        self.timings["compose up -d"] = time.monotonic() - began
+        result = _run("bash", "scripts/compose-up", check=False, timeout=3600, env=self.env)
+        self.timings["compose-up"] = time.monotonic() - began
+        self.env["DOCKER_HOST"] = f"unix://{self.socket_dir}/podman.sock"  # for logs() and down(), even now
+        assert result.returncode == 0, f"scripts/compose-up failed:\n{result.stderr[-4000:]}"
+        assert result.stdout.splitlines() == [
+            f"compose-up: wrote {self.env_file} with new NATS passwords (keep it, never commit it)",
+            f"gateway: {self.gateway}",
+        ], result.stdout
+        lines = [ln for ln in self.env_file.read_text().splitlines() if ln and not ln.startswith("#")]
+        self.passwords = dict(ln.split("=", 1) for ln in lines)
+        assert len(self.passwords) == 5 and self.env_file.stat().st_mode & 0o777 == 0o600
+        self.env.update(self.passwords)
+        assert self.service_answers()
 
     def logs(self) -> str:
         return self.compose("logs", "--no-color", "--tail", "40", check=False, timeout=60).stdout
 
-    def down(self) -> None:
-        if "DOCKER_HOST" in self.env:
-            self.compose("down", "-v", "--remove-orphans", "-t", "10", check=False, timeout=180)
-        self.sweep(self.project)
-        _run("bash", "scripts/podman-service", "stop", str(self.socket_dir), check=False, timeout=60)
+    def down(self) -> list[str]:
+        """`bash scripts/compose-down`, then a sweep of anything it left (which it returns)."""
+        began = time.monotonic()
+        try:
+            result = _run("bash", "scripts/compose-down", check=False, timeout=300, env=self.env)
+            failed = f"compose-down failed ({result.returncode}): {result.stderr[-2000:]}" if result.returncode else ""
+        except subprocess.TimeoutExpired:
+            failed = "compose-down ran past 300 s"
+        self.timings["compose-down"] = time.monotonic() - began
+        left = self.leftovers() + [failed] * bool(failed) + self.service_left()
+        if left:  # whatever compose-down missed goes all the same
+            self.sweep(self.project)
+            _run("bash", "scripts/podman-service", "stop", str(self.socket_dir), check=False, timeout=60)
+        return left
+
+    def service_left(self) -> list[str]:
+        """The podman service compose-up started, if it still answers or its processes run."""
+        left = [f"the podman service in {self.socket_dir}"] if self.service_answers() else []
+        return left + [f"{p.name} {p.read_text().strip()}" for p in self.socket_dir.glob("*.pid")]
 
 
 @pytest.fixture(scope="module")
@@ -210,18 +244,17 @@ def deploy(request, tmp_path_factory, gemma_model):
     ok = False
     try:
         d.sweep()  # leftovers of an earlier run that was killed before its teardown
-        d.build()
-        d.start_socket()
         d.up()
         ok = True
         yield d
     finally:
-        if not ok or request.session.testsfailed > failed_before:
-            print(f"----- docker-compose logs ({d.project}) -----\n{d.logs() if 'DOCKER_HOST' in d.env else ''}")
-        d.down()
+        if (not ok or request.session.testsfailed > failed_before) and "DOCKER_HOST" in d.env:
+            print(f"----- docker-compose logs ({d.project}) -----\n{d.logs()}")
+        missed = d.down()
         print("compose live timings: " + ", ".join(f"{k} {v:.0f}s" for k, v in d.timings.items()))
-        left = d.leftovers()
-        assert not left, f"left behind: {left}"
+        left = d.leftovers() + d.service_left()
+        assert not left, f"left behind, even after a sweep: {left}"
+        assert not missed, f"scripts/compose-down left behind (swept since): {missed}"
 
 
 # ------------------------------------------------------------------ helpers over NATS and HTTP
@@ -323,6 +356,67 @@ async def test_planner_plans_both_hosts_and_their_lanes_run(deploy):
     assert "host1" in status.stdout and "host2" in status.stdout and deploy.alias in status.stdout, status.stdout
 
 
+async def _replies(nc, subject: str, wait: float = 1.0) -> list[dict]:
+    """Every answer to one request (the way `nats micro ping` gathers them), as JSON."""
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    await nc.publish(subject, b"", reply=inbox)
+    answers = []
+    deadline = time.monotonic() + wait
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            answers.append(json.loads((await sub.next_msg(timeout=left)).data))
+        except TimeoutError:  # nats.errors.TimeoutError is one
+            break
+    await sub.unsubscribe()
+    return answers
+
+
+async def test_an_operator_reads_the_fleet_from_outside_the_containers(deploy):
+    """With nats-py (NATS's official Python client) on the published ports, as admin: what
+    `nats micro ping|info`, `nats kv get lanes KEY` and `nats sub 'lanes.event.>'` show."""
+    nc = await deploy.nats()
+    try:
+        pings = await _replies(nc, "$SRV.PING")
+        names = Counter(p["name"] for p in pings)
+        assert names == {subjects.PLANNER_SERVICE: 1, subjects.AGENT_SERVICE: 2}, pings
+        assert all(p["type"] == "io.nats.micro.v1.ping_response" for p in pings)
+        info = json.loads((await nc.request(f"$SRV.INFO.{subjects.PLANNER_SERVICE}", b"", timeout=5)).data)
+        assert info["type"] == "io.nats.micro.v1.info_response" and info["metadata"] == {"bucket": subjects.BUCKET}
+        endpoints = {e["subject"] for e in info["endpoints"]}
+        assert {subjects.FLEET_STATUS, subjects.CONFIG_SET, subjects.DEMAND_SET, subjects.PLAN_GET} <= endpoints
+        agents = await _replies(nc, f"$SRV.INFO.{subjects.AGENT_SERVICE}")
+        assert sorted(a["metadata"]["host"] for a in agents) == list(HOSTS), agents
+        print(f"$SRV.PING: {dict(names)}; {subjects.PLANNER_SERVICE} endpoints: {sorted(endpoints)}")
+
+        kv = await kv_bucket(nc)
+        as_json = {key: json.loads((await kv.get(key)).value)
+                   for key in (subjects.CONFIG_KEY, subjects.HOSTS_KEY, subjects.LEASE_KEY,
+                               *map(subjects.plan_key, HOSTS), *map(subjects.status_key, HOSTS))}  # fmt: skip
+        assert as_json[subjects.CONFIG_KEY]["kind"] == "fleet_config", as_json[subjects.CONFIG_KEY]
+        assert {h["host_id"]: h["state"] for h in as_json[subjects.HOSTS_KEY]["hosts"]} == dict.fromkeys(HOSTS, "live")
+        for host in HOSTS:
+            plan, status = as_json[subjects.plan_key(host)], as_json[subjects.status_key(host)]
+            assert plan["host_id"] == host == status["host_id"]
+            assert [lane["alias"] for lane in plan["lanes"]] == [deploy.alias], plan["lanes"]
+            assert plan["lanes"][0]["model_path"] == f"/models/{deploy.alias}.gguf"
+            assert [lane["state"] for lane in status["lanes"]] == ["healthy"], status["lanes"]
+            assert status["lanes"][0]["argv"][0] == "/app/llama-server"
+            assert status["plan_revision"] == plan["plan_revision"]
+        keys = set(await kv.keys())
+        assert {f"report.{h}" for h in HOSTS} <= keys, keys
+        print(f"kv get lanes {subjects.plan_key('host1')}: {json.dumps(as_json[subjects.plan_key('host1')])[:300]}")
+    finally:
+        await nc.close()
+
+    status = deploy.lanes_cli("status").stdout
+    print(f"lanes status:\n{status}")
+    rows = [line.split() for line in status.splitlines()]
+    assert [r[:2] for r in rows if r and r[0] in HOSTS and r[1] in ("live", "lost")] == [[h, "live"] for h in HOSTS]
+    lanes = [r for r in rows if r and r[0] in HOSTS and len(r) > 2 and r[1].startswith(deploy.alias)]
+    assert len(lanes) == 2 and all("healthy" in r for r in lanes), status
+
+
 # Run inside an agent container, with that agent's own NATS user and password (its environment).
 _PEEK = r"""
 import asyncio, json, os, sys
@@ -406,18 +500,61 @@ async def test_one_nats_node_stopped(deploy):
     await eventually(nats2_current, timeout=60, what="nats-2 back with its replica")
 
 
-async def test_agent_container_killed_goes_lost_and_comes_back(deploy):
+async def test_agent_container_killed_goes_lost_its_fleet_wide_lanes_move_and_it_comes_back(deploy):
+    """A demand with `lanes = 2` (fleet-wide): a lane on each host. host2's container killed: host2 goes
+    lost and its lane is placed on host1. The demand cleared (one lane on every host holding the model)
+    and host2 started again: both hosts serve. The lane events followed from outside meanwhile, as
+    `nats sub 'lanes.event.>'` shows them."""
     nc = await deploy.nats()
+    events: list[tuple[str, dict]] = []
+
+    async def on_event(msg):
+        events.append((msg.subject, json.loads(msg.data)))
+
+    await nc.subscribe(subjects.ALL_EVENTS, cb=on_event)
     try:
         kv = await kv_bucket(nc)
+
+        async def lanes_of(host: str) -> list[str] | None:
+            """The planned lanes of host, once its status runs them all healthy."""
+            plan = await _kv_value(kv, subjects.plan_key(host), HostPlan)
+            status = await _healthy(kv, host)
+            if status and {lane.lane_id for lane in status.lanes} == {lane.lane_id for lane in plan.lanes}:
+                return sorted(lane.lane_id for lane in plan.lanes)
+            return None
+
+        deploy.set_demand({"kind": "demand", "personas": [{"model": deploy.alias, "lanes": 2}]})
+        placed = {h: await eventually(lambda h=h: lanes_of(h), timeout=60, what=f"{h} running its plan") for h in HOSTS}
+        assert [len(placed[h]) for h in HOSTS] == [1, 1], f"two lanes fleet-wide, not one on each host: {placed}"
+
         deploy.podman("kill", deploy.container("agent-host2"))
+        began = time.monotonic()
         await eventually(lambda: _lost(kv), timeout=LOST_AFTER + 20, what="host2 lost")
+
+        async def moved():
+            running = await lanes_of("host1")
+            return running if running and len(running) == 2 else None
+
+        on_host1 = await eventually(moved, timeout=90, what="host2's fleet-wide lane placed on host1, healthy")
+        deploy.timings["killed to its lane on host1"] = time.monotonic() - began
+        (new_lane,) = set(on_host1) - set(placed["host1"])
+        seen = {(e["host_id"], e["lane_id"], e["event"]) for _, e in events}
+        assert {("host1", new_lane, "started"), ("host1", new_lane, "healthy")} <= seen, sorted(seen)
+        assert f"lanes.event.host1.{new_lane}.healthy" in {subject for subject, _ in events}
+        await eventually(lambda: _routable(deploy).get("host2", 0.0) == 0.0, timeout=30, what="host2 not routable")
         assert set(await _served_by(deploy, 4)) == {"host1"}, "a lane of the killed host is still routed to"
+
+        deploy.set_demand({"kind": "demand", "personas": []})
         deploy.podman("start", deploy.container("agent-host2"))
         await eventually(lambda: _live(kv), timeout=60, what="host2 live again")
-        await eventually(lambda: _healthy(kv, "host2"), timeout=120, what="host2's lanes healthy again")
+        for host in HOSTS:
+            running = await eventually(lambda h=host: lanes_of(h), timeout=120, what=f"{host}'s lanes healthy again")
+            assert running == placed[host], f"{host} runs {running}, not one lane as without a demand"
         await _both_routable(deploy)
         assert "host2" in await _served_by(deploy, 4)
+        seen = {(e["host_id"], e["lane_id"], e["event"]) for _, e in events}
+        assert {("host1", new_lane, "stopped"), ("host2", placed["host2"][0], "healthy")} <= seen, sorted(seen)
+        print(f"lane events seen on {subjects.ALL_EVENTS}: {len(events)}, e.g. {events[-1][0]}")
     finally:
         await nc.close()
 
@@ -452,6 +589,58 @@ async def test_planner_container_restarted_plans_survive(deploy):
         assert set(await _served_by(deploy, 4)) == set(HOSTS)
     finally:
         await nc.close()
+
+
+async def test_two_planners_the_stand_by_takes_the_lease_when_the_active_one_stops(deploy):
+    """A second planner replica (`--scale planner=2`) stands by; the active one's container stopped:
+    the stand-by holds the lease and plans, no lane restarts. Back to one replica afterwards."""
+    replicas = [deploy.container("planner", i) for i in (1, 2)]
+    deploy.compose("up", "-d", "--no-deps", "--no-recreate", "--scale", "planner=2", "planner")
+    stopped = None
+    nc = await deploy.nats()
+    try:
+        kv = await kv_bucket(nc)
+
+        async def planners() -> int:
+            return sum(p["name"] == subjects.PLANNER_SERVICE for p in await _replies(nc, "$SRV.PING"))
+
+        await eventually(lambda: _equals(planners(), 2), timeout=60, what="two planners answering")
+        hostnames = {deploy.podman("inspect", "--format", "{{.Config.Hostname}}", c).stdout.strip(): c for c in replicas}
+
+        async def holder() -> str:
+            lease = json.loads((await kv.get(subjects.LEASE_KEY)).value)
+            return hostnames.get(lease["holder"].rpartition("-")[0], lease["holder"])
+
+        active = await holder()
+        assert active in replicas, f"the lease is held by {active}, not by a replica of the planner service"
+        (standby,) = set(replicas) - {active}
+        before = {h: await _kv_value(kv, subjects.plan_key(h), HostPlan) for h in HOSTS}
+        pids = {h: [lane.pid for lane in (await _healthy(kv, h)).lanes] for h in HOSTS}
+
+        began = time.monotonic()
+        deploy.podman("stop", "-t", "10", active)
+        stopped = active
+        await eventually(lambda: _equals(holder(), standby), timeout=30, what=f"the stand-by {standby} holding the lease")
+        deploy.timings["lease taken over"] = time.monotonic() - began
+        info = json.loads((await nc.request(subjects.PLANNER_INFO, b"", timeout=5)).data)
+        assert info["active"], info
+        await asyncio.sleep(3)  # time to replan, if it wrongly did
+        for h in HOSTS:
+            after = await _kv_value(kv, subjects.plan_key(h), HostPlan)
+            assert after.lanes == before[h].lanes, f"{h}: the new active planner changed the plan"
+            assert [lane.pid for lane in (await _healthy(kv, h)).lanes] == pids[h], f"{h}: lanes restarted"
+        status = deploy.lanes_cli("status", replica=replicas.index(standby) + 1).stdout
+        assert f"planner {info['planner_id']} (active)" in status, status
+        assert set(await _served_by(deploy, 4)) == set(HOSTS)
+    finally:
+        await nc.close()
+        if stopped:
+            deploy.podman("start", stopped, check=False)
+        deploy.compose("up", "-d", "--no-deps", "--no-recreate", "--scale", "planner=1", "planner", check=False)
+
+
+async def _equals(value, expected) -> bool:
+    return await value == expected
 
 
 async def test_rolling_config_change_under_load_fails_no_request(deploy):
