@@ -1,8 +1,10 @@
 """Draining a serving lane before a plan change restarts or stops it.
 
 The lane is marked draining in the host status first, so gateways send it nothing new;
-its requests in flight finish (llama-server's /slots says when no slot is processing),
-bounded by the plan's drain_timeout; only then does the restart or stop go ahead.
+its requests in flight finish (llama-server's /slots says when no slot is processing, and
+that must hold for IDLE_SETTLE: a slot is released a moment before its answer's last bytes
+are sent, and a request just received waits a moment for its slot), bounded by the plan's
+drain_timeout; only then does the restart or stop go ahead.
 Level-triggered like the rest of the agent: a lane the plan no longer wants changed is
 un-drained, and a drain that ran out of time proceeds anyway.
 
@@ -26,26 +28,53 @@ log = structlog.get_logger("lanes.agent")
 # Between telling gateways and the first idle check: a request a gateway routed just
 # before it saw the mark is still on its way to the lane.
 DRAIN_GRACE = 0.5
+# How long /slots must keep saying "idle" before the lane goes (the agent asks every 20 ms
+# while it drains): one idle answer can fall between a slot's release and its last bytes.
+IDLE_SETTLE = 0.25
 
 Verdict = Literal["go", "begin", "wait", "done", "timed_out"]
 
 
 def verdict(
-    *, serving: bool, since: float | None, now: float, busy: int | None, timeout: float, grace: float = DRAIN_GRACE
+    *,
+    serving: bool,
+    since: float | None,
+    now: float,
+    busy: int | None,
+    timeout: float,
+    idle_since: float | None = None,
+    grace: float = DRAIN_GRACE,
+    settle: float = IDLE_SETTLE,
 ) -> Verdict:
     """One lane a restart or stop targets: go (nothing serves), begin its drain, wait, or
-    go at last (idle after the grace period, or out of time). busy None: nothing answers."""
+    go at last (idle since `idle_since` for `settle`, after the grace period; or out of
+    time). busy None: nothing answers, so nothing serves."""
     if since is None:
         return "begin" if serving else "go"
     waited = now - since
     if waited >= timeout:
         return "timed_out"
-    return "done" if waited >= min(grace, timeout) and not busy else "wait"
+    if waited < grace or busy:
+        return "wait"
+    if busy is None:
+        return "done"
+    return "done" if idle_since is not None and now - idle_since >= settle else "wait"
 
 
-def drain_done(*, since: float, now: float, busy: int | None, timeout: float, grace: float = DRAIN_GRACE) -> bool:
+def idle_after(idle_since: float | None, busy: int | None, now: float) -> float | None:
+    """When the lane was first seen idle in its current idle stretch (None: busy now)."""
+    if busy:
+        return None
+    return now if idle_since is None else idle_since
+
+
+def drain_done(
+    *, since: float, now: float, busy: int | None, timeout: float, idle_since: float | None = None,
+    grace: float = DRAIN_GRACE,
+) -> bool:
     """May a draining lane go?"""
-    return verdict(serving=True, since=since, now=now, busy=busy, timeout=timeout, grace=grace) in ("done", "timed_out")
+    v = verdict(serving=True, since=since, now=now, busy=busy, timeout=timeout, idle_since=idle_since, grace=grace)
+    return v in ("done", "timed_out")
 
 
 def _target(action: Action) -> str | None:
@@ -63,6 +92,7 @@ class Decision:
     finished: tuple[tuple[str, Verdict, float], ...] = ()  # (lane, done | timed_out, seconds waited)
     dropped: tuple[str, ...] = ()  # drains the plan no longer asks for: un-mark them
     since: Mapping[str, float] = field(default_factory=dict)  # drains under way after this pass
+    idle: Mapping[str, float] = field(default_factory=dict)  # draining lanes idle since, after this pass
 
 
 def to_ask(actions: Sequence[Action], since: Mapping[str, float]) -> list[str]:
@@ -78,13 +108,16 @@ def decide(
     *,
     now: float,
     timeout: float,
+    idle: Mapping[str, float] | None = None,
 ) -> Decision:
     """The actions that may run now; restarts and stops of serving lanes wait for their drain.
 
     `states`: lane id -> state of the lanes that run; `busy`: requests in flight of the
-    lanes `to_ask` named (None: nothing answered).
+    lanes `to_ask` named (None: nothing answered); `idle`: since when each draining lane
+    has been seen idle (the previous pass's Decision.idle).
     """
     under_way = dict(since)
+    idle_now = {lane_id: t for lane_id, t in (idle or {}).items() if lane_id in under_way}
     ready: list[Action] = []
     begun: list[str] = []
     finished: list[tuple[str, Verdict, float]] = []
@@ -95,7 +128,14 @@ def decide(
             ready.append(action)  # a start, or a lane that does not run: nothing to drain
             continue
         serving = states[lane_id] == "healthy"
-        v = verdict(serving=serving, since=under_way.get(lane_id), now=now, busy=busy.get(lane_id), timeout=timeout)
+        if lane_id in under_way and lane_id in busy:
+            seen = idle_after(idle_now.pop(lane_id, None), busy[lane_id], now)
+            if seen is not None:
+                idle_now[lane_id] = seen
+        v = verdict(
+            serving=serving, since=under_way.get(lane_id), now=now, busy=busy.get(lane_id), timeout=timeout,
+            idle_since=idle_now.get(lane_id),
+        )  # fmt: skip
         if v == "go":
             ready.append(action)
             continue
@@ -105,17 +145,20 @@ def decide(
             begun.append(lane_id)
         elif v in ("done", "timed_out"):
             finished.append((lane_id, v, now - under_way.pop(lane_id)))
+            idle_now.pop(lane_id, None)
             ready.append(action)
     dropped = tuple(lane_id for lane_id in under_way if lane_id not in wanted)
     for lane_id in dropped:
         del under_way[lane_id]
-    return Decision(tuple(ready), tuple(begun), tuple(finished), dropped, under_way)
+        idle_now.pop(lane_id, None)
+    return Decision(tuple(ready), tuple(begun), tuple(finished), dropped, under_way, idle_now)
 
 
 @dataclass
 class Drains:
     emit: Emit
     since: dict[str, float] = field(default_factory=dict)  # lane id -> when its drain began
+    idle: dict[str, float] = field(default_factory=dict)  # lane id -> since when it was seen idle
 
     def active(self) -> bool:
         return bool(self.since)
@@ -133,8 +176,8 @@ class Drains:
         ask = [lane_id for lane_id in to_ask(actions, self.since) if lane_id in lanes]
         counts = dict(zip(ask, await asyncio.gather(*(busy(lanes[lane_id]) for lane_id in ask))))
         states = {lane_id: lane.state for lane_id, lane in lanes.items()}
-        decision = decide(actions, states, self.since, counts, now=now, timeout=timeout)
-        self.since = dict(decision.since)
+        decision = decide(actions, states, self.since, counts, now=now, timeout=timeout, idle=self.idle)
+        self.since, self.idle = dict(decision.since), dict(decision.idle)
         for lane_id in decision.begun:
             lanes[lane_id].draining = True
             log.info("lane draining", lane=lane_id, timeout=timeout)

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from launcher_agent import health
-from launcher_agent.drain import DRAIN_GRACE, decide, to_ask, verdict
+from launcher_agent.drain import DRAIN_GRACE, IDLE_SETTLE, decide, idle_after, to_ask, verdict
 from launcher_agent.health import CheckUse, Failed, LaneHealth, Outcome, PortBusy, Probe, Rules, transition
 from launcher_agent.reconcile import MAX_FAILURES, Restart, Start, Stop, backoff
 from shared.messages import LaneSpec
@@ -161,13 +161,15 @@ def test_a_lane_that_keeps_crashing_is_a_crash_loop():
 
 
 def test_drain_verdicts():
-    def v(since, now, busy=0, timeout=30.0, serving=True):
-        return verdict(serving=serving, since=since, now=now, busy=busy, timeout=timeout)
+    def v(since, now, busy=0, timeout=30.0, serving=True, idle_since=None):
+        return verdict(serving=serving, since=since, now=now, busy=busy, timeout=timeout, idle_since=idle_since)
 
     assert v(None, 0, serving=False) == "go"
     assert v(None, 0) == "begin"
-    assert v(0, 0.1) == "wait"  # gateways may not have seen the mark yet
-    assert v(0, DRAIN_GRACE) == "done"
+    assert v(0, 0.1, idle_since=0) == "wait"  # gateways may not have seen the mark yet
+    assert v(0, DRAIN_GRACE, idle_since=DRAIN_GRACE) == "wait"  # idle once: an answer may still be sending
+    assert v(0, DRAIN_GRACE + IDLE_SETTLE, idle_since=DRAIN_GRACE) == "done"  # idle for the settle time
+    assert v(0, DRAIN_GRACE + IDLE_SETTLE, idle_since=None) == "wait"  # never seen idle
     assert v(0, DRAIN_GRACE, busy=None) == "done"  # nothing answers: nothing serves
     assert v(0, 29.9, busy=2) == "wait"
     assert v(0, 30, busy=2) == "timed_out"
@@ -188,10 +190,23 @@ def test_drain_decide_over_a_pass():
     d = decide([restart_a, stop_b, restart_c, start_d], states, since, {"b": 2}, now=12.0, timeout=30)
     assert d.ready == (restart_c, start_d) and d.begun == ("a",) and d.finished == () and d.dropped == ()
     assert d.since == {"a": 12.0, "b": 10.0} and since == {"b": 10.0}  # the input is not changed
-    # b goes idle, a is out of time.
+    # b goes idle (seen once: it waits), a is out of time.
     d = decide([restart_a, stop_b], states, {"a": 11.0, "b": 12.0}, {"a": 3, "b": 0}, now=42.0, timeout=31)
-    assert d.ready == (restart_a, stop_b)
-    assert d.finished == (("a", "timed_out", 31.0), ("b", "done", 30.0)) and d.since == {}
+    assert d.ready == (restart_a,) and d.finished == (("a", "timed_out", 31.0),)
+    assert d.since == {"b": 12.0} and d.idle == {"b": 42.0}
+    # b busy again for a moment (an answer was still going): its idle stretch starts over.
+    d = decide([stop_b], states, d.since, {"b": 1}, now=42.1, timeout=31, idle=d.idle)
+    assert d.ready == () and d.idle == {}
+    d = decide([stop_b], states, d.since, {"b": 0}, now=42.2, timeout=31, idle=d.idle)
+    assert d.ready == () and d.idle == {"b": 42.2}
+    d = decide([stop_b], states, d.since, {"b": 0}, now=42.2 + IDLE_SETTLE, timeout=31, idle=d.idle)
+    assert d.ready == (stop_b,) and d.since == d.idle == {}
+    ((lane, how, waited),) = d.finished
+    assert (lane, how) == ("b", "done") and waited == pytest.approx(30.2 + IDLE_SETTLE)
+
+
+def test_idle_stretches():
+    assert idle_after(None, 0, 5.0) == 5.0 and idle_after(4.0, 0, 5.0) == 4.0 and idle_after(4.0, 2, 5.0) is None
 
 
 def test_a_drain_the_plan_takes_back_is_dropped_and_a_draining_lane_that_crashed_still_waits():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from launcher_agent.drain import DRAIN_GRACE, Drains, drain_done
+from launcher_agent.drain import DRAIN_GRACE, IDLE_SETTLE, Drains, drain_done
 from launcher_agent.lane import Lane
 from launcher_agent.reconcile import Restart, Start, Stop
 from shared.messages import LaneSpec
@@ -15,7 +15,8 @@ def _spec(lane_id: str) -> LaneSpec:
 
 def test_drain_done():
     assert not drain_done(since=0, now=0.1, busy=0, timeout=30)  # gateways may not have seen the mark yet
-    assert drain_done(since=0, now=DRAIN_GRACE, busy=0, timeout=30)
+    assert not drain_done(since=0, now=DRAIN_GRACE, busy=0, timeout=30)  # idle, but not seen idle before
+    assert drain_done(since=0, now=DRAIN_GRACE + IDLE_SETTLE, busy=0, timeout=30, idle_since=DRAIN_GRACE)
     assert not drain_done(since=0, now=29.9, busy=2, timeout=30)
     assert drain_done(since=0, now=30, busy=2, timeout=30)  # out of time: go anyway
     assert drain_done(since=0, now=DRAIN_GRACE, busy=None, timeout=30)  # nothing answers: nothing serves
@@ -46,7 +47,8 @@ async def test_restart_of_a_serving_lane_waits_for_its_requests():
     assert lanes["a"].draining and emit.events == [("a", "draining")]
     assert await drains.gate([restart_a], lanes, now=5, timeout=30, busy=in_flight) == []  # still busy
     busy["a"] = 0
-    assert await drains.gate([restart_a], lanes, now=6, timeout=30, busy=in_flight) == [restart_a]
+    assert await drains.gate([restart_a], lanes, now=6, timeout=30, busy=in_flight) == []  # idle once
+    assert await drains.gate([restart_a], lanes, now=6 + IDLE_SETTLE, timeout=30, busy=in_flight) == [restart_a]
     assert not drains.active()
 
 
