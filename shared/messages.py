@@ -32,6 +32,8 @@ LayoutKind = Literal["gpu", "split", "partial", "cpu"]
 
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Bytes = Annotated[int, msgspec.Meta(ge=0)]
+# A CPU as the kernel numbers it; the bound keeps a hostile plan from rendering a huge --cpu-mask.
+CpuId = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
 
 
@@ -162,7 +164,7 @@ class HostReport(_Msg, tag="host_report", kw_only=True):
     # Performance cores of a hybrid CPU (P/E cores), where the host tells them apart.
     cpu_performance: Annotated[int, msgspec.Meta(ge=1)] | None = None
     # Logical CPU ids to pin lanes to, one per core this agent may use, performance cores first.
-    cpu_ids: tuple[int, ...] = ()
+    cpu_ids: tuple[CpuId, ...] = ()
 
 
 # ---------------------------------------------------------------- fleet intent
@@ -324,7 +326,7 @@ class LaneSpec(msgspec.Struct, frozen=True, kw_only=True):
     # CPU threads (--threads, --threads-batch); None: llama-server's default (every core).
     threads: Annotated[int, msgspec.Meta(ge=1)] | None = None
     threads_batch: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    cpus: tuple[int, ...] = ()  # CPU ids its threads are pinned to (--cpu-range / --cpu-mask)
+    cpus: tuple[CpuId, ...] = ()  # CPU ids its threads are pinned to (--cpu-range / --cpu-mask)
     poll: Annotated[int, msgspec.Meta(ge=0, le=100)] | None = None
     args: tuple[str, ...] = ()
     reasons: tuple[str, ...] = ()

@@ -257,3 +257,17 @@ def test_argv_mask_for_a_scattered_cpu_set():
     spec = msgspec.structs.replace(lane, cpus=(0, 2), threads=2, threads_batch=2)
     args = lane_args(spec, ServerCaps())
     assert args[args.index("--cpu-mask") + 1] == "0x5" and args[args.index("--cpu-mask-batch") + 1] == "0x5"
+
+
+def test_a_plan_with_impossible_cpu_ids_is_refused_at_decode():
+    """Found by the plan fuzzer: a negative CPU id made lane_args raise while the agent checked the plan."""
+    import pytest as _pytest
+
+    from shared.messages import LaneSpec, decode, encode
+
+    spec = LaneSpec(lane_id="a", model="m", model_path="/m.gguf", alias="m", port=8080, ctx_total=4096,
+                    ctx_per_slot=4096, parallel=1, threads=2, threads_batch=2, cpus=(0, 2))  # fmt: skip
+    assert "--cpu-mask" in lane_args(spec, ServerCaps())  # not contiguous: a mask
+    for bad in (b'"cpus":[-1]', b'"cpus":[65536]'):
+        with _pytest.raises(msgspec.ValidationError):
+            decode(encode(spec).replace(b'"cpus":[0,2]', bad), LaneSpec)
