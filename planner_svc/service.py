@@ -26,7 +26,7 @@ from nats.micro.request import Request, ServiceError
 
 from planner_svc.lease import DEFAULT_TTL, Lease
 from planner_svc.metrics import PlannerMetrics
-from planner_svc.state import PlannerState, explain_lines, merged_config
+from planner_svc.state import PlannerState, config_problem, explain_lines, merged_config
 from shared import subjects
 from shared.bus import NatsAuth, connect, kv_bucket, quietly, run_until, watch_forever
 from shared.llama.flags import cache_pair
@@ -215,6 +215,8 @@ class PlannerService:
             new = merged_config(self.state.config, change, self.state.config_revision + 1)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise ServiceError("400", f"invalid config: {exc}") from None
+        if new is not None and (problem := config_problem(new, self.state.reports)) is not None:
+            raise ServiceError("400", f"invalid config: {problem}")
         if new is None:
             await req.respond(encode(self.state.config))  # nothing changes: no new revision
             return

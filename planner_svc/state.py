@@ -247,6 +247,21 @@ def merged_config(current: FleetConfig, change: ConfigSet, revision: int) -> Fle
     return msgspec.structs.replace(new, revision=revision)
 
 
+def config_problem(config: FleetConfig, reports: Mapping[str, HostReport]) -> str | None:
+    """Why the planner refuses a config it could store, or None: a `host_lost_after` at or
+    below a host's report interval would call that host lost between every two reports."""
+    if config.host_lost_after is None:
+        return None
+    slow = [r for r in reports.values() if r.report_interval >= config.host_lost_after]
+    if not slow:
+        return None
+    worst = max(slow, key=lambda r: (r.report_interval, r.host_id))
+    return (
+        f"host_lost_after {config.host_lost_after:g} s is not above host {worst.host_id}'s report interval of"
+        f" {worst.report_interval:g} s: every such host would be lost between two reports"
+    )
+
+
 def explain_lines(found: HostPlan, status: HostStatus | None) -> list[str]:
     """Every decision in a host's plan with its reason, and per device planned vs printed buffers."""
     lines = [f"host {found.host_id} plan r{found.plan_revision} (config r{found.config_revision})"]

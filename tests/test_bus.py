@@ -17,7 +17,7 @@ from launcher_agent.cores import host_cores
 from planner_svc.threads import cpu_ranges
 from shared import subjects
 from shared.bus import kv_bucket
-from shared.messages import ConfigSet, Demand, HostPlan, Persona, PlanRejected, encode
+from shared.messages import ConfigSet, Demand, HostPlan, HostReport, Persona, PlanRejected, encode
 
 GIB = 2**30
 
@@ -79,7 +79,19 @@ async def test_invalid_config_is_refused_and_changes_nothing(nats_server, tmp_pa
             assert "invalid config" in reply.headers["Nats-Service-Error"]
         reply = await nc.request(subjects.CONFIG_SET, b"{not json", timeout=5)
         assert reply.headers["Nats-Service-Error-Code"] == "400"
+        # A host reporting every 30 s: losing hosts after 10 s of silence would lose it between reports.
+        kv = await kv_bucket(nc)
+        await kv.put(subjects.report_key("h1"), encode(HostReport(host_id="h1", cpu_cores=2, ram_total=2**30,
+                                                                  ram_available=2**29, report_interval=30.0)))  # fmt: skip
+        await eventually(lambda: _has_report(nc, "h1"), what="planner has the report")
+        reply = await nc.request(subjects.CONFIG_SET, encode(ConfigSet(changes={"host_lost_after": 10})), timeout=5)
+        assert reply.headers["Nats-Service-Error-Code"] == "400"
+        assert "report interval of 30 s" in reply.headers["Nats-Service-Error"]
         assert (await nc.request(subjects.CONFIG_GET, b"", timeout=5)).data == before
+
+
+async def _has_report(nc, host_id: str) -> bool:
+    return any(r.host_id == host_id for r in (await fleet_status(nc)).reports)
 
 
 async def test_agent_rejects_hostile_plans_and_starts_nothing(nats_server, tmp_path, models):

@@ -98,3 +98,16 @@ def test_explain_lists_each_lane_reason_and_unplaced_model():
     assert lines[0] == "host h1 plan r1 (config r0)"
     assert any(line.startswith("a-0: window ") for line in lines)
     assert any("a-0 CPU: layers" in line for line in lines)
+
+
+def test_a_host_lost_after_not_above_a_report_interval_is_refused():
+    from planner_svc.state import config_problem
+
+    reports = {h: msgspec.json.decode(report(h), type=HostReport) for h in ("h1", "h2")}
+    slow = msgspec.structs.replace(reports["h2"], report_interval=45.0)
+    assert config_problem(FleetConfig(host_lost_after=90.0), reports) is None
+    assert config_problem(FleetConfig(), {"h2": slow}) is None  # unset: 3 report intervals per host
+    problem = config_problem(FleetConfig(host_lost_after=40.0), {**reports, "h2": slow})
+    assert problem == ("host_lost_after 40 s is not above host h2's report interval of 45 s:"
+                       " every such host would be lost between two reports")  # fmt: skip
+    assert config_problem(FleetConfig(host_lost_after=30.0), reports) is not None  # equal is too short
