@@ -806,15 +806,21 @@ def test_config_change_reaches_agent_after_a_malformed_plan_entry(fresh):
 
 def test_plan_that_crashes_validation_is_rejected(fresh):
     spec = fresh.plan["lanes"][0]
-    for n, name in enumerate(["llama8\u0000.gguf", "a" * 300 + ".gguf"], start=1):  # a NUL byte; a name too long
-        plan = dict(fresh.plan, plan_revision=fresh.plan["plan_revision"] + n,
-                    lanes=[dict(spec, model_path=f"{fresh.models}/{name}")])  # fmt: skip
-        fresh.run(fresh.kv.put(subjects.plan_key(HOST), _dumps(plan)))
-        try:
-            fresh.run(eventually(lambda: len(fresh.rejected) >= n, timeout=3, what=f"plan {n} rejected"))
-        finally:
-            crashes = [e.get("error") for e in list(fresh.logs) if e.get("event") == "kv watch failed; retrying"]
-            print(f"agent's plan watch failed: {crashes}")
+    # Held lease: the planner stands by, so its rewrite of the foreign plan cannot reach the
+    # agent first (the agent reads its key's latest value; seen once in a fresh-clone CI run).
+    fresh.run(fresh.hold_lease())
+    try:
+        for n, name in enumerate(["llama8\u0000.gguf", "a" * 300 + ".gguf"], start=1):  # a NUL byte; a name too long
+            plan = dict(fresh.plan, plan_revision=fresh.plan["plan_revision"] + n,
+                        lanes=[dict(spec, model_path=f"{fresh.models}/{name}")])  # fmt: skip
+            fresh.run(fresh.kv.put(subjects.plan_key(HOST), _dumps(plan)))
+            try:
+                fresh.run(eventually(lambda: len(fresh.rejected) >= n, timeout=3, what=f"plan {n} rejected"))
+            finally:
+                crashes = [e.get("error") for e in list(fresh.logs) if e.get("event") == "kv watch failed; retrying"]
+                print(f"agent's plan watch failed: {crashes}")
+    finally:
+        fresh.run(fresh.release_lease())
     assert not fresh.agent.done()
 
 
