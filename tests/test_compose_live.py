@@ -38,12 +38,14 @@ from collections import Counter
 from pathlib import Path
 
 import msgspec
+from nats.js.kv import KeyValue
 import pytest
 from waiting import eventually
 
 from shared import subjects
 from shared.bus import NatsAuth, connect, kv_bucket
 from shared.messages import FleetConfig, FleetHosts, HostPlan, HostStatus
+from shared.subjects import BUCKET
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "lanes-live-"  # compose project names of this test: leftovers are recognised by it
@@ -260,6 +262,14 @@ def deploy(request, tmp_path_factory, gemma_model):
 # ------------------------------------------------------------------ helpers over NATS and HTTP
 
 
+async def leader_kv(nc) -> KeyValue:
+    """The bucket read from its stream's leader: a direct get may be answered by a replica still
+    catching up after a restart, with a value minutes old (nats-server#4162, #6557). The product
+    tolerates that (agents refuse an older plan and re-read); a test asserting "unchanged" cannot."""
+    await kv_bucket(nc)  # the bucket exists
+    return KeyValue(name=BUCKET, stream=f"KV_{BUCKET}", pre=f"$KV.{BUCKET}.", js=nc.jetstream(), direct=False)
+
+
 async def _kv_value(kv, key: str, kind: type):
     return msgspec.json.decode((await kv.get(key)).value, type=kind)
 
@@ -343,7 +353,7 @@ async def test_three_node_cluster_with_the_bucket_on_every_node(deploy):
 async def test_planner_plans_both_hosts_and_their_lanes_run(deploy):
     nc = await deploy.nats()
     try:
-        kv = await kv_bucket(nc)
+        kv = await leader_kv(nc)
         for host in HOSTS:
             plan = await _kv_value(kv, subjects.plan_key(host), HostPlan)
             assert plan.lanes and all(lane.model_path.startswith("/models/") for lane in plan.lanes), plan
@@ -389,7 +399,7 @@ async def test_an_operator_reads_the_fleet_from_outside_the_containers(deploy):
         assert sorted(a["metadata"]["host"] for a in agents) == list(HOSTS), agents
         print(f"$SRV.PING: {dict(names)}; {subjects.PLANNER_SERVICE} endpoints: {sorted(endpoints)}")
 
-        kv = await kv_bucket(nc)
+        kv = await leader_kv(nc)
         as_json = {key: json.loads((await kv.get(key)).value)
                    for key in (subjects.CONFIG_KEY, subjects.HOSTS_KEY, subjects.LEASE_KEY,
                                *map(subjects.plan_key, HOSTS), *map(subjects.status_key, HOSTS))}  # fmt: skip
@@ -468,7 +478,7 @@ async def test_one_nats_node_stopped(deploy):
     """nats-2 stopped: a config change is planned, the gateway serves, the bucket stays available."""
     nc = await deploy.nats()
     try:
-        kv = await kv_bucket(nc)
+        kv = await leader_kv(nc)
         revision = (await _kv_value(kv, subjects.CONFIG_KEY, FleetConfig)).revision
         deploy.podman("stop", "-t", "5", deploy.container("nats-2"))
         # Also shortens the silence after which a host is lost (3 report intervals, 90 s) for the next
@@ -498,6 +508,16 @@ async def test_one_nats_node_stopped(deploy):
         return "KV_lanes" in streams
 
     await eventually(nats2_current, timeout=60, what="nats-2 back with its replica")
+    nc = await deploy.nats()
+    try:
+
+        async def replicas_caught_up() -> bool:
+            cluster = (await nc.jetstream().stream_info("KV_lanes")).cluster
+            return len(cluster.replicas or []) == 2 and all(r.current and not r.lag for r in cluster.replicas)
+
+        await eventually(replicas_caught_up, timeout=60, what="nats-2's replica caught up with the leader")
+    finally:
+        await nc.close()
 
 
 async def test_agent_container_killed_goes_lost_its_fleet_wide_lanes_move_and_it_comes_back(deploy):
@@ -513,7 +533,7 @@ async def test_agent_container_killed_goes_lost_its_fleet_wide_lanes_move_and_it
 
     await nc.subscribe(subjects.ALL_EVENTS, cb=on_event)
     try:
-        kv = await kv_bucket(nc)
+        kv = await leader_kv(nc)
 
         async def lanes_of(host: str) -> list[str] | None:
             """The planned lanes of host, once its status runs them all healthy."""
@@ -570,7 +590,7 @@ async def _live(kv) -> bool:
 async def test_planner_container_restarted_plans_survive(deploy):
     nc = await deploy.nats()
     try:
-        kv = await kv_bucket(nc)
+        kv = await leader_kv(nc)
         before = {h: await _kv_value(kv, subjects.plan_key(h), HostPlan) for h in HOSTS}
         pids = {h: [lane.pid for lane in (await _healthy(kv, h)).lanes] for h in HOSTS}
         deploy.podman("restart", "-t", "10", deploy.container("planner"))
@@ -599,7 +619,7 @@ async def test_two_planners_the_stand_by_takes_the_lease_when_the_active_one_sto
     stopped = None
     nc = await deploy.nats()
     try:
-        kv = await kv_bucket(nc)
+        kv = await leader_kv(nc)
 
         async def planners() -> int:
             return sum(p["name"] == subjects.PLANNER_SERVICE for p in await _replies(nc, "$SRV.PING"))
@@ -647,7 +667,7 @@ async def test_rolling_config_change_under_load_fails_no_request(deploy):
     """`lanes config set kv_cache_type=q8_0 flash_attn=on` while clients stream through the gateway."""
     nc = await deploy.nats()
     try:
-        kv = await kv_bucket(nc)
+        kv = await leader_kv(nc)
         before = {h: {lane.lane_id: lane.pid for lane in (await _healthy(kv, h)).lanes} for h in HOSTS}
         ai = _openai(deploy)
         done = asyncio.Event()
