@@ -29,6 +29,7 @@ from shared.gguf_facts import read_model_facts  # noqa: E402
 from shared.llama.logs import parse_buffers  # noqa: E402
 from shared.llama.printed import compare  # noqa: E402
 from shared.memory import QUANTIZED, LaneShape, NGpuLayers, lane_memory  # noqa: E402
+from shared.memory.experts import parse_override  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,13 @@ class Case:
     split: tuple[float, ...] = ()
     ubatch: int = 512
     backend: str = "rpc"
+    n_cpu_moe: int = 0
+    overrides: tuple[str, ...] = ()  # -ot PATTERN=BUFFER
+
+    def __str__(self) -> str:
+        moe = (f" ncmoe{self.n_cpu_moe}" if self.n_cpu_moe else "") + "".join(f" ot:{o}" for o in self.overrides)
+        split = ":".join(f"{s:g}" for s in self.split)
+        return f"c{self.ctx}x{self.parallel} fa{self.flash_attn} {self.cache} ngl{self.ngl} dev{self.n_devices}{split and ' ts' + split}{moe}"
 
     def argv(self, model: str, endpoints: list[str]) -> list[str]:
         args = ["-m", model, "-c", str(self.ctx), "-np", str(self.parallel), "-fa", self.flash_attn,
@@ -51,13 +59,18 @@ class Case:
             args += ["--rpc", ",".join(endpoints)]
         if self.split:
             args += ["-ts", ",".join(f"{s:g}" for s in self.split)]
+        if self.n_cpu_moe:
+            args += ["--n-cpu-moe", str(self.n_cpu_moe)]
+        for override in self.overrides:
+            args += ["-ot", override]
         return args
 
     def shape(self) -> LaneShape:
         return LaneShape(
             ctx=self.ctx, parallel=self.parallel, type_k=self.cache, type_v=self.cache,
             flash_attn=self.flash_attn == "on", n_ubatch=self.ubatch, n_gpu_layers=self.ngl,
-            tensor_split=self.split, devices=(self.backend,) * self.n_devices,
+            tensor_split=self.split, devices=(self.backend,) * self.n_devices, n_cpu_moe=self.n_cpu_moe,
+            tensor_overrides=tuple(parse_override(o) for o in self.overrides),
         )  # fmt: skip
 
 

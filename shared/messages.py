@@ -105,6 +105,9 @@ class LayerWeights(msgspec.Struct, frozen=True, array_like=True):
     first: int
     end: int
     repack: tuple[tuple[str, int, int], ...] = ()
+    # File ranges by repack key: (ggml type, rows multiple, first, end); ("", 0, ...) for tensors no
+    # CPU repacks. A CPU maps only the range of what it does not repack (empty: from an older lanes).
+    spans: tuple[tuple[str, int, int, int], ...] = ()
 
 
 class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
@@ -135,6 +138,17 @@ class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
     tied_output_bytes: Bytes = 0
     tied_output_cuda_bytes: Bytes = 0
     file_mtime_ns: int = 0
+    # Mixture of Experts: routed experts per layer, how many each token uses, their FFN width,
+    # and the shared expert's (0: none). `expert_weights` holds, per block, its expert tensors
+    # (the ones --n-cpu-moe and -ot exps=CPU move: blk.N.ffn_{gate,up,down,gate_up}_exps),
+    # already counted in that block's layer_weights entry.
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    n_ff_shexp: int = 0
+    expert_weights: tuple[LayerWeights, ...] = ()
+    # The file carries tokenizer.chat_template (False: llama-server would fall back to ChatML).
+    has_chat_template: bool = True
 
 
 class HostReport(_Msg, tag="host_report", kw_only=True):
@@ -293,6 +307,8 @@ class LaneLayout(msgspec.Struct, frozen=True):
     gpus: tuple[int, ...] = ()  # host GPU indices, llama-server order
     shares: tuple[int, ...] = ()  # tensor split (MiB of free VRAM) when more than one GPU
     n_gpu_layers: NGpuLayers = 0
+    # Every layer on the GPUs, but the expert tensors of the first n_cpu_moe blocks in RAM.
+    n_cpu_moe: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class LaneSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -332,6 +348,10 @@ class LaneSpec(msgspec.Struct, frozen=True, kw_only=True):
     reasons: tuple[str, ...] = ()
     # The layout the device fields above were rendered from (None: an older planner wrote the spec).
     layout: LaneLayout | None = None
+    # --n-cpu-moe: the expert tensors of the first N blocks stay in RAM (0: none).
+    n_cpu_moe: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # --chat-template NAME: one of llama-server's built-in templates, for a file without its own.
+    chat_template: Name | None = None
 
 
 class Unplaced(msgspec.Struct, frozen=True, kw_only=True):

@@ -21,10 +21,12 @@ Each per-device list has the host's RAM at index 0, then each GPU-type device of
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shared.memory.cpu_repack import repack_rule
+from shared.memory.experts import cpu_expert_blocks
 from shared.memory.kv import DEFAULT_N_UBATCH, MIB, KvSize, MemoryModelError, kv_size
 from shared.memory.placement import (
     CPU,
@@ -69,6 +71,8 @@ class LaneShape:
     main_gpu: int = 0
     no_kv_offload: bool = False
     ngl_rule: NglRule = "output_first"
+    n_cpu_moe: int = 0  # --n-cpu-moe: the expert tensors of the first N blocks in RAM
+    tensor_overrides: tuple[tuple[str, str], ...] = ()  # -ot PATTERN=BUFFER pairs (only =CPU on experts)
 
 
 def placement_for(facts: ModelFacts, shape: LaneShape) -> Placement:
@@ -76,10 +80,17 @@ def placement_for(facts: ModelFacts, shape: LaneShape) -> Placement:
     if shape.tensor_split and len(shape.tensor_split) != n:
         raise PlacementError(f"tensor split has {len(shape.tensor_split)} shares for {n} device(s)")
     shares = shape.tensor_split or (1.0,) * n
-    return place(
+    placement = place(
         facts.n_layer, shape.n_gpu_layers, shares, split_mode=shape.split_mode, main_gpu=shape.main_gpu,
         rule=shape.ngl_rule, backends=shape.devices,
     )  # fmt: skip
+    return with_cpu_experts(placement, cpu_expert_blocks(facts, shape.n_cpu_moe, shape.tensor_overrides))
+
+
+def with_cpu_experts(placement: Placement, blocks: frozenset[int]) -> Placement:
+    """The placement with these blocks' expert tensors in RAM (only those on a device change)."""
+    blocks = frozenset(il for il in blocks if placement.layer_device[il] != CPU)
+    return placement if blocks == placement.cpu_experts else dataclasses.replace(placement, cpu_experts=blocks)
 
 
 def _layers(facts: ModelFacts) -> dict[int, LayerWeights]:
@@ -92,6 +103,20 @@ def _repacked(lw: LayerWeights, rule: dict[str, int]) -> int:
     return sum(b for t, rows, b in lw.repack if t in rule and rows % rule[t] == 0)
 
 
+def _mapped(groups: Sequence[LayerWeights], rule: dict[str, int]) -> int:
+    """The file range the CPU maps: from the first to the last tensor it does not repack
+    (llama_model_loader::get_mapping_range over the CPU buffer's tensors)."""
+    ranges = []
+    for lw in groups:
+        if not lw.spans:  # facts from an older lanes: the whole group's range
+            ranges.append((lw.first, lw.end))
+            continue
+        for t, rows, first, end in lw.spans:
+            if lw.layer < 0 or not (t in rule and rows % rule[t] == 0):
+                ranges.append((first, end))
+    return max(e for _, e in ranges) - min(f for f, _ in ranges) if ranges else 0
+
+
 def model_bytes(facts: ModelFacts, placement: Placement, cpu_repack: Sequence[str] | None = None) -> list[int]:
     """Weights per device."""
     layers = _layers(facts)
@@ -99,20 +124,25 @@ def model_bytes(facts: ModelFacts, placement: Placement, cpu_repack: Sequence[st
     pinned = any(b in PINNED_HOST_BACKENDS for b in placement.backends)
     rule = {} if pinned else repack_rule(cpu_repack)
     cpu_groups = [layers[-1]] if -1 in layers else []
+    experts = {ew.layer: ew for ew in facts.expert_weights} if placement.cpu_experts else {}
     for il, dev in enumerate(placement.layer_device):
         lw = layers.get(il)
         if lw is None:
             continue
         if dev == CPU:
             cpu_groups.append(lw)
-        else:
-            out[1 + dev] += lw.cuda_bytes if placement.backend(dev) in PINNED_HOST_BACKENDS else lw.bytes
+            continue
+        cuda = placement.backend(dev) in PINNED_HOST_BACKENDS
+        out[1 + dev] += lw.cuda_bytes if cuda else lw.bytes
+        ew = experts.get(il) if il in placement.cpu_experts else None
+        if ew is not None:  # its expert tensors are in RAM instead
+            out[1 + dev] -= ew.cuda_bytes if cuda else ew.bytes
+            cpu_groups.append(ew)
     if cpu_groups:
         if pinned:
             out[0] = sum(lw.bytes for lw in cpu_groups)
         else:
-            mapped = max(lw.end for lw in cpu_groups) - min(lw.first for lw in cpu_groups)
-            out[0] = mapped + sum(_repacked(lw, rule) for lw in cpu_groups if lw.layer >= 0)
+            out[0] = _mapped(cpu_groups, rule) + sum(_repacked(lw, rule) for lw in cpu_groups if lw.layer >= 0)
     if facts.tied_output_bytes and placement.output_device != CPU:
         dev = placement.output_device
         pinned_dev = placement.backend(dev) in PINNED_HOST_BACKENDS
@@ -179,7 +209,11 @@ def compute_bytes(facts: ModelFacts, placement: Placement, shape: LaneShape, kv:
     cpu_has_layers = CPU in holders
     # llama_context: several devices, full offload, split by layer -> pipeline parallelism,
     # and ggml's scheduler keeps GGML_SCHED_MAX_COPIES (4) copies of each split's inputs.
-    pipeline = not cpu_has_layers and len(holders) > 1 and placement.split_mode == "layer" and not shape.no_kv_offload
+    # Not with tensor overrides (--n-cpu-moe, -ot): llama_context turns pipelining off for them.
+    pipeline = (
+        not cpu_has_layers and len(holders) > 1 and placement.split_mode == "layer" and not shape.no_kv_offload
+        and not (shape.n_cpu_moe or shape.tensor_overrides)
+    )  # fmt: skip
     copies = 4 if pipeline else 1
     first_gpu = min((d for d in holders if d != CPU), default=None)
     for dev in holders:
