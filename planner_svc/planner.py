@@ -18,6 +18,7 @@ from planner_svc.layouts import (
     candidates,
     cost_vector,
     describe,
+    expert_layout,
     fits,
     largest,
     layout_memory,
@@ -261,9 +262,11 @@ def _choose_layout(lane_at, report, remaining, config, prev_layout) -> tuple[Lay
         c = cost(layout)
         if fits(c, remaining):
             return layout, c
-    layout = partial_layout(lane_at(Layout("cpu")).facts, report, remaining, cost, config.use_gpu)
-    if layout is not None:
-        return layout, cost(layout)
+    facts = lane_at(Layout("cpu")).facts
+    for search in (expert_layout, partial_layout):
+        layout = search(facts, report, remaining, cost, config.use_gpu)
+        if layout is not None:
+            return layout, cost(layout)
     c = cost(Layout("cpu"))
     return (Layout("cpu"), c) if fits(c, remaining) else None
 
@@ -446,6 +449,7 @@ def _same_shape(spec: LaneSpec, lane: _Lane, has_kv_unified: bool = True) -> boo
         and spec.flash_attn == lane.flags.flash_attn
         and spec.gpu_devices == lane.layout.gpus
         and spec.n_gpu_layers == _n_gpu_layers(lane)
+        and spec.n_cpu_moe == lane.layout.n_cpu_moe
     )
 
 
@@ -488,6 +492,7 @@ def _spec(report: HostReport, config: FleetConfig, lane: _Lane) -> LaneSpec:
         memory=memory,
         reasons=tuple(reasons),
         layout=lane.layout,
+        n_cpu_moe=lane.layout.n_cpu_moe,
     )
 
 

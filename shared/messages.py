@@ -87,6 +87,8 @@ class ServerCaps(msgspec.Struct, frozen=True, kw_only=True):
     has_device: bool = True  # -dev/--device: pin a lane to named devices
     has_cpu_range: bool = True  # -Cr/--cpu-range and -C/--cpu-mask: pin a lane's threads to CPUs
     has_poll: bool = True  # --poll <0...100>: how hard idle threads spin
+    has_n_cpu_moe: bool = True  # -ncmoe/--n-cpu-moe N: the experts of the first N blocks in RAM (Aug 2025)
+    has_chat_template: bool = True  # --chat-template NAME: a built-in template by name
 
 
 class LayerWeights(msgspec.Struct, frozen=True, array_like=True):

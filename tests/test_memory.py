@@ -376,3 +376,36 @@ def test_recurrent_layers_hold_no_kv_and_fixed_state():
     small = lane_memory(with_layers(facts), LaneShape(ctx=4096, parallel=2))
     large = lane_memory(with_layers(facts), LaneShape(ctx=65536, parallel=2))
     assert small.recurrent_bytes == large.recurrent_bytes == 2_000_000
+
+
+# ------------------------------------------------------------------ Mixture of Experts
+
+
+def test_expert_overrides_resolve_like_llama_server(tmp_path):
+    from tinymodels import write_moe
+
+    from shared.memory import LaneShape, PlacementError, lane_memory, placement_for
+    from shared.memory.experts import cpu_expert_blocks, parse_override
+
+    facts = read_model_facts(write_moe(tmp_path / "moe.gguf", n_layer=12))
+    assert cpu_expert_blocks(facts, 3) == {0, 1, 2}
+    assert cpu_expert_blocks(facts, 99) == set(range(12))
+    assert cpu_expert_blocks(facts, 0, [parse_override("exps=CPU")]) == set(range(12))
+    assert cpu_expert_blocks(facts, 0, [parse_override(r"blk\.(1[0-9])\.ffn_.*_exps\.=CPU")]) == {10, 11}
+    assert cpu_expert_blocks(facts, 1, [parse_override(r"blk\.1\.ffn_.*_exps=cpu")]) == {0, 1}
+    for bad in ("blk\\.1\\.=CPU", "ffn_down_exps=CPU", "exps=RPC0", "attn=CPU"):
+        with pytest.raises(PlacementError):
+            cpu_expert_blocks(facts, 0, [parse_override(bad)])
+    with pytest.raises(PlacementError):
+        parse_override("exps")
+    full = lane_memory(facts, LaneShape(ctx=4096, n_gpu_layers="all", devices=("rpc",)))
+    moe = LaneShape(ctx=4096, n_gpu_layers="all", devices=("rpc",), n_cpu_moe=4)
+    assert placement_for(facts, moe).cpu_experts == {0, 1, 2, 3}
+    half = lane_memory(facts, moe)
+    moved = sum(ew.bytes for ew in facts.expert_weights[:4])
+    assert full.devices[1].model_bytes - half.devices[1].model_bytes == moved
+    assert half.devices[0].model_bytes >= moved  # mapped in RAM (with the blocks' other tensors between)
+    assert half.kv_bytes == full.kv_bytes
+    # experts of blocks already on the CPU do not move: -ngl 3 keeps blocks 0..9 there
+    partial = placement_for(facts, LaneShape(ctx=4096, n_gpu_layers=3, devices=("rpc",), n_cpu_moe=12))
+    assert partial.cpu_experts == {10, 11}

@@ -91,6 +91,10 @@ def lane_args(spec: LaneSpec, caps: ServerCaps) -> tuple[str, ...]:
             args += ["--flash-attn", spec.flash_attn]
         elif spec.flash_attn == "on":
             args.append("--flash-attn")
+    if spec.n_cpu_moe:
+        args += ["--n-cpu-moe", str(spec.n_cpu_moe)]
+    if spec.chat_template is not None:
+        args += ["--chat-template", spec.chat_template]
     if spec.fit_off:
         args += ["-fit", "off"]
     if spec.n_ubatch != DEFAULT_N_UBATCH:  # the plan's compute and sliding-window sizes assume it
@@ -207,6 +211,8 @@ def parse_caps(help_text: str, version_text: str = "") -> ServerCaps:
         has_device="--device" in help_text,
         has_cpu_range="--cpu-range-batch" in help_text,
         has_poll="--poll-batch" in help_text,
+        has_n_cpu_moe="--n-cpu-moe" in help_text,
+        has_chat_template="--chat-template" in help_text,
     )
 
 
