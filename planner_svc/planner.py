@@ -29,14 +29,16 @@ from planner_svc.layouts import (
 from planner_svc.policy import (
     Flags,
     correction,
+    chat_template_for,
     decide_flags,
+    flash_attn_for,
     gpu_budgets,
     ram_budget,
     revert_target,
     window_bounds,
 )
 from planner_svc.threads import with_threads
-from shared.llama.flags import effective_cache_type, flash_attn_effective, lane_args
+from shared.llama.flags import effective_cache_type, lane_args
 from shared.memory import (
     CTX_PAD,
     LaneShape,
@@ -98,10 +100,6 @@ class _Lane:
     def total_ctx(self, window: int) -> int:
         return window * self.persona.parallel
 
-    def _fa_device(self, report: HostReport) -> str:
-        gpus = self.layout.gpus
-        return "cpu" if all(report.gpus[g].backend == "rpc" for g in gpus) else "gpu"
-
     def memory(self, window: int, report: HostReport, n_ubatch: int) -> MemoryBreakdown:
         caps = report.server
         base = LaneShape(
@@ -110,8 +108,8 @@ class _Lane:
             kv_unified=self.persona.kv_unified,
             type_k=effective_cache_type(self.flags.cache_type_k),
             type_v=effective_cache_type(self.flags.cache_type_v),
-            # RPC devices run the CPU backend's kernels: `auto` resolves to on there as on the CPU
-            flash_attn=flash_attn_effective(self.flags.flash_attn, caps, self._fa_device(report)),
+            # `auto` resolved per backend as llama-server does (RPC devices run the CPU's kernels)
+            flash_attn=flash_attn_for(self.flags, report, self.layout.gpus, self.facts).on,
             layout=caps.kv_layout,
             n_ubatch=n_ubatch,
         )
@@ -323,6 +321,11 @@ def _place(persona, candidates_, config, lanes, remaining, previous, feedback) -
         lane = lane_at(layout)
         lane.reasons = list(flags.reasons) + bound_reasons + factor_reasons
         lane.reasons.append(f"layout: {describe(layout, facts.n_layer)}")
+        template_reason = chat_template_for(facts, report.server)[1]
+        if template_reason:
+            lane.reasons.append(template_reason)
+        if flags.flash_attn in (None, "auto") and layout.gpus:  # on the CPU auto is always on
+            lane.reasons.append(flash_attn_for(flags, report, layout.gpus, facts).reason)
         had_before = any(s.lane_id == lane.lane_id for s in (previous.get(host).lanes if previous.get(host) else ()))
         slack = sum(remaining[host].get(r, 0) - b for r, b in floor_cost.items())
         options.append((not had_before, rank(layout), -slack, host, lane, floor_cost))
@@ -493,6 +496,7 @@ def _spec(report: HostReport, config: FleetConfig, lane: _Lane) -> LaneSpec:
         reasons=tuple(reasons),
         layout=lane.layout,
         n_cpu_moe=lane.layout.n_cpu_moe,
+        chat_template=chat_template_for(lane.facts, caps)[0],
     )
 
 

@@ -89,6 +89,7 @@ class ServerCaps(msgspec.Struct, frozen=True, kw_only=True):
     has_poll: bool = True  # --poll <0...100>: how hard idle threads spin
     has_n_cpu_moe: bool = True  # -ncmoe/--n-cpu-moe N: the experts of the first N blocks in RAM (Aug 2025)
     has_chat_template: bool = True  # --chat-template NAME: a built-in template by name
+    has_no_jinja: bool = True  # --no-jinja: jinja is on by default, so a template name needs it first
 
 
 class LayerWeights(msgspec.Struct, frozen=True, array_like=True):
