@@ -9,7 +9,7 @@ else on ("Flash Attention was auto, set to enabled"). So `auto` is per backend a
 - CPU (and RPC devices, which run the CPU backend's kernels): every shape: on.
 - CUDA / ROCm (ggml-cuda fattn.cu, ggml_cuda_get_best_fattn_kernel, default build without
   GGML_CUDA_FA_ALL_QUANTS): head size K = V in {40,64,72,80,96,112,128,256}, or the MLA-style
-  pairs 192/128, 320/256, 512/512, 576/512 (these need grouped heads); K and V of one type
+  pairs 192/128, 320/256, 512/512, 576/512 (grouped heads: 8, 32, 2, 2 per KV head); K and V of one type
   (or K q8_0 with V q4_0), each of f32, f16, bf16, q8_0, q4_0.
 - Metal (ggml-metal supports_op): head size in {32,40,48,64,72,80,96,112,128,192,256,320,512,576},
   K and V of one type among f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1.
@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from shared.messages import ModelFacts, ServerCaps
 
 _CUDA_SAME_HEAD = frozenset({40, 64, 72, 80, 96, 112, 128, 256})
-_CUDA_PAIRS = {192: 128, 320: 256, 512: 512, 576: 512}  # K head -> the V head it needs (grouped heads)
+# K head -> (the V head it needs, what the heads per KV head must be a multiple of; >= 2 always)
+_CUDA_PAIRS = {192: (128, 8), 320: (256, 32), 512: (512, 1), 576: (512, 1)}
 _CUDA_TYPES = frozenset({"f32", "f16", "bf16", "q8_0", "q4_0"})
 _METAL_HEADS = frozenset({32, 40, 48, 64, 72, 80, 96, 112, 128, 192, 256, 320, 512, 576})
 _METAL_TYPES = frozenset({"f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"})
@@ -49,7 +50,8 @@ def _cuda_refuses(facts: ModelFacts, type_k: str, type_v: str) -> str | None:
         if dv != dk:
             return f"head sizes K {dk} / V {dv} differ"
     elif dk in _CUDA_PAIRS:
-        if dv != _CUDA_PAIRS[dk] or gqa < 2:
+        need_v, multiple = _CUDA_PAIRS[dk]
+        if dv != need_v or gqa < 2 or gqa % multiple:
             return f"head sizes K {dk} / V {dv} with {gqa} heads per KV head have no kernel"
     else:
         return f"no kernel for head size {dk}"
