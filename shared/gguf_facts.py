@@ -21,8 +21,8 @@ from shared.gguf_scan import (
 from shared.messages import LayerWeights, ModelFacts
 
 # llama.cpp's default sliding-window pattern per architecture when the GGUF has none
-# (llama_model_*::load_arch_hparams: gemma2 2, gemma3 6, cohere2 4).
-_DEFAULT_SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "cohere2": 4}
+# (llama_model_*::load_arch_hparams: gemma2 2, gemma3 6, cohere2 4, gpt-oss 2: even layers slide).
+_DEFAULT_SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "cohere2": 4, "gpt-oss": 2}
 _MLA_ARCHS = {"deepseek2", "deepseek3", "kimi_k2", "glm4_moe_lite"}
 
 

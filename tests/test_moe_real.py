@@ -1,7 +1,8 @@
 """Mixture-of-Experts models against the real llama-server, on the CPU and on RPC devices.
 
 Generated qwen3moe (F16 and Q4_0 experts: Q4_0 stacks are repacked on AVX2 CPUs), qwen2moe
-(a gated shared expert beside the routed ones) and a 152k-vocabulary qwen3moe; each case
+(a gated shared expert beside the routed ones), a 152k-vocabulary qwen3moe and gpt-oss
+(sliding-window and full layers alternating: two KV caches per device); each case
 compares every printed buffer with shared.memory for -ngl all and partial, --n-cpu-moe N,
 -ot patterns and splits over two devices: model, KV and output exact, compute within 3% or
 4 MiB (the dense models' tolerances, shared.llama.printed).
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from rpc_harness import rpc_servers
-from tinymodels import write_moe
+from tinymodels import write_gpt_oss, write_moe
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -49,6 +50,7 @@ def moe_models(tmp_path_factory) -> dict[str, Path]:
         "qwen2moe_shexp": write_moe(folder / "qwen2moe.gguf", arch="qwen2moe"),
         "qwen3moe_v152k": write_moe(folder / "qwen3moe_v152k.gguf", n_layer=6, n_expert=16, n_expert_used=4,
                                     n_vocab=151936),
+        "gpt_oss_swa": write_gpt_oss(folder / "gpt_oss.gguf"),
     }  # fmt: skip
 
 
@@ -70,7 +72,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
-@pytest.mark.parametrize("name", ["qwen3moe", "qwen3moe_q4_0", "qwen2moe_shexp", "qwen3moe_v152k"])
+@pytest.mark.parametrize("name", ["qwen3moe", "qwen3moe_q4_0", "qwen2moe_shexp", "qwen3moe_v152k", "gpt_oss_swa"])
 def test_moe_buffers_per_device_equal_the_binary(rpc_bin, endpoints, moe_models, name, case):
     model = moe_models[name]
     facts = read_model_facts(model)
@@ -83,6 +85,8 @@ def test_moe_buffers_per_device_equal_the_binary(rpc_bin, endpoints, moe_models,
     assert ("CPU", "model") in kinds
     placement = placement_for(facts, case.shape())
     assert result["offloaded"] == (placement.offloaded, facts.n_layer + 1)
+    if name == "gpt_oss_swa":  # even blocks slide: half the layers in the small cache
+        assert facts.swa_layers == (True, False) * (facts.n_layer // 2) and facts.n_swa == 128
     moved = placement.cpu_experts
     if case.n_cpu_moe and case.ngl == "all":
         assert moved == frozenset(range(min(case.n_cpu_moe, facts.n_layer)))

@@ -175,6 +175,12 @@ def output_bytes(facts: ModelFacts, placement: Placement, parallel: int) -> list
     return [facts.n_vocab * parallel * 4] + [0] * placement.n_devices
 
 
+def ffn_width(facts: ModelFacts) -> int:
+    """The FFN activations' width per token: n_ff, or for a Mixture of Experts the routed experts'
+    outputs ([n_ff_exp, n_expert_used, n_tokens]) plus the shared expert's, when wider."""
+    return max(facts.n_ff, facts.n_ff_exp * facts.n_expert_used + facts.n_ff_shexp)
+
+
 def compute_bytes(facts: ModelFacts, placement: Placement, shape: LaneShape, kv: KvSize) -> list[int]:
     """The compute buffer ggml reserves per backend for the worst-case prompt-processing graph.
 
@@ -190,7 +196,7 @@ def compute_bytes(facts: ModelFacts, placement: Placement, shape: LaneShape, kv:
     f32 = 4
     mask_width = 2 if shape.flash_attn else 4
     embd = facts.n_embd * n_tokens * f32
-    ffn = facts.n_ff * n_tokens * f32
+    ffn = ffn_width(facts) * n_tokens * f32
     logits = facts.n_vocab * shape.parallel * f32
     swa = tuple(facts.swa_layers) + (False,) * (facts.n_layer + 1)
     kv_layers = [il for il in range(facts.n_layer) if facts.n_head_kv[il]]
