@@ -108,6 +108,40 @@ def matrix(n_layer: int, quick: bool) -> list[Case]:
     return cases
 
 
+def moe_matrix(n_layer: int, n_gpus: int = 2, backend: str = "rpc") -> list[Case]:
+    """Mixture-of-Experts cases: every layer on the devices with the experts of the first N blocks
+    in RAM (several N), -ot patterns, partial offload with experts in RAM, splits over two devices."""
+    half = max(1, n_layer // 2)
+    partial = max(1, (n_layer + 1) // 2)
+    shapes = [(8192, 1, "on", "f16"), (8192, 1, "off", "f16"), (8192, 4, "on", "q8_0")]
+    layouts = [(0, 0, (), 0, ()), ("all", 1, (), 0, ()), ("all", 1, (), 1, ()), ("all", 1, (), half, ()),
+               ("all", 1, (), n_layer, ()), ("all", 1, (), 0, ("exps=CPU",)), (partial, 1, (), 1, ()),
+               ("all", n_gpus, (1.0, 1.0), half, ()),
+               ("all", n_gpus, (3.0, 1.0), 0, (rf"blk\.({half}|{n_layer - 1})\.ffn_.*_exps\.=CPU",))]  # fmt: skip
+    return [Case(c, p, fa, t, ngl, n, split, backend=backend, n_cpu_moe=moe, overrides=ot)
+            for (ngl, n, split, moe, ot), (c, p, fa, t) in itertools.product(layouts, shapes)]  # fmt: skip
+
+
+def moe_models(folder: Path) -> list[Path]:
+    """The MoE set: qwen3moe (F16 and Q4_0 experts), qwen2moe with a shared expert, a 152k
+    vocabulary, and gpt-oss (sliding-window and full layers alternating)."""
+    import tinymodels
+
+    folder.mkdir(parents=True, exist_ok=True)
+    specs = {
+        "qwen3moe.gguf": (tinymodels.write_moe, dict(n_layer=6, n_expert=16, n_expert_used=4)),
+        "qwen3moe_q4_0.gguf": (tinymodels.write_moe, dict(n_layer=6, n_expert=16, n_expert_used=4,
+                                                           expert_type="q4_0")),
+        "qwen2moe_shexp.gguf": (tinymodels.write_moe, dict(arch="qwen2moe", n_layer=6)),
+        "qwen3moe_v152k.gguf": (tinymodels.write_moe, dict(n_layer=6, n_vocab=151936)),
+        "gpt_oss.gguf": (tinymodels.write_gpt_oss, dict(n_layer=6)),
+    }  # fmt: skip
+    for name, (write, kw) in specs.items():
+        if not (folder / name).exists():
+            write(folder / name, **kw)
+    return [folder / name for name in specs]
+
+
 def run_case(bin_dir: Path, model: Path, facts, case: Case, endpoints: list[str]) -> dict:
     t0 = time.perf_counter()
     cuda = case.backend == "cuda"
@@ -183,6 +217,7 @@ def main() -> int:
                     help="write the standard set into DIR and run it: real Gemma 3 270M + synthetic 262k/200k/128k vocabularies")
     ap.add_argument("--bin-dir", help="folder with llama-server and ggml-rpc-server (default: the RPC build)")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--moe", metavar="DIR", help="write the MoE set into DIR and run the MoE matrix on it")
     ap.add_argument("--cuda-gpus", type=int, default=0, help="run the CUDA matrix on this many local GPUs (no RPC)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "device_results.json"))
     args = ap.parse_args()
@@ -193,6 +228,7 @@ def main() -> int:
         print("no RPC build: run `lanes install-llama --rpc` first", file=sys.stderr)
         return 2
     models = list(args.models) + (standard_models(Path(args.standard)) if args.standard else [])
+    models += moe_models(Path(args.moe)) if args.moe else []
     if not models:
         print("give --models GGUF... or --standard DIR", file=sys.stderr)
         return 2
@@ -204,7 +240,13 @@ def main() -> int:
     with servers as endpoints:
         for model in map(Path, args.models):
             facts = read_model_facts(model)
-            cases = cuda_matrix(facts.n_layer, args.cuda_gpus) if args.cuda_gpus else matrix(facts.n_layer, args.quick)
+            if facts.expert_weights:
+                cases = moe_matrix(facts.n_layer, max(2, args.cuda_gpus), "cuda" if args.cuda_gpus else "rpc")
+                cases = [c for c in cases if not args.cuda_gpus or c.n_devices <= args.cuda_gpus]
+            elif args.cuda_gpus:
+                cases = cuda_matrix(facts.n_layer, args.cuda_gpus)
+            else:
+                cases = matrix(facts.n_layer, args.quick)
             for case in cases:
                 r = run_case(bin_dir, model, facts, case, endpoints)
                 bad = [c for c in r["checks"] if not c["ok"]]

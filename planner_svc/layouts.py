@@ -217,22 +217,38 @@ def expert_layout(
 ) -> Layout | None:
     """Every layer on the GPUs, the experts of the first N blocks in RAM: the smallest N that
     fits (GPUs and RAM), over one GPU (the largest first) or a split; None when no N does, the
-    model has no experts, or the host's llama-server lacks --n-cpu-moe."""
+    model has no experts, or the host's llama-server lacks --n-cpu-moe. The blocks whose experts
+    leave are the first ones, which a split puts on its first GPU: a split also tries giving that
+    GPU a larger share of the layers, so the GPUs fill evenly."""
     if not facts.expert_weights or (report.server is not None and not report.server.has_n_cpu_moe):
         return None
     best: Layout | None = None
     for base in candidates(report, remaining, use_gpu):
-
-        def gpu_fits(n: int, base: Layout = base) -> bool:
-            c = cost(msgspec.structs.replace(base, n_cpu_moe=n))
-            return all(b <= remaining.get(r, 0) for r, b in c.items() if r[0] == "gpu")
-
-        n_blocks = facts.n_layer
-        if not gpu_fits(n_blocks):
-            continue
-        # the smallest n whose GPU side fits: n_blocks - (the largest k with gpu_fits(n_blocks - k))
-        n = n_blocks - largest(lambda k: gpu_fits(n_blocks - k), 0, n_blocks - 1)
-        layout = msgspec.structs.replace(base, n_cpu_moe=n)
-        if fits(cost(layout), remaining) and (best is None or n < best.n_cpu_moe):
-            best = layout
+        for shares in _expert_shares(base):
+            layout = _fewest_experts_in_ram(facts, msgspec.structs.replace(base, shares=shares), remaining, cost)
+            if layout is not None and (best is None or layout.n_cpu_moe < best.n_cpu_moe):
+                best = layout
     return best
+
+
+_FIRST_GPU_WEIGHTS = (1, 2, 3, 4, 6, 8)
+
+
+def _expert_shares(base: Layout) -> list[tuple[int, ...]]:
+    if len(base.gpus) < 2:
+        return [base.shares]
+    return [(base.shares[0] * w, *base.shares[1:]) for w in _FIRST_GPU_WEIGHTS]
+
+
+def _fewest_experts_in_ram(facts, base: Layout, remaining, cost) -> Layout | None:
+    def gpu_fits(n: int) -> bool:
+        c = cost(msgspec.structs.replace(base, n_cpu_moe=n))
+        return all(b <= remaining.get(r, 0) for r, b in c.items() if r[0] == "gpu")
+
+    n_blocks = facts.n_layer
+    if not gpu_fits(n_blocks):
+        return None
+    # the smallest n whose GPU side fits: n_blocks - (the largest k with gpu_fits(n_blocks - k))
+    n = n_blocks - largest(lambda k: gpu_fits(n_blocks - k), 0, n_blocks - 1)
+    layout = msgspec.structs.replace(base, n_cpu_moe=n)
+    return layout if fits(cost(layout), remaining) else None
