@@ -45,15 +45,17 @@ class Case:
     backend: str = "rpc"
     n_cpu_moe: int = 0
     overrides: tuple[str, ...] = ()  # -ot PATTERN=BUFFER
+    cache_v: str | None = None  # V's type when it differs from K's (`cache`)
 
     def __str__(self) -> str:
         moe = (f" ncmoe{self.n_cpu_moe}" if self.n_cpu_moe else "") + "".join(f" ot:{o}" for o in self.overrides)
         split = ":".join(f"{s:g}" for s in self.split)
-        return f"c{self.ctx}x{self.parallel} fa{self.flash_attn} {self.cache} ngl{self.ngl} dev{self.n_devices}{split and ' ts' + split}{moe}"
+        cache = self.cache + (f"/{self.cache_v}" if self.cache_v else "")
+        return f"c{self.ctx}x{self.parallel} fa{self.flash_attn} {cache} ngl{self.ngl} dev{self.n_devices}{split and ' ts' + split}{moe}"
 
     def argv(self, model: str, endpoints: list[str]) -> list[str]:
         args = ["-m", model, "-c", str(self.ctx), "-np", str(self.parallel), "-fa", self.flash_attn,
-                "-ctk", self.cache, "-ctv", self.cache, "-ub", str(self.ubatch), "-fit", "off",
+                "-ctk", self.cache, "-ctv", self.cache_v or self.cache, "-ub", str(self.ubatch), "-fit", "off",
                 "-ngl", str(self.ngl)]  # fmt: skip
         if endpoints:
             args += ["--rpc", ",".join(endpoints)]
@@ -67,7 +69,7 @@ class Case:
 
     def shape(self) -> LaneShape:
         return LaneShape(
-            ctx=self.ctx, parallel=self.parallel, type_k=self.cache, type_v=self.cache,
+            ctx=self.ctx, parallel=self.parallel, type_k=self.cache, type_v=self.cache_v or self.cache,
             flash_attn=self.flash_attn == "on", n_ubatch=self.ubatch, n_gpu_layers=self.ngl,
             tensor_split=self.split, devices=(self.backend,) * self.n_devices, n_cpu_moe=self.n_cpu_moe,
             tensor_overrides=tuple(parse_override(o) for o in self.overrides),

@@ -409,3 +409,26 @@ def test_expert_overrides_resolve_like_llama_server(tmp_path):
     # experts of blocks already on the CPU do not move: -ngl 3 keeps blocks 0..9 there
     partial = placement_for(facts, LaneShape(ctx=4096, n_gpu_layers=3, devices=("rpc",), n_cpu_moe=12))
     assert partial.cpu_experts == {10, 11}
+
+
+def test_experts_in_ram_on_cuda_charge_one_expert_copy_to_the_first_gpu(tmp_path):
+    """Op offload: CUDA runs the prompt's expert matmuls of RAM-held blocks itself, from a copy."""
+    from tinymodels import write_moe
+
+    from shared.memory import LaneShape, lane_memory
+    from shared.memory.buffers import op_offload_bytes, placement_for
+
+    facts = read_model_facts(write_moe(tmp_path / "moe.gguf", n_layer=6))
+    for n_gpus in (1, 2):
+        kw = dict(ctx=4096, n_gpu_layers="all", tensor_split=(1.0,) * n_gpus, n_cpu_moe=2)
+        rpc = lane_memory(facts, LaneShape(devices=("rpc",) * n_gpus, **kw))
+        cuda = lane_memory(facts, LaneShape(devices=("cuda",) * n_gpus, **kw))
+        copy = -(-facts.expert_weights[0].cuda_bytes // 3)
+        assert cuda.devices[1].compute_bytes == rpc.devices[1].compute_bytes + copy  # the first GPU only
+        assert [d.compute_bytes for d in cuda.devices[2:]] == [d.compute_bytes for d in rpc.devices[2:]]
+    # RPC devices have no op offload: one device's compute is what it is without experts in RAM (measured)
+    one = dict(ctx=4096, n_gpu_layers="all", devices=("rpc",))
+    assert lane_memory(facts, LaneShape(n_cpu_moe=2, **one)).compute_bytes == lane_memory(
+        facts, LaneShape(**one)).compute_bytes  # fmt: skip
+    tiny_batch = placement_for(facts, LaneShape(ctx=4096, n_gpu_layers="all", devices=("cuda",), n_cpu_moe=2))
+    assert op_offload_bytes(facts, tiny_batch, 16) == 0  # batches under 32 tokens stay on the CPU

@@ -181,6 +181,28 @@ def ffn_width(facts: ModelFacts) -> int:
     return max(facts.n_ff, facts.n_ff_exp * facts.n_expert_used + facts.n_ff_shexp)
 
 
+# Backends whose offload_op runs an op with host-held weights on the GPU (batches of 32 tokens
+# or more): the scheduler copies the weight into that GPU's compute buffer (ggml-backend.cpp).
+OP_OFFLOAD_BACKENDS = frozenset({"cuda", "rocm"})
+OP_OFFLOAD_MIN_BATCH = 32
+
+
+def op_offload_device(placement: Placement) -> int:
+    """The GPU that runs ops whose weights are in RAM: the first one with op offload (CPU: none)."""
+    return next((d for d in range(placement.n_devices) if placement.backend(d) in OP_OFFLOAD_BACKENDS), CPU)
+
+
+def op_offload_bytes(facts: ModelFacts, placement: Placement, n_tokens: int) -> int:
+    """Experts in RAM on a CUDA/ROCm lane: prompt batches run their matmuls on the first GPU, which
+    holds a copy of one expert tensor at a time (a weight from another backend starts a new split,
+    so the copies reuse one slot): the largest, taken as a third of its block's gate/up/down.
+    An estimate read off the scheduler's source, not measured (no GPU here); 0 on CPU and RPC."""
+    if not placement.cpu_experts or n_tokens < OP_OFFLOAD_MIN_BATCH or op_offload_device(placement) == CPU:
+        return 0
+    groups = {ew.layer: ew for ew in facts.expert_weights}
+    return max((-(-groups[il].cuda_bytes // 3) for il in placement.cpu_experts if il in groups), default=0)
+
+
 def compute_bytes(facts: ModelFacts, placement: Placement, shape: LaneShape, kv: KvSize) -> list[int]:
     """The compute buffer ggml reserves per backend for the worst-case prompt-processing graph.
 
@@ -241,6 +263,7 @@ def compute_bytes(facts: ModelFacts, placement: Placement, shape: LaneShape, kv:
         out[1 + dev] = max(peak_ffn, peak_attn)
         if pipeline:
             out[1 + dev] += (copies - 1) * masks + (12 if dev == first_gpu else 4) * embd
+    out[1 + op_offload_device(placement)] += op_offload_bytes(facts, placement, n_tokens)
     if not cpu_has_layers:
         # Full offload: the CPU still builds the graph inputs (masks) and gathers token embeddings.
         out[0] = copies * all_masks + 4 * embd
