@@ -102,3 +102,33 @@ def test_more_vram_never_means_more_experts_in_ram(free):
     less = only_lane(plan([host(gpus=(gpu(0, 16, free),), models=(moe,), ram_available=60 * GIB)], FleetConfig()))
     more = only_lane(plan([host(gpus=(gpu(0, 16, free + 2),), models=(moe,), ram_available=60 * GIB)], FleetConfig()))
     assert more.n_cpu_moe <= less.n_cpu_moe
+
+
+def test_gpu_lanes_say_how_flash_attention_auto_resolves():
+    from shared.messages import GpuInfo
+
+    cuda = only_lane(plan([host(gpus=(gpu(0, 24, 23),))], FleetConfig()))
+    assert any("flash attention auto resolves to on (cuda" in r for r in cuda.reasons), cuda.reasons
+    vulkan = only_lane(plan([host(gpus=(GpuInfo(name="v", vram_total=24 * GIB, vram_free=23 * GIB, backend="vulkan",
+                                                 device="Vulkan0"),))], FleetConfig()))  # fmt: skip
+    assert any("resolves to off on vulkan" in r for r in vulkan.reasons), vulkan.reasons
+    # the compute buffer follows: the same lane planned with FA on has a smaller one, so a larger window fits
+    assert cuda.memory.compute_bytes < vulkan.memory.compute_bytes
+
+
+def test_a_file_without_a_chat_template_gets_the_built_in_one_of_its_architecture():
+    gemma = llama_8b("gemma-3-4b", architecture="gemma3", n_vocab=262144, has_chat_template=False)
+    lane = only_lane(plan([host(models=(gemma,))], FleetConfig()))
+    assert lane.chat_template == "gemma"
+    at = lane.args.index("--chat-template")
+    assert lane.args[at - 1: at + 2] == ("--no-jinja", "--chat-template", "gemma")
+    assert any("chat template gemma (gemma3)" in r and "ChatML" in r for r in lane.reasons), lane.reasons
+    # its own template wins; a qwen file without one keeps ChatML, and says so
+    assert only_lane(plan([host(models=(llama_8b(),))], FleetConfig())).chat_template is None
+    qwen = llama_8b("qwen3-8b", architecture="qwen3", n_vocab=151936, has_chat_template=False)
+    lane = only_lane(plan([host(models=(qwen,))], FleetConfig()))
+    assert lane.chat_template is None and "--chat-template" not in lane.args
+    assert any("ChatML fallback" in r for r in lane.reasons)
+    # a llama-server without --chat-template: no flag, and the reason says why
+    lane = only_lane(plan([host(models=(gemma,), server=ServerCaps(has_chat_template=False))], FleetConfig()))
+    assert lane.chat_template is None and any("no --chat-template" in r for r in lane.reasons)
