@@ -42,7 +42,10 @@ def cmd_models(args: argparse.Namespace) -> int:
                 f"{m.head_dim_k}/{m.head_dim_v}",
                 m.n_ctx_train,
                 f"{m.n_swa} ({sum(m.swa_layers)}/{m.n_layer})" if m.n_swa else "-",
-                "mla" if m.is_mla else ("recurrent" if any(m.recurrent_layers) else "-"),
+                ", ".join(k for k in (
+                    "mla" if m.is_mla else "", "recurrent" if any(m.recurrent_layers) else "",
+                    f"moe {m.n_expert}x{m.n_ff_exp} ({m.n_expert_used} used)" if m.n_expert else "",
+                ) if k) or "-",  # fmt: skip
                 mib(m.weight_bytes),
             ]
         )
