@@ -93,3 +93,38 @@ def test_moe_buffers_per_device_equal_the_binary(rpc_bin, endpoints, moe_models,
     if moved:  # the experts really left the device: its weights are less than the block's
         cpu = next(c for c in result["checks"] if c["device"] == "CPU" and c["kind"] == "model")
         assert cpu["printed_mib"] * 2**20 >= sum(ew.bytes for ew in facts.expert_weights if ew.layer in moved) - 2**14
+
+
+@pytest.mark.parametrize("budget_mib", [60, 40])
+def test_expert_offload_against_llama_fit_params(rpc_bin, tmp_path, budget_mib):
+    """On the same RPC budget: lanes' window at least llama-fit-params', no more expert blocks in
+    RAM, both started, neither over the budget (bench/moe_fit_bench.py runs the whole table)."""
+    import subprocess
+
+    from moe_fit_bench import fit_choice, run_fit
+    from fit_bench import lanes_choice, over, run_lane
+
+    from launcher_agent.hardware import listed_devices
+    from shared.llama.logs import MIB
+
+    model = write_moe(tmp_path / "moe8x32.gguf", n_layer=8, n_expert=32, n_expert_used=4, n_ff_exp=256,
+                      n_ctx_train=16384)  # fmt: skip
+    facts = read_model_facts(model)
+    server = str(rpc_bin / "llama-server")
+    with rpc_servers(rpc_bin, 1) as eps:
+        listed = subprocess.run([server, "--rpc", eps[0], "--list-devices"], capture_output=True, text=True).stdout
+        dev = next(d for d in listed_devices(listed) if d[0].startswith("RPC"))
+        extra = ["-fa", "on", "-np", "1"]
+        fit = fit_choice(rpc_bin, model, eps, [dev[2] // MIB - budget_mib], extra)
+        assert "ctx" in fit, fit
+        fit.update(run_fit(server, model, eps, fit, extra))
+        ours = lanes_choice(server, model, facts, eps, [dev[0]], (budget_mib,), "on", "f16")
+        assert "ctx" in ours, ours
+        args = ours.pop("args")
+        assert "--n-cpu-moe" in args and ours["ngl"] == facts.n_layer + 1  # every layer on the device
+        n = int(args[args.index("--n-cpu-moe") + 1])
+        ours.update(run_lane(server, args, ours["ctx"], ours["devices"]))
+    assert fit["started"] and ours["started"]
+    assert not over(ours["used_mib"], [budget_mib]) and not over(fit["used_mib"], [budget_mib])
+    assert ours["ctx"] >= fit["ctx"]
+    assert n <= len(fit["expert_blocks_in_ram"]), (n, fit["expert_blocks_in_ram"])
