@@ -263,7 +263,9 @@ def compute_bytes(facts: ModelFacts, placement: Placement, shape: LaneShape, kv:
         out[1 + dev] = max(peak_ffn, peak_attn)
         if pipeline:
             out[1 + dev] += (copies - 1) * masks + (12 if dev == first_gpu else 4) * embd
-    out[1 + op_offload_device(placement)] += op_offload_bytes(facts, placement, n_tokens)
+    offload_to = op_offload_device(placement)
+    if offload_to != CPU:
+        out[1 + offload_to] += op_offload_bytes(facts, placement, n_tokens)
     if not cpu_has_layers:
         # Full offload: the CPU still builds the graph inputs (masks) and gathers token embeddings.
         out[0] = copies * all_masks + 4 * embd
