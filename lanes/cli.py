@@ -102,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plan for this llama.cpp build's rules without the binary (b6325 -> 6325)")
     p.add_argument("--n-cpu-moe", "-ncmoe", type=_int_at_least(0, "must not be negative"), default=0,
                    help="keep the experts of the first N blocks in RAM (Mixture-of-Experts models)")
+    p.add_argument("--cpu-moe", "-cmoe", action="store_true", help="keep every block's experts in RAM")
     p.add_argument("--override-tensor", "-ot", action="append", default=[], metavar="PATTERN=DEVICE",
                    help="llama-server's tensor override, repeatable; predicted for expert tensors to CPU (exps=CPU)")
     p.add_argument("--n-gpu-layers", "-ngl", default="0", help="layers on the GPUs: a count, all, auto or -1 (default 0)")

@@ -88,6 +88,7 @@ def _shares(text: str) -> tuple[float, ...]:
 def cmd_estimate(args: argparse.Namespace) -> int:
     from launcher_agent.hardware import cpu_repack, gpu_backend_of
     from shared.memory import LaneShape, PlacementError, lane_memory
+    from shared.gguf_facts import EXPERT_TENSOR
     from shared.memory.experts import parse_override
 
     try:
@@ -131,6 +132,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     flash = resolve_flash_attn(args.flash_attn, caps, on_devices, facts, args.cache_type_k, args.cache_type_v)
     try:
         overrides = tuple(parse_override(o) for o in args.override_tensor)
+        if args.cpu_moe:  # llama-server's --cpu-moe: llm_ffn_exps_cpu_override(), every block
+            overrides += ((EXPERT_TENSOR.pattern, "CPU"),)
     except PlacementError as exc:
         raise UserError(str(exc)) from None
     if args.n_cpu_moe and not caps.has_n_cpu_moe:

@@ -293,6 +293,8 @@ def test_estimate_moe_contract(tmp_path):
     ot = json.loads(lanes(*base, "--gpu-backend", "rpc", "-ot", r"blk\.0\.ffn_.*_exps=CPU",
                           "--override-tensor", r"blk\.1\.ffn_.*_exps=CPU", "--ubatch-size", "256").stdout)  # fmt: skip
     assert ot["devices"] == moe["devices"]
+    every = json.loads(lanes(*base, "--gpu-backend", "rpc", "--cpu-moe").stdout)
+    assert every["devices"] == json.loads(lanes(*base, "--gpu-backend", "rpc", "--n-cpu-moe", "4").stdout)["devices"]
     cuda = json.loads(lanes(*base, "--gpu-backend", "cuda").stdout)
     assert cuda["flash_attn"] is True and "cuda" in cuda["flash_attn_reason"]
     old = json.loads(lanes(*base, "--gpu-backend", "cuda", "--llama-build", "5000").stdout)
