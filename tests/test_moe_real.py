@@ -128,3 +128,37 @@ def test_expert_offload_against_llama_fit_params(rpc_bin, tmp_path, budget_mib):
     assert not over(ours["used_mib"], [budget_mib]) and not over(fit["used_mib"], [budget_mib])
     assert ours["ctx"] >= fit["ctx"]
     assert n <= len(fit["expert_blocks_in_ram"]), (n, fit["expert_blocks_in_ram"])
+
+
+def test_estimate_cli_with_experts_in_ram_equals_the_binary(rpc_bin, endpoints, moe_models):
+    """`lanes estimate --n-cpu-moe 2 -ot ...` on the RPC build's llama-server: its JSON is what llama-server prints."""
+    import json
+    import subprocess
+
+    from launcher_agent.measure import load_and_stop
+    from shared.llama.logs import parse_buffers
+
+    model = moe_models["qwen3moe_q4_0"]
+    ot = r"blk\.3\.ffn_.*_exps\.=CPU"
+    run = subprocess.run(
+        [sys.executable, "-m", "lanes.cli", "estimate", str(model), "--ctx", "8192", "--parallel", "2",
+         "--n-gpu-layers", "all", "--gpus", "20GiB,10GiB", "--n-cpu-moe", "2", "-ot", ot, "--ubatch-size", "256",
+         "--llama-server", str(rpc_bin / "llama-server"), "--json"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    est = json.loads(run.stdout)
+    assert est["flash_attn"] is True  # auto on RPC devices: the CPU's kernels
+    loaded = load_and_stop(
+        str(rpc_bin / "llama-server"),
+        ["-m", str(model), "-c", "8192", "-np", "2", "-ngl", "all", "-ts", "20,10", "--n-cpu-moe", "2", "-ot", ot,
+         "-ub", "256", "--rpc", ",".join(endpoints), "-fit", "off"],
+    )  # fmt: skip
+    assert loaded.ok, loaded.lines[-5:]
+    printed = parse_buffers(loaded.lines)
+    assert {d["device"] for d in est["devices"]} == {"CPU", "GPU0", "GPU1"}
+    for d in est["devices"]:
+        for field, kind in (("model_bytes", "model"), ("kv_bytes", "KV"), ("output_bytes", "output")):
+            assert round(d[field] / 2**20, 2) == pytest.approx(printed.get(d["device"], kind), abs=0.011), (d, kind)
+        shown = printed.get(d["device"], "compute")
+        assert abs(d["compute_bytes"] / 2**20 - shown) <= max(4.0, 0.03 * shown), (d, shown)
