@@ -29,6 +29,7 @@ from shared.gguf_facts import read_model_facts  # noqa: E402
 from shared.llama.logs import parse_buffers  # noqa: E402
 from shared.llama.printed import compare  # noqa: E402
 from shared.memory import QUANTIZED, LaneShape, NGpuLayers, lane_memory  # noqa: E402
+from shared.memory.experts import parse_override  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -42,22 +43,36 @@ class Case:
     split: tuple[float, ...] = ()
     ubatch: int = 512
     backend: str = "rpc"
+    n_cpu_moe: int = 0
+    overrides: tuple[str, ...] = ()  # -ot PATTERN=BUFFER
+    cache_v: str | None = None  # V's type when it differs from K's (`cache`)
+
+    def __str__(self) -> str:
+        moe = (f" ncmoe{self.n_cpu_moe}" if self.n_cpu_moe else "") + "".join(f" ot:{o}" for o in self.overrides)
+        split = ":".join(f"{s:g}" for s in self.split)
+        cache = self.cache + (f"/{self.cache_v}" if self.cache_v else "")
+        return f"c{self.ctx}x{self.parallel} fa{self.flash_attn} {cache} ngl{self.ngl} dev{self.n_devices}{split and ' ts' + split}{moe}"
 
     def argv(self, model: str, endpoints: list[str]) -> list[str]:
         args = ["-m", model, "-c", str(self.ctx), "-np", str(self.parallel), "-fa", self.flash_attn,
-                "-ctk", self.cache, "-ctv", self.cache, "-ub", str(self.ubatch), "-fit", "off",
+                "-ctk", self.cache, "-ctv", self.cache_v or self.cache, "-ub", str(self.ubatch), "-fit", "off",
                 "-ngl", str(self.ngl)]  # fmt: skip
         if endpoints:
             args += ["--rpc", ",".join(endpoints)]
         if self.split:
             args += ["-ts", ",".join(f"{s:g}" for s in self.split)]
+        if self.n_cpu_moe:
+            args += ["--n-cpu-moe", str(self.n_cpu_moe)]
+        for override in self.overrides:
+            args += ["-ot", override]
         return args
 
     def shape(self) -> LaneShape:
         return LaneShape(
-            ctx=self.ctx, parallel=self.parallel, type_k=self.cache, type_v=self.cache,
+            ctx=self.ctx, parallel=self.parallel, type_k=self.cache, type_v=self.cache_v or self.cache,
             flash_attn=self.flash_attn == "on", n_ubatch=self.ubatch, n_gpu_layers=self.ngl,
-            tensor_split=self.split, devices=(self.backend,) * self.n_devices,
+            tensor_split=self.split, devices=(self.backend,) * self.n_devices, n_cpu_moe=self.n_cpu_moe,
+            tensor_overrides=tuple(parse_override(o) for o in self.overrides),
         )  # fmt: skip
 
 
@@ -93,6 +108,40 @@ def matrix(n_layer: int, quick: bool) -> list[Case]:
             continue
         cases.append(Case(ctx, par, fa, cache, ngl, n_dev, split))
     return cases
+
+
+def moe_matrix(n_layer: int, n_gpus: int = 2, backend: str = "rpc") -> list[Case]:
+    """Mixture-of-Experts cases: every layer on the devices with the experts of the first N blocks
+    in RAM (several N), -ot patterns, partial offload with experts in RAM, splits over two devices."""
+    half = max(1, n_layer // 2)
+    partial = max(1, (n_layer + 1) // 2)
+    shapes = [(8192, 1, "on", "f16"), (8192, 1, "off", "f16"), (8192, 4, "on", "q8_0")]
+    layouts = [(0, 0, (), 0, ()), ("all", 1, (), 0, ()), ("all", 1, (), 1, ()), ("all", 1, (), half, ()),
+               ("all", 1, (), n_layer, ()), ("all", 1, (), 0, ("exps=CPU",)), (partial, 1, (), 1, ()),
+               ("all", n_gpus, (1.0, 1.0), half, ()),
+               ("all", n_gpus, (3.0, 1.0), 0, (rf"blk\.({half}|{n_layer - 1})\.ffn_.*_exps\.=CPU",))]  # fmt: skip
+    return [Case(c, p, fa, t, ngl, n, split, backend=backend, n_cpu_moe=moe, overrides=ot)
+            for (ngl, n, split, moe, ot), (c, p, fa, t) in itertools.product(layouts, shapes)]  # fmt: skip
+
+
+def moe_models(folder: Path) -> list[Path]:
+    """The MoE set: qwen3moe (F16 and Q4_0 experts), qwen2moe with a shared expert, a 152k
+    vocabulary, and gpt-oss (sliding-window and full layers alternating)."""
+    import tinymodels
+
+    folder.mkdir(parents=True, exist_ok=True)
+    specs = {
+        "qwen3moe.gguf": (tinymodels.write_moe, dict(n_layer=6, n_expert=16, n_expert_used=4)),
+        "qwen3moe_q4_0.gguf": (tinymodels.write_moe, dict(n_layer=6, n_expert=16, n_expert_used=4,
+                                                           expert_type="q4_0")),
+        "qwen2moe_shexp.gguf": (tinymodels.write_moe, dict(arch="qwen2moe", n_layer=6)),
+        "qwen3moe_v152k.gguf": (tinymodels.write_moe, dict(n_layer=6, n_vocab=151936)),
+        "gpt_oss.gguf": (tinymodels.write_gpt_oss, dict(n_layer=6)),
+    }  # fmt: skip
+    for name, (write, kw) in specs.items():
+        if not (folder / name).exists():
+            write(folder / name, **kw)
+    return [folder / name for name in specs]
 
 
 def run_case(bin_dir: Path, model: Path, facts, case: Case, endpoints: list[str]) -> dict:
@@ -170,6 +219,7 @@ def main() -> int:
                     help="write the standard set into DIR and run it: real Gemma 3 270M + synthetic 262k/200k/128k vocabularies")
     ap.add_argument("--bin-dir", help="folder with llama-server and ggml-rpc-server (default: the RPC build)")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--moe", metavar="DIR", help="write the MoE set into DIR and run the MoE matrix on it")
     ap.add_argument("--cuda-gpus", type=int, default=0, help="run the CUDA matrix on this many local GPUs (no RPC)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "device_results.json"))
     args = ap.parse_args()
@@ -180,6 +230,7 @@ def main() -> int:
         print("no RPC build: run `lanes install-llama --rpc` first", file=sys.stderr)
         return 2
     models = list(args.models) + (standard_models(Path(args.standard)) if args.standard else [])
+    models += moe_models(Path(args.moe)) if args.moe else []
     if not models:
         print("give --models GGUF... or --standard DIR", file=sys.stderr)
         return 2
@@ -191,7 +242,13 @@ def main() -> int:
     with servers as endpoints:
         for model in map(Path, args.models):
             facts = read_model_facts(model)
-            cases = cuda_matrix(facts.n_layer, args.cuda_gpus) if args.cuda_gpus else matrix(facts.n_layer, args.quick)
+            if facts.expert_weights:
+                cases = moe_matrix(facts.n_layer, max(2, args.cuda_gpus), "cuda" if args.cuda_gpus else "rpc")
+                cases = [c for c in cases if not args.cuda_gpus or c.n_devices <= args.cuda_gpus]
+            elif args.cuda_gpus:
+                cases = cuda_matrix(facts.n_layer, args.cuda_gpus)
+            else:
+                cases = matrix(facts.n_layer, args.quick)
             for case in cases:
                 r = run_case(bin_dir, model, facts, case, endpoints)
                 bad = [c for c in r["checks"] if not c["ok"]]

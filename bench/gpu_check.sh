@@ -11,7 +11,12 @@
 #    ngl none / partial / all, 1..N GPUs, f16 / q8_0 / q4_0, 1-4 slots, fa on/off; per device the
 #    printed model/KV/compute/output lines against lanes' prediction for backend "cuda", and what
 #    nvidia-smi says the process holds beyond its printed buffers (the CUDA context).
-# 3. Leaves device_results.json + build.log under OUT_DIR; record the summary in bench/RESULTS.md.
+# 3. The MoE matrix (issue 18, point 7): five generated MoE models (qwen3moe F16/Q4_0, qwen2moe with a
+#    shared expert, 152k vocabulary, gpt-oss), --n-cpu-moe 1/half/all, -ot exps=CPU, partial with
+#    experts in RAM, 2 GPUs when there are: does the first GPU's compute buffer grow by one expert
+#    tensor copy (op offload), as shared/memory/buffers.py op_offload_bytes assumes?
+# 4. Leaves device_results.json, moe_device_results.json + build.log under OUT_DIR; record the
+#    summaries in bench/RESULTS.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR="${1:-${OUT:-bench/gpu_results}}"
@@ -52,3 +57,5 @@ EOF
 .venv/bin/python bench/device_bench.py --bin-dir "$BUILD/bin" --cuda-gpus "$NGPU" \
   --models "$MODELS/llama262k.gguf" "$MODELS/gemma3_128k.gguf" "$MODELS/gemma-3-270m-q4_k_m.gguf" \
   --out "$OUT_DIR/device_results.json"
+.venv/bin/python bench/device_bench.py --bin-dir "$BUILD/bin" --cuda-gpus "$NGPU" --moe "$MODELS/moe" \
+  --out "$OUT_DIR/moe_device_results.json"

@@ -96,8 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-type-k", type=_cache_type, default="f16")
     p.add_argument("--cache-type-v", type=_cache_type, default="f16")
     p.add_argument("--flash-attn", choices=["on", "off", "auto"], default="auto")
-    p.add_argument("--ubatch", type=_positive, default=512)
+    p.add_argument("--ubatch", "--ubatch-size", "-ub", dest="ubatch", type=_positive, default=512)
     p.add_argument("--llama-server", help="follow this binary's KV layout, cache types and devices")
+    p.add_argument("--llama-build", type=_positive,
+                   help="plan for this llama.cpp build's rules without the binary (b6325 -> 6325)")
+    p.add_argument("--n-cpu-moe", "-ncmoe", type=_int_at_least(0, "must not be negative"), default=0,
+                   help="keep the experts of the first N blocks in RAM (Mixture-of-Experts models)")
+    p.add_argument("--cpu-moe", "-cmoe", action="store_true", help="keep every block's experts in RAM")
+    p.add_argument("--override-tensor", "-ot", action="append", default=[], metavar="PATTERN=DEVICE",
+                   help="llama-server's tensor override, repeatable; predicted for expert tensors to CPU (exps=CPU)")
     p.add_argument("--n-gpu-layers", "-ngl", default="0", help="layers on the GPUs: a count, all, auto or -1 (default 0)")
     p.add_argument("--gpus", help="GPU-type devices in llama-server's order and their free memory: 24GiB,8GiB")
     p.add_argument("--tensor-split", "-ts", help="shares of the layers per device: 3,1 (default: the --gpus sizes)")

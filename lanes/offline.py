@@ -13,7 +13,8 @@ from lanes.tables import gib, mib, parse_size, table
 from launcher_agent.probe import ProbeError, probe
 from planner_svc.planner import plan
 from shared.gguf_facts import ModelError, read_model_facts
-from shared.llama.flags import cache_pair, flash_attn_effective, needs_flash_attn
+from shared.llama.flags import cache_pair, needs_flash_attn
+from shared.llama.flash_attn import resolve_flash_attn
 from shared.memory import BLOCK_BYTES, MemoryModelError
 from shared.messages import Demand, FleetConfig, HostReport, NGpuLayers, ServerCaps
 
@@ -41,7 +42,10 @@ def cmd_models(args: argparse.Namespace) -> int:
                 f"{m.head_dim_k}/{m.head_dim_v}",
                 m.n_ctx_train,
                 f"{m.n_swa} ({sum(m.swa_layers)}/{m.n_layer})" if m.n_swa else "-",
-                "mla" if m.is_mla else ("recurrent" if any(m.recurrent_layers) else "-"),
+                ", ".join(k for k in (
+                    "mla" if m.is_mla else "", "recurrent" if any(m.recurrent_layers) else "",
+                    f"moe {m.n_expert}x{m.n_ff_exp} ({m.n_expert_used} used)" if m.n_expert else "",
+                ) if k) or "-",  # fmt: skip
                 mib(m.weight_bytes),
             ]
         )
@@ -84,12 +88,18 @@ def _shares(text: str) -> tuple[float, ...]:
 def cmd_estimate(args: argparse.Namespace) -> int:
     from launcher_agent.hardware import cpu_repack, gpu_backend_of
     from shared.memory import LaneShape, PlacementError, lane_memory
+    from shared.gguf_facts import EXPERT_TENSOR
+    from shared.memory.experts import parse_override
 
     try:
         facts = read_model_facts(args.model)
     except ModelError as exc:
         raise UserError(str(exc)) from None
     caps = ServerCaps()
+    if args.llama_build and not args.llama_server:
+        from shared.llama.builds import caps_for_build
+
+        caps = caps_for_build(args.llama_build)
     if args.llama_server:
         try:
             caps = probe(args.llama_server)
@@ -117,14 +127,23 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if gpus and not 0 <= args.main_gpu < len(gpus):
         raise UserError(f"--main-gpu {args.main_gpu}: the host has {len(gpus)} device(s) in --gpus")
     backend = args.gpu_backend or gpu_backend_of(args.llama_server)
-    # RPC devices run the CPU backend's kernels: `auto` resolves as on the CPU
-    device = "gpu" if gpus and ngl != 0 and backend != "rpc" else "cpu"
-    flash = flash_attn_effective(args.flash_attn, caps, device)
+    # `auto` as llama-server resolves it on these devices (RPC devices run the CPU's kernels)
+    on_devices = (backend,) if gpus and ngl != 0 else ()
+    flash = resolve_flash_attn(args.flash_attn, caps, on_devices, facts, args.cache_type_k, args.cache_type_v)
+    try:
+        overrides = tuple(parse_override(o) for o in args.override_tensor)
+        if args.cpu_moe:  # llama-server's --cpu-moe: llm_ffn_exps_cpu_override(), every block
+            overrides += ((EXPERT_TENSOR.pattern, "CPU"),)
+    except PlacementError as exc:
+        raise UserError(str(exc)) from None
+    if args.n_cpu_moe and not caps.has_n_cpu_moe:
+        raise UserError(f"--n-cpu-moe: this llama-server build ({caps.build}) does not have it")
     shape = LaneShape(
         ctx=args.ctx, parallel=args.parallel, kv_unified=args.kv_unified, type_k=args.cache_type_k,
-        type_v=args.cache_type_v, flash_attn=flash, layout=caps.kv_layout, n_ubatch=args.ubatch,
+        type_v=args.cache_type_v, flash_attn=flash.on, layout=caps.kv_layout, n_ubatch=args.ubatch,
         n_gpu_layers=ngl, tensor_split=shares, devices=(backend,) * len(gpus), split_mode=args.split_mode,
         main_gpu=args.main_gpu, no_kv_offload=args.no_kv_offload, ngl_rule=caps.ngl_rule,
+        n_cpu_moe=args.n_cpu_moe, tensor_overrides=overrides,
     )  # fmt: skip
     try:
         mem = lane_memory(facts, shape, cpu_repack())
@@ -134,7 +153,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         f"GPU{i} needs {mib(d.total)} of {mib(gpus[i])}" for i, d in enumerate(mem.devices[1:]) if d.total > gpus[i]
     ]
     if args.json:
-        print(msgspec.json.encode(mem).decode())
+        out = msgspec.to_builtins(mem)
+        out.update(flash_attn=flash.on, flash_attn_reason=flash.reason)
+        print(msgspec.json.encode(out).decode())
         return 0
     rows = [
         ["weights", mib(mem.weights_bytes)],
@@ -147,7 +168,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         ["process overhead", mib(mem.overhead_bytes)],
         ["total", gib(mem.total_bytes)],
     ]  # fmt: skip
-    print(f"{facts.name}: ctx {args.ctx}, {args.parallel} slot(s), kv layout '{caps.kv_layout}'")
+    print(f"{facts.name}: ctx {args.ctx}, {args.parallel} slot(s), kv layout '{caps.kv_layout}'; {flash.reason}")
     print(table(["part", "size"], rows))
     if gpus:
         per = [[d.device, d.layers, mib(d.model_bytes), mib(d.kv_bytes), mib(d.compute_bytes), mib(d.output_bytes),

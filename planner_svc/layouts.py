@@ -2,7 +2,10 @@
 
 Pure. Preference (fastest first): the whole model on one GPU; split over the host's
 GPUs (shares chosen here from their free VRAM, never llama-server's load-time default);
-partial offload (as many layers as fit, the rest in RAM); the CPU. A layout's cost is
+for a Mixture-of-Experts model, every layer on the GPUs with the experts of the first N
+blocks in RAM (`--n-cpu-moe N`, the smallest N that fits: attention and the dense weights
+keep the GPU's speed, only the experts' matmuls of those blocks run on the CPU); partial
+offload (as many layers as fit, the rest in RAM); the CPU. A layout's cost is
 a vector over the host's resources: RAM ("cpu", 0) and each GPU ("gpu", i), from
 shared.memory (layout -> placement -> buffers, each once); on unified memory (Apple
 Silicon) the GPU's share is RAM too. `pins_for` turns a layout into llama-server's flags.
@@ -10,12 +13,17 @@ Silicon) the GPU's share is RAM too. `pins_for` turns a layout into llama-server
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+
+import msgspec
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 from shared.memory import LaneShape, NglRule, NGpuLayers, Placement, lane_memory, place
+from shared.memory.buffers import with_cpu_experts
+from shared.memory.experts import cpu_expert_blocks
 from shared.messages import (
     HostReport,
     LaneLayout,
@@ -32,12 +40,14 @@ CPU_RESOURCE: Resource = ("cpu", 0)
 GPU_CONTEXT_BYTES = {"cuda": 384 * MIB, "rocm": 384 * MIB}
 # The planner's layout is the one the lane spec carries (LaneSpec.layout): one value, no copy.
 Layout = LaneLayout
-_RANK = {"gpu": 0, "split": 1, "partial": 2, "cpu": 3}
+_RANK = {"gpu": 0, "split": 1, "partial": 3, "cpu": 4}
+_EXPERTS_RANK = 2
 
 
 def rank(layout: Layout) -> int:
-    """Fastest first: one GPU whole, split, partial offload, the CPU."""
-    return _RANK[layout.kind]
+    """Fastest first: one GPU whole, split, every layer on the GPUs with some experts in RAM,
+    partial offload, the CPU."""
+    return _EXPERTS_RANK if layout.n_cpu_moe else _RANK[layout.kind]
 
 
 def describe(layout: Layout, n_layer: int) -> str:
@@ -46,7 +56,12 @@ def describe(layout: Layout, n_layer: int) -> str:
     where = ", ".join(f"GPU{g}" for g in layout.gpus)
     split = f" split {':'.join(map(str, layout.shares))}" if len(layout.gpus) > 1 else ""
     if layout.n_gpu_layers == "all":
-        return f"all {n_layer + 1} layers on {where}{split}"
+        experts = ""
+        if layout.n_cpu_moe:
+            last = min(layout.n_cpu_moe, n_layer) - 1
+            blocks = "block 0" if last == 0 else f"blocks 0-{last}"
+            experts = f", the experts of {blocks} in RAM (--n-cpu-moe {layout.n_cpu_moe})"
+        return f"all {n_layer + 1} layers on {where}{split}{experts}"
     return f"{layout.n_gpu_layers}/{n_layer + 1} layers on {where}{split}, the rest in RAM"
 
 
@@ -121,8 +136,11 @@ def _placed(n_layer: int, n_gpu_layers: NGpuLayers, shares, backends, rule: NglR
 
 
 def layout_memory(facts: ModelFacts, layout: Layout, report: HostReport, base: LaneShape) -> MemoryBreakdown:
-    """`base` gives the lane's KV and compute shape; the layout places its layers."""
+    """`base` gives the lane's KV and compute shape; the layout places its layers (and experts)."""
     placement = layout_placement(facts.n_layer, layout, report)
+    if layout.n_cpu_moe:
+        placement = with_cpu_experts(placement, cpu_expert_blocks(facts, layout.n_cpu_moe))
+        base = dataclasses.replace(base, n_cpu_moe=layout.n_cpu_moe)
     return lane_memory(with_layers(facts), base, report.cpu_repack, placement=placement)
 
 
@@ -190,4 +208,47 @@ def partial_layout(
     if lo == 0:
         return None
     layout = Layout("partial", tuple(gpus), shares, lo)
+    return layout if fits(cost(layout), remaining) else None
+
+
+def expert_layout(
+    facts: ModelFacts, report: HostReport, remaining: Mapping[Resource, int], cost: Callable[[Layout], dict],
+    use_gpu: bool,
+) -> Layout | None:
+    """Every layer on the GPUs, the experts of the first N blocks in RAM: the smallest N that
+    fits (GPUs and RAM), over one GPU (the largest first) or a split; None when no N does, the
+    model has no experts, or the host's llama-server lacks --n-cpu-moe. The blocks whose experts
+    leave are the first ones, which a split puts on its first GPU: a split also tries giving that
+    GPU a larger share of the layers, so the GPUs fill evenly."""
+    if not facts.expert_weights or (report.server is not None and not report.server.has_n_cpu_moe):
+        return None
+    best: Layout | None = None
+    for base in candidates(report, remaining, use_gpu):
+        for shares in _expert_shares(base):
+            layout = _fewest_experts_in_ram(facts, msgspec.structs.replace(base, shares=shares), remaining, cost)
+            if layout is not None and (best is None or layout.n_cpu_moe < best.n_cpu_moe):
+                best = layout
+    return best
+
+
+_FIRST_GPU_WEIGHTS = (1, 2, 3, 4, 6, 8)
+
+
+def _expert_shares(base: Layout) -> list[tuple[int, ...]]:
+    if len(base.gpus) < 2:
+        return [base.shares]
+    return [(base.shares[0] * w, *base.shares[1:]) for w in _FIRST_GPU_WEIGHTS]
+
+
+def _fewest_experts_in_ram(facts, base: Layout, remaining, cost) -> Layout | None:
+    def gpu_fits(n: int) -> bool:
+        c = cost(msgspec.structs.replace(base, n_cpu_moe=n))
+        return all(b <= remaining.get(r, 0) for r, b in c.items() if r[0] == "gpu")
+
+    n_blocks = facts.n_layer
+    if not gpu_fits(n_blocks):
+        return None
+    # the smallest n whose GPU side fits: n_blocks - (the largest k with gpu_fits(n_blocks - k))
+    n = n_blocks - largest(lambda k: gpu_fits(n_blocks - k), 0, n_blocks - 1)
+    layout = msgspec.structs.replace(base, n_cpu_moe=n)
     return layout if fits(cost(layout), remaining) else None

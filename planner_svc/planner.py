@@ -18,6 +18,7 @@ from planner_svc.layouts import (
     candidates,
     cost_vector,
     describe,
+    expert_layout,
     fits,
     largest,
     layout_memory,
@@ -28,14 +29,16 @@ from planner_svc.layouts import (
 from planner_svc.policy import (
     Flags,
     correction,
+    chat_template_for,
     decide_flags,
+    flash_attn_for,
     gpu_budgets,
     ram_budget,
     revert_target,
     window_bounds,
 )
 from planner_svc.threads import with_threads
-from shared.llama.flags import effective_cache_type, flash_attn_effective, lane_args
+from shared.llama.flags import effective_cache_type, lane_args
 from shared.memory import (
     CTX_PAD,
     LaneShape,
@@ -97,10 +100,6 @@ class _Lane:
     def total_ctx(self, window: int) -> int:
         return window * self.persona.parallel
 
-    def _fa_device(self, report: HostReport) -> str:
-        gpus = self.layout.gpus
-        return "cpu" if all(report.gpus[g].backend == "rpc" for g in gpus) else "gpu"
-
     def memory(self, window: int, report: HostReport, n_ubatch: int) -> MemoryBreakdown:
         caps = report.server
         base = LaneShape(
@@ -109,8 +108,8 @@ class _Lane:
             kv_unified=self.persona.kv_unified,
             type_k=effective_cache_type(self.flags.cache_type_k),
             type_v=effective_cache_type(self.flags.cache_type_v),
-            # RPC devices run the CPU backend's kernels: `auto` resolves to on there as on the CPU
-            flash_attn=flash_attn_effective(self.flags.flash_attn, caps, self._fa_device(report)),
+            # `auto` resolved per backend as llama-server does (RPC devices run the CPU's kernels)
+            flash_attn=flash_attn_for(self.flags, report, self.layout.gpus, self.facts).on,
             layout=caps.kv_layout,
             n_ubatch=n_ubatch,
         )
@@ -261,9 +260,11 @@ def _choose_layout(lane_at, report, remaining, config, prev_layout) -> tuple[Lay
         c = cost(layout)
         if fits(c, remaining):
             return layout, c
-    layout = partial_layout(lane_at(Layout("cpu")).facts, report, remaining, cost, config.use_gpu)
-    if layout is not None:
-        return layout, cost(layout)
+    facts = lane_at(Layout("cpu")).facts
+    for search in (expert_layout, partial_layout):
+        layout = search(facts, report, remaining, cost, config.use_gpu)
+        if layout is not None:
+            return layout, cost(layout)
     c = cost(Layout("cpu"))
     return (Layout("cpu"), c) if fits(c, remaining) else None
 
@@ -320,6 +321,11 @@ def _place(persona, candidates_, config, lanes, remaining, previous, feedback) -
         lane = lane_at(layout)
         lane.reasons = list(flags.reasons) + bound_reasons + factor_reasons
         lane.reasons.append(f"layout: {describe(layout, facts.n_layer)}")
+        template_reason = chat_template_for(facts, report.server)[1]
+        if template_reason:
+            lane.reasons.append(template_reason)
+        if flags.flash_attn in (None, "auto") and layout.gpus:  # on the CPU auto is always on
+            lane.reasons.append(flash_attn_for(flags, report, layout.gpus, facts).reason)
         had_before = any(s.lane_id == lane.lane_id for s in (previous.get(host).lanes if previous.get(host) else ()))
         slack = sum(remaining[host].get(r, 0) - b for r, b in floor_cost.items())
         options.append((not had_before, rank(layout), -slack, host, lane, floor_cost))
@@ -446,6 +452,7 @@ def _same_shape(spec: LaneSpec, lane: _Lane, has_kv_unified: bool = True) -> boo
         and spec.flash_attn == lane.flags.flash_attn
         and spec.gpu_devices == lane.layout.gpus
         and spec.n_gpu_layers == _n_gpu_layers(lane)
+        and spec.n_cpu_moe == lane.layout.n_cpu_moe
     )
 
 
@@ -488,6 +495,8 @@ def _spec(report: HostReport, config: FleetConfig, lane: _Lane) -> LaneSpec:
         memory=memory,
         reasons=tuple(reasons),
         layout=lane.layout,
+        n_cpu_moe=lane.layout.n_cpu_moe,
+        chat_template=chat_template_for(lane.facts, caps)[0],
     )
 
 

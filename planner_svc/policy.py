@@ -8,8 +8,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shared.llama.flags import cache_pair, effective_cache_type, needs_flash_attn
+from shared.llama.chat_templates import builtin_template
+from shared.llama.flash_attn import FlashAttn, resolve_flash_attn
 from shared.memory import CTX_PAD, QUANTIZED
-from shared.messages import FleetConfig, HostReport, LaneFeedback, ModelFacts, Persona
+from shared.messages import FleetConfig, HostReport, LaneFeedback, ModelFacts, Persona, ServerCaps
 
 DEFAULT_CTX_CEILING = 131072
 
@@ -97,6 +99,31 @@ def decide_flags(
     if fa is not None and not any("flash attention on" in r for r in reasons):
         reasons.append(f"flash attention {fa} from fleet config")
     return Flags(k, v, fa, tuple(reasons))
+
+
+def flash_attn_for(flags: Flags, report: HostReport, gpus: Sequence[int], facts: ModelFacts) -> FlashAttn:
+    """Flash attention as this host's llama-server will run the lane, on the devices it uses
+    (`auto` resolved per backend: shared.llama.flash_attn)."""
+    backends = tuple(report.gpus[g].backend or "unknown" for g in gpus)
+    return resolve_flash_attn(
+        flags.flash_attn, report.server, backends, facts, effective_cache_type(flags.cache_type_k),
+        effective_cache_type(flags.cache_type_v),
+    )  # fmt: skip
+
+
+def chat_template_for(facts: ModelFacts, caps: ServerCaps | None) -> tuple[str | None, str | None]:
+    """(--chat-template name, reason) for a file without its own template; (None, None) otherwise."""
+    if facts.has_chat_template:
+        return None, None
+    name = builtin_template(facts)
+    if name is None:
+        return None, "no chat template in the file: llama-server's ChatML fallback"
+    if caps is not None and not caps.has_chat_template:
+        return None, f"no chat template in the file, and this llama-server has no --chat-template for {name!r}"
+    return name, (
+        f"chat template {name} ({facts.architecture}): the file has none, and llama-server's ChatML fallback"
+        " would leak <|im_end|> into answers"
+    )
 
 
 def window_bounds(persona: Persona, facts: ModelFacts, feedback: Sequence[LaneFeedback]) -> tuple[int, int, list[str]]:

@@ -21,8 +21,8 @@ from shared.gguf_scan import (
 from shared.messages import LayerWeights, ModelFacts
 
 # llama.cpp's default sliding-window pattern per architecture when the GGUF has none
-# (llama_model_*::load_arch_hparams: gemma2 2, gemma3 6, cohere2 4).
-_DEFAULT_SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "cohere2": 4}
+# (llama_model_*::load_arch_hparams: gemma2 2, gemma3 6, cohere2 4, gpt-oss 2: even layers slide).
+_DEFAULT_SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "cohere2": 4, "gpt-oss": 2}
 _MLA_ARCHS = {"deepseek2", "deepseek3", "kimi_k2", "glm4_moe_lite"}
 
 
@@ -100,6 +100,7 @@ def read_model_facts(path: str | os.PathLike[str]) -> ModelFacts:
         n_vocab = len(tokens) if isinstance(tokens, list) else int(key("vocab_size", 0) or 0)
     weight_bytes = sum(int(t.n_bytes) for t in reader.tensors)
     layers, tied, tied_cuda = layer_weights(reader, n_layer)
+    experts = expert_weights(reader, n_layer)
     st = path.stat()
     return ModelFacts(
         path=os.path.abspath(path),  # as the folder holds it: symlinks (HF snapshots/) stay links
@@ -125,6 +126,12 @@ def read_model_facts(path: str | os.PathLike[str]) -> ModelFacts:
         tied_output_bytes=tied,
         tied_output_cuda_bytes=tied_cuda,
         file_mtime_ns=st.st_mtime_ns,
+        n_expert=int(key("expert_count", 0) or 0),
+        n_expert_used=int(key("expert_used_count", 0) or 0),
+        n_ff_exp=int(key("expert_feed_forward_length", 0) or 0),
+        n_ff_shexp=int(key("expert_shared_feed_forward_length", 0) or 0),
+        expert_weights=experts,
+        has_chat_template=isinstance(_value(reader, "tokenizer.chat_template"), str),
     )
 
 
@@ -156,6 +163,44 @@ def _cuda_bytes(t: TensorInfo) -> int:
     return -(-size // 128) * 128
 
 
+# llama.cpp's LLM_FFN_EXPS_REGEX (common/common.h): the tensors --n-cpu-moe N moves, block by block.
+EXPERT_TENSOR = re.compile(r"\.ffn_(up|down|gate|gate_up)_(ch|)exps")
+
+
+def _group(layer: int, tensors: list[TensorInfo], data_offset: int) -> LayerWeights:
+    """One layer's (or one block's experts') tensors as a group: sizes, file range, repack candidates.
+    ggml's CPU repacks 2-D matrices (MUL_MAT) and 3-D expert stacks (MUL_MAT_ID) alike."""
+    repack: dict[tuple[str, int], int] = {}
+    spans: dict[tuple[str, int], tuple[int, int]] = {}
+    for t in tensors:
+        key = ("", 0)
+        if t.type_name in _REPACK_TYPES and len(t.shape) in (2, 3) and not t.name.startswith(_INPUT_TENSORS):
+            rows = t.shape[1]
+            key = (t.type_name, 8 if rows % 8 == 0 else 4 if rows % 4 == 0 else 1)
+            repack[key] = repack.get(key, 0) + -(-t.n_bytes // 32) * 32
+        lo, hi = spans.get(key, (t.offset, t.offset + t.n_bytes))
+        spans[key] = (min(lo, t.offset), max(hi, t.offset + t.n_bytes))
+    return LayerWeights(
+        layer=layer,
+        bytes=sum(-(-t.n_bytes // 32) * 32 for t in tensors),
+        cuda_bytes=sum(_cuda_bytes(t) for t in tensors),
+        first=data_offset + min(t.offset for t in tensors),
+        end=data_offset + max(t.offset + t.n_bytes for t in tensors),
+        repack=tuple((k[0], k[1], v) for k, v in sorted(repack.items())),
+        spans=tuple((k[0], k[1], data_offset + lo, data_offset + hi) for k, (lo, hi) in sorted(spans.items())),
+    )
+
+
+def expert_weights(header: GGUFHeader, n_layer: int) -> tuple[LayerWeights, ...]:
+    """Per block, its expert tensors (the ones llama.cpp's expert regex matches), as one group."""
+    groups: dict[int, list[TensorInfo]] = {}
+    for t in header.tensors:
+        layer = _layer_of(t.name, n_layer)
+        if 0 <= layer < n_layer and EXPERT_TENSOR.search(t.name):
+            groups.setdefault(layer, []).append(t)
+    return tuple(_group(layer, groups[layer], header.data_offset) for layer in sorted(groups))
+
+
 def layer_weights(header: GGUFHeader, n_layer: int) -> tuple[tuple[LayerWeights, ...], int, int]:
     """Per layer index: padded sizes, file range and repackable matrices; plus the tied output's size."""
     groups: dict[int, list[TensorInfo]] = {}
@@ -163,25 +208,7 @@ def layer_weights(header: GGUFHeader, n_layer: int) -> tuple[tuple[LayerWeights,
     for t in header.tensors:
         groups.setdefault(_layer_of(t.name, n_layer), []).append(t)
         names.add(t.name)
-    out = []
-    for layer in sorted(groups):
-        tensors = groups[layer]
-        repack: dict[tuple[str, int], int] = {}
-        for t in tensors:
-            if t.type_name in _REPACK_TYPES and len(t.shape) == 2 and not t.name.startswith(_INPUT_TENSORS):
-                rows = t.shape[1]
-                multiple = 8 if rows % 8 == 0 else 4 if rows % 4 == 0 else 1
-                repack[(t.type_name, multiple)] = repack.get((t.type_name, multiple), 0) + -(-t.n_bytes // 32) * 32
-        out.append(
-            LayerWeights(
-                layer=layer,
-                bytes=sum(-(-t.n_bytes // 32) * 32 for t in tensors),
-                cuda_bytes=sum(_cuda_bytes(t) for t in tensors),
-                first=header.data_offset + min(t.offset for t in tensors),
-                end=header.data_offset + max(t.offset + t.n_bytes for t in tensors),
-                repack=tuple((k[0], k[1], v) for k, v in sorted(repack.items())),
-            )
-        )
+    out = [_group(layer, groups[layer], header.data_offset) for layer in sorted(groups)]
     tied = tied_cuda = 0
     if "output.weight" not in names:
         embd = next((t for t in header.tensors if t.name == "token_embd.weight"), None)

@@ -87,6 +87,9 @@ class ServerCaps(msgspec.Struct, frozen=True, kw_only=True):
     has_device: bool = True  # -dev/--device: pin a lane to named devices
     has_cpu_range: bool = True  # -Cr/--cpu-range and -C/--cpu-mask: pin a lane's threads to CPUs
     has_poll: bool = True  # --poll <0...100>: how hard idle threads spin
+    has_n_cpu_moe: bool = True  # -ncmoe/--n-cpu-moe N: the experts of the first N blocks in RAM (Aug 2025)
+    has_chat_template: bool = True  # --chat-template NAME: a built-in template by name
+    has_no_jinja: bool = True  # --no-jinja: jinja is on by default, so a template name needs it first
 
 
 class LayerWeights(msgspec.Struct, frozen=True, array_like=True):
@@ -105,6 +108,9 @@ class LayerWeights(msgspec.Struct, frozen=True, array_like=True):
     first: int
     end: int
     repack: tuple[tuple[str, int, int], ...] = ()
+    # File ranges by repack key: (ggml type, rows multiple, first, end); ("", 0, ...) for tensors no
+    # CPU repacks. A CPU maps only the range of what it does not repack (empty: from an older lanes).
+    spans: tuple[tuple[str, int, int, int], ...] = ()
 
 
 class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
@@ -135,6 +141,17 @@ class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
     tied_output_bytes: Bytes = 0
     tied_output_cuda_bytes: Bytes = 0
     file_mtime_ns: int = 0
+    # Mixture of Experts: routed experts per layer, how many each token uses, their FFN width,
+    # and the shared expert's (0: none). `expert_weights` holds, per block, its expert tensors
+    # (the ones --n-cpu-moe and -ot exps=CPU move: blk.N.ffn_{gate,up,down,gate_up}_exps),
+    # already counted in that block's layer_weights entry.
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    n_ff_shexp: int = 0
+    expert_weights: tuple[LayerWeights, ...] = ()
+    # The file carries tokenizer.chat_template (False: llama-server would fall back to ChatML).
+    has_chat_template: bool = True
 
 
 class HostReport(_Msg, tag="host_report", kw_only=True):
@@ -293,6 +310,8 @@ class LaneLayout(msgspec.Struct, frozen=True):
     gpus: tuple[int, ...] = ()  # host GPU indices, llama-server order
     shares: tuple[int, ...] = ()  # tensor split (MiB of free VRAM) when more than one GPU
     n_gpu_layers: NGpuLayers = 0
+    # Every layer on the GPUs, but the expert tensors of the first n_cpu_moe blocks in RAM.
+    n_cpu_moe: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
 class LaneSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -332,6 +351,10 @@ class LaneSpec(msgspec.Struct, frozen=True, kw_only=True):
     reasons: tuple[str, ...] = ()
     # The layout the device fields above were rendered from (None: an older planner wrote the spec).
     layout: LaneLayout | None = None
+    # --n-cpu-moe: the expert tensors of the first N blocks stay in RAM (0: none).
+    n_cpu_moe: Annotated[int, msgspec.Meta(ge=0)] = 0
+    # --chat-template NAME: one of llama-server's built-in templates, for a file without its own.
+    chat_template: Name | None = None
 
 
 class Unplaced(msgspec.Struct, frozen=True, kw_only=True):

@@ -274,3 +274,32 @@ def test_report_feeds_plan(tmp_path, tiny_models):
     assert host.host_id == "box-1" and [s.lane_id for s in host.lanes] == ["llama8-0"]
     missing = lanes("report", "--models", tmp_path / "nope", "--llama-server", binary)
     assert_one_line_error(missing, "not a folder")
+
+
+def test_estimate_moe_contract(tmp_path):
+    """--n-cpu-moe, -ot (repeatable), --gpu-backend, --ubatch-size and --llama-build; --json keeps devices."""
+    from tinymodels import write_moe
+
+    model = write_moe(tmp_path / "moe.gguf", n_layer=4)
+    base = ["estimate", model, "--ctx", "8192", "-ngl", "all", "--gpus", "8GiB", "--json"]
+    full = json.loads(lanes(*base, "--gpu-backend", "rpc").stdout)
+    moe = lanes(*base, "--gpu-backend", "rpc", "--n-cpu-moe", "2", "--ubatch-size", "256")
+    assert moe.returncode == 0, moe.stderr
+    moe = json.loads(moe.stdout)
+    facts = read_model_facts(model)
+    moved = sum(ew.bytes for ew in facts.expert_weights[:2])
+    assert full["devices"][1]["model_bytes"] - moe["devices"][1]["model_bytes"] == moved
+    assert moe["devices"][0]["model_bytes"] > full["devices"][0]["model_bytes"]
+    ot = json.loads(lanes(*base, "--gpu-backend", "rpc", "-ot", r"blk\.0\.ffn_.*_exps=CPU",
+                          "--override-tensor", r"blk\.1\.ffn_.*_exps=CPU", "--ubatch-size", "256").stdout)  # fmt: skip
+    assert ot["devices"] == moe["devices"]
+    every = json.loads(lanes(*base, "--gpu-backend", "rpc", "--cpu-moe").stdout)
+    assert every["devices"] == json.loads(lanes(*base, "--gpu-backend", "rpc", "--n-cpu-moe", "4").stdout)["devices"]
+    cuda = json.loads(lanes(*base, "--gpu-backend", "cuda").stdout)
+    assert cuda["flash_attn"] is True and "cuda" in cuda["flash_attn_reason"]
+    old = json.loads(lanes(*base, "--gpu-backend", "cuda", "--llama-build", "5000").stdout)
+    assert old["flash_attn"] is False and "switch" in old["flash_attn_reason"]
+    assert old["kv_streams"] == 1 and old["compute_bytes"] > cuda["compute_bytes"]
+    assert_one_line_error(lanes(*base, "-ot", "attn=CPU"), "not only expert tensors")
+    assert_one_line_error(lanes(*base, "-ot", "exps=CUDA0"), "only overrides to CPU")
+    assert_one_line_error(lanes(*base, "--n-cpu-moe", "2", "--llama-build", "6000"), "does not have it")

@@ -376,3 +376,59 @@ def test_recurrent_layers_hold_no_kv_and_fixed_state():
     small = lane_memory(with_layers(facts), LaneShape(ctx=4096, parallel=2))
     large = lane_memory(with_layers(facts), LaneShape(ctx=65536, parallel=2))
     assert small.recurrent_bytes == large.recurrent_bytes == 2_000_000
+
+
+# ------------------------------------------------------------------ Mixture of Experts
+
+
+def test_expert_overrides_resolve_like_llama_server(tmp_path):
+    from tinymodels import write_moe
+
+    from shared.memory import LaneShape, PlacementError, lane_memory, placement_for
+    from shared.memory.experts import cpu_expert_blocks, parse_override
+
+    facts = read_model_facts(write_moe(tmp_path / "moe.gguf", n_layer=12))
+    assert cpu_expert_blocks(facts, 3) == {0, 1, 2}
+    assert cpu_expert_blocks(facts, 99) == set(range(12))
+    assert cpu_expert_blocks(facts, 0, [parse_override("exps=CPU")]) == set(range(12))
+    assert cpu_expert_blocks(facts, 0, [parse_override(r"blk\.(1[0-9])\.ffn_.*_exps\.=CPU")]) == {10, 11}
+    assert cpu_expert_blocks(facts, 1, [parse_override(r"blk\.1\.ffn_.*_exps=cpu")]) == {0, 1}
+    for bad in ("blk\\.1\\.=CPU", "ffn_down_exps=CPU", "exps=RPC0", "attn=CPU"):
+        with pytest.raises(PlacementError):
+            cpu_expert_blocks(facts, 0, [parse_override(bad)])
+    with pytest.raises(PlacementError):
+        parse_override("exps")
+    full = lane_memory(facts, LaneShape(ctx=4096, n_gpu_layers="all", devices=("rpc",)))
+    moe = LaneShape(ctx=4096, n_gpu_layers="all", devices=("rpc",), n_cpu_moe=4)
+    assert placement_for(facts, moe).cpu_experts == {0, 1, 2, 3}
+    half = lane_memory(facts, moe)
+    moved = sum(ew.bytes for ew in facts.expert_weights[:4])
+    assert full.devices[1].model_bytes - half.devices[1].model_bytes == moved
+    assert half.devices[0].model_bytes >= moved  # mapped in RAM (with the blocks' other tensors between)
+    assert half.kv_bytes == full.kv_bytes
+    # experts of blocks already on the CPU do not move: -ngl 3 keeps blocks 0..9 there
+    partial = placement_for(facts, LaneShape(ctx=4096, n_gpu_layers=3, devices=("rpc",), n_cpu_moe=12))
+    assert partial.cpu_experts == {10, 11}
+
+
+def test_experts_in_ram_on_cuda_charge_one_expert_copy_to_the_first_gpu(tmp_path):
+    """Op offload: CUDA runs the prompt's expert matmuls of RAM-held blocks itself, from a copy."""
+    from tinymodels import write_moe
+
+    from shared.memory import LaneShape, lane_memory
+    from shared.memory.buffers import op_offload_bytes, placement_for
+
+    facts = read_model_facts(write_moe(tmp_path / "moe.gguf", n_layer=6))
+    for n_gpus in (1, 2):
+        kw = dict(ctx=4096, n_gpu_layers="all", tensor_split=(1.0,) * n_gpus, n_cpu_moe=2)
+        rpc = lane_memory(facts, LaneShape(devices=("rpc",) * n_gpus, **kw))
+        cuda = lane_memory(facts, LaneShape(devices=("cuda",) * n_gpus, **kw))
+        copy = -(-facts.expert_weights[0].cuda_bytes // 3)
+        assert cuda.devices[1].compute_bytes == rpc.devices[1].compute_bytes + copy  # the first GPU only
+        assert [d.compute_bytes for d in cuda.devices[2:]] == [d.compute_bytes for d in rpc.devices[2:]]
+    # RPC devices have no op offload: one device's compute is what it is without experts in RAM (measured)
+    one = dict(ctx=4096, n_gpu_layers="all", devices=("rpc",))
+    assert lane_memory(facts, LaneShape(n_cpu_moe=2, **one)).compute_bytes == lane_memory(
+        facts, LaneShape(**one)).compute_bytes  # fmt: skip
+    tiny_batch = placement_for(facts, LaneShape(ctx=4096, n_gpu_layers="all", devices=("cuda",), n_cpu_moe=2))
+    assert op_offload_bytes(facts, tiny_batch, 16) == 0  # batches under 32 tokens stay on the CPU

@@ -141,3 +141,163 @@ def write_deepseek2_mla(path: str | Path, *, n_layer: int = 4, kv_lora_rank: int
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def write_moe(
+    path: str | Path,
+    *,
+    arch: str = "qwen3moe",
+    n_layer: int = 4,
+    n_embd: int = 256,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    head_dim: int = 64,
+    n_expert: int = 8,
+    n_expert_used: int = 2,
+    n_ff_exp: int = 128,
+    n_ff_shexp: int = 256,
+    n_ctx_train: int = 32768,
+    n_vocab: int = N_VOCAB,
+    expert_type: str = "f16",
+    seed: int = 0,
+) -> Path:
+    """A Mixture-of-Experts model llama-server loads: qwen3moe (routed experts, q/k norms) or
+    qwen2moe (routed experts plus a gated shared expert, attention biases).
+
+    Expert tensors are 3-D (numpy (n_expert, rows, cols)), named blk.N.ffn_{gate,up,down}_exps
+    like the real files, so --n-cpu-moe's and -ot's patterns match them the same way.
+    """
+    path = Path(path)
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(path.stem)
+    w.add_context_length(n_ctx_train)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff_exp * n_expert_used)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    w.add_expert_count(n_expert)
+    w.add_expert_used_count(n_expert_used)
+    w.add_expert_feed_forward_length(n_ff_exp)
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(n_ff_shexp)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    _tokenizer(w, n_vocab)
+    n_vocab = max(n_vocab, N_VOCAB)
+    q, kv = n_head * head_dim, n_head_kv * head_dim
+
+    def experts(name: str, rows: int, cols: int) -> None:
+        values = (rng.standard_normal((n_expert, rows, cols)) * 0.02).astype(np.float32)
+        if expert_type == "f16":
+            w.add_tensor(name, values.astype(np.float16))
+            return
+        qtype = gguf.GGMLQuantizationType[expert_type.upper()]  # e.g. q4_0: the CPU may repack it
+        w.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+
+    w.add_tensor("token_embd.weight", _mat(rng, n_vocab, n_embd))
+    w.add_tensor("output_norm.weight", _ones(n_embd))
+    w.add_tensor("output.weight", _mat(rng, n_vocab, n_embd))
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", _ones(n_embd))
+        w.add_tensor(p + "attn_q.weight", _mat(rng, q, n_embd))
+        w.add_tensor(p + "attn_k.weight", _mat(rng, kv, n_embd))
+        w.add_tensor(p + "attn_v.weight", _mat(rng, kv, n_embd))
+        w.add_tensor(p + "attn_output.weight", _mat(rng, n_embd, q))
+        if arch == "qwen3moe":
+            w.add_tensor(p + "attn_q_norm.weight", _ones(head_dim))
+            w.add_tensor(p + "attn_k_norm.weight", _ones(head_dim))
+        else:
+            w.add_tensor(p + "attn_q.bias", np.zeros(q, dtype=np.float32))
+            w.add_tensor(p + "attn_k.bias", np.zeros(kv, dtype=np.float32))
+            w.add_tensor(p + "attn_v.bias", np.zeros(kv, dtype=np.float32))
+        w.add_tensor(p + "ffn_norm.weight", _ones(n_embd))
+        w.add_tensor(p + "ffn_gate_inp.weight", (rng.standard_normal((n_expert, n_embd)) * 0.02).astype(np.float32))
+        experts(p + "ffn_gate_exps.weight", n_ff_exp, n_embd)
+        experts(p + "ffn_up_exps.weight", n_ff_exp, n_embd)
+        experts(p + "ffn_down_exps.weight", n_embd, n_ff_exp)
+        if arch == "qwen2moe":
+            w.add_tensor(p + "ffn_gate_inp_shexp.weight", _ones(n_embd))
+            w.add_tensor(p + "ffn_gate_shexp.weight", _mat(rng, n_ff_shexp, n_embd))
+            w.add_tensor(p + "ffn_up_shexp.weight", _mat(rng, n_ff_shexp, n_embd))
+            w.add_tensor(p + "ffn_down_shexp.weight", _mat(rng, n_embd, n_ff_shexp))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def write_gpt_oss(
+    path: str | Path,
+    *,
+    n_layer: int = 4,
+    n_embd: int = 256,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    head_dim: int = 64,
+    n_expert: int = 8,
+    n_expert_used: int = 2,
+    n_ff_exp: int = 128,
+    n_swa: int = 128,
+    n_ctx_train: int = 32768,
+    n_vocab: int = N_VOCAB,
+    seed: int = 0,
+) -> Path:
+    """A gpt-oss-style model: sliding-window and full attention layers alternating (llama.cpp's
+    pattern 2 for this architecture), attention sinks, biases everywhere, routed experts with biases."""
+    path = Path(path)
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), "gpt-oss")
+    w.add_name(path.stem)
+    w.add_context_length(n_ctx_train)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff_exp)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head_kv)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(150000.0)
+    w.add_sliding_window(n_swa)
+    w.add_expert_count(n_expert)
+    w.add_expert_used_count(n_expert_used)
+    w.add_expert_feed_forward_length(n_ff_exp)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    _tokenizer(w, n_vocab)
+    n_vocab = max(n_vocab, N_VOCAB)
+    q, kv = n_head * head_dim, n_head_kv * head_dim
+
+    def zeros(*shape: int) -> np.ndarray:
+        return np.zeros(shape, dtype=np.float32)
+
+    w.add_tensor("token_embd.weight", _mat(rng, n_vocab, n_embd))
+    w.add_tensor("output_norm.weight", _ones(n_embd))
+    w.add_tensor("output.weight", _mat(rng, n_vocab, n_embd))
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        w.add_tensor(p + "attn_norm.weight", _ones(n_embd))
+        w.add_tensor(p + "post_attention_norm.weight", _ones(n_embd))
+        for name, rows in (("attn_q", q), ("attn_k", kv), ("attn_v", kv)):
+            w.add_tensor(p + name + ".weight", _mat(rng, rows, n_embd))
+            w.add_tensor(p + name + ".bias", zeros(rows))
+        w.add_tensor(p + "attn_output.weight", _mat(rng, n_embd, q))
+        w.add_tensor(p + "attn_output.bias", zeros(n_embd))
+        w.add_tensor(p + "attn_sinks.weight", zeros(n_head))
+        w.add_tensor(p + "ffn_gate_inp.weight", (rng.standard_normal((n_expert, n_embd)) * 0.02).astype(np.float32))
+        w.add_tensor(p + "ffn_gate_inp.bias", zeros(n_expert))
+        for name, rows, cols in (("ffn_gate_exps", n_ff_exp, n_embd), ("ffn_up_exps", n_ff_exp, n_embd),
+                                 ("ffn_down_exps", n_embd, n_ff_exp)):  # fmt: skip
+            w.add_tensor(p + name + ".weight", (rng.standard_normal((n_expert, rows, cols)) * 0.02).astype(np.float16))
+            w.add_tensor(p + name + ".bias", zeros(n_expert, rows))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

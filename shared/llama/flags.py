@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 
+from shared.llama.flash_attn import resolve_flash_attn
 from shared.memory import BLOCK_BYTES, DEFAULT_N_UBATCH, QUANTIZED
 from shared.messages import LaneSpec, ServerCaps
 
@@ -43,16 +44,19 @@ def needs_flash_attn(type_v: str | None) -> bool:
     return type_v in QUANTIZED
 
 
-def flash_attn_effective(flag: str | None, caps: ServerCaps, device: str = "cpu") -> bool:
+def flash_attn_effective(
+    flag: str | None, caps: ServerCaps, device: str = "cpu", *, backends: tuple[str, ...] | None = None,
+    facts=None, type_k: str = "f16", type_v: str = "f16",
+) -> bool:
     """Whether llama-server runs with flash attention for this flag (None: no flag passed).
 
-    Current builds default to auto, which resolves to on for CPU lanes (measured); GPU
-    backends may lack kernels, so there only an explicit "on" counts. Old switch builds
-    default to off.
+    `auto` (current builds' default) is resolved per backend as llama-server does
+    (shared.llama.flash_attn); without `backends`, "cpu" means the CPU's kernels and any
+    other device an unknown GPU (taken as off). Old switch builds default to off.
     """
-    if flag == "on":
-        return True
-    return flag in (None, "auto") and caps.flash_attn_form == "value" and device == "cpu"
+    if backends is None:
+        backends = ("cpu",) if device == "cpu" else ("unknown",)
+    return resolve_flash_attn(flag, caps, backends, facts, type_k, type_v).on
 
 
 # ------------------------------------------------------------------ argv
@@ -91,6 +95,11 @@ def lane_args(spec: LaneSpec, caps: ServerCaps) -> tuple[str, ...]:
             args += ["--flash-attn", spec.flash_attn]
         elif spec.flash_attn == "on":
             args.append("--flash-attn")
+    if spec.n_cpu_moe:
+        args += ["--n-cpu-moe", str(spec.n_cpu_moe)]
+    if spec.chat_template is not None:
+        # a built-in template's name is only read as a name with jinja off (jinja reads it as text)
+        args += (["--no-jinja"] if caps.has_no_jinja else []) + ["--chat-template", spec.chat_template]
     if spec.fit_off:
         args += ["-fit", "off"]
     if spec.n_ubatch != DEFAULT_N_UBATCH:  # the plan's compute and sliding-window sizes assume it
@@ -207,6 +216,9 @@ def parse_caps(help_text: str, version_text: str = "") -> ServerCaps:
         has_device="--device" in help_text,
         has_cpu_range="--cpu-range-batch" in help_text,
         has_poll="--poll-batch" in help_text,
+        has_n_cpu_moe="--n-cpu-moe" in help_text,
+        has_chat_template="--chat-template" in help_text,
+        has_no_jinja="--no-jinja" in help_text,
     )
 
 

@@ -21,10 +21,12 @@ Each per-device list has the host's RAM at index 0, then each GPU-type device of
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shared.memory.cpu_repack import repack_rule
+from shared.memory.experts import cpu_expert_blocks
 from shared.memory.kv import DEFAULT_N_UBATCH, MIB, KvSize, MemoryModelError, kv_size
 from shared.memory.placement import (
     CPU,
@@ -69,6 +71,8 @@ class LaneShape:
     main_gpu: int = 0
     no_kv_offload: bool = False
     ngl_rule: NglRule = "output_first"
+    n_cpu_moe: int = 0  # --n-cpu-moe: the expert tensors of the first N blocks in RAM
+    tensor_overrides: tuple[tuple[str, str], ...] = ()  # -ot PATTERN=BUFFER pairs (only =CPU on experts)
 
 
 def placement_for(facts: ModelFacts, shape: LaneShape) -> Placement:
@@ -76,10 +80,17 @@ def placement_for(facts: ModelFacts, shape: LaneShape) -> Placement:
     if shape.tensor_split and len(shape.tensor_split) != n:
         raise PlacementError(f"tensor split has {len(shape.tensor_split)} shares for {n} device(s)")
     shares = shape.tensor_split or (1.0,) * n
-    return place(
+    placement = place(
         facts.n_layer, shape.n_gpu_layers, shares, split_mode=shape.split_mode, main_gpu=shape.main_gpu,
         rule=shape.ngl_rule, backends=shape.devices,
     )  # fmt: skip
+    return with_cpu_experts(placement, cpu_expert_blocks(facts, shape.n_cpu_moe, shape.tensor_overrides))
+
+
+def with_cpu_experts(placement: Placement, blocks: frozenset[int]) -> Placement:
+    """The placement with these blocks' expert tensors in RAM (only those on a device change)."""
+    blocks = frozenset(il for il in blocks if placement.layer_device[il] != CPU)
+    return placement if blocks == placement.cpu_experts else dataclasses.replace(placement, cpu_experts=blocks)
 
 
 def _layers(facts: ModelFacts) -> dict[int, LayerWeights]:
@@ -92,6 +103,20 @@ def _repacked(lw: LayerWeights, rule: dict[str, int]) -> int:
     return sum(b for t, rows, b in lw.repack if t in rule and rows % rule[t] == 0)
 
 
+def _mapped(groups: Sequence[LayerWeights], rule: dict[str, int]) -> int:
+    """The file range the CPU maps: from the first to the last tensor it does not repack
+    (llama_model_loader::get_mapping_range over the CPU buffer's tensors)."""
+    ranges = []
+    for lw in groups:
+        if not lw.spans:  # facts from an older lanes: the whole group's range
+            ranges.append((lw.first, lw.end))
+            continue
+        for t, rows, first, end in lw.spans:
+            if lw.layer < 0 or not (t in rule and rows % rule[t] == 0):
+                ranges.append((first, end))
+    return max(e for _, e in ranges) - min(f for f, _ in ranges) if ranges else 0
+
+
 def model_bytes(facts: ModelFacts, placement: Placement, cpu_repack: Sequence[str] | None = None) -> list[int]:
     """Weights per device."""
     layers = _layers(facts)
@@ -99,20 +124,25 @@ def model_bytes(facts: ModelFacts, placement: Placement, cpu_repack: Sequence[st
     pinned = any(b in PINNED_HOST_BACKENDS for b in placement.backends)
     rule = {} if pinned else repack_rule(cpu_repack)
     cpu_groups = [layers[-1]] if -1 in layers else []
+    experts = {ew.layer: ew for ew in facts.expert_weights} if placement.cpu_experts else {}
     for il, dev in enumerate(placement.layer_device):
         lw = layers.get(il)
         if lw is None:
             continue
         if dev == CPU:
             cpu_groups.append(lw)
-        else:
-            out[1 + dev] += lw.cuda_bytes if placement.backend(dev) in PINNED_HOST_BACKENDS else lw.bytes
+            continue
+        cuda = placement.backend(dev) in PINNED_HOST_BACKENDS
+        out[1 + dev] += lw.cuda_bytes if cuda else lw.bytes
+        ew = experts.get(il) if il in placement.cpu_experts else None
+        if ew is not None:  # its expert tensors are in RAM instead
+            out[1 + dev] -= ew.cuda_bytes if cuda else ew.bytes
+            cpu_groups.append(ew)
     if cpu_groups:
         if pinned:
             out[0] = sum(lw.bytes for lw in cpu_groups)
         else:
-            mapped = max(lw.end for lw in cpu_groups) - min(lw.first for lw in cpu_groups)
-            out[0] = mapped + sum(_repacked(lw, rule) for lw in cpu_groups if lw.layer >= 0)
+            out[0] = _mapped(cpu_groups, rule) + sum(_repacked(lw, rule) for lw in cpu_groups if lw.layer >= 0)
     if facts.tied_output_bytes and placement.output_device != CPU:
         dev = placement.output_device
         pinned_dev = placement.backend(dev) in PINNED_HOST_BACKENDS
@@ -145,6 +175,34 @@ def output_bytes(facts: ModelFacts, placement: Placement, parallel: int) -> list
     return [facts.n_vocab * parallel * 4] + [0] * placement.n_devices
 
 
+def ffn_width(facts: ModelFacts) -> int:
+    """The FFN activations' width per token: n_ff, or for a Mixture of Experts the routed experts'
+    outputs ([n_ff_exp, n_expert_used, n_tokens]) plus the shared expert's, when wider."""
+    return max(facts.n_ff, facts.n_ff_exp * facts.n_expert_used + facts.n_ff_shexp)
+
+
+# Backends whose offload_op runs an op with host-held weights on the GPU (batches of 32 tokens
+# or more): the scheduler copies the weight into that GPU's compute buffer (ggml-backend.cpp).
+OP_OFFLOAD_BACKENDS = frozenset({"cuda", "rocm"})
+OP_OFFLOAD_MIN_BATCH = 32
+
+
+def op_offload_device(placement: Placement) -> int:
+    """The GPU that runs ops whose weights are in RAM: the first one with op offload (CPU: none)."""
+    return next((d for d in range(placement.n_devices) if placement.backend(d) in OP_OFFLOAD_BACKENDS), CPU)
+
+
+def op_offload_bytes(facts: ModelFacts, placement: Placement, n_tokens: int) -> int:
+    """Experts in RAM on a CUDA/ROCm lane: prompt batches run their matmuls on the first GPU, which
+    holds a copy of one expert tensor at a time (a weight from another backend starts a new split,
+    so the copies reuse one slot): the largest, taken as a third of its block's gate/up/down.
+    An estimate read off the scheduler's source, not measured (no GPU here); 0 on CPU and RPC."""
+    if not placement.cpu_experts or n_tokens < OP_OFFLOAD_MIN_BATCH or op_offload_device(placement) == CPU:
+        return 0
+    groups = {ew.layer: ew for ew in facts.expert_weights}
+    return max((-(-groups[il].cuda_bytes // 3) for il in placement.cpu_experts if il in groups), default=0)
+
+
 def compute_bytes(facts: ModelFacts, placement: Placement, shape: LaneShape, kv: KvSize) -> list[int]:
     """The compute buffer ggml reserves per backend for the worst-case prompt-processing graph.
 
@@ -160,7 +218,7 @@ def compute_bytes(facts: ModelFacts, placement: Placement, shape: LaneShape, kv:
     f32 = 4
     mask_width = 2 if shape.flash_attn else 4
     embd = facts.n_embd * n_tokens * f32
-    ffn = facts.n_ff * n_tokens * f32
+    ffn = ffn_width(facts) * n_tokens * f32
     logits = facts.n_vocab * shape.parallel * f32
     swa = tuple(facts.swa_layers) + (False,) * (facts.n_layer + 1)
     kv_layers = [il for il in range(facts.n_layer) if facts.n_head_kv[il]]
@@ -179,7 +237,11 @@ def compute_bytes(facts: ModelFacts, placement: Placement, shape: LaneShape, kv:
     cpu_has_layers = CPU in holders
     # llama_context: several devices, full offload, split by layer -> pipeline parallelism,
     # and ggml's scheduler keeps GGML_SCHED_MAX_COPIES (4) copies of each split's inputs.
-    pipeline = not cpu_has_layers and len(holders) > 1 and placement.split_mode == "layer" and not shape.no_kv_offload
+    # Not with tensor overrides (--n-cpu-moe, -ot): llama_context turns pipelining off for them.
+    pipeline = (
+        not cpu_has_layers and len(holders) > 1 and placement.split_mode == "layer" and not shape.no_kv_offload
+        and not (shape.n_cpu_moe or shape.tensor_overrides)
+    )  # fmt: skip
     copies = 4 if pipeline else 1
     first_gpu = min((d for d in holders if d != CPU), default=None)
     for dev in holders:
@@ -201,6 +263,9 @@ def compute_bytes(facts: ModelFacts, placement: Placement, shape: LaneShape, kv:
         out[1 + dev] = max(peak_ffn, peak_attn)
         if pipeline:
             out[1 + dev] += (copies - 1) * masks + (12 if dev == first_gpu else 4) * embd
+    offload_to = op_offload_device(placement)
+    if offload_to != CPU:
+        out[1 + offload_to] += op_offload_bytes(facts, placement, n_tokens)
     if not cpu_has_layers:
         # Full offload: the CPU still builds the graph inputs (masks) and gathers token embeddings.
         out[0] = copies * all_masks + 4 * embd

@@ -42,6 +42,12 @@ class Placement:
     n_devices: int  # GPU-type devices the lane uses, in llama-server's order
     backends: tuple[str, ...] = ()  # each device's backend (cuda, rocm, metal, rpc, vulkan); () unknown
     split_mode: SplitMode = "layer"
+    # Blocks whose expert tensors stay in RAM though the block is on a device (--n-cpu-moe, -ot ...=CPU).
+    cpu_experts: frozenset[int] = frozenset()
+
+    def experts_on(self, il: int) -> int:
+        """The device holding block il's expert tensors."""
+        return CPU if il in self.cpu_experts else self.layer_device[il]
 
     @property
     def output_device(self) -> int:
