@@ -10,6 +10,7 @@ import msgspec
 import psutil
 import pytest
 from fixtures_bus import agent_config, fake_binary, free_port_base
+from waiting import eventually_blocking
 
 from launcher_agent.feedback import Feedback
 from launcher_agent.lane import Lane
@@ -55,6 +56,9 @@ def test_adoption_refuses_a_reused_pid(tmp_path, cfg):
     # A process whose command line ends with the lane's flags, as a lane's would.
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *spec.args])
     try:
+        # Until the child has exec'd, its command line is still pytest's (seen under load).
+        eventually_blocking(lambda: psutil.Process(proc.pid).cmdline()[-1:] == [spec.args[-1]], timeout=10,
+                            what="the child's exec")  # fmt: skip
         started = psutil.Process(proc.pid).create_time()
         log = tmp_path / "lane.log"
         assert LaneProcess.adopt(spec, cfg.binary, log, proc.pid, started) is not None
