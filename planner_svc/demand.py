@@ -64,6 +64,8 @@ class DemandState:
     failed: dict[str, tuple[float, str]] = field(default_factory=dict)  # persona name -> (when, why)
     waiting: dict[str, str] = field(default_factory=dict)  # persona name -> why its wake is not placed yet
     evictions: dict[str, int] = field(default_factory=dict)  # reason -> lanes unloaded
+    # Lanes wanted per on-demand persona (the lanes it has; a wake asks one, an idle unload 0).
+    counts: dict[str, int] = field(default_factory=dict)
 
     def note_wake(self, name: str, now: float) -> bool:
         """A gateway asks for `name`. True when the planner must replan (a new or failed-out wake)."""
@@ -113,12 +115,13 @@ class DemandState:
     def snapshot(self) -> DemandState:
         return DemandState(
             dict(self.wakes), set(self.on_demand), dict(self.excluded), dict(self.loaded_at), dict(self.last_used),
-            dict(self.gateways), dict(self.failed), dict(self.waiting), dict(self.evictions),
+            dict(self.gateways), dict(self.failed), dict(self.waiting), dict(self.evictions), dict(self.counts),
         )  # fmt: skip
 
     def apply(self, outcome: Outcome, now: float) -> None:
         """Take a job's outcome in (wakes that came meanwhile stay)."""
         self.on_demand |= outcome.on_demand
+        self.counts = dict(outcome.counts)
         self.excluded = dict(outcome.excluded)
         self.loaded_at = self.loaded_at | dict(outcome.loaded_at)
         for name in outcome.placed | set(outcome.failed):
@@ -133,6 +136,7 @@ class DemandState:
 @dataclass(frozen=True)
 class Outcome:
     on_demand: frozenset[str] = frozenset()
+    counts: Mapping[str, int] = field(default_factory=dict)
     excluded: Mapping[str, frozenset[str]] = field(default_factory=dict)
     loaded_at: Mapping[tuple[str, str], float] = field(default_factory=dict)
     placed: frozenset[str] = frozenset()  # woken personas that have lanes now
@@ -206,7 +210,7 @@ def effective(
         if name not in state.on_demand and name not in state.wakes:
             out.append(p)
             continue
-        n = len(running)
+        n = state.counts.get(name, len(running))
         if n == 0 and name in state.wakes:
             n = p.lanes or 1
         n = max(n, p.min_lanes)
@@ -327,6 +331,7 @@ def plan_on_demand(
     excluded = {m: set(h) for m, h in state.excluded.items()}
     for p, lanes in idle_unloads(state, config, personas, previous, now):
         state.on_demand.add(persona_name(p))
+        state.counts[persona_name(p)] = 0
         excluded.setdefault(p.model, set()).update(h for h, _ in lanes)
         evicted["idle"] = evicted.get("idle", 0) + len(lanes)
         victims_log += [(h, s.lane_id, f"idle for {ttl_of(p, config):g} s") for h, s in lanes]
@@ -334,6 +339,8 @@ def plan_on_demand(
         state.on_demand.add(name)
         woken = persona_for(personas, name)
         excluded.pop(woken.model, None)
+        if not state.counts.get(name):
+            state.counts.pop(name, None)
     state.excluded = {m: frozenset(h) for m, h in excluded.items() if h}
 
     failed: dict[str, str] = {}
@@ -382,6 +389,8 @@ def plan_on_demand(
         lanes_now = {(h.host_id, s.lane_id): s for h in fleet.hosts for s in h.lanes}
         for host, lane_id in choice.victims:
             spec = lanes_now[(host, lane_id)]
+            # It keeps its count: where another host has room, the next round places it there.
+            state.counts.setdefault(spec.alias, sum(1 for s in lanes_now.values() if s.alias == spec.alias))
             state.on_demand.add(spec.alias)
             state.excluded = dict(state.excluded) | {spec.model: state.excluded.get(spec.model, frozenset()) | {host}}
             victims_log.append((host, lane_id, f"evicted for {name}"))
@@ -391,11 +400,13 @@ def plan_on_demand(
         previous = {h: msgspec.structs.replace(p, lanes=tuple(s for s in p.lanes if (h, s.lane_id) not in gone))
                     if any((h, s.lane_id) in gone for s in p.lanes) else p for h, p in previous.items()}  # fmt: skip
     placed = _placed(fleet)
+    counts = {n: sum(1 for h in fleet.hosts for s in h.lanes if s.alias == n) for n in state.on_demand}
     loaded_at = {
         (h.host_id, s.lane_id): state.loaded_at.get((h.host_id, s.lane_id), now) for h in fleet.hosts for s in h.lanes
     }
     outcome = Outcome(
         on_demand=frozenset(state.on_demand),
+        counts=counts,
         excluded=dict(state.excluded),
         loaded_at=loaded_at,
         placed=frozenset(n for n in state.wakes if n in placed),
