@@ -71,8 +71,11 @@ def catalogue(view: FleetView) -> list[dict]:
         lanes = by_alias.get(name, [])
         entry = entries.get(name)
         model = entry.model if entry else lanes[0].model
+        reason = entry.reason if entry is not None else ""
         if any(lane.routable for lane in lanes):
             state = "ready"
+        elif lanes and all(lane.state == "failed" for lane in lanes):
+            state, reason = "failed", _lane_error(view, lanes[0]) or "its lane failed"
         elif entry is not None and entry.state == "failed":
             state = "failed"
         elif lanes or (entry is not None and entry.state == "waking"):
@@ -86,8 +89,8 @@ def catalogue(view: FleetView) -> list[dict]:
                        else "ready"} for lane in lanes],
             "holders": list(entry.holders) if entry else sorted({lane.host_id for lane in lanes}),
         }  # fmt: skip
-        if entry is not None and entry.reason:
-            item["reason"] = entry.reason
+        if reason and state != "ready":
+            item["reason"] = reason
         out.append(item)
     return out
 
