@@ -23,7 +23,8 @@ from waiting import eventually
 from gateway.service import Gateway, run_gateway
 from gateway.settings import GatewaySettings
 from shared import subjects
-from shared.messages import ConfigSet, Demand, Persona, encode
+from lanes.online import render_status
+from shared.messages import ConfigSet, Demand, FleetStatus, Persona, encode
 
 MIB = 1 << 20
 HOST = "od"
@@ -157,8 +158,12 @@ async def test_idle_ttl_unloads_a_model_and_a_request_loads_it_back(tmp_path, ti
         await eventually(lambda: not gw.view.lanes_for("chat"), timeout=30, what="chat unloaded after its idle_ttl")
         fleet = await fleet_status(nc)
         assert {m.name: m.state for m in fleet.models} == {"chat": "unloaded"}
+        row = next(line for line in render_status(fleet).splitlines() if line.startswith("chat "))
+        assert row.split() == ["chat", "a", "unloaded", "-", HOST]  # `lanes status` shows it
         status, _, lane = await _chat(http, gw, "chat")
         assert status == 200 and lane == f"{HOST}/a-0"
         async with http.get(gw.url + "/metrics") as resp:
             assert samples(await resp.text(), "lanes_evictions_total", reason="idle") == [1.0]
-        msgspec.json.encode(fleet)  # the status with its models encodes (lanes status prints it)
+        fleet = msgspec.json.decode(msgspec.json.encode(await fleet_status(nc)), type=FleetStatus)
+        assert {m.name: m.state for m in fleet.models} == {"chat": "loaded"}
+        assert "unloaded" not in render_status(fleet)  # nothing waits: no models table
