@@ -97,6 +97,11 @@ class DemandState:
                     out[m.name] = out.get(m.name, 0) + m.in_flight + m.queued
         return out
 
+    def adopt(self, states: ModelStates) -> None:
+        """Carry on from the active planner's `models` key (a stand-by, or a planner restarted)."""
+        self.on_demand = {m.name for m in states.models if m.on_demand}
+        self.evictions = dict(states.evictions)
+
     def forget_lanes(self, plans: Mapping[str, HostPlan]) -> None:
         """Drop load times of lanes no plan has any more."""
         live = {(p.host_id, s.lane_id) for p in plans.values() for s in p.lanes}
@@ -450,5 +455,5 @@ def model_states(
             load, reason = "unloaded", ""
         out.append(ModelState(name=name, model=p.model, state=load, hosts=hosts,
                               holders=tuple(holders.get(p.model, ())), reason=reason,
-                              file_bytes=sizes.get(p.model, 0)))  # fmt: skip
+                              file_bytes=sizes.get(p.model, 0), on_demand=name in state.on_demand))  # fmt: skip
     return ModelStates(models=tuple(out), evictions=dict(sorted(state.evictions.items())))

@@ -24,6 +24,7 @@ from shared.messages import (
     HostPlan,
     HostReport,
     HostStatus,
+    ModelStates,
     PlanRejected,
     schema_problem,
 )
@@ -129,6 +130,11 @@ class PlannerState:
                 if applied and planned and applied.plan_revision >= planned.plan_revision:
                     self.rejected.pop(host, None)  # the agent runs the latest plan
                 self.replan_hosts.add(host)
+            elif key == subjects.MODELS_KEY:
+                # The active planner writes it; one that follows (or starts) carries on from it.
+                if value is not None and (self.following or not self.caught_up):
+                    self.demand_state.adopt(msgspec.json.decode(value, type=ModelStates))
+                return False
             elif kind == "plan":
                 if self._apply_plan(host, value, revision):
                     self.replan_hosts.add(host)

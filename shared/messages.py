@@ -521,6 +521,9 @@ class ModelState(msgspec.Struct, frozen=True, kw_only=True):
     holders: tuple[str, ...] = ()  # hosts that hold its file
     reason: str = ""
     file_bytes: Bytes = 0
+    # Loaded on request only (it was unloaded once, or no persona names the file): a planner
+    # taking over reads it, so a failover does not bring back what was evicted.
+    on_demand: bool = False
 
 
 class ModelStates(_Msg, tag="model_states", kw_only=True):

@@ -192,3 +192,31 @@ def test_wakes_expire_unless_repeated():
 def test_the_planner_alone_is_unchanged_by_an_empty_order():
     report = host("h1", models=MODELS)
     assert plan([report], CONFIG, first=()) == plan([report], CONFIG)
+
+
+def test_a_planner_taking_over_carries_on_from_the_models_key():
+    """A stand-by follows the active planner's `models` key: after a failover, what was evicted stays unloaded."""
+    from planner_svc.state import PlannerState
+    from shared import subjects
+    from shared.messages import ModelState, ModelStates
+
+    f = Fleet([one_room_host()], config=msgspec.structs.replace(CONFIG, min_residency=0.0))
+    f.replan(0.0)
+    f.state.note_wake("b", 1.0)
+    f.replan(1.0)
+    written = model_states(None, f.reports, f.plans, f.state)
+    assert {m.name: (m.state, m.on_demand) for m in written.models} == {
+        "a": ("unloaded", True), "b": ("loaded", True), "c": ("unloaded", False)}
+    standby = PlannerState()
+    standby.following = True
+    standby.apply(subjects.MODELS_KEY, msgspec.json.encode(written), 1)
+    assert standby.demand_state.on_demand == {"a", "b"} and standby.demand_state.evictions == {"wake": 1}
+    # Planning from the adopted state and the plans keeps b, and does not bring a back.
+    fleet, _ = plan_on_demand(f.reports, CONFIG, None, standby.demand_state.snapshot(), now=2.0, previous=f.plans)
+    assert lanes_of(fleet) == {"h1": ["b"]}
+    # The active planner ignores the key (it writes it).
+    active = PlannerState()
+    active.caught_up = True
+    active.apply(subjects.MODELS_KEY, msgspec.json.encode(ModelStates(models=(ModelState(name="x", model="x",
+                                                                                           on_demand=True),))), 2)
+    assert active.demand_state.on_demand == set()
