@@ -132,7 +132,7 @@ async def _held(request: web.Request, model: waking.ModelView) -> web.Response |
     if model.state == "failed":
         return openai_error(502, f"model {model.name!r} failed to load: {model.reason}", waking.LoadFailed.code)
     try:
-        await waker.wait_ready(model, settings.load_timeout)
+        await waker.wait_ready(model, settings.load_timeout)  # None: predicted load time + a margin
     except waking.LoadFailed as exc:
         return openai_error(exc.status, str(exc), exc.code)
     except waking.LoadTimeout as exc:

@@ -91,8 +91,27 @@ def catalogue(view: FleetView) -> list[dict]:
         }  # fmt: skip
         if reason and state != "ready":
             item["reason"] = reason
+        if entry is not None:
+            item["predicted_load_s"] = entry.predicted_load_s
+            item["measured_load_s"] = entry.measured_load_s
         out.append(item)
     return out
+
+
+DEFAULT_LOAD_TIMEOUT = 120.0  # seconds, where the planner predicts nothing
+LOAD_MARGIN = 30.0  # seconds added to half again the predicted load time
+
+
+def load_bound(view: FleetView, name: str, configured: float | None) -> tuple[float, float | None]:
+    """How long a request may be held for `name` (the configured --load-timeout, else the predicted
+    load time x 1.5 + LOAD_MARGIN), and the predicted load time itself (None: none)."""
+    entry = view.model_entry(name)
+    predicted = entry.predicted_load_s if entry else None
+    if configured is not None:
+        return configured, predicted
+    if predicted is None:
+        return DEFAULT_LOAD_TIMEOUT, None
+    return round(predicted * 1.5 + LOAD_MARGIN, 1), predicted
 
 
 def persona_of(view: FleetView, name: str) -> str | None:
@@ -175,9 +194,11 @@ class Waker:
         """Models with held requests and no planned lane: wakes to (re)send."""
         return sorted(n for n, fs in self.held.items() if fs and classify(self.view, n).state == "unloaded")
 
-    async def wait_ready(self, model: ModelView, timeout: float) -> None:
-        """Hold until `model` has a ready lane; LoadFailed or LoadTimeout otherwise."""
+    async def wait_ready(self, model: ModelView, configured: float | None = None) -> None:
+        """Hold until `model` has a ready lane; LoadFailed or LoadTimeout otherwise. The bound is
+        `configured` (--load-timeout) or the predicted load time plus a margin."""
         name = model.name
+        timeout, predicted = load_bound(self.view, name, configured)
         futures = self.held.setdefault(name, [])
         if len(futures) >= self.max_held:
             raise HeldFull(f"{len(futures)} requests already wait for {name!r} to load")
@@ -192,7 +213,7 @@ class Waker:
             async with asyncio.timeout(timeout):
                 await future
         except TimeoutError:
-            expected = self.last_cold.get(name)
+            expected = predicted or self.last_cold.get(name)
             retry = max(1, round(expected)) if expected else max(1, round(timeout / 4))
             raise LoadTimeout(f"model {name!r} is loading and did not become ready within {timeout:g} s; "
                               f"retry in about {retry} s", retry) from None  # fmt: skip

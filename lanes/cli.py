@@ -85,7 +85,8 @@ def _add_load_timeout(p: argparse.ArgumentParser) -> None:
     from gateway.settings import GatewaySettings
 
     p.add_argument("--load-timeout", type=float, default=GatewaySettings().load_timeout,
-                   help="seconds a request for a model with no ready lane is held while it loads (then 503)")  # fmt: skip
+                   help="seconds a request for a model with no ready lane is held while it loads (then 503); "
+                   "default: the predicted load time x 1.5 + 30 s (120 s where none is predicted)")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

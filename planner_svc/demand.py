@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from planner_svc.coldstart import measured_seconds, predicted_seconds, read_rates
 from planner_svc.eviction import Candidate, NoRoom, Placement, Room, choose
 from planner_svc.layouts import CPU_RESOURCE, Layout, cost_vector
 from planner_svc.planner import default_demand, plan
@@ -34,6 +35,7 @@ from shared.messages import (
     GatewayActivity,
     HostPlan,
     HostReport,
+    HostStatus,
     LaneFeedback,
     LaneSpec,
     ModelState,
@@ -431,8 +433,12 @@ def model_states(
     reports: Sequence[HostReport],
     plans: Mapping[str, HostPlan],
     state: DemandState,
+    statuses: Mapping[str, HostStatus] | None = None,
 ) -> ModelStates:
-    """Every servable model and its load state, for gateways, `lanes status` and the dashboard."""
+    """Every servable model and its load state, for gateways, `lanes status` and the dashboard,
+    with its predicted and measured cold start (planner_svc/coldstart.py)."""
+    statuses = statuses or {}
+    rates = read_rates(reports, plans, statuses)
     personas, _ = servable(demand, reports)
     lanes = _lanes_by_name(plans)
     holders: dict[str, list[str]] = {}
@@ -453,7 +459,10 @@ def model_states(
             load, reason = "waking", state.waiting.get(name, "")
         else:
             load, reason = "unloaded", ""
-        out.append(ModelState(name=name, model=p.model, state=load, hosts=hosts,
-                              holders=tuple(holders.get(p.model, ())), reason=reason,
-                              file_bytes=sizes.get(p.model, 0), on_demand=name in state.on_demand))  # fmt: skip
+        held_by = tuple(holders.get(p.model, ()))
+        fastest = max((rates[h] for h in held_by if h in rates), default=None)
+        out.append(ModelState(name=name, model=p.model, state=load, hosts=hosts, holders=held_by, reason=reason,
+                              file_bytes=sizes.get(p.model, 0), on_demand=name in state.on_demand,
+                              predicted_load_s=predicted_seconds(sizes.get(p.model, 0), fastest) if held_by else None,
+                              measured_load_s=measured_seconds(name, plans, statuses)))  # fmt: skip
     return ModelStates(models=tuple(out), evictions=dict(sorted(state.evictions.items())))

@@ -105,8 +105,9 @@ class PlannerState:
 
     def model_states(self):
         return model_states(
-            self.demand, list(self.reports.values()), {p.host_id: p for p in self.plans.values()}, self.demand_state
-        )
+            self.demand, list(self.reports.values()), {p.host_id: p for p in self.plans.values()}, self.demand_state,
+            self.statuses,
+        )  # fmt: skip
 
     def apply(self, key: str, value: bytes | None, revision: int) -> bool:
         """Fold one KV entry in. True when the planner must replan (or rewrite a plan)."""

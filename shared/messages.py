@@ -397,6 +397,8 @@ class LaneStatus(msgspec.Struct, frozen=True, kw_only=True):
     # Set while the agent waits for in-flight requests before a restart or stop:
     # gateways send a draining lane nothing new.
     draining: bool = False
+    # Seconds from its process's start to its first healthy answer (None: not loaded yet, or adopted).
+    load_seconds: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
 
 
 class HostStatus(_Msg, tag="host_status", kw_only=True):
@@ -524,6 +526,10 @@ class ModelState(msgspec.Struct, frozen=True, kw_only=True):
     # Loaded on request only (it was unloaded once, or no persona names the file): a planner
     # taking over reads it, so a failover does not bring back what was evicted.
     on_demand: bool = False
+    # Cold start: predicted from the file's size and the read rate its best holder has shown
+    # (planner_svc/coldstart.py), and the last measured load of one of its lanes.
+    predicted_load_s: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
+    measured_load_s: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
 
 
 class ModelStates(_Msg, tag="model_states", kw_only=True):

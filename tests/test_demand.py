@@ -220,3 +220,20 @@ def test_a_planner_taking_over_carries_on_from_the_models_key():
     active.apply(subjects.MODELS_KEY, msgspec.json.encode(ModelStates(models=(ModelState(name="x", model="x",
                                                                                            on_demand=True),))), 2)
     assert active.demand_state.on_demand == set()
+
+
+def test_cold_start_is_predicted_from_the_rate_a_host_has_shown():
+    from planner_svc.coldstart import DEFAULT_READ_RATE, MIN_SECONDS, predicted_seconds, read_rates
+    from shared.messages import HostStatus, LaneStatus
+
+    f = Fleet([one_room_host()])
+    f.replan(0.0)
+    size = MODELS[0].file_bytes
+    assert predicted_seconds(size, None) == round(size / DEFAULT_READ_RATE, 2)
+    assert predicted_seconds(1, None) == MIN_SECONDS
+    statuses = {"h1": HostStatus(host_id="h1", lanes=(LaneStatus(lane_id="a-0", state="healthy", load_seconds=2.0),))}
+    rates = read_rates(f.reports, f.plans, statuses)
+    assert rates == {"h1": size / 2.0}
+    states = {m.name: m for m in model_states(None, f.reports, f.plans, f.state, statuses).models}
+    assert states["a"].measured_load_s == 2.0
+    assert states["b"].predicted_load_s == 2.0 and states["b"].measured_load_s is None  # same size, same host

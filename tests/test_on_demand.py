@@ -116,6 +116,10 @@ async def test_models_load_on_request_evict_the_idle_and_fail_with_the_reason(tm
         assert states["a"] == "unloaded" and states["b"] == "loaded"
         listed = await _models(http, gw2)
         assert listed["b"]["state"] == "ready" and listed["a"]["state"] == "unloaded"
+        # The load was measured by the agent and predicts the next: published in the models key.
+        measured = await eventually(lambda: gw2.view.model_entry("b").measured_load_s, what="b's load measured")
+        assert 0 < measured < 30
+        assert gw2.view.model_entry("c").predicted_load_s > 0
         async with http.get(gw1.url + "/metrics") as resp:
             text = await resp.text()
         assert samples(text, "lanes_cold_starts_total", model="b") == [1.0]
