@@ -24,9 +24,10 @@ def read_rates(
 ) -> dict[str, float]:
     """Host id -> bytes per second its measured loads show (only hosts that measured one)."""
     sizes = {(r.host_id, m.path): m.file_bytes for r in reports for m in r.models}
+    by_host = {s.host_id: s for s in statuses.values()}
     out: dict[str, float] = {}
     for plan in plans.values():
-        status = next((s for s in statuses.values() if s.host_id == plan.host_id), None)
+        status = by_host.get(plan.host_id)
         if status is None:
             continue
         specs = {s.lane_id: s for s in plan.lanes}
@@ -46,15 +47,14 @@ def predicted_seconds(file_bytes: int, rate: float | None) -> float:
     return round(max(MIN_SECONDS, file_bytes / (rate or DEFAULT_READ_RATE)), 2)
 
 
-def measured_seconds(name: str, plans: Mapping[str, HostPlan], statuses: Mapping[str, HostStatus]) -> float | None:
-    """The latest measured load of one of `name`'s lanes (the slowest, if several report one)."""
-    found = [
-        lane.load_seconds
-        for plan in plans.values()
-        for status in statuses.values()
-        if status.host_id == plan.host_id
-        for lane in status.lanes
-        for spec in plan.lanes
-        if spec.lane_id == lane.lane_id and spec.alias == name and lane.load_seconds is not None
-    ]
-    return max(found) if found else None
+def measured_loads(plans: Mapping[str, HostPlan], statuses: Mapping[str, HostStatus]) -> dict[str, float]:
+    """Persona name -> the measured load of its lanes (the slowest, where several report one)."""
+    by_host = {s.host_id: s for s in statuses.values()}
+    out: dict[str, float] = {}
+    for plan in plans.values():
+        status = by_host.get(plan.host_id)
+        seconds = {lane.lane_id: lane.load_seconds for lane in status.lanes} if status else {}
+        for spec in plan.lanes:
+            if seconds.get(spec.lane_id) is not None:
+                out[spec.alias] = max(out.get(spec.alias, 0.0), seconds[spec.lane_id])
+    return out

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from planner_svc.coldstart import measured_seconds, predicted_seconds, read_rates
+from planner_svc.coldstart import measured_loads, predicted_seconds, read_rates
 from planner_svc.eviction import Candidate, NoRoom, Placement, Room, choose
 from planner_svc.layouts import CPU_RESOURCE, Layout, cost_vector
 from planner_svc.planner import default_demand, plan
@@ -321,11 +321,13 @@ def plan_on_demand(
     previous: Mapping[str, HostPlan] | None = None,
     feedback: Mapping[str, Sequence[LaneFeedback]] | None = None,
     config_revision: int = 0,
+    chooser=choose,
 ) -> tuple[FleetPlan, Outcome]:
     """One fleet plan with demand applied: idle unloads, wakes, and the evictions they need.
 
     `state` is a snapshot: it is changed here and handed back in the Outcome. `previous` is
-    keyed by host id, like the plans it returns.
+    keyed by host id, like the plans it returns. `chooser` is eviction.choose (a benchmark
+    passes another rule to compare with).
     """
     previous = dict(previous or {})
     feedback = feedback or {}
@@ -380,7 +382,7 @@ def plan_on_demand(
                     priority=p.priority if p else 0, last_used=state.last_used.get(spec.alias, loaded),
                     loaded_at=loaded, busy=bool(busy.get(spec.alias)), pinned=bool(p and p.min_lanes),
                 ))  # fmt: skip
-        choice = choose(rooms, candidates, now=now, min_residency=config.min_residency)
+        choice = chooser(rooms, candidates, now=now, min_residency=config.min_residency)
         if isinstance(choice, NoRoom):
             (failed if choice.failed else waiting)[name] = choice.reason
             if not choice.failed:
@@ -439,6 +441,7 @@ def model_states(
     with its predicted and measured cold start (planner_svc/coldstart.py)."""
     statuses = statuses or {}
     rates = read_rates(reports, plans, statuses)
+    measured = measured_loads(plans, statuses)
     personas, _ = servable(demand, reports)
     lanes = _lanes_by_name(plans)
     holders: dict[str, list[str]] = {}
@@ -464,5 +467,5 @@ def model_states(
         out.append(ModelState(name=name, model=p.model, state=load, hosts=hosts, holders=held_by, reason=reason,
                               file_bytes=sizes.get(p.model, 0), on_demand=name in state.on_demand,
                               predicted_load_s=predicted_seconds(sizes.get(p.model, 0), fastest) if held_by else None,
-                              measured_load_s=measured_seconds(name, plans, statuses)))  # fmt: skip
+                              measured_load_s=measured.get(name)))  # fmt: skip
     return ModelStates(models=tuple(out), evictions=dict(sorted(state.evictions.items())))
