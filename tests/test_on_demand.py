@@ -171,3 +171,57 @@ async def test_idle_ttl_unloads_a_model_and_a_request_loads_it_back(tmp_path, ti
         fleet = msgspec.json.decode(msgspec.json.encode(await fleet_status(nc)), type=FleetStatus)
         assert {m.name: m.state for m in fleet.models} == {"chat": "loaded"}
         assert "unloaded" not in render_status(fleet)  # nothing waits: no models table
+
+
+async def test_a_planner_killed_while_requests_are_held_the_stand_by_loads_the_model(tmp_path, tiny_models,
+                                                                                      nats_server):
+    """Two planners; the active one dies (no handover) while a request for an unloaded model is held:
+    the gateway keeps repeating its wake, the stand-by takes the lease, evicts the idle lane and
+    serves it. What the first planner had evicted stays unloaded (the models key carries it on)."""
+    from planner_svc.service import run_planner
+    from shared.bus import kv_bucket
+    from shared.messages import PlannerLease
+
+    models = tmp_path / "models"
+    models.mkdir()
+    for name in ("a", "b", "c"):
+        shutil.copy(tiny_models["llama8"], models / f"{name}.gguf")
+    planners: dict[str, tuple[asyncio.Task, asyncio.Event]] = {}
+    for name in ("p1", "p2"):
+        stop = asyncio.Event()
+        planners[name] = (asyncio.create_task(run_planner(nats_server.url, stop, lease_ttl=1.0, name=name)), stop)
+    services = Services(nats_server.url)
+    async with AsyncExitStack() as stack:
+        stack.push_async_callback(services.stop_all)
+
+        async def stop_planners() -> None:
+            for task, stop in planners.values():
+                stop.set()
+            await asyncio.wait_for(asyncio.gather(*(t for t, _ in planners.values()), return_exceptions=True), 30)
+
+        stack.push_async_callback(stop_planners)
+        nc = await stack.enter_async_context(client(nats_server.url))
+        await eventually(lambda: nc.request(subjects.CONFIG_GET, b"", timeout=1), what="planners up")
+        await nc.request(subjects.CONFIG_SET, encode(ConfigSet(changes={"min_residency": 1.0})), timeout=5)
+        demand = Demand(personas=tuple(Persona(model=m, ctx_min=CTX, ctx_max=CTX) for m in ("a", "b", "c")))
+        await nc.request(subjects.DEMAND_SET, encode(demand), timeout=5)
+        services.start_agent(agent_config(tmp_path, HOST, models, fake_binary(tmp_path / "bin"), max_ram=MAX_RAM))
+        gw = await stack.enter_async_context(gateway(nats_server.url, load_timeout=60))
+        http = await stack.enter_async_context(aiohttp.ClientSession())
+        await eventually(lambda: gw.view.routable("a"), timeout=60, what="a's lane ready")
+        status, _, lane = await _chat(http, gw, "c")  # the first planner evicts a for c
+        assert status == 200 and lane == f"{HOST}/c-0"
+        await eventually(lambda: gw.view.model_entry("a").on_demand, what="a unloaded on demand in the models key")
+        kv = await kv_bucket(nc)
+        active = msgspec.json.decode((await kv.get(subjects.LEASE_KEY)).value, type=PlannerLease).holder
+        task, _ = planners.pop(active)
+        task.cancel()  # killed: no lease handover
+        await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 30)
+        await asyncio.sleep(1.0)  # c has been loaded longer than the minimum residency
+        status, body, lane = await _chat(http, gw, "b")
+        assert status == 200 and lane == f"{HOST}/b-0", body
+        standby = msgspec.json.decode((await kv.get(subjects.LEASE_KEY)).value, type=PlannerLease).holder
+        assert standby != active
+        fleet = await fleet_status(nc)
+        assert _planned(fleet) == {HOST: ["b"]}  # one lane; a did not come back
+        assert {m.name: m.state for m in fleet.models} == {"a": "unloaded", "b": "loaded", "c": "unloaded"}
