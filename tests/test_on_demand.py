@@ -34,7 +34,8 @@ MAX_RAM = 1100 * MIB
 
 @asynccontextmanager
 async def gateway(url: str, **settings):
-    gw = Gateway(GatewaySettings(port=0, activity_interval=0.5, wake_repeat=0.5, **settings))
+    # A request that hangs fails the test in seconds, not after the default 600 s.
+    gw = Gateway(GatewaySettings(port=0, activity_interval=0.5, wake_repeat=0.5, request_timeout=30, **settings))
     stop = asyncio.Event()
     task = asyncio.create_task(run_gateway(url, stop, gateway=gw))
     try:
@@ -48,7 +49,7 @@ async def gateway(url: str, **settings):
 
 async def _chat(http: aiohttp.ClientSession, gw: Gateway, model: str) -> tuple[int, dict, str]:
     body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
-    async with http.post(gw.url + "/v1/chat/completions", json=body) as resp:
+    async with http.post(gw.url + "/v1/chat/completions", json=body, timeout=aiohttp.ClientTimeout(total=90)) as resp:
         return resp.status, await resp.json(), resp.headers.get("X-Lanes-Lane", "")
 
 
