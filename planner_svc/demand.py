@@ -68,6 +68,9 @@ class DemandState:
     evictions: dict[str, int] = field(default_factory=dict)  # reason -> lanes unloaded
     # Lanes wanted per on-demand persona (the lanes it has; a wake asks one, an idle unload 0).
     counts: dict[str, int] = field(default_factory=dict)
+    # Measured loads, kept after their lanes are gone: host -> read rate, persona -> seconds.
+    rates: dict[str, float] = field(default_factory=dict)
+    measured: dict[str, float] = field(default_factory=dict)
 
     def note_wake(self, name: str, now: float) -> bool:
         """A gateway asks for `name`. True when the planner must replan (a new or failed-out wake)."""
@@ -123,6 +126,7 @@ class DemandState:
         return DemandState(
             dict(self.wakes), set(self.on_demand), dict(self.excluded), dict(self.loaded_at), dict(self.last_used),
             dict(self.gateways), dict(self.failed), dict(self.waiting), dict(self.evictions), dict(self.counts),
+            dict(self.rates), dict(self.measured),
         )  # fmt: skip
 
     def apply(self, outcome: Outcome, now: float) -> None:
@@ -438,10 +442,13 @@ def model_states(
     statuses: Mapping[str, HostStatus] | None = None,
 ) -> ModelStates:
     """Every servable model and its load state, for gateways, `lanes status` and the dashboard,
-    with its predicted and measured cold start (planner_svc/coldstart.py)."""
+    with its predicted and measured cold start (planner_svc/coldstart.py). What the running lanes
+    measured is kept in `state`, so a prediction outlives the lanes it was learnt from."""
     statuses = statuses or {}
-    rates = read_rates(reports, plans, statuses)
-    measured = measured_loads(plans, statuses)
+    # What the lanes that run now measured; what earlier lanes measured is kept in the state.
+    state.rates.update(read_rates(reports, plans, statuses))
+    state.measured.update(measured_loads(plans, statuses))
+    rates, measured = state.rates, state.measured
     personas, _ = servable(demand, reports)
     lanes = _lanes_by_name(plans)
     holders: dict[str, list[str]] = {}
