@@ -156,6 +156,9 @@ class Sim:
         self.replan(0.0, [])
         while pending or waiting or self.running:
             self.running = [r for r in self.running if r[0] > t]
+            for (host, lane), at in self.ready_at.items():
+                if at <= t:
+                    self.state.note_healthy(host, [lane], at)
             while pending and pending[0][0] <= t:
                 waiting.append(pending.pop(0))
             woke = False

@@ -19,7 +19,7 @@ The rules, by persona name (its alias, or its model's name; what a lane spec cal
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import msgspec
 
@@ -61,6 +61,8 @@ class DemandState:
     on_demand: set[str] = field(default_factory=set)  # personas unloaded at least once
     excluded: dict[str, frozenset[str]] = field(default_factory=dict)  # model -> hosts it is unloaded from
     loaded_at: dict[tuple[str, str], float] = field(default_factory=dict)  # (host, lane) -> first planned
+    # (host, lane) -> when its agent first said healthy: the idle clock and the residency start there.
+    healthy_at: dict[tuple[str, str], float] = field(default_factory=dict)
     last_used: dict[str, float] = field(default_factory=dict)  # persona name -> its last request
     gateways: dict[str, tuple[float, GatewayActivity]] = field(default_factory=dict)
     failed: dict[str, tuple[float, str]] = field(default_factory=dict)  # persona name -> (when, why)
@@ -102,6 +104,10 @@ class DemandState:
                     out[m.name] = out.get(m.name, 0) + m.in_flight + m.queued
         return out
 
+    def note_healthy(self, host_id: str, lane_ids: Sequence[str], now: float) -> None:
+        for lane_id in lane_ids:
+            self.healthy_at.setdefault((host_id, lane_id), now)
+
     def adopt(self, states: ModelStates) -> None:
         """Carry on from the active planner's `models` key (a stand-by, or a planner restarted)."""
         self.on_demand = {m.name for m in states.models if m.on_demand}
@@ -111,6 +117,7 @@ class DemandState:
         """Drop load times of lanes no plan has any more."""
         live = {(p.host_id, s.lane_id) for p in plans.values() for s in p.lanes}
         self.loaded_at = {k: t for k, t in self.loaded_at.items() if k in live}
+        self.healthy_at = {k: t for k, t in self.healthy_at.items() if k in live}
 
     def expire(self, now: float) -> None:
         self.wakes = {n: t for n, t in self.wakes.items() if now - t < WAKE_TTL}
@@ -123,11 +130,8 @@ class DemandState:
         return bool(self.waiting) or bool(idle_unloads(self, config, personas, plans, now))
 
     def snapshot(self) -> DemandState:
-        return DemandState(
-            dict(self.wakes), set(self.on_demand), dict(self.excluded), dict(self.loaded_at), dict(self.last_used),
-            dict(self.gateways), dict(self.failed), dict(self.waiting), dict(self.evictions), dict(self.counts),
-            dict(self.rates), dict(self.measured),
-        )  # fmt: skip
+        """A copy the planning job may change (every table copied, field by field)."""
+        return DemandState(**{f.name: type(v)(v) for f in fields(self) for v in (getattr(self, f.name),)})
 
     def apply(self, outcome: Outcome, now: float) -> None:
         """Take a job's outcome in (wakes that came meanwhile stay)."""
@@ -195,8 +199,10 @@ def idle_unloads(
         here = lanes.get(name, [])
         if ttl <= 0 or p.min_lanes > 0 or not here or busy.get(name):
             continue
+        if any((h, s.lane_id) not in state.healthy_at for h, s in here):
+            continue  # still loading: its idle time starts once it serves
         last = max([state.last_used.get(name, float("-inf")), state.wakes.get(name, float("-inf"))]
-                   + [state.loaded_at.get((h, s.lane_id), now) for h, s in here])  # fmt: skip
+                   + [state.healthy_at[(h, s.lane_id)] for h, s in here])  # fmt: skip
         if now - last >= ttl:
             out.append((p, here))
     return out
@@ -380,7 +386,8 @@ def plan_on_demand(
             rooms.append(room)
             for spec in plans_now[host].lanes if host in plans_now else ():
                 p = persona_for(personas, spec.alias)
-                loaded = state.loaded_at.get((host, spec.lane_id), now)
+                # The residency counts from when it served; a lane still loading is as new.
+                loaded = state.healthy_at.get((host, spec.lane_id), now)
                 candidates.append(Candidate(
                     host_id=host, lane_id=spec.lane_id, model=spec.alias, frees=frees.get(spec.lane_id, {}),
                     priority=p.priority if p else 0, last_used=state.last_used.get(spec.alias, loaded),

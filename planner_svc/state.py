@@ -126,6 +126,10 @@ class PlannerState:
                 self.replan_hosts.add(host)
             elif kind == "status":
                 self._put(self.statuses, host, value, HostStatus)
+                if host in self.statuses:
+                    s = self.statuses[host]
+                    self.demand_state.note_healthy(s.host_id, [x.lane_id for x in s.lanes if x.state == "healthy"],
+                                                   self.clock())  # fmt: skip
                 self._heard_from(host, value)
                 applied, planned = self.statuses.get(host), self.plans.get(host)
                 if applied and planned and applied.plan_revision >= planned.plan_revision:

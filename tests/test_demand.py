@@ -33,14 +33,21 @@ class Fleet:
         self.plans = {}
         self.outcome = None
 
-    def replan(self, now: float):
+    def replan(self, now: float, loads: bool = True):
+        """`loads`: every planned lane is healthy at once (False: new lanes are still loading)."""
         self.state.expire(now)
         fleet, self.outcome = plan_on_demand(self.reports, self.config, self.demand, self.state.snapshot(), now=now,
                                              previous=self.plans)  # fmt: skip
         self.state.apply(self.outcome, now)
         self.plans = {h.host_id: h for h in fleet.hosts}
         self.state.forget_lanes(self.plans)
+        if loads:
+            self.healthy(now)
         return fleet
+
+    def healthy(self, now: float) -> None:
+        for h in self.plans.values():
+            self.state.note_healthy(h.host_id, [s.lane_id for s in h.lanes], now)
 
 
 @pytest.mark.parametrize("scenario", load_inputs(), ids=lambda s: s.name)
@@ -237,3 +244,31 @@ def test_cold_start_is_predicted_from_the_rate_a_host_has_shown():
     states = {m.name: m for m in model_states(None, f.reports, f.plans, f.state, statuses).models}
     assert states["a"].measured_load_s == 2.0
     assert states["b"].predicted_load_s == 2.0 and states["b"].measured_load_s is None  # same size, same host
+
+
+def test_a_lane_still_loading_neither_idles_out_nor_is_evicted():
+    """The idle clock and the residency start when the lane first serves, not when it is planned:
+    a model slower to load than its idle_ttl is not unloaded before its first request."""
+    demand = Demand(personas=(Persona(model="a", idle_ttl=2.0), Persona(model="b")))
+    f = Fleet([one_room_host(models=(llama_1b("a"), llama_1b("b")))], demand,
+              config=msgspec.structs.replace(CONFIG, min_residency=1.0))
+    assert lanes_of(f.replan(0.0, loads=False)) == {"h1": ["a"]}
+    assert lanes_of(f.replan(50.0, loads=False)) == {"h1": ["a"]}  # loading for 50 s: not idle
+    f.state.note_wake("b", 50.0)
+    assert lanes_of(f.replan(50.0, loads=False)) == {"h1": ["a"]}  # not evicted while it loads
+    assert "min residency" in f.state.waiting["b"]
+    f.healthy(51.0)
+    f.state.note_wake("b", 52.5)
+    assert lanes_of(f.replan(52.5)) == {"h1": ["b"]}  # served 1.5 s: past the residency
+
+
+def test_a_snapshot_is_a_copy_of_every_table():
+    state = DemandState()
+    state.note_wake("b", 1.0)
+    state.note_healthy("h1", ["a-0"], 2.0)
+    state.evictions["idle"] = 1
+    snap = state.snapshot()
+    assert snap == state
+    snap.wakes.clear(), snap.healthy_at.clear(), snap.evictions.clear(), snap.on_demand.add("x")
+    assert state.wakes == {"b": 1.0} and state.healthy_at == {("h1", "a-0"): 2.0} and state.evictions == {"idle": 1}
+    assert state.on_demand == set()
