@@ -129,13 +129,18 @@ async def main() -> int:
 
         await _until(lambda: _state_is(entry, "ready"), 300, "the first load")
         lane_argv = await argv()
+        async def gone() -> bool:
+            """Unloaded and its process stopped (a lane still draining would be revived, not loaded)."""
+            status = decode((await kv.get(subjects.status_key(HOST))).value, HostStatus)
+            return not status.lanes and await _state_is(entry, "unloaded")
+
         for i in range(args.rounds):
-            await _until(lambda: _state_is(entry, "unloaded"), 120, "the lane unloaded after its idle_ttl")
+            await _until(gone, 120, "the lane unloaded after its idle_ttl")
             before = await entry()
             cold = await first_byte(http, gateway_url, time.perf_counter())
             after = await _until(lambda: _measured(entry), 30, "the load measured")
             # the lane's own load, then the bare server (the lane unloads meanwhile: one at a time)
-            await _until(lambda: _state_is(entry, "unloaded"), 120, "the lane unloaded")
+            await _until(gone, 120, "the lane unloaded")
             plain = await bare(http, binary, lane_argv, tmp)
             result["rounds"].append({"lanes_ttfb_s": round(cold, 3), "bare_ttfb_s": round(plain, 3),
                                      "predicted_load_s": before.get("predicted_load_s"),

@@ -365,15 +365,20 @@ def plan_on_demand(
     failed: dict[str, str] = {}
     waiting: dict[str, str] = {}
     by_host = {r.host_id: r for r in reports}
-    for _ in range(MAX_ROUNDS):
+    for round_ in range(MAX_ROUNDS + 1):
         eff, shown, first = effective(state, personas, reports, previous)
         fleet = plan(shown, config, eff, previous=previous, feedback=feedback, config_revision=config_revision,
                      first=first)  # fmt: skip
         placed = _placed(fleet)
         pending = sorted((n for n in state.wakes if n not in placed and n not in failed), key=lambda n: (state.wakes[n], n))
+        for n in pending[1:]:
+            waiting.setdefault(n, f"waits behind {pending[0]}")  # retried while it waits
         if not pending:
             break
         name = pending[0]
+        if round_ == MAX_ROUNDS:
+            waiting.setdefault(name, f"no room yet after {MAX_ROUNDS} rounds of eviction")
+            break
         woken = persona_for(personas, name)
         plans_now = {h.host_id: h for h in fleet.hosts}
         busy = state.busy(now)
