@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from planner_svc.demand import DemandState, plan_on_demand  # noqa: E402
-from planner_svc.eviction import Candidate, NoRoom, Placement, Room, covers, deficit  # noqa: E402
+from planner_svc.eviction import Candidate, NoRoom, Placement, covers, deficit  # noqa: E402
 from shared.messages import (  # noqa: E402
     Demand,
     FleetConfig,

@@ -317,6 +317,29 @@ def room_on(
 # ------------------------------------------------------------------ the job
 
 
+def _rooms_and_candidates(woken, fleet, reports, config, personas, feedback, state, now):
+    """For each host holding the woken model: its Room, and the lanes there as eviction Candidates."""
+    plans_now = {h.host_id: h for h in fleet.hosts}
+    busy = state.busy(now)
+    rooms, candidates = [], []
+    for report in reports:
+        if not any(m.name == woken.model for m in report.models):
+            continue
+        host = report.host_id
+        room, frees = room_on(report, config, woken, plans_now.get(host), personas, feedback.get(host, ()))
+        rooms.append(room)
+        for spec in plans_now[host].lanes if host in plans_now else ():
+            p = persona_for(personas, spec.alias)
+            # The residency counts from when it served; a lane still loading is as new.
+            loaded = state.healthy_at.get((host, spec.lane_id), now)
+            candidates.append(Candidate(
+                host_id=host, lane_id=spec.lane_id, model=spec.alias, frees=frees.get(spec.lane_id, {}),
+                priority=p.priority if p else 0, last_used=state.last_used.get(spec.alias, loaded),
+                loaded_at=loaded, busy=bool(busy.get(spec.alias)), pinned=bool(p and p.min_lanes),
+            ))  # fmt: skip
+    return rooms, candidates
+
+
 def _placed(fleet: FleetPlan) -> set[str]:
     return {s.alias for h in fleet.hosts for s in h.lanes}
 
@@ -364,7 +387,6 @@ def plan_on_demand(
 
     failed: dict[str, str] = {}
     waiting: dict[str, str] = {}
-    by_host = {r.host_id: r for r in reports}
     for round_ in range(MAX_ROUNDS + 1):
         eff, shown, first = effective(state, personas, reports, previous)
         fleet = plan(shown, config, eff, previous=previous, feedback=feedback, config_revision=config_revision,
@@ -380,24 +402,7 @@ def plan_on_demand(
             waiting.setdefault(name, f"no room yet after {MAX_ROUNDS} rounds of eviction")
             break
         woken = persona_for(personas, name)
-        plans_now = {h.host_id: h for h in fleet.hosts}
-        busy = state.busy(now)
-        rooms, candidates = [], []
-        for report in reports:
-            if not any(m.name == woken.model for m in report.models):
-                continue
-            host = report.host_id
-            room, frees = room_on(by_host[host], config, woken, plans_now.get(host), personas, feedback.get(host, ()))
-            rooms.append(room)
-            for spec in plans_now[host].lanes if host in plans_now else ():
-                p = persona_for(personas, spec.alias)
-                # The residency counts from when it served; a lane still loading is as new.
-                loaded = state.healthy_at.get((host, spec.lane_id), now)
-                candidates.append(Candidate(
-                    host_id=host, lane_id=spec.lane_id, model=spec.alias, frees=frees.get(spec.lane_id, {}),
-                    priority=p.priority if p else 0, last_used=state.last_used.get(spec.alias, loaded),
-                    loaded_at=loaded, busy=bool(busy.get(spec.alias)), pinned=bool(p and p.min_lanes),
-                ))  # fmt: skip
+        rooms, candidates = _rooms_and_candidates(woken, fleet, reports, config, personas, feedback, state, now)
         choice = chooser(rooms, candidates, now=now, min_residency=config.min_residency)
         if isinstance(choice, NoRoom):
             (failed if choice.failed else waiting)[name] = choice.reason
