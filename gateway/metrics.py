@@ -47,7 +47,7 @@ class _FleetCollector(Collector):
                                         "(idle: past idle_ttl; wake: to make room for a woken model)",
                                         labels=["reason"])  # fmt: skip
         counted = self.view.catalogue.evictions if self.view.catalogue else {}
-        for reason in ("idle", "wake"):
+        for reason in ("idle", "wake", "abandoned"):
             evictions.add_metric([reason], counted.get(reason, 0))
         yield from (total, busy, up, draining, queue, info, synced, evictions)
 

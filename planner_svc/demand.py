@@ -70,6 +70,9 @@ class DemandState:
     evictions: dict[str, int] = field(default_factory=dict)  # reason -> lanes unloaded
     # Lanes wanted per on-demand persona (the lanes it has; a wake asks one, an idle unload 0).
     counts: dict[str, int] = field(default_factory=dict)
+    # Persona name -> when a wake got it placed: while its lanes still load, it is kept only as
+    # long as someone waits for it (a client that gave up does not leave a load behind).
+    placed_at: dict[str, float] = field(default_factory=dict)
     # Measured loads, kept after their lanes are gone: host -> read rate, persona -> seconds.
     rates: dict[str, float] = field(default_factory=dict)
     measured: dict[str, float] = field(default_factory=dict)
@@ -116,6 +119,8 @@ class DemandState:
     def forget_lanes(self, plans: Mapping[str, HostPlan]) -> None:
         """Drop load times of lanes no plan has any more."""
         live = {(p.host_id, s.lane_id) for p in plans.values() for s in p.lanes}
+        names = {s.alias for p in plans.values() for s in p.lanes}
+        self.placed_at = {n: t for n, t in self.placed_at.items() if n in names}
         self.loaded_at = {k: t for k, t in self.loaded_at.items() if k in live}
         self.healthy_at = {k: t for k, t in self.healthy_at.items() if k in live}
 
@@ -141,6 +146,8 @@ class DemandState:
         self.loaded_at = self.loaded_at | dict(outcome.loaded_at)
         for name in outcome.placed | set(outcome.failed):
             self.wakes.pop(name, None)
+        for name in outcome.placed:
+            self.placed_at[name] = now
         for name, why in outcome.failed.items():
             self.failed[name] = (now, why)
         self.waiting = {n: why for n, why in outcome.waiting.items() if n in self.wakes}
@@ -204,6 +211,28 @@ def idle_unloads(
         last = max([state.last_used.get(name, float("-inf")), state.wakes.get(name, float("-inf"))]
                    + [state.healthy_at[(h, s.lane_id)] for h, s in here])  # fmt: skip
         if now - last >= ttl:
+            out.append((p, here))
+    return out
+
+
+def abandoned_loads(
+    state: DemandState, personas: Sequence[Persona], plans: Mapping[str, HostPlan], now: float
+) -> list[tuple[Persona, list[tuple[str, LaneSpec]]]]:
+    """Woken personas whose lanes still load while nobody waits for them any more: no request
+    held or queued at any gateway, no wake for WAKE_TTL, none served since. Unloaded, so a
+    client that gives up leaves no load behind (one that still waits keeps it going)."""
+    lanes = _lanes_by_name(plans)
+    busy = state.busy(now)
+    out = []
+    for p in personas:
+        name = persona_name(p)
+        since = state.placed_at.get(name)
+        here = lanes.get(name, [])
+        if since is None or not here or p.min_lanes or busy.get(name) or name in state.wakes:
+            continue
+        if any((h, s.lane_id) in state.healthy_at for h, s in here):
+            continue  # it serves: idle_ttl governs it now
+        if now - since >= WAKE_TTL and state.last_used.get(name, float("-inf")) <= since:
             out.append((p, here))
     return out
 
@@ -377,6 +406,12 @@ def plan_on_demand(
         excluded.setdefault(p.model, set()).update(h for h, _ in lanes)
         evicted["idle"] = evicted.get("idle", 0) + len(lanes)
         victims_log += [(h, s.lane_id, f"idle for {ttl_of(p, config):g} s") for h, s in lanes]
+    for p, lanes in abandoned_loads(state, personas, previous, now):
+        state.counts[persona_name(p)] = 0
+        excluded.setdefault(p.model, set()).update(h for h, _ in lanes)
+        evicted["abandoned"] = evicted.get("abandoned", 0) + len(lanes)
+        victims_log += [(h, s.lane_id, "nobody waits for it any more") for h, s in lanes]
+        state.placed_at.pop(persona_name(p), None)
     for name in state.wakes:
         state.on_demand.add(name)
         woken = persona_for(personas, name)

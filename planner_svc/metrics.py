@@ -63,7 +63,7 @@ class _PlanCollector(Collector):
         info.add_metric(["planner", VERSION], 1)
         evictions = CounterMetricFamily("lanes_evictions", "Lanes unloaded on demand, by reason (idle: past its "
                                         "idle_ttl; wake: to make room for a woken model)", labels=["reason"])  # fmt: skip
-        for reason in ("idle", "wake"):
+        for reason in ("idle", "wake", "abandoned"):
             evictions.add_metric([reason], state.demand_state.evictions.get(reason, 0))
         yield from (planned, kv, slots, budget, unplaced, ram, free, rollbacks, hosts, revision, replans, info, evictions)
 

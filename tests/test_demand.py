@@ -272,3 +272,22 @@ def test_a_snapshot_is_a_copy_of_every_table():
     snap.wakes.clear(), snap.healthy_at.clear(), snap.evictions.clear(), snap.on_demand.add("x")
     assert state.wakes == {"b": 1.0} and state.healthy_at == {("h1", "a-0"): 2.0} and state.evictions == {"idle": 1}
     assert state.on_demand == set()
+
+
+def test_a_load_nobody_waits_for_any_more_is_dropped_one_someone_waits_for_goes_on():
+    demand = Demand(personas=(Persona(model="a"),))  # b: a file no persona names, loaded on request
+    f = Fleet([host("h1", models=(llama_1b("a"), llama_1b("b")))], demand)
+    assert lanes_of(f.replan(0.0)) == {"h1": ["a"]}
+    f.state.note_wake("b", 1.0)
+    assert lanes_of(f.replan(1.0, loads=False)) == {"h1": ["a", "b"]}  # b loads (slowly)
+    waiting = GatewayActivity(gateway="g1", models=(ModelActivity(name="b", queued=1, idle_s=19.0),))  # held since 1
+    f.state.note_activity(waiting, 20.0)
+    assert lanes_of(f.replan(20.0, loads=False)) == {"h1": ["a", "b"]}  # a request still waits: it goes on
+    gave_up = GatewayActivity(gateway="g1", models=(ModelActivity(name="b", queued=0, idle_s=20.0),))
+    f.state.note_activity(gave_up, 21.0)
+    assert lanes_of(f.replan(21.0, loads=False)) == {"h1": ["a"]}  # the client gave up: no load left behind
+    assert f.outcome.evicted == {"abandoned": 1}
+    # A load that finished is not abandoned: idle_ttl governs it.
+    f.state.note_wake("b", 30.0)
+    f.replan(30.0)
+    assert lanes_of(f.replan(60.0)) == {"h1": ["a", "b"]}
