@@ -32,14 +32,16 @@ TESTS = {
     **{k: "test_fuzz_planner_kv_entries" for k in PLANNER_KEYS},
     "plans": "test_fuzz_plans",
     "rejections": "test_fuzz_rejections",
+    "demand": "test_fuzz_wakes_and_activity",
 }
 WHAT = {
     **{e: f"planner/agent endpoint {e} (request/reply)" for e in ENDPOINTS},
     **{k: f"KV key {k} (planner's watch)" for k in PLANNER_KEYS},
     "plans": "KV key plan.host1 (the agent's plan)",
     "rejections": "subject lanes.rejected.host1 (planner)",
+    "demand": "subjects lanes.wake.* and lanes.activity.* (planner)",
 }
-_SENT = re.compile(r"(request fuzz: \d+ requests sent|kv fuzz: .*|plan fuzz: \d+ bad plans sent|rejection fuzz: .*)")
+_SENT = re.compile(r"(request fuzz: \d+ requests sent|kv fuzz: .*|plan fuzz: \d+ bad plans sent|rejection fuzz: .*|demand fuzz: .*)")
 
 
 def run(target: str, examples: int, timeout: float) -> dict:

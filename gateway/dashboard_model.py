@@ -14,6 +14,7 @@ import msgspec
 
 from gateway.admission import LaneCounts
 from gateway.fleet import FleetView, LaneKey, LaneRoute
+from gateway.waking import catalogue
 from shared.llama.flags import effective_cache_type
 from shared.messages import FleetConfig, HostReport, LaneEvent, LaneSpec, LaneStatus
 
@@ -48,6 +49,8 @@ def dashboard_snapshot(view: FleetView, events: EventFeed, rates: Mapping[LaneKe
         "synced": view.synced,
         "hosts": [_host(view, h, config, routes, rates, counts) for h in hosts],
         "unplaced": unplaced,
+        # Every servable model with its state (ready, loading, unloaded, failed), as GET /v1/models.
+        "models": catalogue(view),
         "events": list(events.items),
     }
 

@@ -15,7 +15,7 @@ import msgspec
 
 from shared import subjects
 from shared.llama.endpoints import WILDCARD_BINDS
-from shared.messages import FleetConfig, FleetHosts, HostPlan, HostReport, HostStatus
+from shared.messages import FleetConfig, FleetHosts, HostPlan, HostReport, HostStatus, ModelState, ModelStates
 
 LaneKey = tuple[str, str]  # (host_id, lane_id)
 
@@ -70,6 +70,8 @@ class FleetView:
     config: FleetConfig | None = None
     unreachable: dict[LaneKey, str] = field(default_factory=dict)
     host_states: dict[str, str] = field(default_factory=dict)  # host token -> "live" | "lost", from the planner
+    # Every servable model and its load state, from the planner (KV key `models`); None: not yet written.
+    catalogue: ModelStates | None = None
     synced: bool = False  # the first full snapshot of the bucket has been read
     bad_entries: int = 0
     listeners: list[Callable[[], None]] = field(default_factory=list)
@@ -83,6 +85,10 @@ class FleetView:
         tables = {"plan": (self.plans, HostPlan), "status": (self.statuses, HostStatus),
                   "report": (self.reports, HostReport)}  # fmt: skip
         try:
+            if key == subjects.MODELS_KEY:
+                self.catalogue = None if value is None else msgspec.json.decode(value, type=ModelStates)
+                self.changed()
+                return None
             if key == subjects.HOSTS_KEY:
                 hosts = FleetHosts() if value is None else msgspec.json.decode(value, type=FleetHosts)
                 self.host_states = {subjects.host_token(h.host_id): h.state for h in hosts.hosts}
@@ -151,6 +157,11 @@ class FleetView:
                     draining=live.draining if live else False,
                     unreachable=self.unreachable.get(key, ""),
                 )
+
+    def model_entry(self, name: str) -> ModelState | None:
+        """The planner's entry for a requested name: a persona's name first, else a model's."""
+        entries = self.catalogue.models if self.catalogue else ()
+        return next((m for m in entries if m.name == name), None) or next((m for m in entries if m.model == name), None)
 
     def lanes_for(self, name: str) -> list[LaneRoute]:
         return [lane for lane in self.lanes() if lane.serves(name)]

@@ -17,7 +17,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway import routing
+from gateway import routing, waking
 from gateway.admission import Admission, AdmissionError, Lease
 from gateway.fleet import FleetView
 from gateway.metrics import GatewayMetrics
@@ -31,6 +31,7 @@ ADMISSION = web.AppKey("admission", Admission)
 METRICS = web.AppKey("metrics", GatewayMetrics)
 SETTINGS = web.AppKey("settings", GatewaySettings)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
+WAKER = web.AppKey("waker", waking.Waker)
 
 PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 OPEN_PATHS = ("/health", "/ready", "/metrics")  # no API key: probes and scrapers
@@ -88,10 +89,8 @@ async def _ready(request: web.Request) -> web.Response:
 
 
 async def _models(request: web.Request) -> web.Response:
-    data = [{"id": m["id"], "object": "model", "created": 0, "owned_by": "lanes",
-             "lanes": {"model": m["model"], "total": m["lanes"], "ready": m["ready"]}}
-            for m in request.app[VIEW].models()]  # fmt: skip
-    return web.json_response({"object": "list", "data": data})
+    """Every servable model, loaded or not, with its state (ready, loading, unloaded, failed) and lanes."""
+    return web.json_response({"object": "list", "data": waking.catalogue(request.app[VIEW])})
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -111,14 +110,41 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
     if not isinstance(name, str) or not name:
         return openai_error(400, "the request names no model (field 'model')", "model_required")
     view, metrics = app[VIEW], app[METRICS]
-    label = name if view.lanes_for(name) else "unknown"  # bounded labels: no client-chosen names
-    response = await _forward(request, name, body, started)
+    model = waking.classify(view, name)
+    label = model.name if model.state != "unknown" else "unknown"  # bounded labels: no client-chosen names
+    if model.state != "unknown":
+        app[WAKER].touch(name)  # a request: the idle clock restarts (probes and scrapes never come here)
+    response = await _held(request, model) if model.state != "ready" else None
+    if response is None:
+        response = await _forward(request, name, body, started, label)
     metrics.requests.labels(label, str(response.status)).inc()
     metrics.latency.labels(label).observe(time.perf_counter() - started)
     return response
 
 
-async def _forward(request: web.Request, name: str, body: bytes, started: float) -> web.StreamResponse:
+async def _held(request: web.Request, model: waking.ModelView) -> web.Response | None:
+    """A model with no ready lane: unknown is a 404 at once; otherwise the request is held
+    while it loads (woken over the bus). None: go on and forward it."""
+    waker, settings = request.app[WAKER], request.app[SETTINGS]
+    if model.state == "unknown":
+        return openai_error(404, f"model {model.name!r} is not served by this fleet; GET /v1/models lists what is",
+                            "model_not_found")  # fmt: skip
+    if model.state == "failed":
+        return openai_error(502, f"model {model.name!r} failed to load: {model.reason}", waking.LoadFailed.code)
+    try:
+        await waker.wait_ready(model, settings.load_timeout)  # None: predicted load time + a margin
+    except waking.LoadFailed as exc:
+        return openai_error(exc.status, str(exc), exc.code)
+    except waking.LoadTimeout as exc:
+        return openai_error(exc.status, str(exc), exc.code, exc.retry_after)
+    except waking.HeldFull as exc:
+        return openai_error(exc.status, str(exc), exc.code, settings.retry_after)
+    return None
+
+
+async def _forward(
+    request: web.Request, name: str, body: bytes, started: float, label: str = ""
+) -> web.StreamResponse:
     """Tries lanes until one answers or routing gives up; each failure goes into the history it decides on."""
     app = request.app
     view, admission, settings = app[VIEW], app[ADMISSION], app[SETTINGS]
@@ -135,6 +161,8 @@ async def _forward(request: web.Request, name: str, body: bytes, started: float)
         except AdmissionError as exc:
             history.append(Attempt(None, Failure.NO_SLOT, str(exc), exc.status, exc.code))
             continue
+        if not history:
+            app[METRICS].queue_wait.labels(label or name).observe(time.perf_counter() - started)
         lane = lease.lane
         try:
             upstream = await app[SESSION].post(
@@ -218,6 +246,7 @@ async def _relay(
         else:
             upstream.close()
         lease.release()
+        app[WAKER].touch(lane.alias)  # the answer's end counts as use too: a long stream is not idle time
     return resp
 
 
@@ -250,6 +279,7 @@ def build_app(
     *,
     admission: Admission | None = None,
     metrics: GatewayMetrics | None = None,
+    waker: waking.Waker | None = None,
 ) -> web.Application:
     """The gateway's aiohttp application; more routes may be added before it starts."""
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_errors_and_keys])
@@ -258,6 +288,15 @@ def build_app(
     admission = admission or Admission(view, max_queue=settings.queue_depth, max_wait=settings.queue_wait)
     app[ADMISSION] = admission
     app[METRICS] = metrics or GatewayMetrics(view, admission.counts)
+    app[WAKER] = waker or waking.Waker(view, max_held=settings.queue_depth)
+    if app[WAKER].on_cold_start is None:
+        m = app[METRICS]
+
+        def cold_start(model: str, seconds: float) -> None:
+            m.cold_starts.labels(model).inc()
+            m.cold_start_seconds.labels(model).observe(seconds)
+
+        app[WAKER].on_cold_start = cold_start
 
     async def client_session(app: web.Application):
         # No pool limit: admission bounds what is in flight; one connection per slot is kept alive.

@@ -8,7 +8,7 @@ counts, so a lane that leaves the plan leaves the output.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.admission import LaneCounts
@@ -42,7 +42,14 @@ class _FleetCollector(Collector):
         info.add_metric(["gateway", VERSION], 1)
         synced = GaugeMetricFamily("lanes_gateway_fleet_synced", "1 once the plans and status were read from NATS")
         synced.add_metric([], 1 if self.view.synced else 0)
-        yield from (total, busy, up, draining, queue, info, synced)
+        # The planner's count (KV key `models`), so one scrape of a gateway shows it too.
+        evictions = CounterMetricFamily("lanes_evictions", "Lanes the planner unloaded on demand, by reason "
+                                        "(idle: past idle_ttl; wake: to make room for a woken model)",
+                                        labels=["reason"])  # fmt: skip
+        counted = self.view.catalogue.evictions if self.view.catalogue else {}
+        for reason in ("idle", "wake", "abandoned"):
+            evictions.add_metric([reason], counted.get(reason, 0))
+        yield from (total, busy, up, draining, queue, info, synced, evictions)
 
 
 class GatewayMetrics:
@@ -66,6 +73,19 @@ class GatewayMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.cold_starts = Counter(
+            "lanes_cold_starts", "Models loaded on request (a held request's model became ready)", ["model"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.cold_start_seconds = Histogram(
+            "lanes_cold_start_seconds", "From the first request held for an unloaded model to its lane being ready",
+            ["model"], buckets=LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.queue_wait = Histogram(
+            "lanes_gateway_queue_wait_seconds",
+            "From a request's arrival to its slot on a lane (held while its model loads, then queued)",
+            ["model"], buckets=LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
         self.latency = Histogram(
             "lanes_gateway_request_duration_seconds",
             "From the request's arrival to the answer's last byte",

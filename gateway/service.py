@@ -11,6 +11,9 @@ with an admin key needs a NATS user that may.
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
+import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 
@@ -18,12 +21,14 @@ import aiohttp
 import structlog
 from aiohttp import web
 
+from gateway import waking
 from gateway.admission import Admission
 from gateway.dashboard import DashboardHub, add_dashboard
 from gateway.fleet import FleetView, LaneRoute
 from gateway.http import build_app
 from gateway.settings import GatewaySettings
 from shared import subjects
+from shared.messages import GatewayActivity, ModelWake, encode
 from shared.bus import NatsAuth, connect, kv_bucket, quietly, run_until, watch_forever
 from shared.llama.endpoints import connect_host
 
@@ -43,12 +48,32 @@ class Gateway:
     started: asyncio.Event = field(default_factory=asyncio.Event)
     dashboard: DashboardHub = field(init=False)
     nc: object | None = None  # the NATS connection once made (the dashboard's admin changes use it)
+    waker: waking.Waker = field(init=False)  # requests held while their model loads
+    gateway_id: str = ""
 
     def __post_init__(self) -> None:
         self.admission = Admission(self.view, max_queue=self.settings.queue_depth, max_wait=self.settings.queue_wait)
-        self.app = build_app(self.view, self.settings, admission=self.admission)
+        self.waker = waking.Waker(self.view, max_held=self.settings.queue_depth, publish=self.publish_wake)
+        self.gateway_id = subjects.host_token(
+            self.settings.gateway_id or f"{socket.gethostname().split('.')[0]}-{os.getpid()}-{id(self) % 10000}"
+        )
+        self.app = build_app(self.view, self.settings, admission=self.admission, waker=self.waker)
         self.dashboard = DashboardHub(self.view, self.admission.counts)
         add_dashboard(self.app, self.dashboard, nc_getter=lambda: self.nc, admin_key=self.settings.admin_key)
+
+    async def publish_wake(self, name: str) -> None:
+        """Ask the planner to load `name` (one wake per model; repeated while requests are held)."""
+        if self.nc is None or not self.nc.is_connected:
+            return
+        await self.nc.publish(subjects.wake_subject(name), encode(ModelWake(name=name, gateway=self.gateway_id)))
+
+    async def publish_activity(self) -> None:
+        if self.nc is None or not self.nc.is_connected:
+            return
+        models = waking.activity(self.view, self.admission.counts, self.waker.counts(), self.waker.last_request,
+                                 time.monotonic())  # fmt: skip
+        msg = GatewayActivity(gateway=self.gateway_id, interval=self.settings.activity_interval, models=models)
+        await self.nc.publish(subjects.activity_subject(self.gateway_id), encode(msg))
 
     async def on_entry(self, key: str, value: bytes | None, revision: int) -> None:
         problem = self.view.apply_entry(key, value)
@@ -90,6 +115,24 @@ async def _probe_loop(gw: Gateway, stop: asyncio.Event) -> None:
                 await asyncio.wait_for(stop.wait(), gw.settings.probe_interval)
             except asyncio.TimeoutError:
                 pass
+
+
+async def _demand_loop(gw: Gateway, stop: asyncio.Event) -> None:
+    """Repeat wakes for held requests, and tell the planner what each model is doing."""
+    next_activity = 0.0
+    while not stop.is_set():
+        try:
+            for name in gw.waker.wanted():
+                await gw.waker.wake(name)
+            if time.monotonic() >= next_activity:
+                await gw.publish_activity()
+                next_activity = time.monotonic() + gw.settings.activity_interval
+        except Exception:
+            log.exception("demand report failed")
+        try:
+            await asyncio.wait_for(stop.wait(), min(gw.settings.wake_repeat, gw.settings.activity_interval))
+        except asyncio.TimeoutError:
+            pass
 
 
 async def _bus_side(gw: Gateway, servers: str, auth: NatsAuth, stop: asyncio.Event, stack: AsyncExitStack) -> None:
@@ -160,6 +203,7 @@ async def run_gateway(
             tasks = [
                 asyncio.create_task(_logged(_bus_side(gw, servers, auth, stop, stack), "bus side")),
                 asyncio.create_task(_probe_loop(gw, stop)),
+                asyncio.create_task(_logged(_demand_loop(gw, stop), "demand loop")),
                 asyncio.create_task(gw.dashboard.run(stop)),
             ]
             await run_until(stop, tasks)

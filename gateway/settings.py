@@ -22,6 +22,13 @@ class GatewaySettings:
     probe_timeout: float = 1.0
     retry_after: int = 1  # seconds, in the Retry-After header of a 503
     admin_key: str | None = None  # set: the dashboard accepts fleet config changes from a viewer who has it
+    # Models on demand (gateway/waking.py): seconds a request for a model with no ready lane is
+    # held while it loads, before 503 with Retry-After; None: the planner's predicted load time
+    # plus a margin (waking.load_bound), 120 s where nothing is predicted.
+    load_timeout: float | None = None
+    gateway_id: str = ""  # names this gateway's activity reports; empty: host name and pid
+    activity_interval: float = 2.0  # seconds between activity reports to the planner
+    wake_repeat: float = 1.0  # seconds between repeated wakes while requests are held
 
     def key_ok(self, presented: str) -> bool:
         """Constant time over every configured key, so timing tells nothing of which matched."""

@@ -78,6 +78,15 @@ def _add_gateway_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue-wait", type=float, default=d.queue_wait, help="seconds a request waits for a slot")
     p.add_argument("--request-timeout", type=float, default=d.request_timeout, help="seconds per request, in all")
     p.add_argument("--connect-timeout", type=float, default=d.connect_timeout, help="seconds to reach a lane")
+    _add_load_timeout(p)
+
+
+def _add_load_timeout(p: argparse.ArgumentParser) -> None:
+    from gateway.settings import GatewaySettings
+
+    p.add_argument("--load-timeout", type=float, default=GatewaySettings().load_timeout,
+                   help="seconds a request for a model with no ready lane is held while it loads (then 503); "
+                   "default: the predicted load time x 1.5 + 30 s (120 s where none is predicted)")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-ram", type=parse_size, help="RAM lanes may plan for on this host, e.g. 8GiB")
     p.add_argument("--rpc", help="ggml-rpc-server endpoints (host:port,...) lanes may use as GPU-type devices")
     p.add_argument("--gateway-port", type=int, default=8000, help="port of the OpenAI-compatible gateway (0: any free)")
+    _add_load_timeout(p)
     _add_admin_key(p)
 
     p = sub.add_parser("planner", help="run the planner service")

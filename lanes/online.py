@@ -74,6 +74,7 @@ def gateway_settings(args: argparse.Namespace) -> GatewaySettings:
         request_timeout=getattr(args, "request_timeout", base.request_timeout),
         connect_timeout=getattr(args, "connect_timeout", base.connect_timeout),
         admin_key=getattr(args, "admin_key", None) or None,
+        load_timeout=getattr(args, "load_timeout", base.load_timeout),
     )
 
 
@@ -293,4 +294,8 @@ def render_status(fleet: FleetStatus) -> str:
     for p in fleet.plans:
         for u in p.unplaced:
             out.append(f"unplaced on {p.host_id}: {u.model}: {u.reason}")
+    if any(m.state != "loaded" for m in fleet.models):  # models on demand: what is not loaded, and why
+        rows = [[m.name, m.model, m.state, ",".join(m.hosts) or "-", ",".join(m.holders) or "-", m.reason[:80]]
+                for m in fleet.models]  # fmt: skip
+        out.append(table(["model", "file", "state", "lanes on", "held by", "reason"], rows))
     return "\n".join(out)

@@ -21,7 +21,7 @@ from typing import Literal
 import structlog
 
 from launcher_agent.lane import Emit, Lane
-from launcher_agent.reconcile import Action, Restart, Stop
+from launcher_agent.reconcile import Action, Restart, Start, Stop
 
 log = structlog.get_logger("lanes.agent")
 
@@ -109,8 +109,13 @@ def decide(
     now: float,
     timeout: float,
     idle: Mapping[str, float] | None = None,
+    ports: Mapping[str, int] | None = None,
 ) -> Decision:
     """The actions that may run now; restarts and stops of serving lanes wait for their drain.
+
+    `ports`: lane id -> port of the lanes that run. A start on the port of a lane whose stop
+    still waits for its drain waits too (a lane evicted for another gets its port freed only
+    once its requests are done; starting beside it would fail to bind).
 
     `states`: lane id -> state of the lanes that run; `busy`: requests in flight of the
     lanes `to_ask` named (None: nothing answered); `idle`: since when each draining lane
@@ -147,6 +152,10 @@ def decide(
             finished.append((lane_id, v, now - under_way.pop(lane_id)))
             idle_now.pop(lane_id, None)
             ready.append(action)
+    stopping = {a.lane_id for a in actions if isinstance(a, Stop)}
+    held_ports = {(ports or {}).get(lane_id) for lane_id in wanted & stopping if lane_id in under_way}
+    held_ports.discard(None)
+    ready = [a for a in ready if not (isinstance(a, Start) and a.spec.port in held_ports)]
     dropped = tuple(lane_id for lane_id in under_way if lane_id not in wanted)
     for lane_id in dropped:
         del under_way[lane_id]
@@ -176,7 +185,8 @@ class Drains:
         ask = [lane_id for lane_id in to_ask(actions, self.since) if lane_id in lanes]
         counts = dict(zip(ask, await asyncio.gather(*(busy(lanes[lane_id]) for lane_id in ask))))
         states = {lane_id: lane.state for lane_id, lane in lanes.items()}
-        decision = decide(actions, states, self.since, counts, now=now, timeout=timeout, idle=self.idle)
+        ports = {lane_id: lane.spec.port for lane_id, lane in lanes.items()}
+        decision = decide(actions, states, self.since, counts, now=now, timeout=timeout, idle=self.idle, ports=ports)
         self.since, self.idle = dict(decision.since), dict(decision.idle)
         for lane_id in decision.begun:
             lanes[lane_id].draining = True

@@ -25,6 +25,8 @@ class Lane:
     next_probe: float = 0.0  # when a serving lane is next asked /health
     missed_probes: int = 0
     draining: bool = False  # gateways are told to send it nothing new (launcher_agent/drain.py)
+    started_mono: float | None = None  # when its process was started (monotonic), for its load time
+    load_seconds: float | None = None  # from its start to its first healthy answer
 
 
 Emit = Callable[[Lane, str, str], Awaitable[None]]

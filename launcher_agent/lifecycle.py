@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -60,6 +61,7 @@ class Lifecycle:
             return
         try:
             await process.start()
+            lane.started_mono = time.monotonic()
         except OSError as exc:
             lane.state, lane.last_error, lane.failure = "failed", f"cannot start {self.cfg.binary}: {exc}", "other"
             self.lanes[spec.lane_id] = lane

@@ -93,7 +93,7 @@ class Supervisor:
         probes = await asyncio.gather(*(self._look(lane, now) for lane in watched))
         for lane, probe in zip(watched, probes):
             outcome = health.transition(health_of(lane), probe, now=now, rules=self.rules)
-            await self._apply(lane, outcome)
+            await self._apply(lane, outcome, now)
             if outcome.halts and self.plan is not None:
                 if self.halted is None or self.halted[0] != self.plan.config_revision:
                     self.rollouts_halted += 1
@@ -112,7 +112,7 @@ class Supervisor:
         proc.read_log()
         return health.Probe(proc.returncode, tuple(proc.tail), ready, alive)
 
-    async def _apply(self, lane: Lane, outcome: health.Outcome) -> None:
+    async def _apply(self, lane: Lane, outcome: health.Outcome, now: float = 0.0) -> None:
         for f in _HEALTH_FIELDS:
             setattr(lane, f, getattr(outcome.health, f))
         for note in outcome.feedback:
@@ -124,6 +124,8 @@ class Supervisor:
                 self.feedback.failure(lane, note.kind, note.detail)
         if outcome.kill and lane.process is not None:
             await lane.process.kill()
+        if any(e == "healthy" for e, _ in outcome.events) and lane.started_mono is not None and lane.load_seconds is None:
+            lane.load_seconds = round(max(0.0, now - lane.started_mono), 3)
         for event, detail in outcome.events:
             await self.emit(lane, event, detail)
 
@@ -223,6 +225,7 @@ class Supervisor:
                     failure=lane.failure,
                     devices=p.printed_devices() if p else (),
                     draining=lane.draining,
+                    load_seconds=lane.load_seconds,
                 )
             )
         return HostStatus(

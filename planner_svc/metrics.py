@@ -61,7 +61,11 @@ class _PlanCollector(Collector):
         replans.add_metric([], self.service.replans)
         info = GaugeMetricFamily("lanes_build_info", "Version of this lanes service", labels=["service", "version"])
         info.add_metric(["planner", VERSION], 1)
-        yield from (planned, kv, slots, budget, unplaced, ram, free, rollbacks, hosts, revision, replans, info)
+        evictions = CounterMetricFamily("lanes_evictions", "Lanes unloaded on demand, by reason (idle: past its "
+                                        "idle_ttl; wake: to make room for a woken model)", labels=["reason"])  # fmt: skip
+        for reason in ("idle", "wake", "abandoned"):
+            evictions.add_metric([reason], state.demand_state.evictions.get(reason, 0))
+        yield from (planned, kv, slots, budget, unplaced, ram, free, rollbacks, hosts, revision, replans, info, evictions)
 
 
 class PlannerMetrics:

@@ -167,13 +167,17 @@ def plan(
     previous: Mapping[str, HostPlan] | None = None,
     feedback: Mapping[str, Sequence[LaneFeedback]] | None = None,
     config_revision: int = 0,
+    first: Sequence[str] = (),
 ) -> FleetPlan:
+    """`first`: models placed before all others, in this order (on demand: the lanes that run,
+    then the woken models), so a newcomer never takes a running lane's room unasked."""
     previous = previous or {}
     feedback = feedback or {}
     reports = sorted({r.host_id: r for r in reports}.values(), key=lambda r: r.host_id)
     if demand is None or not demand.personas:
         demand = default_demand(reports)
-    personas = sorted(demand.personas, key=lambda p: (-p.priority, p.model, p.alias or ""))
+    rank = {m: i for i, m in reversed(list(enumerate(first)))}
+    personas = sorted(demand.personas, key=lambda p: (rank.get(p.model, len(first)), -p.priority, p.model, p.alias or ""))
 
     host_reasons: dict[str, list[str]] = {r.host_id: [] for r in reports}
     host_unplaced: dict[str, list[Unplaced]] = {r.host_id: [] for r in reports}

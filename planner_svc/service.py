@@ -36,8 +36,10 @@ from shared.messages import (
     FleetConfig,
     FleetHosts,
     FleetStatus,
+    GatewayActivity,
     HostPlan,
     HostQuery,
+    ModelWake,
     PlanRejected,
     encode,
 )
@@ -68,6 +70,7 @@ class PlannerService:
         self.state.planner_id = self.id
         self.lease.on_holder = lambda holder: setattr(self.state, "leader", holder)
         self.replans = 0
+        self._models_written: bytes | None = None
         self.metrics = PlannerMetrics(self)
 
     async def _on_lease(self, active: bool) -> None:
@@ -88,11 +91,50 @@ class PlannerService:
         if self.state.apply_rejection(rejection):
             self.dirty.set()
 
+    async def _on_wake(self, msg) -> None:
+        try:
+            wake = msgspec.json.decode(msg.data, type=ModelWake)
+            if subjects.wake_subject(wake.name) != msg.subject:
+                raise msgspec.ValidationError(f"name {wake.name!r} does not match {msg.subject!r}")
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            log.warning("dropped malformed wake", subject=msg.subject, reason=str(exc))
+            return
+        if self.state.note_wake(wake.name):
+            log.info("model woken", model=wake.name, gateway=wake.gateway)
+            self.dirty.set()
+
+    async def _on_activity(self, msg) -> None:
+        try:
+            activity = msgspec.json.decode(msg.data, type=GatewayActivity)
+            if subjects.activity_subject(activity.gateway) != msg.subject:
+                raise msgspec.ValidationError(f"gateway {activity.gateway!r} does not match {msg.subject!r}")
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            log.warning("dropped malformed activity", subject=msg.subject, reason=str(exc))
+            return
+        if self.state.note_activity(activity):
+            self.dirty.set()
+
+    async def publish_models(self) -> None:
+        """Put the `models` key (every servable model's load state) when it changed."""
+        if not (self.ready.is_set() and self.lease.holds()):
+            return
+        data = encode(self.state.model_states())
+        if data == self._models_written:
+            return
+        try:
+            await self.kv.put(subjects.MODELS_KEY, data)
+            self._models_written = data
+        except Exception as exc:
+            log.info("models not published", error=str(exc) or type(exc).__name__)
+
     async def liveness_loop(self, stop: asyncio.Event, every: float = 1.0) -> None:
         written: bytes | None = None
         while not stop.is_set():
             if self.state.check_liveness():
                 self.dirty.set()
+            if self.state.demand_due():
+                self.dirty.set()
+            await self.publish_models()
             hosts = encode(
                 FleetHosts(hosts=tuple(msgspec.structs.replace(h, seen_ago_s=0.0) for h in self.state.liveness()))
             )
@@ -143,6 +185,7 @@ class PlannerService:
         except BaseException:
             self.state.replan_all = True  # the job's hosts were taken off the list: plan all again
             raise
+        self.state.settle_demand()
         self.last_replan_seconds = time.monotonic() - started
         self.replans += 1
         self.metrics.replan_seconds.observe(self.last_replan_seconds)
@@ -157,6 +200,7 @@ class PlannerService:
 
         # Hosts' plans are independent keys: write them side by side, not one round trip each.
         await asyncio.gather(*(write(h, p) for h, p in todo))
+        await self.publish_models()
 
     async def _write_plan(self, host: str, new: HostPlan) -> None:
         """Compare-and-set one host's plan; a lost race replans."""
@@ -266,6 +310,7 @@ class PlannerService:
                     hosts=s.liveness(),
                     planner_id=self.id,
                     planner_active=self.lease.holds(),
+                    models=s.model_states().models,
                 )
             )
         )
@@ -334,6 +379,9 @@ async def run_planner(
         await service.add_endpoints(stack)
         rejections = await nc.subscribe(subjects.ALL_REJECTED, cb=service._on_rejected)
         stack.push_async_callback(quietly(rejections.unsubscribe))
+        for subject, handler in ((subjects.ALL_WAKES, service._on_wake), (subjects.ALL_ACTIVITY, service._on_activity)):
+            sub = await nc.subscribe(subject, cb=handler)
+            stack.push_async_callback(quietly(sub.unsubscribe))
         tasks = [
             asyncio.create_task(
                 watch_forever(

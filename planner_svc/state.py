@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 import msgspec
 import structlog
 
-from planner_svc.planner import plan
+from planner_svc.demand import DemandState, model_states, plan_on_demand, servable
 from shared import subjects
 from shared.llama.printed import device_lines
 from shared.messages import (
@@ -24,6 +24,7 @@ from shared.messages import (
     HostPlan,
     HostReport,
     HostStatus,
+    ModelStates,
     PlanRejected,
     schema_problem,
 )
@@ -60,6 +61,53 @@ class PlannerState:
         # What the next replan must cover: every host, or only the hosts whose inputs changed.
         self.replan_all = True
         self.replan_hosts: set[str] = set()
+        # Models on demand (planner_svc/demand.py): wakes, gateway activity, what was unloaded.
+        self.demand_state = DemandState()
+        self._outcome = None  # the last job's demand outcome, applied on the event loop
+
+    # ------------------------------------------------------------ models on demand
+
+    def note_wake(self, name: str) -> bool:
+        return self.demand_state.note_wake(name, self.clock())
+
+    def note_activity(self, activity) -> bool:
+        changed = self.demand_state.note_activity(activity, self.clock())
+        return changed and bool(self.demand_state.waiting or self.demand_state.wakes)
+
+    def demand_engaged(self) -> bool:
+        """Are models on demand in play (then every live host is planned together)?"""
+        d = self.demand_state
+        personas = self.demand.personas if self.demand else ()
+        return bool(d.wakes or d.on_demand or d.excluded or self.config.idle_ttl
+                    or any(p.idle_ttl or p.min_lanes for p in personas))  # fmt: skip
+
+    def demand_due(self) -> bool:
+        """Does time alone call for a replan (an idle_ttl passed, a wake waits for room)?"""
+        now = self.clock()
+        self.demand_state.expire(now)
+        if not self.demand_engaged():
+            return False
+        personas, _ = servable(self.demand, list(self.reports.values()))
+        plans = {p.host_id: p for p in self.plans.values()}
+        return self.demand_state.due(personas, self.config, plans, now)
+
+    def settle_demand(self) -> None:
+        """Apply the last job's demand outcome (on the event loop, after the job's thread)."""
+        outcome, self._outcome = self._outcome, None
+        if outcome is None:
+            return
+        self.demand_state.apply(outcome, self.clock())
+        self.demand_state.forget_lanes({p.host_id: p for p in self.plans.values()})
+        for host, lane, why in outcome.victims:
+            log.info("lane unloaded", host=host, lane=lane, reason=why)
+        for name, why in outcome.failed.items():
+            log.warning("wake failed", model=name, reason=why)
+
+    def model_states(self):
+        return model_states(
+            self.demand, list(self.reports.values()), {p.host_id: p for p in self.plans.values()}, self.demand_state,
+            self.statuses,
+        )  # fmt: skip
 
     def apply(self, key: str, value: bytes | None, revision: int) -> bool:
         """Fold one KV entry in. True when the planner must replan (or rewrite a plan)."""
@@ -78,11 +126,20 @@ class PlannerState:
                 self.replan_hosts.add(host)
             elif kind == "status":
                 self._put(self.statuses, host, value, HostStatus)
+                if host in self.statuses:
+                    s = self.statuses[host]
+                    self.demand_state.note_healthy(s.host_id, [x.lane_id for x in s.lanes if x.state == "healthy"],
+                                                   self.clock())  # fmt: skip
                 self._heard_from(host, value)
                 applied, planned = self.statuses.get(host), self.plans.get(host)
                 if applied and planned and applied.plan_revision >= planned.plan_revision:
                     self.rejected.pop(host, None)  # the agent runs the latest plan
                 self.replan_hosts.add(host)
+            elif key == subjects.MODELS_KEY:
+                # The active planner writes it; one that follows (or starts) carries on from it.
+                if value is not None and (self.following or not self.caught_up):
+                    self.demand_state.adopt(msgspec.json.decode(value, type=ModelStates))
+                return False
             elif kind == "plan":
                 if self._apply_plan(host, value, revision):
                     self.replan_hosts.add(host)
@@ -206,6 +263,7 @@ class PlannerState:
         host's plan then depends on its own report, status and previous plan alone.
         """
         fleet_wide = self.demand is not None and any(p.lanes is not None for p in self.demand.personas)
+        fleet_wide = fleet_wide or self.demand_engaged()
         # A lost host's plan is left as it is; its fleet-wide lanes are placed on the live ones.
         if self.replan_all or fleet_wide:
             reports = [r for h, r in self.reports.items() if h not in self.lost]
@@ -223,9 +281,15 @@ class PlannerState:
         }
         config, demand, config_revision, me = self.config, self.demand, self.config_revision, self.planner_id
         per_host = {r.host_id: feedback.get(subjects.host_token(r.host_id), ()) for r in reports}
+        now = self.clock()
+        self.demand_state.expire(now)
+        snapshot = self.demand_state.snapshot()
 
         def job() -> dict[str, HostPlan]:
-            fleet = plan(reports, config, demand, previous=previous, feedback=per_host, config_revision=config_revision)
+            fleet, self._outcome = plan_on_demand(
+                reports, config, demand, snapshot, now=now, previous=previous, feedback=per_host,
+                config_revision=config_revision,
+            )  # fmt: skip
             return {subjects.host_token(h.host_id): msgspec.structs.replace(h, planned_by=me) for h in fleet.hosts}
 
         return job

@@ -213,6 +213,11 @@ class FleetConfig(_Msg, tag="fleet_config", forbid_unknown_fields=True, kw_only=
     cpu_pinning: bool = False
     # How hard idle threads spin (--poll, 0-100; llama-server's default 50); None: no flag.
     poll: Annotated[int, msgspec.Meta(ge=0, le=100)] | None = None
+    # Models on demand: seconds with no request after which a model's lanes unload (a
+    # persona's idle_ttl overrides it); 0: never, lanes stay loaded as planned.
+    idle_ttl: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    # A lane loaded less than this many seconds ago is never evicted to make room (anti-thrash).
+    min_residency: Annotated[float, msgspec.Meta(ge=0.0, le=86400.0)] = 30.0
     # Counts config changes (1, 2, 3 ...); the planner sets it on each `config set`.
     revision: Annotated[int, msgspec.Meta(ge=0)] = 0
 
@@ -229,6 +234,10 @@ class Persona(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     ctx_min: Annotated[int, msgspec.Meta(ge=256)] = 2048
     ctx_max: Annotated[int, msgspec.Meta(ge=256)] | None = None
     priority: int = 0
+    # Seconds with no request before this model's lanes unload; None: the fleet's idle_ttl; 0: never.
+    idle_ttl: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
+    # Lanes that are never unloaded or evicted (pinned); the model is loaded even before any request.
+    min_lanes: Annotated[int, msgspec.Meta(ge=0, le=10000)] = 0
 
 
 class Demand(_Msg, tag="demand", forbid_unknown_fields=True, kw_only=True):
@@ -411,6 +420,8 @@ class LaneStatus(msgspec.Struct, frozen=True, kw_only=True):
     # Set while the agent waits for in-flight requests before a restart or stop:
     # gateways send a draining lane nothing new.
     draining: bool = False
+    # Seconds from its process's start to its first healthy answer (None: not loaded yet, or adopted).
+    load_seconds: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
 
 
 class HostStatus(_Msg, tag="host_status", kw_only=True):
@@ -487,6 +498,68 @@ class FleetStatus(_Msg, tag="fleet_status", kw_only=True):
     hosts: tuple[HostLiveness, ...] = ()
     planner_id: str = ""  # the planner that answered
     planner_active: bool = True  # False: a stand-by answered (it plans nothing)
+    models: tuple[ModelState, ...] = ()  # every servable model and whether it is loaded
+
+
+# ---------------------------------------------------------------- models on demand
+
+ModelLoad = Literal["loaded", "unloaded", "waking", "failed"]
+
+
+class ModelWake(_Msg, tag="model_wake", kw_only=True):
+    """A gateway holds requests for a model with no lane: place one (subject lanes.wake.<model>).
+
+    Gateways repeat it while they hold requests; the planner keeps one wake per model, so
+    any number of requests and gateways asking is one load."""
+
+    name: Name  # the persona's name: its alias, or the model's name (what lanes' specs call alias)
+    gateway: str = ""  # who asks (logs only)
+
+
+class ModelActivity(msgspec.Struct, frozen=True, kw_only=True):
+    """One model's requests as one gateway sees them (probes and scrapes never count)."""
+
+    name: Name  # the persona's name, as ModelWake
+    in_flight: Annotated[int, msgspec.Meta(ge=0)] = 0
+    queued: Annotated[int, msgspec.Meta(ge=0)] = 0  # waiting for a slot or held while it loads
+    idle_s: Annotated[float, msgspec.Meta(ge=0.0)] | None = None  # seconds since its last request; None: none yet
+
+
+class GatewayActivity(_Msg, tag="gateway_activity", kw_only=True):
+    """Subject lanes.activity.<gateway>, every few seconds: what each model is doing. Times are
+    relative (idle_s), so no clocks are compared across machines."""
+
+    gateway: Name
+    interval: Annotated[float, msgspec.Meta(gt=0)] = 2.0  # seconds until the next one
+    models: tuple[ModelActivity, ...] = ()
+
+
+class ModelState(msgspec.Struct, frozen=True, kw_only=True):
+    """A model as the planner sees it: loaded (it has planned lanes), unloaded (it has none;
+    a request wakes it), waking (woken, not placed yet: `reason` says why), failed (a wake
+    that cannot succeed: `reason` carries llama-server's or the planner's reason)."""
+
+    name: Name  # what clients ask for: the persona's alias, or the model's name
+    model: Name  # the model's name (file stem)
+    state: ModelLoad = "unloaded"
+    hosts: tuple[str, ...] = ()  # where its lanes are planned
+    holders: tuple[str, ...] = ()  # hosts that hold its file
+    reason: str = ""
+    file_bytes: Bytes = 0
+    # Loaded on request only (it was unloaded once, or no persona names the file): a planner
+    # taking over reads it, so a failover does not bring back what was evicted.
+    on_demand: bool = False
+    # Cold start: predicted from the file's size and the read rate its best holder has shown
+    # (planner_svc/coldstart.py), and the last measured load of one of its lanes.
+    predicted_load_s: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
+    measured_load_s: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
+
+
+class ModelStates(_Msg, tag="model_states", kw_only=True):
+    """KV key `models`, put by the active planner when it changes."""
+
+    models: tuple[ModelState, ...] = ()
+    evictions: dict[str, int] = {}  # reason -> lanes this planner evicted (idle, wake)
 
 
 class PlannerLease(_Msg, tag="planner_lease", kw_only=True):
@@ -514,6 +587,9 @@ WIRE_TYPES: tuple[type, ...] = (
     FleetStatus,
     PlannerLease,
     FleetHosts,
+    ModelWake,
+    GatewayActivity,
+    ModelStates,
 )
 
 

@@ -33,6 +33,7 @@ CONFIG_KEY = "config"
 DEMAND_KEY = "demand"
 LEASE_KEY = "planner.lease"  # which planner plans (the others stand by)
 HOSTS_KEY = "hosts"  # every host's liveness (live or lost), put by the active planner
+MODELS_KEY = "models"  # every servable model and its load state, put by the active planner
 
 
 def plan_key(host_id: str) -> str:
@@ -71,6 +72,18 @@ def rejected_subject(host_id: str) -> str:
     return f"{PREFIX}.rejected.{host_token(host_id)}"
 
 
+def wake_subject(model: str) -> str:
+    """A gateway asks the planner to load a model it holds requests for."""
+    return f"{PREFIX}.wake.{host_token(model)}"
+
+
+def activity_subject(gateway: str) -> str:
+    """A gateway's per-model requests in flight, queued and idle time."""
+    return f"{PREFIX}.activity.{host_token(gateway)}"
+
+
+ALL_WAKES = f"{PREFIX}.wake.*"
+ALL_ACTIVITY = f"{PREFIX}.activity.*"
 ALL_EVENTS = f"{PREFIX}.event.>"
 ALL_REJECTED = f"{PREFIX}.rejected.*"
 

@@ -25,6 +25,8 @@ SLOW_TESTS = frozenset({
     "test_two_planners_one_plans_and_the_stand_by_takes_over",
     "test_a_dead_host_is_lost_its_lanes_move_and_it_comes_back",
     "test_lanes_up_restarts_its_nats_server_and_exits_in_one_line_when_it_cannot",
+    "test_models_load_on_request_evict_the_idle_and_fail_with_the_reason",
+    "test_a_planner_killed_while_requests_are_held_the_stand_by_loads_the_model",
 })  # fmt: skip
 
 

@@ -50,3 +50,13 @@ def test_threads_bench_small(tmp_path, llama_server):
     assert result.returncode == 0, result.stderr[-2000:]
     (row,) = json.loads(out.read_text())["summary"]
     assert set(row["median_tokens_per_s"]) == {"bare", "planned", "default"}
+
+
+def test_demand_bench_small(tmp_path):
+    out = tmp_path / "demand.json"
+    result = run("demand_bench.py", "--requests", "12", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    data = json.loads(out.read_text())
+    for policy in ("lanes", "evict_oldest"):
+        assert data[policy]["served"] == 12 and data[policy]["aborted"] == 0
+    assert data["trace"]["lanes_need_gib"] >= 2 * data["trace"]["fleet_budget_gib"] - 0.1

@@ -67,3 +67,23 @@ async def test_a_drain_the_plan_takes_back_is_undone_and_time_runs_out():
     await drains.gate([stop_a], lanes, now=2, timeout=10, busy=busy)
     assert await drains.gate([stop_a], lanes, now=11.9, timeout=10, busy=busy) == []
     assert await drains.gate([stop_a], lanes, now=12, timeout=10, busy=busy) == [stop_a]  # requests still busy
+
+
+async def test_a_start_on_the_port_of_a_draining_lane_waits_for_its_stop():
+    """An evicted lane's port goes to the lane that replaces it only once its requests are done."""
+    drains = Drains(_Recorder())
+    lanes = {"a": Lane(spec=_spec("a"), state="healthy")}
+    busy = {"a": 1}
+
+    async def in_flight(lane):
+        return busy[lane.spec.lane_id]
+
+    stop_a, start_b = Stop("a", "evicted"), Start(_spec("b"), "woken")  # both on port 8080
+    other = Start(LaneSpec(lane_id="c", model="m", model_path="/m.gguf", alias="m", port=8081, ctx_total=4096,
+                           ctx_per_slot=2048, parallel=2), "new")  # fmt: skip
+    assert await drains.gate([stop_a, start_b, other], lanes, now=0, timeout=30, busy=in_flight) == [other]
+    assert await drains.gate([stop_a, start_b], lanes, now=5, timeout=30, busy=in_flight) == []
+    busy["a"] = 0
+    await drains.gate([stop_a, start_b], lanes, now=6, timeout=30, busy=in_flight)
+    assert await drains.gate([stop_a, start_b], lanes, now=6 + IDLE_SETTLE, timeout=30, busy=in_flight) == [
+        stop_a, start_b]

@@ -51,11 +51,13 @@ from shared.messages import (
     Demand,
     FleetConfig,
     FleetStatus,
+    GatewayActivity,
     HostPlan,
     HostQuery,
     HostReport,
     HostStatus,
     LaneSpec,
+    ModelWake,
     PlannerLease,
     PlanRejected,
     encode,
@@ -744,6 +746,52 @@ def test_fuzz_rejections(fleet):
         )
 
     fleet.run(eventually(all_dropped, timeout=20, what="every malformed rejection dropped"))
+    fleet.assert_untouched()
+
+
+# ====================================================================== wakes and activity the planner reads
+
+
+_WAKE = {"kind": "model_wake", "name": "llama8", "gateway": "g1"}
+_ACTIVITY = {"kind": "gateway_activity", "gateway": "g1", "interval": 2.0,
+             "models": [{"name": "llama8", "in_flight": 1, "queued": 0, "idle_s": 1.5}]}  # fmt: skip
+
+
+@settings(FUZZ, max_examples=examples(500))
+@given(data=st.data())
+def _fuzz_demand_messages(fleet, data):
+    if data.draw(st.booleans()):
+        name = data.draw(st.sampled_from(["llama8", "ghost", "x.y"]))
+        value = data.draw(payloads(ModelWake, [dict(_WAKE, name=name)]))
+        msg = decodes(value, ModelWake)
+        valid = msg is not None and subjects.wake_subject(msg.name) == subjects.wake_subject(name)
+        subject = subjects.wake_subject(name)
+    else:
+        gateway = data.draw(st.sampled_from(["g1", "g2"]))
+        value = data.draw(payloads(GatewayActivity, [dict(_ACTIVITY, gateway=gateway)]))
+        msg = decodes(value, GatewayActivity)
+        valid = msg is not None and subjects.activity_subject(msg.gateway) == subjects.activity_subject(gateway)
+        subject = subjects.activity_subject(gateway)
+    fleet.sent_demand += 1
+    fleet.bad_demand += not valid
+    fleet.run(fleet.nc.publish(subject, value))
+
+
+def test_fuzz_wakes_and_activity(fleet):
+    """The planner reads lanes.wake.* and lanes.activity.*: a malformed message is dropped with a
+    log line; none crashes it, and a wake for the model that runs (or for none) touches no lane."""
+    benchmark_target("demand")
+    fleet.sent_demand = fleet.bad_demand = 0
+    events = ("dropped malformed wake", "dropped malformed activity")
+    before = sum(1 for e in list(fleet.logs) if e.get("event") in events)
+    _fuzz_demand_messages(fleet)
+    print(f"demand fuzz: {fleet.sent_demand} sent, {fleet.bad_demand} malformed")
+    assert fleet.bad_demand > 0.2 * examples(500)
+
+    def all_dropped():
+        return sum(1 for e in list(fleet.logs) if e.get("event") in events) - before >= fleet.bad_demand
+
+    fleet.run(eventually(all_dropped, timeout=20, what="every malformed wake and activity dropped"))
     fleet.assert_untouched()
 
 

@@ -1,4 +1,5 @@
-"""The gateway's NATS user from docker/nats/auth.conf: it reads the whole fleet and writes nothing."""
+"""The gateway's NATS user from docker/nats/auth.conf: it reads the whole fleet and writes nothing
+but its wakes and activity reports to the planner (models on demand)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from launcher_agent.service import run_agent
 from planner_svc.service import run_planner
 from shared import subjects
 from shared.bus import NatsAuth
-from shared.messages import ConfigSet, encode
+from shared.messages import ConfigSet, GatewayActivity, ModelWake, encode
 
 
 async def test_gateway_user_reads_plans_status_reports_config_and_writes_nothing(
@@ -63,6 +64,12 @@ async def test_gateway_user_reads_plans_status_reports_config_and_writes_nothing
         await nc.flush()
         for subject in (subjects.CONFIG_SET, subjects.event_subject("host1", "llama8-0", "crashed")):
             await eventually(lambda: any(f'publish to "{subject}"' in e for e in errors), timeout=5, what=subject)
+        # Models on demand: it may ask the planner to load a model and report its activity, nothing more.
+        await nc.publish(subjects.wake_subject("llama8"), encode(ModelWake(name="llama8", gateway="test")))
+        await nc.publish(subjects.activity_subject("test"), encode(GatewayActivity(gateway="test")))
+        await nc.flush()
+        await asyncio.sleep(0.3)
+        assert not [e for e in errors if "lanes.wake" in e or "lanes.activity" in e], errors
         # The refused config change did not happen, and the lane is still there and routable.
         assert gw.view.config.kv_cache_type is None
         await asyncio.sleep(0.5)

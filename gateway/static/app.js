@@ -82,6 +82,13 @@ function render(state) {
   renderConfig(state);
   $("#unplaced").replaceChildren(...state.unplaced.map((u) => el("li", {}, `${u.host}: ${u.model}: ${u.reason}`)));
   $("#unplaced-section").hidden = state.unplaced.length === 0;
+  const waiting = (state.models || []).filter((m) => m.state !== "ready");
+  $("#models").replaceChildren(...waiting.map((m) => el("li", {"class": `model-${m.state}`},
+    `${m.id}: ${m.state}${m.where.length ? " on " + m.where.map((w) => w.host).join(", ") : ""}` +
+    `${m.reason ? " (" + m.reason + ")" : ""}` +
+    `${m.predicted_load_s != null ? `, loads in about ${m.predicted_load_s} s` : ""}` +
+    `${m.measured_load_s != null ? ` (last ${m.measured_load_s} s)` : ""}`)));
+  $("#models-section").hidden = waiting.length === 0;
   $("#events").replaceChildren(...state.events.map((e) => el("li", { class: `state-${e.event}` },
     el("time", {}, new Date(e.at * 1000).toLocaleTimeString()), `${e.host} ${e.lane} ${e.event} `,
     el("span", { class: "legend" }, e.detail || ""))));
