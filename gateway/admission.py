@@ -1,6 +1,11 @@
 """Which lane a request goes to, and how long it may wait for one.
 
-The lane with the most free slots wins (ties rotate). With every slot of a model busy,
+A request whose prompt the gateway read goes where gateway/affinity.py says: the lane
+holding the longest prefix of it within the load bound, else the most free slots
+(equals placed by the prompt's hash); one without a prompt to the most free slots
+(ties rotate). A lane's load is the larger of this gateway's requests in flight there
+and the busy slots its /slots last reported (other gateways and direct clients count).
+With every slot of a model busy,
 requests wait in a bounded FIFO queue per requested name; a slot freed, or a lane
 coming back, hands the oldest waiter its lane. No sockets: asyncio futures only.
 
@@ -16,6 +21,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from gateway import affinity
+from gateway.affinity import AffinityIndex, Fingerprint, LaneLoad
 from gateway.fleet import FleetView, LaneKey, LaneRoute
 
 
@@ -61,9 +68,23 @@ class LaneCounts:
     in_flight: dict[LaneKey, int] = field(default_factory=dict)  # requests holding a slot of each lane
     served: dict[LaneKey, int] = field(default_factory=dict)  # requests each lane has finished (dashboard rates)
     queued: dict[str, int] = field(default_factory=dict)  # requested model name -> waiting requests
+    reported: dict[LaneKey, int] = field(default_factory=dict)  # busy slots each lane's /slots last said
+    routes: dict[tuple[str, str], int] = field(default_factory=dict)  # (model, affinity reason) -> requests
+
+    prompt_tokens: dict[tuple[str, str], int] = field(default_factory=dict)  # (model, "host/lane") -> tokens read
+    cached_tokens: dict[tuple[str, str], int] = field(default_factory=dict)  # ... of them reused from its cache
 
     def busy(self, key: LaneKey) -> int:
         return self.in_flight.get(key, 0)
+
+    def note_prompt(self, model: str, lane: str, prompt: int, cached: int) -> None:
+        """A lane's answer said it read `prompt` tokens, `cached` of them from its cache."""
+        self.prompt_tokens[(model, lane)] = self.prompt_tokens.get((model, lane), 0) + prompt
+        self.cached_tokens[(model, lane)] = self.cached_tokens.get((model, lane), 0) + cached
+
+    def load(self, key: LaneKey) -> int:
+        """Requests on the lane: ours, or all its busy slots when /slots says more (other clients)."""
+        return max(self.in_flight.get(key, 0), self.reported.get(key, 0))
 
 
 @dataclass
@@ -85,6 +106,7 @@ class _Waiter:
     name: str
     exclude: frozenset[LaneKey]
     future: asyncio.Future
+    prompt: Fingerprint | None = None
 
 
 @dataclass
@@ -93,23 +115,31 @@ class Admission:
     max_queue: int = 64  # waiting requests per requested model name
     max_wait: float = 30.0  # seconds a request may wait for a slot
     counts: LaneCounts = field(default_factory=LaneCounts)
+    index: AffinityIndex = field(default_factory=AffinityIndex)
+    use_affinity: bool = True  # False: most free slots only (the benchmark's baseline)
     _queues: dict[str, deque[_Waiter]] = field(default_factory=dict)
     _turns: itertools.count = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:
-        self.view.listeners.append(self.poke)
+        self.view.listeners.append(self._fleet_changed)
 
-    async def acquire(self, name: str, exclude: frozenset[LaneKey] = frozenset()) -> Lease:
+    def _fleet_changed(self) -> None:
+        self.index.keep_only(lane.key for lane in self.view.lanes())
+        self.poke()
+
+    async def acquire(
+        self, name: str, exclude: frozenset[LaneKey] = frozenset(), prompt: Fingerprint | None = None
+    ) -> Lease:
         """A slot on a lane serving `name`, now or after a bounded wait."""
         if not self.view.lanes_for(name):
             raise UnknownModel(f"model {name!r} is not served by this fleet; GET /v1/models lists what is")
-        lease = self._take(name, exclude)
+        lease = self._take(name, exclude, prompt)
         if lease is not None:
             return lease
         queue = self._queues.setdefault(name, deque())
         if len(queue) >= self.max_queue:
             raise QueueFull(f"all slots for {name!r} are busy and {len(queue)} requests already wait")
-        waiter = _Waiter(name, exclude, asyncio.get_running_loop().create_future())
+        waiter = _Waiter(name, exclude, asyncio.get_running_loop().create_future(), prompt)
         queue.append(waiter)
         self._count(name)
         try:
@@ -129,12 +159,22 @@ class Admission:
                 queue.remove(waiter)
             self._count(name)
 
-    def _take(self, name: str, exclude: frozenset[LaneKey]) -> Lease | None:
-        candidates = [lane for lane in self.view.lanes_for(name) if lane.key not in exclude]
+    def _take(self, name: str, exclude: frozenset[LaneKey], prompt: Fingerprint | None = None) -> Lease | None:
         counts = self.counts
-        lane = choose_lane(candidates, counts.in_flight, next(self._turns))
-        if lane is None:
+        routable = [lane for lane in self.view.lanes_for(name) if lane.routable]
+        loads = [LaneLoad(lane.key, lane.parallel, counts.load(lane.key)) for lane in routable]
+        candidates = [x for x in loads if x.key not in exclude]
+        hashes = prompt.hashes if prompt is not None and self.use_affinity else ()
+        matched = {x.key: self.index.matched(x.key, hashes) for x in candidates} if hashes else {}
+        key = prompt.key if prompt is not None and self.use_affinity else None
+        held = {x.key: self.index.held(x.key) for x in candidates} if key is not None else None
+        choice = affinity.choose(candidates, matched, key, next(self._turns), held=held)
+        if choice.lane is None:
             return None
+        lane = next(lane for lane in routable if lane.key == choice.lane)
+        if prompt is not None:
+            self.index.record(lane.key, prompt.hashes)
+        counts.routes[(lane.alias, choice.reason)] = counts.routes.get((lane.alias, choice.reason), 0) + 1
         counts.in_flight[lane.key] = counts.busy(lane.key) + 1
         return Lease(lane, self)
 
@@ -156,7 +196,7 @@ class Admission:
                 if waiter.future.done():
                     queue.popleft()
                     continue
-                lease = self._take(name, waiter.exclude)
+                lease = self._take(name, waiter.exclude, waiter.prompt)
                 if lease is None:
                     break
                 queue.popleft()

@@ -33,6 +33,7 @@ class LaneRoute:
     state: str  # the agent's state for it ("pending" until the agent reports it)
     draining: bool = False
     unreachable: str = ""  # why the gateway's own probe or a request could not reach it
+    window: int = 0  # tokens per slot (the plan's ctx_per_slot); 0 where the plan does not say
 
     @property
     def key(self) -> LaneKey:
@@ -150,6 +151,7 @@ class FleetView:
                     state=live.state if live else "pending",
                     draining=live.draining if live else False,
                     unreachable=self.unreachable.get(key, ""),
+                    window=spec.ctx_per_slot,
                 )
 
     def lanes_for(self, name: str) -> list[LaneRoute]:

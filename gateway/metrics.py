@@ -8,7 +8,7 @@ counts, so a lane that leaves the plan leaves the output.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.admission import LaneCounts
@@ -42,7 +42,27 @@ class _FleetCollector(Collector):
         info.add_metric(["gateway", VERSION], 1)
         synced = GaugeMetricFamily("lanes_gateway_fleet_synced", "1 once the plans and status were read from NATS")
         synced.add_metric([], 1 if self.view.synced else 0)
-        yield from (total, busy, up, draining, queue, info, synced)
+        prompt = CounterMetricFamily("lanes_gateway_prompt_tokens", "Prompt tokens lanes read, from their answers",
+                                     labels=["model", "lane"])  # fmt: skip
+        cached = CounterMetricFamily(
+            "lanes_gateway_cached_prompt_tokens",
+            "Prompt tokens lanes reused from a slot or their prompt cache (timings.cache_n)", labels=["model", "lane"],
+        )  # fmt: skip
+        for (model, lane), n in sorted(self.counts.prompt_tokens.items()):
+            prompt.add_metric([model, lane], n)
+            cached.add_metric([model, lane], self.counts.cached_tokens.get((model, lane), 0))
+        routes = CounterMetricFamily(
+            "lanes_gateway_route_choices", "Lane choices by why: affinity, overflow (warm lane over its load"
+            " bound), miss (no lane held the prompt), no_prompt", labels=["model", "reason"],
+        )  # fmt: skip
+        for (model, reason), n in sorted(self.counts.routes.items()):
+            routes.add_metric([model, reason], n)
+        reported = GaugeMetricFamily("lanes_lane_slots_busy_reported", "Busy slots of a lane as its /slots last said",
+                                     labels=labels)  # fmt: skip
+        for lane in self.view.lanes():
+            if lane.key in self.counts.reported:
+                reported.add_metric([lane.host_id, lane.lane_id, lane.model], self.counts.reported[lane.key])
+        yield from (total, busy, up, draining, queue, info, synced, prompt, cached, routes, reported)
 
 
 class GatewayMetrics:

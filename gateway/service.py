@@ -22,6 +22,7 @@ from gateway.admission import Admission
 from gateway.dashboard import DashboardHub, add_dashboard
 from gateway.fleet import FleetView, LaneRoute
 from gateway.http import build_app
+from gateway.lane_load import poll_forever
 from gateway.settings import GatewaySettings
 from shared import subjects
 from shared.bus import NatsAuth, connect, kv_bucket, quietly, run_until, watch_forever
@@ -45,7 +46,8 @@ class Gateway:
     nc: object | None = None  # the NATS connection once made (the dashboard's admin changes use it)
 
     def __post_init__(self) -> None:
-        self.admission = Admission(self.view, max_queue=self.settings.queue_depth, max_wait=self.settings.queue_wait)
+        self.admission = Admission(self.view, max_queue=self.settings.queue_depth, max_wait=self.settings.queue_wait,
+                                   use_affinity=self.settings.affinity)  # fmt: skip
         self.app = build_app(self.view, self.settings, admission=self.admission)
         self.dashboard = DashboardHub(self.view, self.admission.counts)
         add_dashboard(self.app, self.dashboard, nc_getter=lambda: self.nc, admin_key=self.settings.admin_key)
@@ -160,6 +162,8 @@ async def run_gateway(
             tasks = [
                 asyncio.create_task(_logged(_bus_side(gw, servers, auth, stop, stack), "bus side")),
                 asyncio.create_task(_probe_loop(gw, stop)),
+                asyncio.create_task(_logged(poll_forever(gw.admission, gw.settings.slots_interval,
+                                                         gw.settings.probe_timeout, stop), "slots poll")),  # fmt: skip
                 asyncio.create_task(gw.dashboard.run(stop)),
             ]
             await run_until(stop, tasks)

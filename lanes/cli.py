@@ -78,6 +78,8 @@ def _add_gateway_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue-wait", type=float, default=d.queue_wait, help="seconds a request waits for a slot")
     p.add_argument("--request-timeout", type=float, default=d.request_timeout, help="seconds per request, in all")
     p.add_argument("--connect-timeout", type=float, default=d.connect_timeout, help="seconds to reach a lane")
+    p.add_argument("--no-affinity", action="store_true",
+                   help="route by most free slots only, not to the lane holding the prompt's prefix")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

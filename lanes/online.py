@@ -74,6 +74,7 @@ def gateway_settings(args: argparse.Namespace) -> GatewaySettings:
         request_timeout=getattr(args, "request_timeout", base.request_timeout),
         connect_timeout=getattr(args, "connect_timeout", base.connect_timeout),
         admin_key=getattr(args, "admin_key", None) or None,
+        affinity=not getattr(args, "no_affinity", False),
     )
 
 

@@ -1,0 +1,188 @@
+"""Prefix affinity: send a prompt to the lane that already holds the most of it. Pure.
+
+A llama-server lane keeps the prompts it processed, in its slots and in its host-RAM
+prompt cache (--cache-ram), and skips the prefill of whatever prefix a new prompt
+shares with one of them (`timings.cache_n`). A conversation's next turn repeats the
+previous turn's prompt and adds to it, so sending it back to the same lane skips most
+of its prefill; most free slots would put it on a cold lane about half the time.
+
+What this follows:
+- The chained chunk hashes of the Gateway API inference extension's prefix-cache
+  scorer (llm-d's default scheduler; kubernetes-sigs/gateway-api-inference-extension,
+  pkg/epp/scheduling/framework/plugins/multi/prefix/plugin.go): the prompt text cut
+  into fixed-size chunks, hash(i) = H(chunk i, hash(i-1)), hash(-1) = H(model), only
+  whole chunks; an LRU of the hashes sent to each server, bounded per server; the
+  server with the longest run of matching chunks scores highest; the request's hashes
+  are recorded on the server chosen, at the moment it is chosen.
+- The load rule of SGLang's cache-aware router (sgl-project/sglang,
+  sgl-router/src/policies/cache_aware.rs): affinity while loads are balanced, the
+  least loaded worker once they are not, and the tree updated either way. Here
+  "balanced" is the bounded-load rule of consistent hashing with bounded loads (as
+  KubeAI's prefix hash uses it): a warm lane keeps a request only while its load after
+  taking it stays within LOAD_BOUND x its fair share of the model's load (or MIN_CAP
+  requests, at low load), so a hot conversation cannot pile onto one lane.
+
+Chunks are characters, not tokens: the gateway has no tokenizer, and a match only has
+to predict llama-server's token-level reuse. 256 characters is about 64 tokens, the
+scorer's 64-character blocks x 4: finer costs memory and hashing for no better
+prediction (a turn shares all but its last few hundred characters with the next).
+The hashes are blake2b, not Python's per-process `hash`, so several gateways that saw
+the same requests in the same order hold the same index and choose the same lanes;
+where they did not (each saw part of the traffic), a miss picks among equally free
+lanes first by the fewest chunks held (SGLang's smallest tree), then by rendezvous
+hashing of the prompt's first chunk, so gateways with the same history agree on where
+a new conversation goes whenever they agree on the load (each reads /slots).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from gateway.fleet import LaneKey
+
+CHUNK_CHARS = 256
+MAX_CHUNKS = 512  # 128k characters (about 32k tokens): longer prompts match on this much
+LANE_CAPACITY = 16384  # chunk hashes remembered per lane: 4M characters, above what its slots and cache hold
+LOAD_BOUND = 1.25  # a warm lane's load may reach 125% of its fair share
+MIN_CAP = 2  # ... or two requests: one other request on it costs less than a cold prefill at low load
+
+
+def _h(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """A prompt's chained chunk hashes, and the key that places it when no lane holds it."""
+
+    hashes: tuple[int, ...]
+    key: int  # the first chunk's hash, or the whole short text's
+
+
+def fingerprint(model: str, text: str, chunk: int = CHUNK_CHARS, max_chunks: int = MAX_CHUNKS) -> Fingerprint:
+    seed = _h(model.encode())
+    hashes: list[int] = []
+    previous = seed
+    whole = min(len(text) // chunk, max_chunks)
+    for i in range(whole):
+        previous = _h(previous.to_bytes(8, "little") + text[i * chunk : (i + 1) * chunk].encode())
+        hashes.append(previous)
+    key = hashes[0] if hashes else _h(seed.to_bytes(8, "little") + text.encode())
+    return Fingerprint(tuple(hashes), key)
+
+
+@dataclass
+class AffinityIndex:
+    """Per lane, the chunk hashes sent there, least recently sent first; bounded per lane."""
+
+    capacity: int = LANE_CAPACITY
+    lanes: dict[LaneKey, OrderedDict[int, None]] = field(default_factory=dict)
+
+    def record(self, lane: LaneKey, hashes: Sequence[int]) -> None:
+        held = self.lanes.setdefault(lane, OrderedDict())
+        for h in hashes:
+            held[h] = None
+            held.move_to_end(h)
+        while len(held) > self.capacity:
+            held.popitem(last=False)
+
+    def matched(self, lane: LaneKey, hashes: Sequence[int]) -> int:
+        """Leading chunks of the prompt the lane was sent: hash i stands for the whole prefix up to i."""
+        held = self.lanes.get(lane)
+        if not held:
+            return 0
+        for i in range(len(hashes) - 1, -1, -1):
+            if hashes[i] in held:
+                return i + 1
+        return 0
+
+    def held(self, lane: LaneKey) -> int:
+        return len(self.lanes.get(lane, ()))
+
+    def keep_only(self, lanes: Iterable[LaneKey]) -> None:
+        """Forget lanes that left the fleet."""
+        keep = set(lanes)
+        for lane in [k for k in self.lanes if k not in keep]:
+            del self.lanes[lane]
+
+
+@dataclass(frozen=True)
+class LaneLoad:
+    key: LaneKey
+    slots: int
+    busy: int  # requests it holds now, as far as the gateway knows
+
+
+@dataclass(frozen=True)
+class Choice:
+    lane: LaneKey | None
+    reason: str  # affinity | overflow (every warm lane full or over its bound) | miss | no_prompt | no_slot
+    matched: int = 0  # chunks the chosen lane holds
+
+
+def within_bound(lane: LaneLoad, lanes: Sequence[LaneLoad], bound: float = LOAD_BOUND, min_cap: int = MIN_CAP) -> bool:
+    """Would this lane, taking one more request, stay within `bound` x its share of the load?
+
+    The share is by slots, so a lane with twice the slots may carry twice the requests.
+    At low load the share is below one request, so MIN_CAP keeps a floor (SGLang's router
+    likewise calls loads imbalanced only past an absolute difference too).
+    """
+    total_slots = sum(x.slots for x in lanes)
+    if total_slots <= 0:
+        return False
+    load = sum(x.busy for x in lanes) + 1
+    cap = max(min_cap, math.ceil(bound * load * lane.slots / total_slots - 1e-9))
+    return lane.busy + 1 <= cap
+
+
+def _rendezvous(key: int, lane: LaneKey) -> int:
+    return _h(key.to_bytes(8, "little") + f"{lane[0]}\x1f{lane[1]}".encode())
+
+
+def most_free(
+    open_lanes: Sequence[LaneLoad], key: int | None, turn: int, held: Mapping[LaneKey, int] | None = None
+) -> LaneLoad:
+    """Today's choice, most free slots; among equals the lane holding the fewest chunks (SGLang's
+    smallest tree: new conversations spread over the lanes' caches), then the prompt's rendezvous
+    hash; in turn for a request without a prompt."""
+    most = max(x.slots - x.busy for x in open_lanes)
+    best = [x for x in open_lanes if x.slots - x.busy == most]
+    if key is None:
+        return best[turn % len(best)]
+    held = held or {}
+    fewest = min(held.get(x.key, 0) for x in best)
+    best = [x for x in best if held.get(x.key, 0) == fewest]
+    return max(best, key=lambda x: _rendezvous(key, x.key))
+
+
+def choose(
+    lanes: Sequence[LaneLoad],
+    matched: Mapping[LaneKey, int],
+    key: int | None = None,
+    turn: int = 0,
+    bound: float = LOAD_BOUND,
+    held: Mapping[LaneKey, int] | None = None,
+) -> Choice:
+    """The lane for a request: the longest match within the load bound, else the most free slots.
+
+    `lanes`: every routable lane of the model (full ones too: they count in the load);
+    `matched`: chunks of the prompt each lane holds; `key`: the prompt's placing key,
+    None for a request with no prompt the gateway reads; `held`: chunks each lane's index holds.
+    """
+    open_lanes = [x for x in lanes if x.busy < x.slots]
+    if not open_lanes:
+        return Choice(None, "no_slot")
+    if key is None:
+        return Choice(most_free(open_lanes, None, turn).key, "no_prompt")
+    warm = [x for x in lanes if matched.get(x.key, 0) > 0]
+    allowed = [x for x in warm if x.busy < x.slots and within_bound(x, lanes, bound)]
+    if allowed:
+        longest = max(matched[x.key] for x in allowed)
+        tied = [x for x in allowed if matched[x.key] == longest]
+        return Choice(most_free(tied, key, turn, held).key, "affinity", longest)
+    lane = most_free(open_lanes, key, turn, held)
+    return Choice(lane.key, "overflow" if warm else "miss", matched.get(lane.key, 0))
