@@ -182,6 +182,8 @@ class Admission:
         counts = self.counts
         counts.served[key] = counts.served.get(key, 0) + 1
         left = counts.busy(key) - 1
+        if counts.reported.get(key, 0) > left:
+            counts.reported[key] -= 1  # its /slots counted this request too: the slot is free now, not at the next read
         if left > 0:
             counts.in_flight[key] = left
         else:
