@@ -99,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-type-v", type=_cache_type, default="f16")
     p.add_argument("--flash-attn", choices=["on", "off", "auto"], default="auto")
     p.add_argument("--ubatch", type=_positive, default=512)
+    p.add_argument("--cache-ram", type=int, default=8192,
+                   help="prompt cache limit in MiB (llama-server --cache-ram; its default 8192; 0 off)")  # fmt: skip
     p.add_argument("--llama-server", help="follow this binary's KV layout, cache types and devices")
     p.add_argument("--n-gpu-layers", "-ngl", default="0", help="layers on the GPUs: a count, all, auto or -1 (default 0)")
     p.add_argument("--gpus", help="GPU-type devices in llama-server's order and their free memory: 24GiB,8GiB")

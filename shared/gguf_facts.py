@@ -125,7 +125,12 @@ def read_model_facts(path: str | os.PathLike[str]) -> ModelFacts:
         tied_output_bytes=tied,
         tied_output_cuda_bytes=tied_cuda,
         file_mtime_ns=st.st_mtime_ns,
+        pooling=_POOLING.get(int(key("pooling_type", 0) or 0), ""),
     )
+
+
+# llama.cpp's enum llama_pooling_type as GGUFs store it (0: none, -1: unspecified).
+_POOLING = {1: "mean", 2: "cls", 3: "last", 4: "rank"}
 
 
 # ggml types the CPU backend's repack kernels take (ggml-cpu/repack.cpp); which of them a

@@ -87,6 +87,7 @@ class ServerCaps(msgspec.Struct, frozen=True, kw_only=True):
     has_device: bool = True  # -dev/--device: pin a lane to named devices
     has_cpu_range: bool = True  # -Cr/--cpu-range and -C/--cpu-mask: pin a lane's threads to CPUs
     has_poll: bool = True  # --poll <0...100>: how hard idle threads spin
+    has_cache_ram: bool = True  # -cram/--cache-ram N: the host-RAM prompt cache's limit
 
 
 class LayerWeights(msgspec.Struct, frozen=True, array_like=True):
@@ -135,6 +136,9 @@ class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
     tied_output_bytes: Bytes = 0
     tied_output_cuda_bytes: Bytes = 0
     file_mtime_ns: int = 0
+    # {arch}.pooling_type as llama.cpp names it (mean, cls, last, rank); "" when the file declares
+    # none: a model that declares one is an embedding model and its lanes serve embeddings.
+    pooling: str = ""
 
 
 class HostReport(_Msg, tag="host_report", kw_only=True):
@@ -212,6 +216,9 @@ class Persona(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     ctx_min: Annotated[int, msgspec.Meta(ge=256)] = 2048
     ctx_max: Annotated[int, msgspec.Meta(ge=256)] | None = None
     priority: int = 0
+    # Lanes serve /v1/embeddings only (llama-server --embeddings); None: when the model's GGUF
+    # declares a pooling type (an embedding model).
+    embeddings: bool | None = None
 
 
 class Demand(_Msg, tag="demand", forbid_unknown_fields=True, kw_only=True):
@@ -250,6 +257,7 @@ class DeviceMemory(msgspec.Struct, frozen=True, kw_only=True):
     output_bytes: Bytes = 0
     recurrent_bytes: Bytes = 0
     layers: int = 0  # layers (blocks and output) assigned here
+    prompt_cache_bytes: Bytes = 0  # llama-server's host-RAM prompt cache (--cache-ram), at its limit
     # The lane's device: -1 host RAM, k the k-th GPU-type device in llama-server's order for the
     # lane (LaneSpec.gpu_devices[k] on the host). Read this, never the name.
     index: int = -1
@@ -265,7 +273,8 @@ class DeviceMemory(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def total(self) -> int:
-        return self.model_bytes + self.kv_bytes + self.compute_bytes + self.output_bytes + self.recurrent_bytes
+        return (self.model_bytes + self.kv_bytes + self.compute_bytes + self.output_bytes + self.recurrent_bytes
+                + self.prompt_cache_bytes)  # fmt: skip
 
 
 class MemoryBreakdown(msgspec.Struct, frozen=True, kw_only=True):
@@ -280,6 +289,7 @@ class MemoryBreakdown(msgspec.Struct, frozen=True, kw_only=True):
     recurrent_bytes: Bytes = 0
     compute_bytes: Bytes = 0
     overhead_bytes: Bytes = 0
+    prompt_cache_bytes: Bytes = 0  # --cache-ram, in host RAM
     total_bytes: Bytes = 0
     # Per device (CPU first); the totals above are their sums plus the process overhead.
     devices: tuple[DeviceMemory, ...] = ()
@@ -332,6 +342,11 @@ class LaneSpec(msgspec.Struct, frozen=True, kw_only=True):
     reasons: tuple[str, ...] = ()
     # The layout the device fields above were rendered from (None: an older planner wrote the spec).
     layout: LaneLayout | None = None
+    # --cache-ram in MiB: the host-RAM prompt cache the plan counts (0: off); None: an older planner's
+    # spec, without the flag (llama-server's own default, 8192, uncounted).
+    cache_ram_mib: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    embeddings: bool = False  # --embeddings: the lane serves /v1/embeddings only
+    pooling: Literal["mean", "cls", "last", "rank"] | None = None  # --pooling, for a model that declares none
 
 
 class Unplaced(msgspec.Struct, frozen=True, kw_only=True):

@@ -91,6 +91,12 @@ def lane_args(spec: LaneSpec, caps: ServerCaps) -> tuple[str, ...]:
             args += ["--flash-attn", spec.flash_attn]
         elif spec.flash_attn == "on":
             args.append("--flash-attn")
+    if spec.cache_ram_mib is not None:
+        args += ["--cache-ram", str(spec.cache_ram_mib)]
+    if spec.embeddings:
+        args.append("--embeddings")
+    if spec.pooling is not None:
+        args += ["--pooling", spec.pooling]
     if spec.fit_off:
         args += ["-fit", "off"]
     if spec.n_ubatch != DEFAULT_N_UBATCH:  # the plan's compute and sliding-window sizes assume it
@@ -207,6 +213,7 @@ def parse_caps(help_text: str, version_text: str = "") -> ServerCaps:
         has_device="--device" in help_text,
         has_cpu_range="--cpu-range-batch" in help_text,
         has_poll="--poll-batch" in help_text,
+        has_cache_ram="--cache-ram" in help_text,
     )
 
 
