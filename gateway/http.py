@@ -91,7 +91,8 @@ async def _ready(request: web.Request) -> web.Response:
 
 async def _models(request: web.Request) -> web.Response:
     data = [{"id": m["id"], "object": "model", "created": 0, "owned_by": "lanes",
-             "lanes": {"model": m["model"], "total": m["lanes"], "ready": m["ready"]}}
+             "lanes": {"model": m["model"], "total": m["lanes"], "ready": m["ready"]},
+             "embeddings": m["embeddings"]}
             for m in request.app[VIEW].models()]  # fmt: skip
     return web.json_response({"object": "list", "data": data})
 
