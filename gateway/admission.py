@@ -73,9 +73,15 @@ class LaneCounts:
 
     prompt_tokens: dict[tuple[str, str], int] = field(default_factory=dict)  # (model, "host/lane") -> tokens read
     cached_tokens: dict[tuple[str, str], int] = field(default_factory=dict)  # ... of them reused from its cache
+    prefill_rate: dict[LaneKey, float] = field(default_factory=dict)  # prompt tokens per second, from timings
 
     def busy(self, key: LaneKey) -> int:
         return self.in_flight.get(key, 0)
+
+    def note_prefill(self, key: LaneKey, tokens_per_second: float) -> None:
+        """A lane's prompt processing speed, as its answers time it (a moving average)."""
+        before = self.prefill_rate.get(key)
+        self.prefill_rate[key] = tokens_per_second if before is None else 0.8 * before + 0.2 * tokens_per_second
 
     def note_prompt(self, model: str, lane: str, prompt: int, cached: int) -> None:
         """A lane's answer said it read `prompt` tokens, `cached` of them from its cache."""
@@ -107,6 +113,8 @@ class _Waiter:
     exclude: frozenset[LaneKey]
     future: asyncio.Future
     prompt: Fingerprint | None = None
+    patient_until: float = 0.0  # loop time until which it waits for its warm lane rather than a cold one
+    waiting_for: LaneKey | None = None  # that lane, while it does
 
 
 @dataclass
@@ -133,13 +141,18 @@ class Admission:
         """A slot on a lane serving `name`, now or after a bounded wait."""
         if not self.view.lanes_for(name):
             raise UnknownModel(f"model {name!r} is not served by this fleet; GET /v1/models lists what is")
-        lease = self._take(name, exclude, prompt)
+        loop = asyncio.get_running_loop()
+        lease, choice = self._take(name, exclude, prompt, patient=True)
         if lease is not None:
             return lease
         queue = self._queues.setdefault(name, deque())
         if len(queue) >= self.max_queue:
             raise QueueFull(f"all slots for {name!r} are busy and {len(queue)} requests already wait")
-        waiter = _Waiter(name, exclude, asyncio.get_running_loop().create_future(), prompt)
+        waiter = _Waiter(name, exclude, loop.create_future(), prompt)
+        if choice.matched:
+            wait = affinity.patience(choice.matched, self._prefill_rate(name), self.max_wait)
+            waiter.patient_until, waiter.waiting_for = loop.time() + wait, choice.wait_for
+            loop.call_later(wait, self.poke)  # then any free lane will do
         queue.append(waiter)
         self._count(name)
         try:
@@ -159,24 +172,36 @@ class Admission:
                 queue.remove(waiter)
             self._count(name)
 
-    def _take(self, name: str, exclude: frozenset[LaneKey], prompt: Fingerprint | None = None) -> Lease | None:
+    def _prefill_rate(self, name: str) -> float | None:
+        rates = [self.counts.prefill_rate[lane.key] for lane in self.view.lanes_for(name)
+                 if lane.key in self.counts.prefill_rate]  # fmt: skip
+        return max(rates) if rates else None
+
+    def _take(
+        self, name: str, exclude: frozenset[LaneKey], prompt: Fingerprint | None = None, patient: bool = False,
+        asking: _Waiter | None = None,
+    ) -> tuple[Lease | None, affinity.Choice]:
         counts = self.counts
         routable = [lane for lane in self.view.lanes_for(name) if lane.routable]
-        loads = [LaneLoad(lane.key, lane.parallel, counts.load(lane.key)) for lane in routable]
+        waiting: dict[LaneKey, int] = {}
+        for waiter in self._queues.get(name, ()):
+            if waiter.waiting_for is not None and not waiter.future.done() and waiter is not asking:
+                waiting[waiter.waiting_for] = waiting.get(waiter.waiting_for, 0) + 1
+        loads = [LaneLoad(lane.key, lane.parallel, counts.load(lane.key), waiting.get(lane.key, 0)) for lane in routable]
         candidates = [x for x in loads if x.key not in exclude]
         hashes = prompt.hashes if prompt is not None and self.use_affinity else ()
         matched = {x.key: self.index.matched(x.key, hashes) for x in candidates} if hashes else {}
         key = prompt.key if prompt is not None and self.use_affinity else None
         held = {x.key: self.index.held(x.key) for x in candidates} if key is not None else None
-        choice = affinity.choose(candidates, matched, key, next(self._turns), held=held)
+        choice = affinity.choose(candidates, matched, key, next(self._turns), held=held, patient=patient)
         if choice.lane is None:
-            return None
+            return None, choice
         lane = next(lane for lane in routable if lane.key == choice.lane)
         if prompt is not None:
             self.index.record(lane.key, prompt.hashes)
         counts.routes[(lane.alias, choice.reason)] = counts.routes.get((lane.alias, choice.reason), 0) + 1
         counts.in_flight[lane.key] = counts.busy(lane.key) + 1
-        return Lease(lane, self)
+        return Lease(lane, self), choice
 
     def _release(self, key: LaneKey) -> None:
         counts = self.counts
@@ -191,17 +216,24 @@ class Admission:
         self.poke()
 
     def poke(self) -> None:
-        """Hand free slots to the oldest waiters (after a release or a fleet change)."""
+        """Hand free slots to the oldest waiters (after a release, a fleet change, or a waiter's
+        patience for its warm lane running out); one still waiting for its warm lane lets the
+        next waiter take a slot elsewhere."""
+        now = asyncio.get_running_loop().time() if any(self._queues.values()) else 0.0  # waiters: a loop runs
         for name, queue in self._queues.items():
-            while queue:
-                waiter = queue[0]
+            for waiter in list(queue):
                 if waiter.future.done():
-                    queue.popleft()
+                    queue.remove(waiter)
                     continue
-                lease = self._take(name, waiter.exclude, waiter.prompt)
+                patient = now < waiter.patient_until
+                if not patient:
+                    waiter.waiting_for = None
+                lease, choice = self._take(name, waiter.exclude, waiter.prompt, patient=patient, asking=waiter)
                 if lease is None:
-                    break
-                queue.popleft()
+                    if choice.reason == "no_slot":
+                        break
+                    continue
+                queue.remove(waiter)
                 waiter.future.set_result(lease)
             self._count(name)
 

@@ -49,6 +49,8 @@ MAX_CHUNKS = 512  # 128k characters (about 32k tokens): longer prompts match on 
 LANE_CAPACITY = 16384  # chunk hashes remembered per lane: 4M characters, above what its slots and cache hold
 LOAD_BOUND = 1.25  # a warm lane's load may reach 125% of its fair share
 MIN_CAP = 2  # ... or two requests: one other request on it costs less than a cold prefill at low load
+CHARS_PER_TOKEN = 4  # to turn matched characters into the tokens a cold lane would prefill
+DEFAULT_PREFILL_RATE = 500.0  # tokens per second, until a lane's answers timed it
 
 
 def _h(data: bytes) -> int:
@@ -115,28 +117,37 @@ class LaneLoad:
     key: LaneKey
     slots: int
     busy: int  # requests it holds now, as far as the gateway knows
+    waiting: int = 0  # requests waiting in the gateway for this lane (its warm prefix)
+
+    @property
+    def load(self) -> int:
+        return self.busy + self.waiting
 
 
 @dataclass(frozen=True)
 class Choice:
     lane: LaneKey | None
-    reason: str  # affinity | overflow (every warm lane full or over its bound) | miss | no_prompt | no_slot
-    matched: int = 0  # chunks the chosen lane holds
+    # affinity | wait (for the warm lane's next free slot) | overflow (every warm lane full or over
+    # its bound) | miss | no_prompt | no_slot
+    reason: str
+    matched: int = 0  # chunks the chosen (or awaited) lane holds
+    wait_for: LaneKey | None = None  # reason "wait": the lane
 
 
 def within_bound(lane: LaneLoad, lanes: Sequence[LaneLoad], bound: float = LOAD_BOUND, min_cap: int = MIN_CAP) -> bool:
     """Would this lane, taking one more request, stay within `bound` x its share of the load?
 
-    The share is by slots, so a lane with twice the slots may carry twice the requests.
-    At low load the share is below one request, so MIN_CAP keeps a floor (SGLang's router
-    likewise calls loads imbalanced only past an absolute difference too).
+    The load counts requests waiting for a lane as well as those it holds. The share is by
+    slots, so a lane with twice the slots may carry twice the requests. At low load the
+    share is below one request, so MIN_CAP keeps a floor (SGLang's router likewise calls
+    loads imbalanced only past an absolute difference too).
     """
     total_slots = sum(x.slots for x in lanes)
     if total_slots <= 0:
         return False
-    load = sum(x.busy for x in lanes) + 1
+    load = sum(x.load for x in lanes) + 1
     cap = max(min_cap, math.ceil(bound * load * lane.slots / total_slots - 1e-9))
-    return lane.busy + 1 <= cap
+    return lane.load + 1 <= cap
 
 
 def _rendezvous(key: int, lane: LaneKey) -> int:
@@ -159,6 +170,14 @@ def most_free(
     return max(best, key=lambda x: _rendezvous(key, x.key))
 
 
+def patience(matched: int, prefill_rate: float | None, max_wait: float) -> float:
+    """Seconds a request may wait for its warm lane: what a cold lane would take to prefill the
+    prefix the warm one holds (llm-d stays on the warm endpoint until its uncached prefill
+    exceeds a latency budget), at most half the queue's wait."""
+    tokens = matched * CHUNK_CHARS / CHARS_PER_TOKEN
+    return min(tokens / (prefill_rate or DEFAULT_PREFILL_RATE), max_wait / 2)
+
+
 def choose(
     lanes: Sequence[LaneLoad],
     matched: Mapping[LaneKey, int],
@@ -166,23 +185,37 @@ def choose(
     turn: int = 0,
     bound: float = LOAD_BOUND,
     held: Mapping[LaneKey, int] | None = None,
+    patient: bool = False,
 ) -> Choice:
     """The lane for a request: the longest match within the load bound, else the most free slots.
 
     `lanes`: every routable lane of the model (full ones too: they count in the load);
     `matched`: chunks of the prompt each lane holds; `key`: the prompt's placing key,
-    None for a request with no prompt the gateway reads; `held`: chunks each lane's index holds.
+    None for a request with no prompt the gateway reads; `held`: chunks each lane's index
+    holds; `patient`: the request may still wait for its warm lane's next free slot rather
+    than be prefilled cold elsewhere (llm-d's rule in time: the edge gives it as long as a
+    cold lane would take to prefill the warm prefix), so a busy fleet keeps its affinity.
     """
     open_lanes = [x for x in lanes if x.busy < x.slots]
-    if not open_lanes:
-        return Choice(None, "no_slot")
     if key is None:
-        return Choice(most_free(open_lanes, None, turn).key, "no_prompt")
+        return Choice(most_free(open_lanes, None, turn).key, "no_prompt") if open_lanes else Choice(None, "no_slot")
     warm = [x for x in lanes if matched.get(x.key, 0) > 0]
-    allowed = [x for x in warm if x.busy < x.slots and within_bound(x, lanes, bound)]
+    allowed = [x for x in warm if within_bound(x, lanes, bound)]
     if allowed:
         longest = max(matched[x.key] for x in allowed)
         tied = [x for x in allowed if matched[x.key] == longest]
-        return Choice(most_free(tied, key, turn, held).key, "affinity", longest)
+        free = [x for x in tied if x.busy < x.slots]
+        if free:
+            return Choice(most_free(free, key, turn, held).key, "affinity", longest)
+        if patient:
+            awaited = min(tied, key=lambda x: (x.load - x.slots, _rendezvous(key, x.key)))
+            return Choice(None, "wait", longest, wait_for=awaited.key)
+        free = [x for x in allowed if x.busy < x.slots]
+        if free:  # a shorter match now rather than none
+            longest = max(matched[x.key] for x in free)
+            tied = [x for x in free if matched[x.key] == longest]
+            return Choice(most_free(tied, key, turn, held).key, "affinity", longest)
+    if not open_lanes:
+        return Choice(None, "no_slot")
     lane = most_free(open_lanes, key, turn, held)
     return Choice(lane.key, "overflow" if warm else "miss", matched.get(lane.key, 0))

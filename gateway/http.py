@@ -208,9 +208,12 @@ def _lane_failed(view: FleetView, attempt: Attempt, history: list[Attempt]) -> N
     history.append(attempt)
 
 
-def _count_usage(app: web.Application, lane, found: tuple[int, int] | None) -> None:
+def _count_usage(app: web.Application, lane, found: usage.Usage | None) -> None:
     if found is not None:
-        app[ADMISSION].counts.note_prompt(lane.alias, f"{lane.host_id}/{lane.lane_id}", *found)
+        counts = app[ADMISSION].counts
+        counts.note_prompt(lane.alias, f"{lane.host_id}/{lane.lane_id}", found.prompt, found.cached)
+        if found.prefill_rate is not None:
+            counts.note_prefill(lane.key, found.prefill_rate)
 
 
 def _give_up(step: GiveUp, settings: GatewaySettings) -> web.Response:
@@ -233,6 +236,7 @@ async def _relay(
     streamed = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
     kept, kept_bytes = [], 0  # the answer (plain) or its tail (stream), for its prompt usage
     limit = usage.STREAM_TAIL_BYTES if streamed else usage.PLAIN_BODY_BYTES
+    counting = upstream.status == 200 and not request.path.endswith("/embeddings")  # vectors: nothing cached
     try:
         await resp.prepare(request)
         first = True
@@ -242,13 +246,13 @@ async def _relay(
                     app[METRICS].ttfb.labels(lane.alias).observe(time.perf_counter() - started)
                     first = False
                 await resp.write(chunk)
-                if kept_bytes <= limit or streamed:
+                if counting and (streamed or kept_bytes <= limit):
                     kept.append(chunk)
                     kept_bytes += len(chunk)
                     while streamed and len(kept) > 1 and kept_bytes - len(kept[0]) >= limit:
                         kept_bytes -= len(kept.pop(0))
             finished = True
-            if upstream.status == 200 and (streamed or kept_bytes <= limit):
+            if counting and (streamed or kept_bytes <= limit):
                 _count_usage(app, lane, usage.prompt_usage(b"".join(kept), streamed))
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             # Bytes went out: routing ends the answer with its error, whatever other lanes there are.

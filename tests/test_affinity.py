@@ -12,11 +12,13 @@ from gateway import routing
 from gateway.admission import Admission
 from gateway.affinity import (
     CHUNK_CHARS,
+    DEFAULT_PREFILL_RATE,
     AffinityIndex,
     LaneLoad,
     choose,
     fingerprint,
     most_free,
+    patience,
     within_bound,
 )
 from gateway.fleet import FleetView
@@ -184,6 +186,56 @@ def test_the_warm_lane_lets_go_past_its_share_of_the_load():
     assert choose(loads((A, 4, 2), (B, 4, 2), (C, 4, 2)), {A: 8}, key=1).lane == A
 
 
+def test_a_patient_request_waits_for_its_full_warm_lane():
+    lanes = loads((A, 2, 2), (B, 2, 1))
+    waits = choose(lanes, {A: 9}, key=1, patient=True)
+    assert (waits.lane, waits.reason, waits.wait_for, waits.matched) == (None, "wait", A, 9)
+    assert choose(lanes, {A: 9}, key=1).lane == B  # patience spent: the cold lane
+    assert choose(lanes, {A: 9, B: 2}, key=1).lane == B  # ... or a shorter match
+    assert choose(lanes, {A: 9, B: 2}, key=1).reason == "affinity"
+    # Requests already waiting for it count in its load: past the bound, affinity lets go.
+    crowded = [LaneLoad(A, 2, 2, waiting=2), LaneLoad(B, 2, 0)]
+    assert choose(crowded, {A: 9}, key=1, patient=True).reason == "overflow"
+    assert choose(loads((A, 2, 2), (B, 2, 2)), {A: 9}, key=1, patient=True).reason == "wait"
+    assert choose(loads((A, 2, 2), (B, 2, 2)), {A: 9}, key=1).reason == "no_slot"
+
+
+def test_patience_is_the_cold_prefill_of_the_warm_prefix():
+    assert patience(8, 512.0, 30.0) == pytest.approx(8 * CHUNK_CHARS / 4 / 512.0)
+    assert patience(8, None, 30.0) == pytest.approx(8 * CHUNK_CHARS / 4 / DEFAULT_PREFILL_RATE)
+    assert patience(10**6, 100.0, 30.0) == 15.0  # at most half the queue's wait
+    assert patience(0, 100.0, 30.0) == 0
+
+
+async def test_a_queued_request_waits_for_its_warm_lane_then_takes_any():
+    view = FleetView()
+    put_plan(view, "h", spec("a", port=1, parallel=1), spec("b", port=2, parallel=1))
+    put_status(view, "h", healthy("a", 1), healthy("b", 2))
+    admission = Admission(view)
+    first = mark(chat("one"))
+    warm = await admission.acquire("gemma", prompt=first)  # the conversation's lane, busy now
+    other = await admission.acquire("gemma", prompt=mark({"messages": [{"role": "system", "content": "Unrelated. " + SYSTEM}]}))
+    assert other.lane.key != warm.lane.key
+    admission.counts.prefill_rate[other.lane.key] = 50.0  # slow lanes: a cold prefill takes seconds
+    turn2 = asyncio.create_task(admission.acquire("gemma", prompt=mark(chat("one", "x" * 300, "two"))))
+    await asyncio.sleep(0.05)
+    other.release()  # the cold lane frees first: the request keeps waiting for its own
+    await asyncio.sleep(0.05)
+    assert not turn2.done()
+    warm.release()
+    assert (await turn2).lane.key == warm.lane.key
+    # With its patience spent, a waiter takes whatever frees.
+    quick = Admission(view)
+    a = await quick.acquire("gemma", prompt=first)
+    b = await quick.acquire("gemma", prompt=mark({"messages": [{"role": "system", "content": "Unrelated. " + SYSTEM}]}))
+    quick.counts.prefill_rate[b.lane.key] = 10**6  # fast lanes: waiting is not worth it
+    again = asyncio.create_task(quick.acquire("gemma", prompt=mark(chat("one", "x" * 300, "two"))))
+    await asyncio.sleep(0.05)
+    b.release()
+    assert (await asyncio.wait_for(again, 2)).lane.key == b.lane.key
+    a.release()
+
+
 def test_the_bound_is_by_slots_with_a_floor():
     big, small = LaneLoad(A, 8, 3), LaneLoad(B, 2, 0)
     assert within_bound(big, [big, small])  # (3+1) <= ceil(1.25 * 4 * 8/10) = 4
@@ -297,14 +349,16 @@ async def test_busy_slots_reported_by_the_lane_count_as_load():
 def test_usage_from_plain_answers_and_stream_tails():
     timings = b'{"usage":{"prompt_tokens":280,"prompt_tokens_details":{"cached_tokens":200}},' \
               b'"timings":{"cache_n":275,"prompt_n":5}}'  # fmt: skip
-    assert prompt_usage(timings, streamed=False) == (280, 275)  # timings first
-    assert prompt_usage(b'{"usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":4}}}', False) == (9, 4)
-    assert prompt_usage(b'{"usage":{"prompt_tokens":9}}', False) == (9, 0)
+    assert prompt_usage(timings, streamed=False) == (280, 275, None)  # timings first; 5 tokens time nothing
+    timed = b'{"timings":{"cache_n":0,"prompt_n":280,"prompt_per_second":188.9}}'
+    assert prompt_usage(timed, streamed=False) == (280, 0, 188.9)
+    assert prompt_usage(b'{"usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":4}}}', False) == (9, 4, None)
+    assert prompt_usage(b'{"usage":{"prompt_tokens":9}}', False) == (9, 0, None)
     assert prompt_usage(b'{"data":[1]}', False) is None and prompt_usage(b"not json", False) is None
     stream = (b'ial":1}}]}\n\ndata: {"choices":[{"delta":{"content":"Hi"}}]}\n\n'
               b'data: {"choices":[{"finish_reason":"length","delta":{}}],"timings":{"cache_n":275,"prompt_n":5}}\n\n'
               b"data: [DONE]\n\n")  # fmt: skip
-    assert prompt_usage(stream, streamed=True) == (280, 275)
+    assert prompt_usage(stream, streamed=True) == (280, 275, None)
     assert prompt_usage(b'data: {"choices":[]}\n\ndata: [DONE]\n\n', True) is None
     assert prompt_usage(b'data: {"timings":{"cache_n":-1,"prompt_n":5}}\n\n', True) is None
 
