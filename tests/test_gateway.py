@@ -168,7 +168,9 @@ async def test_errors_come_in_openai_shape(fleet):
                 assert resp.status == 200
     async with gateway(fleet, request_timeout=0.5) as gw:  # a request that cannot finish in time
         with pytest.raises(openai.APIStatusError) as slow:
-            await _openai(gw).chat.completions.create(model=ALIAS, messages=MESSAGES, **LONG)
+            # long enough to time out, short enough that the lane, which finishes it anyway, is soon free
+            await _openai(gw).chat.completions.create(model=ALIAS, messages=MESSAGES, max_tokens=200,
+                                                      extra_body={"ignore_eos": True})  # fmt: skip
         assert slow.value.status_code == 504 and slow.value.code == "timeout"
 
 
@@ -200,6 +202,9 @@ async def test_no_lanes_for_a_model(tmp_path):
 async def test_requests_spread_by_free_slots_then_queue_then_overflow(fleet):
     # queue_wait: long enough for a slot to be handed on (below) on a loaded machine.
     async with gateway(fleet, queue_depth=1, queue_wait=5.0) as gw, aiohttp.ClientSession() as http:
+        # Slots busy with an earlier test's abandoned request count as load (the gateway reads /slots).
+        await eventually(lambda: len(gw.admission.counts.reported) == LANES and not any(gw.admission.counts.reported.values()),
+                         timeout=60, what="every slot idle")  # fmt: skip
         # Four slots in the fleet (two lanes, two each): four streams take one slot each.
         streams = [await _open_stream(http, gw) for _ in range(4)]
         assert sorted(Counter(r.headers["X-Lanes-Lane"] for r in streams).values()) == [2, 2]
