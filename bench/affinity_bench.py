@@ -121,6 +121,10 @@ async def run_trace(http, base: str, mode: str, args, workers: int) -> dict:
 
     await asyncio.gather(*(client() for _ in range(workers)))
     wall = time.perf_counter() - began
+    async with http.get(base + "/metrics") as resp:
+        text = await resp.text()
+    choices = {line.split('reason="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+               for line in text.splitlines() if line.startswith("lanes_gateway_route_choices_total{")}  # fmt: skip
     later = [r for r in results if r["turn"] > 0]
     per_lane: dict[str, int] = {}
     for r in results:
@@ -137,6 +141,7 @@ async def run_trace(http, base: str, mode: str, args, workers: int) -> dict:
         "per_lane": per_lane,
         "max_over_mean_load": max(per_lane.values()) / (len(results) / len(per_lane)),
         "wall_s": wall,
+        "route_choices": choices,
     }
 
 

@@ -21,6 +21,12 @@ What this follows:
   KubeAI's prefix hash uses it): a warm lane keeps a request only while its load after
   taking it stays within LOAD_BOUND x its fair share of the model's load (or MIN_CAP
   requests, at low load), so a hot conversation cannot pile onto one lane.
+- llm-d's current default rule in time (stay on the warm endpoint until its uncached
+  prefill exceeds a latency budget): a request whose warm lane is full but within its
+  bound waits for that lane's next free slot for up to four times what a cold lane would
+  take to prefill the prefix the warm one holds (`patience`), then takes any lane. On a busy
+  fleet every free slot is on the "wrong" lane half the time; without waiting, affinity
+  would hold only on an idle one.
 
 Chunks are characters, not tokens: the gateway has no tokenizer, and a match only has
 to predict llama-server's token-level reuse. 256 characters is about 64 tokens, the
@@ -51,6 +57,7 @@ LOAD_BOUND = 1.25  # a warm lane's load may reach 125% of its fair share
 MIN_CAP = 2  # ... or two requests: one other request on it costs less than a cold prefill at low load
 CHARS_PER_TOKEN = 4  # to turn matched characters into the tokens a cold lane would prefill
 DEFAULT_PREFILL_RATE = 500.0  # tokens per second, until a lane's answers timed it
+PATIENCE_FACTOR = 4  # a wait worth up to this many cold prefills of the warm prefix
 
 
 def _h(data: bytes) -> int:
@@ -171,11 +178,16 @@ def most_free(
 
 
 def patience(matched: int, prefill_rate: float | None, max_wait: float) -> float:
-    """Seconds a request may wait for its warm lane: what a cold lane would take to prefill the
-    prefix the warm one holds (llm-d stays on the warm endpoint until its uncached prefill
-    exceeds a latency budget), at most half the queue's wait."""
+    """Seconds a request may wait for its warm lane: PATIENCE_FACTOR times what a cold lane would
+    take to prefill the prefix the warm one holds, at most half the queue's wait.
+
+    More than one prefill: a cold prefill also slows every request sharing that lane's threads
+    and evicts what its cache held, and a busy fleet frees a warm slot within about one answer.
+    llm-d stays on the warm endpoint far longer (until its queued uncached prefill exceeds
+    20,480 tok/s x 14 s); here the load bound, not the time, is what lets a hot prefix go.
+    """
     tokens = matched * CHUNK_CHARS / CHARS_PER_TOKEN
-    return min(tokens / (prefill_rate or DEFAULT_PREFILL_RATE), max_wait / 2)
+    return min(PATIENCE_FACTOR * tokens / (prefill_rate or DEFAULT_PREFILL_RATE), max_wait / 2)
 
 
 def choose(

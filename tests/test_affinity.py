@@ -13,6 +13,7 @@ from gateway.admission import Admission
 from gateway.affinity import (
     CHUNK_CHARS,
     DEFAULT_PREFILL_RATE,
+    PATIENCE_FACTOR,
     AffinityIndex,
     LaneLoad,
     choose,
@@ -201,8 +202,8 @@ def test_a_patient_request_waits_for_its_full_warm_lane():
 
 
 def test_patience_is_the_cold_prefill_of_the_warm_prefix():
-    assert patience(8, 512.0, 30.0) == pytest.approx(8 * CHUNK_CHARS / 4 / 512.0)
-    assert patience(8, None, 30.0) == pytest.approx(8 * CHUNK_CHARS / 4 / DEFAULT_PREFILL_RATE)
+    assert patience(8, 512.0, 30.0) == pytest.approx(PATIENCE_FACTOR * 8 * CHUNK_CHARS / 4 / 512.0)
+    assert patience(8, None, 30.0) == pytest.approx(PATIENCE_FACTOR * 8 * CHUNK_CHARS / 4 / DEFAULT_PREFILL_RATE)
     assert patience(10**6, 100.0, 30.0) == 15.0  # at most half the queue's wait
     assert patience(0, 100.0, 30.0) == 0
 

@@ -50,3 +50,13 @@ def test_threads_bench_small(tmp_path, llama_server):
     assert result.returncode == 0, result.stderr[-2000:]
     (row,) = json.loads(out.read_text())["summary"]
     assert set(row["median_tokens_per_s"]) == {"bare", "planned", "default"}
+
+
+def test_affinity_bench_small(tmp_path, llama_server):
+    out = tmp_path / "affinity.md"
+    result = run("affinity_bench.py", "--convs", "3", "--turns", "2", "--system-words", "200", "--out", str(out),
+                 timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert data["affinity"]["requests"] == data["most_free_slots"]["requests"] == 6
+    assert "cached-token ratio, turns 2+" in out.read_text()
