@@ -191,7 +191,8 @@ class Admission:
         candidates = [x for x in loads if x.key not in exclude]
         hashes = prompt.hashes if prompt is not None and self.use_affinity else ()
         matched = {x.key: self.index.matched(x.key, hashes) for x in candidates} if hashes else {}
-        key = prompt.key if prompt is not None and self.use_affinity else None
+        # A prompt shorter than a chunk has no prefix worth keeping: equals rotate, as without one.
+        key = prompt.key if prompt is not None and prompt.hashes and self.use_affinity else None
         held = {x.key: self.index.held(x.key) for x in candidates} if key is not None else None
         choice = affinity.choose(candidates, matched, key, next(self._turns), held=held, patient=patient)
         if choice.lane is None:

@@ -135,7 +135,7 @@ class LaneLoad:
 class Choice:
     lane: LaneKey | None
     # affinity | wait (for the warm lane's next free slot) | overflow (every warm lane full or over
-    # its bound) | miss | no_prompt | no_slot
+    # its bound) | miss | no_prefix (no key: equals rotate) | no_slot
     reason: str
     matched: int = 0  # chunks the chosen (or awaited) lane holds
     wait_for: LaneKey | None = None  # reason "wait": the lane
@@ -210,7 +210,7 @@ def choose(
     """
     open_lanes = [x for x in lanes if x.busy < x.slots]
     if key is None:
-        return Choice(most_free(open_lanes, None, turn).key, "no_prompt") if open_lanes else Choice(None, "no_slot")
+        return Choice(most_free(open_lanes, None, turn).key, "no_prefix") if open_lanes else Choice(None, "no_slot")
     warm = [x for x in lanes if matched.get(x.key, 0) > 0]
     allowed = [x for x in warm if within_bound(x, lanes, bound)]
     if allowed:

@@ -53,7 +53,7 @@ class _FleetCollector(Collector):
             cached.add_metric([model, lane], self.counts.cached_tokens.get((model, lane), 0))
         routes = CounterMetricFamily(
             "lanes_gateway_route_choices", "Lane choices by why: affinity, overflow (warm lane over its load"
-            " bound), miss (no lane held the prompt), no_prompt", labels=["model", "reason"],
+            " bound), miss (no lane held the prompt), no_prefix (no whole chunk to match: rotated)", labels=["model", "reason"],
         )  # fmt: skip
         for (model, reason), n in sorted(self.counts.routes.items()):
             routes.add_metric([model, reason], n)

@@ -162,7 +162,7 @@ def test_a_miss_among_equals_goes_to_the_lane_holding_the_fewest_chunks():
 def test_without_a_prompt_equals_rotate_as_before():
     lanes = loads((A, 2, 0), (B, 2, 0))
     assert {choose(lanes, {}, None, turn).lane for turn in range(4)} == {A, B}
-    assert choose(lanes, {}, None).reason == "no_prompt"
+    assert choose(lanes, {}, None).reason == "no_prefix"
 
 
 def test_ties_in_the_match_fall_back_to_the_most_free_slots():
