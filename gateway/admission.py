@@ -1,6 +1,11 @@
 """Which lane a request goes to, and how long it may wait for one.
 
-The lane with the most free slots wins (ties rotate). With every slot of a model busy,
+A request whose prompt the gateway read goes where gateway/affinity.py says: the lane
+holding the longest prefix of it within the load bound, else the most free slots
+(equals placed by the prompt's hash); one without a prompt to the most free slots
+(ties rotate). A lane's load is the larger of this gateway's requests in flight there
+and the busy slots its /slots last reported (other gateways and direct clients count).
+With every slot of a model busy,
 requests wait in a bounded FIFO queue per requested name; a slot freed, or a lane
 coming back, hands the oldest waiter its lane. No sockets: asyncio futures only.
 
@@ -16,6 +21,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from gateway import affinity
+from gateway.affinity import AffinityIndex, Fingerprint, LaneLoad
 from gateway.fleet import FleetView, LaneKey, LaneRoute
 
 
@@ -61,9 +68,29 @@ class LaneCounts:
     in_flight: dict[LaneKey, int] = field(default_factory=dict)  # requests holding a slot of each lane
     served: dict[LaneKey, int] = field(default_factory=dict)  # requests each lane has finished (dashboard rates)
     queued: dict[str, int] = field(default_factory=dict)  # requested model name -> waiting requests
+    reported: dict[LaneKey, int] = field(default_factory=dict)  # busy slots each lane's /slots last said
+    routes: dict[tuple[str, str], int] = field(default_factory=dict)  # (model, affinity reason) -> requests
+
+    prompt_tokens: dict[tuple[str, str], int] = field(default_factory=dict)  # (model, "host/lane") -> tokens read
+    cached_tokens: dict[tuple[str, str], int] = field(default_factory=dict)  # ... of them reused from its cache
+    prefill_rate: dict[LaneKey, float] = field(default_factory=dict)  # prompt tokens per second, from timings
 
     def busy(self, key: LaneKey) -> int:
         return self.in_flight.get(key, 0)
+
+    def note_prefill(self, key: LaneKey, tokens_per_second: float) -> None:
+        """A lane's prompt processing speed, as its answers time it (a moving average)."""
+        before = self.prefill_rate.get(key)
+        self.prefill_rate[key] = tokens_per_second if before is None else 0.8 * before + 0.2 * tokens_per_second
+
+    def note_prompt(self, model: str, lane: str, prompt: int, cached: int) -> None:
+        """A lane's answer said it read `prompt` tokens, `cached` of them from its cache."""
+        self.prompt_tokens[(model, lane)] = self.prompt_tokens.get((model, lane), 0) + prompt
+        self.cached_tokens[(model, lane)] = self.cached_tokens.get((model, lane), 0) + cached
+
+    def load(self, key: LaneKey) -> int:
+        """Requests on the lane: ours, or all its busy slots when /slots says more (other clients)."""
+        return max(self.in_flight.get(key, 0), self.reported.get(key, 0))
 
 
 @dataclass
@@ -85,6 +112,9 @@ class _Waiter:
     name: str
     exclude: frozenset[LaneKey]
     future: asyncio.Future
+    prompt: Fingerprint | None = None
+    patient_until: float = 0.0  # loop time until which it waits for its warm lane rather than a cold one
+    waiting_for: LaneKey | None = None  # that lane, while it does
 
 
 @dataclass
@@ -93,23 +123,36 @@ class Admission:
     max_queue: int = 64  # waiting requests per requested model name
     max_wait: float = 30.0  # seconds a request may wait for a slot
     counts: LaneCounts = field(default_factory=LaneCounts)
+    index: AffinityIndex = field(default_factory=AffinityIndex)
+    use_affinity: bool = True  # False: most free slots only (the benchmark's baseline)
     _queues: dict[str, deque[_Waiter]] = field(default_factory=dict)
     _turns: itertools.count = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:
-        self.view.listeners.append(self.poke)
+        self.view.listeners.append(self._fleet_changed)
 
-    async def acquire(self, name: str, exclude: frozenset[LaneKey] = frozenset()) -> Lease:
+    def _fleet_changed(self) -> None:
+        self.index.keep_only(lane.key for lane in self.view.lanes())
+        self.poke()
+
+    async def acquire(
+        self, name: str, exclude: frozenset[LaneKey] = frozenset(), prompt: Fingerprint | None = None
+    ) -> Lease:
         """A slot on a lane serving `name`, now or after a bounded wait."""
         if not self.view.lanes_for(name):
             raise UnknownModel(f"model {name!r} is not served by this fleet; GET /v1/models lists what is")
-        lease = self._take(name, exclude)
+        loop = asyncio.get_running_loop()
+        lease, choice = self._take(name, exclude, prompt, patient=True)
         if lease is not None:
             return lease
         queue = self._queues.setdefault(name, deque())
         if len(queue) >= self.max_queue:
             raise QueueFull(f"all slots for {name!r} are busy and {len(queue)} requests already wait")
-        waiter = _Waiter(name, exclude, asyncio.get_running_loop().create_future())
+        waiter = _Waiter(name, exclude, loop.create_future(), prompt)
+        if choice.matched:
+            wait = affinity.patience(choice.matched, self._prefill_rate(name), self.max_wait)
+            waiter.patient_until, waiter.waiting_for = loop.time() + wait, choice.wait_for
+            loop.call_later(wait, self.poke)  # then any free lane will do
         queue.append(waiter)
         self._count(name)
         try:
@@ -129,19 +172,44 @@ class Admission:
                 queue.remove(waiter)
             self._count(name)
 
-    def _take(self, name: str, exclude: frozenset[LaneKey]) -> Lease | None:
-        candidates = [lane for lane in self.view.lanes_for(name) if lane.key not in exclude]
+    def _prefill_rate(self, name: str) -> float | None:
+        rates = [self.counts.prefill_rate[lane.key] for lane in self.view.lanes_for(name)
+                 if lane.key in self.counts.prefill_rate]  # fmt: skip
+        return max(rates) if rates else None
+
+    def _take(
+        self, name: str, exclude: frozenset[LaneKey], prompt: Fingerprint | None = None, patient: bool = False,
+        asking: _Waiter | None = None,
+    ) -> tuple[Lease | None, affinity.Choice]:
         counts = self.counts
-        lane = choose_lane(candidates, counts.in_flight, next(self._turns))
-        if lane is None:
-            return None
+        routable = [lane for lane in self.view.lanes_for(name) if lane.routable]
+        waiting: dict[LaneKey, int] = {}
+        for waiter in self._queues.get(name, ()):
+            if waiter.waiting_for is not None and not waiter.future.done() and waiter is not asking:
+                waiting[waiter.waiting_for] = waiting.get(waiter.waiting_for, 0) + 1
+        loads = [LaneLoad(lane.key, lane.parallel, counts.load(lane.key), waiting.get(lane.key, 0)) for lane in routable]
+        candidates = [x for x in loads if x.key not in exclude]
+        hashes = prompt.hashes if prompt is not None and self.use_affinity else ()
+        matched = {x.key: self.index.matched(x.key, hashes) for x in candidates} if hashes else {}
+        # A prompt shorter than a chunk has no prefix worth keeping: equals rotate, as without one.
+        key = prompt.key if prompt is not None and prompt.hashes and self.use_affinity else None
+        held = {x.key: self.index.held(x.key) for x in candidates} if key is not None else None
+        choice = affinity.choose(candidates, matched, key, next(self._turns), held=held, patient=patient)
+        if choice.lane is None:
+            return None, choice
+        lane = next(lane for lane in routable if lane.key == choice.lane)
+        if prompt is not None:
+            self.index.record(lane.key, prompt.hashes)
+        counts.routes[(lane.alias, choice.reason)] = counts.routes.get((lane.alias, choice.reason), 0) + 1
         counts.in_flight[lane.key] = counts.busy(lane.key) + 1
-        return Lease(lane, self)
+        return Lease(lane, self), choice
 
     def _release(self, key: LaneKey) -> None:
         counts = self.counts
         counts.served[key] = counts.served.get(key, 0) + 1
         left = counts.busy(key) - 1
+        if counts.reported.get(key, 0) > left:
+            counts.reported[key] -= 1  # its /slots counted this request too: the slot is free now, not at the next read
         if left > 0:
             counts.in_flight[key] = left
         else:
@@ -149,17 +217,24 @@ class Admission:
         self.poke()
 
     def poke(self) -> None:
-        """Hand free slots to the oldest waiters (after a release or a fleet change)."""
+        """Hand free slots to the oldest waiters (after a release, a fleet change, or a waiter's
+        patience for its warm lane running out); one still waiting for its warm lane lets the
+        next waiter take a slot elsewhere."""
+        now = asyncio.get_running_loop().time() if any(self._queues.values()) else 0.0  # waiters: a loop runs
         for name, queue in self._queues.items():
-            while queue:
-                waiter = queue[0]
+            for waiter in list(queue):
                 if waiter.future.done():
-                    queue.popleft()
+                    queue.remove(waiter)
                     continue
-                lease = self._take(name, waiter.exclude)
+                patient = now < waiter.patient_until
+                if not patient:
+                    waiter.waiting_for = None
+                lease, choice = self._take(name, waiter.exclude, waiter.prompt, patient=patient, asking=waiter)
                 if lease is None:
-                    break
-                queue.popleft()
+                    if choice.reason == "no_slot":
+                        break
+                    continue
+                queue.remove(waiter)
                 waiter.future.set_result(lease)
             self._count(name)
 

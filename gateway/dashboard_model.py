@@ -64,7 +64,8 @@ def _host(view: FleetView, host: str, config: FleetConfig, routes: Mapping[LaneK
     lanes = []
     for spec in specs:
         key = (host_id, spec.lane_id)
-        lanes.append(_lane(spec, live.get(spec.lane_id), routes.get(key), counts.busy(key), rates.get(key, 0.0)))
+        lanes.append(_lane(spec, live.get(spec.lane_id), routes.get(key), counts.busy(key), rates.get(key, 0.0))
+                     | _prompt_cache(spec, counts, f"{host_id}/{spec.lane_id}"))
     return {
         "host_id": host_id,
         "state": view.host_states.get(host, "live"),
@@ -111,6 +112,15 @@ def _lane(spec: LaneSpec, lane: LaneStatus | None, route: LaneRoute | None, busy
     }
 
 
+def _prompt_cache(spec: LaneSpec, counts: LaneCounts, lane: str) -> dict:
+    """What the lane's answers said of its cache: the share of prompt tokens it did not have to read."""
+    prompt = sum(n for (_, name), n in counts.prompt_tokens.items() if name == lane)
+    cached = sum(n for (_, name), n in counts.cached_tokens.items() if name == lane)
+    return {"prompt_tokens": prompt, "cached_tokens": cached,
+            "cache_hit_ratio": round(cached / prompt, 3) if prompt else None,
+            "cache_ram_mib": spec.cache_ram_mib}  # fmt: skip
+
+
 def _devices(report: HostReport | None, plan, specs, live: Mapping[str, LaneStatus], config: FleetConfig) -> list[dict]:
     """One memory bar per device: planned weights, KV, compute, the headroom kept, what is free, real use.
 
@@ -142,7 +152,7 @@ def _devices(report: HostReport | None, plan, specs, live: Mapping[str, LaneStat
         elif lane.rss_bytes is not None:
             bars[0]["real"] += lane.rss_bytes
     for bar in bars:
-        planned = bar["weights"] + bar["kv"] + bar["compute"]
+        planned = bar["weights"] + bar["kv"] + bar["compute"] + bar["cache"]
         bar["free"] = max(0, bar["available"] - planned - bar["headroom"])
     return bars
 
@@ -155,9 +165,10 @@ def _lane_parts(spec: LaneSpec):
         return [(index, {"weights": m.weights_bytes, "kv": m.kv_bytes + m.recurrent_bytes,
                           "compute": m.compute_bytes + m.overhead_bytes})]  # fmt: skip
     parts = [(d.index, {"weights": d.model_bytes, "kv": d.kv_bytes + d.recurrent_bytes,
-                         "compute": d.compute_bytes + d.output_bytes}) for d in m.devices]  # fmt: skip
+                         "compute": d.compute_bytes + d.output_bytes, "cache": d.prompt_cache_bytes})
+             for d in m.devices]  # fmt: skip
     overhead = m.total_bytes - sum(d.total for d in m.devices)  # the process itself, in host RAM
-    parts.append((-1, {"weights": 0, "kv": 0, "compute": max(0, overhead)}))
+    parts.append((-1, {"weights": 0, "kv": 0, "compute": max(0, overhead), "cache": 0}))
     return parts
 
 
@@ -175,4 +186,4 @@ def _bar(name: str, total: int, available: int, budget: int | None, config: Flee
         budget = available - config.headroom_bytes - int(config.headroom_fraction * total)
     headroom = max(0, available - max(0, budget))
     return {"device": name, "total": total, "available": available, "headroom": headroom,
-            "weights": 0, "kv": 0, "compute": 0, "real": 0, "free": 0}  # fmt: skip
+            "weights": 0, "kv": 0, "compute": 0, "cache": 0, "real": 0, "free": 0}  # fmt: skip

@@ -33,6 +33,8 @@ class LaneRoute:
     state: str  # the agent's state for it ("pending" until the agent reports it)
     draining: bool = False
     unreachable: str = ""  # why the gateway's own probe or a request could not reach it
+    window: int = 0  # tokens per slot (the plan's ctx_per_slot); 0 where the plan does not say
+    embeddings: bool = False  # started with --embeddings: it serves /v1/embeddings only
 
     @property
     def key(self) -> LaneKey:
@@ -156,6 +158,8 @@ class FleetView:
                     state=live.state if live else "pending",
                     draining=live.draining if live else False,
                     unreachable=self.unreachable.get(key, ""),
+                    window=spec.ctx_per_slot,
+                    embeddings=spec.embeddings,
                 )
 
     def model_entry(self, name: str) -> ModelState | None:
@@ -177,7 +181,9 @@ class FleetView:
         """What the fleet serves, one entry per alias (the name clients use)."""
         names: dict[str, dict] = {}
         for lane in self.lanes():
-            entry = names.setdefault(lane.alias, {"id": lane.alias, "model": lane.model, "lanes": 0, "ready": 0})
+            entry = names.setdefault(lane.alias, {"id": lane.alias, "model": lane.model, "lanes": 0, "ready": 0,
+                                                  "embeddings": False})  # fmt: skip
             entry["lanes"] += 1
             entry["ready"] += lane.routable
+            entry["embeddings"] |= lane.embeddings
         return [names[n] for n in sorted(names)]

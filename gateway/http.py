@@ -17,12 +17,14 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway import routing, waking
+from gateway import prompts, routing, usage, waking
 from gateway.admission import Admission, AdmissionError, Lease
+from gateway.affinity import Fingerprint, fingerprint
 from gateway.fleet import FleetView
 from gateway.metrics import GatewayMetrics
 from gateway.routing import Attempt, Failure, GiveUp
 from gateway.settings import GatewaySettings
+from gateway.tokens import count_tokens
 
 log = structlog.get_logger("lanes.gateway")
 
@@ -116,7 +118,14 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
         app[WAKER].touch(name)  # a request: the idle clock restarts (probes and scrapes never come here)
     response = await _held(request, model) if model.state != "ready" else None
     if response is None:
-        response = await _forward(request, name, body, started, label)
+        prompt = prompts.prompt_of(request.path, payload)
+        refused, too_small = await _window_check(request, name, prompt, body)
+        if refused is not None:
+            response = _give_up(refused, app[SETTINGS])
+        else:
+            lanes = view.lanes_for(name)
+            mark = fingerprint(lanes[0].model, prompt.text) if prompt is not None and lanes else None
+            response = await _forward(request, name, body, started, label, mark, too_small)
     metrics.requests.labels(label, str(response.status)).inc()
     metrics.latency.labels(label).observe(time.perf_counter() - started)
     return response
@@ -142,22 +151,46 @@ async def _held(request: web.Request, model: waking.ModelView) -> web.Response |
     return None
 
 
+async def _window_check(
+    request: web.Request, name: str, prompt: prompts.Prompt | None, body: bytes
+) -> tuple[GiveUp | None, frozenset]:
+    """(the 400 when no lane's window holds the prompt, the lanes too small for it).
+
+    Only a prompt whose byte bound passes a window is counted, by a routable lane's tokenizer;
+    when none can count it, every lane is tried and the lane itself refuses what it cannot hold.
+    """
+    windows = {lane.key: lane.window for lane in request.app[VIEW].lanes_for(name)}
+    known = [w for w in windows.values() if w > 0]
+    if prompt is None or prompt.kind == "embedding" or not known or prompt.token_bound() < min(known):
+        return None, frozenset()
+    counter = next((lane for lane in request.app[VIEW].routable(name)), None)
+    tokens = None if counter is None else await count_tokens(
+        request.app[SESSION], counter.url, prompt, body, request.app[SETTINGS].connect_timeout)
+    if tokens is None:
+        return None, frozenset()
+    return routing.context_exceeded(windows, tokens), routing.too_small(windows, tokens)
+
+
 async def _forward(
-    request: web.Request, name: str, body: bytes, started: float, label: str = ""
+    request: web.Request, name: str, body: bytes, started: float, label: str = "",
+    mark: Fingerprint | None = None, too_small: frozenset = frozenset(),
 ) -> web.StreamResponse:
-    """Tries lanes until one answers or routing gives up; each failure goes into the history it decides on."""
+    """Tries lanes until one answers or routing gives up; each failure goes into the history it decides on.
+
+    `mark`: the prompt's chunk hashes (prefix affinity); `too_small`: lanes whose window cannot hold it.
+    """
     app = request.app
     view, admission, settings = app[VIEW], app[ADMISSION], app[SETTINGS]
     history: list[Attempt] = []
     while True:
-        step = routing.decide([lane.key for lane in view.lanes_for(name)], history,
+        step = routing.decide([lane.key for lane in view.lanes_for(name) if lane.key not in too_small], history,
                               request_timeout=settings.request_timeout)  # fmt: skip
         if isinstance(step, GiveUp):
             return _give_up(step, settings)
         if step.retry:
             app[METRICS].retries.labels(name).inc()
         try:
-            lease = await admission.acquire(name, exclude=step.exclude)
+            lease = await admission.acquire(name, exclude=step.exclude | too_small, prompt=mark)
         except AdmissionError as exc:
             history.append(Attempt(None, Failure.NO_SLOT, str(exc), exc.status, exc.code))
             continue
@@ -200,6 +233,14 @@ def _lane_failed(view: FleetView, attempt: Attempt, history: list[Attempt]) -> N
     history.append(attempt)
 
 
+def _count_usage(app: web.Application, lane, found: usage.Usage | None) -> None:
+    if found is not None:
+        counts = app[ADMISSION].counts
+        counts.note_prompt(lane.alias, f"{lane.host_id}/{lane.lane_id}", found.prompt, found.cached)
+        if found.prefill_rate is not None:
+            counts.note_prefill(lane.key, found.prefill_rate)
+
+
 def _give_up(step: GiveUp, settings: GatewaySettings) -> web.Response:
     return openai_error(step.status, step.message, step.code, settings.retry_after if step.retry_after else None)
 
@@ -217,6 +258,10 @@ async def _relay(
         resp.content_length = upstream.content_length
     resp.headers["X-Lanes-Lane"] = f"{lane.host_id}/{lane.lane_id}"
     finished = False
+    streamed = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+    kept, kept_bytes = [], 0  # the answer (plain) or its tail (stream), for its prompt usage
+    limit = usage.STREAM_TAIL_BYTES if streamed else usage.PLAIN_BODY_BYTES
+    counting = upstream.status == 200 and not request.path.endswith("/embeddings")  # vectors: nothing cached
     try:
         await resp.prepare(request)
         first = True
@@ -226,7 +271,14 @@ async def _relay(
                     app[METRICS].ttfb.labels(lane.alias).observe(time.perf_counter() - started)
                     first = False
                 await resp.write(chunk)
+                if counting and (streamed or kept_bytes <= limit):
+                    kept.append(chunk)
+                    kept_bytes += len(chunk)
+                    while streamed and len(kept) > 1 and kept_bytes - len(kept[0]) >= limit:
+                        kept_bytes -= len(kept.pop(0))
             finished = True
+            if counting and (streamed or kept_bytes <= limit):
+                _count_usage(app, lane, usage.prompt_usage(b"".join(kept), streamed))
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
             # Bytes went out: routing ends the answer with its error, whatever other lanes there are.
             broke = Attempt(lane.key, Failure.BROKE, f"{type(exc).__name__} {exc}")
@@ -285,7 +337,8 @@ def build_app(
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_errors_and_keys])
     app[VIEW] = view
     app[SETTINGS] = settings
-    admission = admission or Admission(view, max_queue=settings.queue_depth, max_wait=settings.queue_wait)
+    admission = admission or Admission(view, max_queue=settings.queue_depth, max_wait=settings.queue_wait,
+                                       use_affinity=settings.affinity)  # fmt: skip
     app[ADMISSION] = admission
     app[METRICS] = metrics or GatewayMetrics(view, admission.counts)
     app[WAKER] = waker or waking.Waker(view, max_held=settings.queue_depth)

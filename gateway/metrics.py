@@ -49,7 +49,27 @@ class _FleetCollector(Collector):
         counted = self.view.catalogue.evictions if self.view.catalogue else {}
         for reason in ("idle", "wake", "abandoned"):
             evictions.add_metric([reason], counted.get(reason, 0))
-        yield from (total, busy, up, draining, queue, info, synced, evictions)
+        prompt = CounterMetricFamily("lanes_gateway_prompt_tokens", "Prompt tokens lanes read, from their answers",
+                                     labels=["model", "lane"])  # fmt: skip
+        cached = CounterMetricFamily(
+            "lanes_gateway_cached_prompt_tokens",
+            "Prompt tokens lanes reused from a slot or their prompt cache (timings.cache_n)", labels=["model", "lane"],
+        )  # fmt: skip
+        for (model, lane), n in sorted(self.counts.prompt_tokens.items()):
+            prompt.add_metric([model, lane], n)
+            cached.add_metric([model, lane], self.counts.cached_tokens.get((model, lane), 0))
+        routes = CounterMetricFamily(
+            "lanes_gateway_route_choices", "Lane choices by why: affinity, overflow (warm lane over its load"
+            " bound), miss (no lane held the prompt), no_prefix (no whole chunk to match: rotated)", labels=["model", "reason"],
+        )  # fmt: skip
+        for (model, reason), n in sorted(self.counts.routes.items()):
+            routes.add_metric([model, reason], n)
+        reported = GaugeMetricFamily("lanes_lane_slots_busy_reported", "Busy slots of a lane as its /slots last said",
+                                     labels=labels)  # fmt: skip
+        for lane in self.view.lanes():
+            if lane.key in self.counts.reported:
+                reported.add_metric([lane.host_id, lane.lane_id, lane.model], self.counts.reported[lane.key])
+        yield from (total, busy, up, draining, queue, info, synced, evictions, prompt, cached, routes, reported)
 
 
 class GatewayMetrics:

@@ -13,7 +13,7 @@ costs no try, up to DROPPED_CONNECTION_RETRIES times per request.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -133,3 +133,29 @@ def decide(candidates: Iterable[LaneKey], history: Sequence[Attempt], *, request
     if not lanes - done.tried:
         return lane_failed  # no other lane to try
     return Try(done.tried, retry=True)
+
+
+# ------------------------------------------------------------------ the window
+
+
+def too_small(windows: Mapping[LaneKey, int], tokens: int) -> frozenset[LaneKey]:
+    """Lanes whose per-slot window cannot hold a prompt of `tokens`.
+
+    llama-server refuses a prompt of n_ctx tokens or more (exceed_context_size_error, 400):
+    the first generated token needs a cell. A window of 0 is one the plan did not say: let
+    the lane decide.
+    """
+    return frozenset(lane for lane, window in windows.items() if 0 < window <= tokens)
+
+
+def context_exceeded(windows: Mapping[LaneKey, int], tokens: int) -> GiveUp | None:
+    """The 400 for a prompt no lane of the model can hold, before any lane is tried; None if one can."""
+    if not windows or too_small(windows, tokens) != frozenset(windows):
+        return None
+    largest = max(windows.values())
+    return GiveUp(
+        400,
+        f"This model's maximum context length is {largest} tokens per request; the prompt has {tokens}"
+        " (counted by the lane's tokenizer). Shorten the prompt.",
+        "context_length_exceeded",
+    )

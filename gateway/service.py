@@ -26,6 +26,7 @@ from gateway.admission import Admission
 from gateway.dashboard import DashboardHub, add_dashboard
 from gateway.fleet import FleetView, LaneRoute
 from gateway.http import build_app
+from gateway.lane_load import poll_forever
 from gateway.settings import GatewaySettings
 from shared import subjects
 from shared.messages import GatewayActivity, ModelWake, encode
@@ -52,7 +53,8 @@ class Gateway:
     gateway_id: str = ""
 
     def __post_init__(self) -> None:
-        self.admission = Admission(self.view, max_queue=self.settings.queue_depth, max_wait=self.settings.queue_wait)
+        self.admission = Admission(self.view, max_queue=self.settings.queue_depth, max_wait=self.settings.queue_wait,
+                                   use_affinity=self.settings.affinity)  # fmt: skip
         self.waker = waking.Waker(self.view, max_held=self.settings.queue_depth, publish=self.publish_wake)
         self.gateway_id = subjects.host_token(
             self.settings.gateway_id or f"{socket.gethostname().split('.')[0]}-{os.getpid()}-{id(self) % 10000}"
@@ -204,6 +206,8 @@ async def run_gateway(
                 asyncio.create_task(_logged(_bus_side(gw, servers, auth, stop, stack), "bus side")),
                 asyncio.create_task(_probe_loop(gw, stop)),
                 asyncio.create_task(_logged(_demand_loop(gw, stop), "demand loop")),
+                asyncio.create_task(_logged(poll_forever(gw.admission, gw.settings.slots_interval,
+                                                         gw.settings.probe_timeout, stop), "slots poll")),  # fmt: skip
                 asyncio.create_task(gw.dashboard.run(stop)),
             ]
             await run_until(stop, tasks)

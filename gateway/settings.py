@@ -20,6 +20,8 @@ class GatewaySettings:
     connect_timeout: float = 3.0  # reaching a lane; past it the request goes to another lane
     probe_interval: float = 1.0  # seconds between the gateway's own /health checks of each lane
     probe_timeout: float = 1.0
+    slots_interval: float = 0.5  # seconds between reads of each lane's /slots (its load from every client)
+    affinity: bool = True  # prefix affinity; False routes by most free slots alone
     retry_after: int = 1  # seconds, in the Retry-After header of a 503
     admin_key: str | None = None  # set: the dashboard accepts fleet config changes from a viewer who has it
     # Models on demand (gateway/waking.py): seconds a request for a model with no ready lane is

@@ -88,6 +88,7 @@ def catalogue(view: FleetView) -> list[dict]:
             "where": [{"host": lane.host_id, "lane": lane.lane_id, "state": lane.state if not lane.routable
                        else "ready"} for lane in lanes],
             "holders": list(entry.holders) if entry else sorted({lane.host_id for lane in lanes}),
+            "embeddings": any(lane.embeddings for lane in lanes) or bool(entry and entry.embeddings),
         }  # fmt: skip
         if reason and state != "ready":
             item["reason"] = reason

@@ -78,6 +78,8 @@ def _add_gateway_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue-wait", type=float, default=d.queue_wait, help="seconds a request waits for a slot")
     p.add_argument("--request-timeout", type=float, default=d.request_timeout, help="seconds per request, in all")
     p.add_argument("--connect-timeout", type=float, default=d.connect_timeout, help="seconds to reach a lane")
+    p.add_argument("--no-affinity", action="store_true",
+                   help="route by most free slots only, not to the lane holding the prompt's prefix")  # fmt: skip
     _add_load_timeout(p)
 
 
@@ -106,6 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-type-v", type=_cache_type, default="f16")
     p.add_argument("--flash-attn", choices=["on", "off", "auto"], default="auto")
     p.add_argument("--ubatch", "--ubatch-size", "-ub", dest="ubatch", type=_positive, default=512)
+    p.add_argument("--cache-ram", type=int, default=8192,
+                   help="prompt cache limit in MiB (llama-server --cache-ram; its default 8192; 0 off)")  # fmt: skip
     p.add_argument("--llama-server", help="follow this binary's KV layout, cache types and devices")
     p.add_argument("--llama-build", type=_positive,
                    help="plan for this llama.cpp build's rules without the binary (b6325 -> 6325)")

@@ -144,6 +144,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         n_gpu_layers=ngl, tensor_split=shares, devices=(backend,) * len(gpus), split_mode=args.split_mode,
         main_gpu=args.main_gpu, no_kv_offload=args.no_kv_offload, ngl_rule=caps.ngl_rule,
         n_cpu_moe=args.n_cpu_moe, tensor_overrides=overrides,
+        cache_ram=args.cache_ram * 2**20,
     )  # fmt: skip
     try:
         mem = lane_memory(facts, shape, cpu_repack())
@@ -166,6 +167,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         ["recurrent state", mib(mem.recurrent_bytes)],
         ["compute (estimate)", mib(mem.compute_bytes)],
         ["process overhead", mib(mem.overhead_bytes)],
+        ["prompt cache (--cache-ram)", mib(mem.prompt_cache_bytes)],
         ["total", gib(mem.total_bytes)],
     ]  # fmt: skip
     print(f"{facts.name}: ctx {args.ctx}, {args.parallel} slot(s), kv layout '{caps.kv_layout}'; {flash.reason}")
@@ -214,13 +216,14 @@ def render_plan(fleet) -> str:
                 mib(s.memory.weights_bytes),
                 mib(s.memory.kv_bytes),
                 mib(s.memory.compute_bytes),
+                "-" if s.cache_ram_mib is None else f"{s.cache_ram_mib} MiB",
                 gib(s.memory.total_bytes),
             ]
             for s in host.lanes
         ]
         if rows:
             out.append(
-                table(["lane", "port", "window", "kv k/v", "fa", "dev", "weights", "kv", "compute", "total"], rows)
+                table(["lane", "port", "window", "kv k/v", "fa", "dev", "weights", "kv", "compute", "cache", "total"], rows)
             )
         for s in host.lanes:
             out.append(f"  {s.lane_id}: " + "; ".join(s.reasons))

@@ -75,6 +75,7 @@ def gateway_settings(args: argparse.Namespace) -> GatewaySettings:
         connect_timeout=getattr(args, "connect_timeout", base.connect_timeout),
         admin_key=getattr(args, "admin_key", None) or None,
         load_timeout=getattr(args, "load_timeout", base.load_timeout),
+        affinity=not getattr(args, "no_affinity", False),
     )
 
 

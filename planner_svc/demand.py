@@ -290,11 +290,15 @@ def _budgets(report: HostReport, config: FleetConfig) -> dict:
 
 
 def _cost(spec: LaneSpec, report: HostReport) -> dict:
+    """A lane's fixed bytes per resource. Its prompt cache is left out: the planner gives caches
+    the RAM the lanes leave, so a newcomer shrinks them and never needs an eviction for them."""
     layout = spec.layout or (Layout("gpu", spec.gpu_devices, (), spec.n_gpu_layers) if spec.gpu_devices else Layout())
     try:
-        return cost_vector(spec.memory, layout, report)
+        cost = cost_vector(spec.memory, layout, report)
     except (IndexError, KeyError):
-        return {CPU_RESOURCE: spec.memory.total_bytes}
+        cost = {CPU_RESOURCE: spec.memory.total_bytes}
+    cost[CPU_RESOURCE] = max(0, cost.get(CPU_RESOURCE, 0) - spec.memory.prompt_cache_bytes)
+    return cost
 
 
 def room_on(
@@ -505,10 +509,13 @@ def model_states(
     lanes = _lanes_by_name(plans)
     holders: dict[str, list[str]] = {}
     sizes: dict[str, int] = {}
+    pooled: set[str] = set()
     for r in sorted(reports, key=lambda r: r.host_id):
         for m in r.models:
             holders.setdefault(m.name, []).append(r.host_id)
             sizes[m.name] = max(sizes.get(m.name, 0), m.file_bytes)
+            if m.pooling:
+                pooled.add(m.name)
     out = []
     for p in sorted(personas, key=persona_name):
         name = persona_name(p)
@@ -526,5 +533,6 @@ def model_states(
         out.append(ModelState(name=name, model=p.model, state=load, hosts=hosts, holders=held_by, reason=reason,
                               file_bytes=sizes.get(p.model, 0), on_demand=name in state.on_demand,
                               predicted_load_s=predicted_seconds(sizes.get(p.model, 0), fastest) if held_by else None,
-                              measured_load_s=measured.get(name)))  # fmt: skip
+                              measured_load_s=measured.get(name),
+                              embeddings=p.embeddings if p.embeddings is not None else p.model in pooled))  # fmt: skip
     return ModelStates(models=tuple(out), evictions=dict(sorted(state.evictions.items())))

@@ -37,6 +37,7 @@ from planner_svc.policy import (
     revert_target,
     window_bounds,
 )
+from planner_svc.prompt_cache import MIB, plan_cache_ram
 from planner_svc.threads import with_threads
 from shared.llama.flags import effective_cache_type, lane_args
 from shared.memory import (
@@ -88,6 +89,7 @@ class _Lane:
     factor: float  # >1 when the host reported more use than planned
     reasons: list[str] = field(default_factory=list)
     window: int = 0
+    cache_ram: int = 0  # bytes of prompt cache (--cache-ram), decided once the windows are
 
     @property
     def lane_id(self) -> str:
@@ -112,6 +114,7 @@ class _Lane:
             flash_attn=flash_attn_for(self.flags, report, self.layout.gpus, self.facts).on,
             layout=caps.kv_layout,
             n_ubatch=n_ubatch,
+            cache_ram=self.cache_ram,
         )
         return layout_memory(self.facts, self.layout, report, base)
 
@@ -355,6 +358,7 @@ def _host_plan(
 
         _grow(lanes, budgets, cost)
         _keep_stable(lanes, budgets, cost, prev, config, report.server.has_kv_unified)
+        _prompt_caches(lanes, budgets, cost, prev, config, report.server.has_cache_ram)
         busy = {fb.port: fb.detail for fb in feedback if fb.kind == "port_busy" and fb.port}
         specs, no_port = _assign_ports(report, [_spec(report, config, lane) for lane in lanes], prev, busy)
         specs = with_threads(report, config, specs, prev)
@@ -446,6 +450,22 @@ def _keep_stable(
         )
 
 
+def _prompt_caches(pool: list[_Lane], budget: Mapping[Resource, int], cost, prev: HostPlan | None,
+                   config: FleetConfig, has_cache_ram: bool) -> None:  # fmt: skip
+    """Each lane's --cache-ram from the host RAM its buffers leave (planner_svc/prompt_cache.py)."""
+    if not pool or not has_cache_ram:
+        return
+    used = sum(cost(lane, lane.window).get(CPU_RESOURCE, 0) for lane in pool)
+    before = {s.lane_id: s.cache_ram_mib for s in prev.lanes} if prev else {}
+    factor = max(lane.factor for lane in pool)
+    planned = plan_cache_ram([lane.lane_id for lane in pool], budget.get(CPU_RESOURCE, 0) - used, before,
+                             config.min_gain_fraction, factor)  # fmt: skip
+    for lane in pool:
+        mib, reason = planned[lane.lane_id]
+        lane.cache_ram = mib * MIB
+        lane.reasons.append(reason)
+
+
 def _same_shape(spec: LaneSpec, lane: _Lane, has_kv_unified: bool = True) -> bool:
     return (
         spec.model_path == lane.facts.path
@@ -473,6 +493,11 @@ def _spec(report: HostReport, config: FleetConfig, lane: _Lane) -> LaneSpec:
         "the ceiling" if lane.window == lane.ceiling else "the largest multiple of 256 that fits the budget"
     )
     reasons = [window_reason, *lane.reasons]
+    embeddings = lane.persona.embeddings if lane.persona.embeddings is not None else bool(lane.facts.pooling)
+    pooling = "mean" if embeddings and not lane.facts.pooling else None
+    if embeddings:
+        asked = "the persona asks for them" if lane.persona.embeddings else f"the model declares {lane.facts.pooling} pooling"
+        reasons.append(f"embeddings only (--embeddings): {asked}" + ("; --pooling mean: the model declares none" if pooling else ""))
     return LaneSpec(
         lane_id=lane.lane_id,
         model=lane.persona.model,
@@ -501,6 +526,9 @@ def _spec(report: HostReport, config: FleetConfig, lane: _Lane) -> LaneSpec:
         layout=lane.layout,
         n_cpu_moe=lane.layout.n_cpu_moe,
         chat_template=chat_template_for(lane.facts, caps)[0],
+        cache_ram_mib=lane.cache_ram // MIB if caps.has_cache_ram else None,
+        embeddings=embeddings,
+        pooling=pooling,
     )
 
 

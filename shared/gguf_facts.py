@@ -132,7 +132,12 @@ def read_model_facts(path: str | os.PathLike[str]) -> ModelFacts:
         n_ff_shexp=int(key("expert_shared_feed_forward_length", 0) or 0),
         expert_weights=experts,
         has_chat_template=isinstance(_value(reader, "tokenizer.chat_template"), str),
+        pooling=_POOLING.get(int(key("pooling_type", 0) or 0), ""),
     )
+
+
+# llama.cpp's enum llama_pooling_type as GGUFs store it (0: none, -1: unspecified).
+_POOLING = {1: "mean", 2: "cls", 3: "last", 4: "rank"}
 
 
 # ggml types the CPU backend's repack kernels take (ggml-cpu/repack.cpp); which of them a

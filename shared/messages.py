@@ -90,6 +90,7 @@ class ServerCaps(msgspec.Struct, frozen=True, kw_only=True):
     has_n_cpu_moe: bool = True  # -ncmoe/--n-cpu-moe N: the experts of the first N blocks in RAM (Aug 2025)
     has_chat_template: bool = True  # --chat-template NAME: a built-in template by name
     has_no_jinja: bool = True  # --no-jinja: jinja is on by default, so a template name needs it first
+    has_cache_ram: bool = True  # -cram/--cache-ram N: the host-RAM prompt cache's limit
 
 
 class LayerWeights(msgspec.Struct, frozen=True, array_like=True):
@@ -152,6 +153,9 @@ class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
     expert_weights: tuple[LayerWeights, ...] = ()
     # The file carries tokenizer.chat_template (False: llama-server would fall back to ChatML).
     has_chat_template: bool = True
+    # {arch}.pooling_type as llama.cpp names it (mean, cls, last, rank); "" when the file declares
+    # none: a model that declares one is an embedding model and its lanes serve embeddings.
+    pooling: str = ""
 
 
 class HostReport(_Msg, tag="host_report", kw_only=True):
@@ -238,6 +242,9 @@ class Persona(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     idle_ttl: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
     # Lanes that are never unloaded or evicted (pinned); the model is loaded even before any request.
     min_lanes: Annotated[int, msgspec.Meta(ge=0, le=10000)] = 0
+    # Lanes serve /v1/embeddings only (llama-server --embeddings); None: when the model's GGUF
+    # declares a pooling type (an embedding model).
+    embeddings: bool | None = None
 
 
 class Demand(_Msg, tag="demand", forbid_unknown_fields=True, kw_only=True):
@@ -276,6 +283,7 @@ class DeviceMemory(msgspec.Struct, frozen=True, kw_only=True):
     output_bytes: Bytes = 0
     recurrent_bytes: Bytes = 0
     layers: int = 0  # layers (blocks and output) assigned here
+    prompt_cache_bytes: Bytes = 0  # llama-server's host-RAM prompt cache (--cache-ram), at its limit
     # The lane's device: -1 host RAM, k the k-th GPU-type device in llama-server's order for the
     # lane (LaneSpec.gpu_devices[k] on the host). Read this, never the name.
     index: int = -1
@@ -291,7 +299,8 @@ class DeviceMemory(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def total(self) -> int:
-        return self.model_bytes + self.kv_bytes + self.compute_bytes + self.output_bytes + self.recurrent_bytes
+        return (self.model_bytes + self.kv_bytes + self.compute_bytes + self.output_bytes + self.recurrent_bytes
+                + self.prompt_cache_bytes)  # fmt: skip
 
 
 class MemoryBreakdown(msgspec.Struct, frozen=True, kw_only=True):
@@ -306,6 +315,7 @@ class MemoryBreakdown(msgspec.Struct, frozen=True, kw_only=True):
     recurrent_bytes: Bytes = 0
     compute_bytes: Bytes = 0
     overhead_bytes: Bytes = 0
+    prompt_cache_bytes: Bytes = 0  # --cache-ram, in host RAM
     total_bytes: Bytes = 0
     # Per device (CPU first); the totals above are their sums plus the process overhead.
     devices: tuple[DeviceMemory, ...] = ()
@@ -364,6 +374,11 @@ class LaneSpec(msgspec.Struct, frozen=True, kw_only=True):
     n_cpu_moe: Annotated[int, msgspec.Meta(ge=0)] = 0
     # --chat-template NAME: one of llama-server's built-in templates, for a file without its own.
     chat_template: Name | None = None
+    # --cache-ram in MiB: the host-RAM prompt cache the plan counts (0: off); None: an older planner's
+    # spec, without the flag (llama-server's own default, 8192, uncounted).
+    cache_ram_mib: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    embeddings: bool = False  # --embeddings: the lane serves /v1/embeddings only
+    pooling: Literal["mean", "cls", "last", "rank"] | None = None  # --pooling, for a model that declares none
 
 
 class Unplaced(msgspec.Struct, frozen=True, kw_only=True):
@@ -553,6 +568,8 @@ class ModelState(msgspec.Struct, frozen=True, kw_only=True):
     # (planner_svc/coldstart.py), and the last measured load of one of its lanes.
     predicted_load_s: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
     measured_load_s: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
+    # Its lanes serve /v1/embeddings only (the persona asks, or the file declares a pooling type).
+    embeddings: bool = False
 
 
 class ModelStates(_Msg, tag="model_states", kw_only=True):

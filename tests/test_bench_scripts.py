@@ -60,3 +60,13 @@ def test_demand_bench_small(tmp_path):
     for policy in ("lanes", "evict_oldest"):
         assert data[policy]["served"] == 12 and data[policy]["aborted"] == 0
     assert data["trace"]["lanes_need_gib"] >= 2 * data["trace"]["fleet_budget_gib"] - 0.1
+
+
+def test_affinity_bench_small(tmp_path, llama_server):
+    out = tmp_path / "affinity.md"
+    result = run("affinity_bench.py", "--convs", "3", "--turns", "2", "--system-words", "200", "--out", str(out),
+                 timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert data["affinity"]["requests"] == data["most_free_slots"]["requests"] == 6
+    assert "cached-token ratio, turns 2+" in out.read_text()

@@ -34,10 +34,12 @@ def test_memory_bar_adds_up_planned_parts_and_keeps_headroom() -> None:
     assert cpu["kv"] == sum(s.memory.kv_bytes for s in hp.lanes) > 0
     # compute, output buffers and the process itself: the rest of each lane's total
     rest = sum(s.memory.total_bytes - s.memory.weights_bytes - s.memory.kv_bytes - s.memory.recurrent_bytes
-               for s in hp.lanes)  # fmt: skip
+               - s.memory.prompt_cache_bytes for s in hp.lanes)  # fmt: skip
     assert cpu["compute"] == rest >= sum(s.memory.compute_bytes for s in hp.lanes) > 0
+    # the prompt cache (--cache-ram) is its own part of the bar
+    assert cpu["cache"] == sum(s.memory.prompt_cache_bytes for s in hp.lanes) > 0
     assert cpu["headroom"] == 512 * 2**20 + int(0.05 * 64 * GIB)
-    planned = cpu["weights"] + cpu["kv"] + cpu["compute"]
+    planned = cpu["weights"] + cpu["kv"] + cpu["compute"] + cpu["cache"]
     assert planned == sum(s.memory.total_bytes for s in hp.lanes)
     assert cpu["free"] == cpu["available"] - planned - cpu["headroom"]
     assert cpu["free"] >= 0
@@ -179,3 +181,16 @@ def test_requests_per_second_from_finished_requests() -> None:
 
     rates = asyncio.run(run())
     assert abs(rates[("h1", "l1")] - 20 / (RATE_SECONDS * 2)) < 0.05
+
+
+def test_lane_rows_show_the_cache_hit_ratio_from_the_lanes_answers() -> None:
+    view = FleetView()
+    _, hp = _fleet(view)
+    first, second = hp.lanes[0], hp.lanes[1]
+    counts = LaneCounts()
+    counts.note_prompt(first.alias, f"h1/{first.lane_id}", 1000, 900)
+    counts.note_prompt("other-alias", f"h1/{first.lane_id}", 1000, 100)  # the same lane under another name
+    rows = {lane["lane_id"]: lane for lane in snapshot(view, counts=counts)["hosts"][0]["lanes"]}
+    assert rows[first.lane_id]["cache_hit_ratio"] == 0.5 and rows[first.lane_id]["prompt_tokens"] == 2000
+    assert rows[second.lane_id]["cache_hit_ratio"] is None  # no answers yet
+    assert rows[first.lane_id]["cache_ram_mib"] == first.cache_ram_mib is not None

@@ -23,10 +23,13 @@ from fixtures_bus import Services, agent_config, client, free_port_base, host_st
 from waiting import eventually
 from test_metrics import samples
 
+from gateway import prompts
 from gateway.service import Gateway, run_gateway
+from gateway.tokens import count_tokens
 from gateway.settings import GatewaySettings
 from shared import subjects
 from shared.messages import ConfigSet, Demand, Persona, encode
+from msgspec.json import encode as encode_json
 from shared.natsserver import NatsServer
 
 ALIAS = "chat"
@@ -165,7 +168,9 @@ async def test_errors_come_in_openai_shape(fleet):
                 assert resp.status == 200
     async with gateway(fleet, request_timeout=0.5) as gw:  # a request that cannot finish in time
         with pytest.raises(openai.APIStatusError) as slow:
-            await _openai(gw).chat.completions.create(model=ALIAS, messages=MESSAGES, **LONG)
+            # long enough to time out, short enough that the lane, which finishes it anyway, is soon free
+            await _openai(gw).chat.completions.create(model=ALIAS, messages=MESSAGES, max_tokens=200,
+                                                      extra_body={"ignore_eos": True})  # fmt: skip
         assert slow.value.status_code == 504 and slow.value.code == "timeout"
 
 
@@ -197,6 +202,9 @@ async def test_no_lanes_for_a_model(tmp_path):
 async def test_requests_spread_by_free_slots_then_queue_then_overflow(fleet):
     # queue_wait: long enough for a slot to be handed on (below) on a loaded machine.
     async with gateway(fleet, queue_depth=1, queue_wait=5.0) as gw, aiohttp.ClientSession() as http:
+        # Slots busy with an earlier test's abandoned request count as load (the gateway reads /slots).
+        await eventually(lambda: len(gw.admission.counts.reported) == LANES and not any(gw.admission.counts.reported.values()),
+                         timeout=60, what="every slot idle")  # fmt: skip
         # Four slots in the fleet (two lanes, two each): four streams take one slot each.
         streams = [await _open_stream(http, gw) for _ in range(4)]
         assert sorted(Counter(r.headers["X-Lanes-Lane"] for r in streams).values()) == [2, 2]
@@ -245,6 +253,99 @@ async def test_metrics_after_traffic(fleet):
             assert f'lanes_lane_slots{{host="{HOST}",lane="{lane.lane_id}",model="{lane.model}"}} 2.0' in text
             assert f'lanes_lane_routable{{host="{HOST}",lane="{lane.lane_id}",model="{lane.model}"}} 1.0' in text
         assert 'lanes_build_info{service="gateway",version=' in text
+
+
+# ------------------------------------------------------------------ routing by what a lane holds
+
+SYSTEMS = [f"You are assistant number {i}. " + "Answer briefly and precisely, naming the facts you rely on. " * 30
+           for i in range(4)]  # fmt: skip
+
+
+async def test_a_conversation_comes_back_to_its_lane_and_its_prompt_is_cached(fleet):
+    """Prefix affinity with the real llama-server: each conversation's second and third turns land on
+    the lane of its first, which reports most of the prompt cached; the gateway's token counters add
+    up to what the lanes' answers said."""
+    async with gateway(fleet) as gw, aiohttp.ClientSession() as http:
+        ai = _openai(gw)
+        convs = [[{"role": "system", "content": s}, {"role": "user", "content": "Say hello."}] for s in SYSTEMS]
+        first, prompt_tokens = {}, 0
+        for i, messages in enumerate(convs):
+            raw = await ai.chat.completions.with_raw_response.create(model=ALIAS, messages=messages, max_tokens=8)
+            first[i] = raw.headers["x-lanes-lane"]
+            answer = raw.parse()
+            prompt_tokens += answer.usage.prompt_tokens
+            messages += [{"role": "assistant", "content": answer.choices[0].message.content or ""},
+                         {"role": "user", "content": "And now say goodbye."}]  # fmt: skip
+        assert len(set(first.values())) == 2  # new conversations spread over both lanes
+        for i in reversed(range(len(convs))):  # the second turns, in another order
+            raw = await ai.chat.completions.with_raw_response.create(model=ALIAS, messages=convs[i], max_tokens=8)
+            assert raw.headers["x-lanes-lane"] == first[i]
+            answer = raw.parse()
+            prompt_tokens += answer.usage.prompt_tokens
+            assert answer.usage.prompt_tokens_details.cached_tokens > 0.8 * answer.usage.prompt_tokens, answer.usage
+            convs[i] += [{"role": "assistant", "content": answer.choices[0].message.content or ""},
+                         {"role": "user", "content": "Thanks."}]  # fmt: skip
+        # A streamed third turn: its lane's last chunk carries the timings the gateway counts.
+        raw = await ai.chat.completions.with_raw_response.create(
+            model=ALIAS, messages=convs[0], max_tokens=8, stream=True, stream_options={"include_usage": True})
+        assert raw.headers["x-lanes-lane"] == first[0]
+        chunks = [chunk async for chunk in raw.parse()]
+        usage = next(c.usage for c in reversed(chunks) if c.usage)
+        prompt_tokens += usage.prompt_tokens
+        assert usage.prompt_tokens_details.cached_tokens > 0.8 * usage.prompt_tokens
+        text = await (await http.get(gw.url + "/metrics")).text()
+    got = samples(text)
+    lanes = {lane.lane_id for lane in gw.view.lanes_for(ALIAS)}
+    counted = {lane: got.get(("lanes_gateway_prompt_tokens_total", frozenset({"model": ALIAS, "lane": f"{HOST}/{lane}"}.items())), 0)
+               for lane in lanes}  # fmt: skip
+    cached = {lane: got.get(("lanes_gateway_cached_prompt_tokens_total",
+                             frozenset({"model": ALIAS, "lane": f"{HOST}/{lane}"}.items())), 0) for lane in lanes}  # fmt: skip
+    assert sum(counted.values()) == prompt_tokens  # every answer counted once, plain and streamed
+    assert all(0 < cached[lane] < counted[lane] for lane in lanes), (cached, counted)
+    assert got[("lanes_gateway_route_choices_total", frozenset({"model": ALIAS, "reason": "affinity"}.items()))] == 5
+
+
+async def test_a_prompt_no_window_holds_is_refused_before_any_lane(fleet):
+    async with gateway(fleet) as gw, aiohttp.ClientSession() as http:
+        huge = [{"role": "user", "content": "word " * 6000}]  # about 6000 tokens; windows of 4096
+        with pytest.raises(openai.BadRequestError) as refused:
+            await _openai(gw).chat.completions.create(model=ALIAS, messages=huge, max_tokens=4)
+        assert refused.value.code == "context_length_exceeded" and "4096" in refused.value.message
+        assert "x-lanes-lane" not in refused.value.response.headers  # no lane was tried
+        assert not gw.admission.counts.served
+        # Long, but within the window: counted by the lane, then served.
+        status, _, body = await _chat(http, gw, messages=[{"role": "user", "content": "word " * 1500}])
+        assert status == 200, body
+        # The byte bound never under-counts the real tokenizer (SentencePiece with byte fallback).
+        lane = gw.view.routable(ALIAS)[0]
+        for text in ("plain words " * 200, "ünïcödé façade " * 100, "日本語のテキストです。" * 60, "🙂🚀 " * 150):
+            for path, payload in (("/v1/completions", {"prompt": text}),
+                                  ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]})):  # fmt: skip
+                prompt = prompts.prompt_of(path, payload)
+                exact = await count_tokens(http, lane.url, prompt, encode_json(payload))
+                assert exact is not None and 0 < exact <= prompt.token_bound(), (text[:20], exact)
+
+
+async def test_slots_busy_with_other_clients_count_as_load(fleet):
+    """Two streams straight to one lane (not through the gateway) fill its slots: the gateway's /slots
+    reading sees them, and its requests go to the other lane."""
+    async with gateway(fleet) as gw, aiohttp.ClientSession() as http:
+        lane = gw.view.routable(ALIAS)[0]
+        direct = []
+        for _ in range(2):
+            resp = await http.post(lane.url + "/v1/chat/completions", json={
+                "messages": MESSAGES, "stream": True, "max_tokens": 1500, "ignore_eos": True})  # fmt: skip
+            assert (await resp.content.readany()).startswith(b"data: ")
+            direct.append(resp)
+        await eventually(lambda: gw.admission.counts.reported.get(lane.key) == 2, timeout=10, what="/slots read")
+        for _ in range(3):
+            status, headers, _ = await _chat(http, gw)
+            assert status == 200 and headers["X-Lanes-Lane"] != f"{lane.host_id}/{lane.lane_id}"
+        text = await (await http.get(gw.url + "/metrics")).text()
+        assert f'lanes_lane_slots_busy_reported{{host="{HOST}",lane="{lane.lane_id}",model="{lane.model}"}} 2.0' in text
+        for resp in direct:
+            resp.close()
+        await eventually(lambda: gw.admission.counts.reported.get(lane.key) == 0, timeout=10, what="slots freed")
 
 
 # ------------------------------------------------------------------ failures

@@ -53,8 +53,8 @@ def test_lanes_come_from_plans_with_their_agents_state():
     assert [lane.lane_id for lane in view.lanes_for("chat")] == ["gemma-0"]
     assert [lane.lane_id for lane in view.lanes_for("gemma")] == ["gemma-0"]  # model name works too
     assert view.models() == [
-        {"id": "chat", "model": "gemma", "lanes": 1, "ready": 1},
-        {"id": "qwen", "model": "qwen", "lanes": 1, "ready": 0},
+        {"id": "chat", "model": "gemma", "lanes": 1, "ready": 1, "embeddings": False},
+        {"id": "qwen", "model": "qwen", "lanes": 1, "ready": 0, "embeddings": False},
     ]
 
 

@@ -52,6 +52,7 @@ def write_llama(
     omit: tuple[str, ...] = (),
     n_vocab: int = N_VOCAB,
     tied: bool = False,
+    pooling: int | None = None,
 ) -> Path:
     """A llama (GQA) model, or with arch="gemma3" and n_swa > 0 a sliding-window one.
 
@@ -75,6 +76,8 @@ def write_llama(
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(10000.0)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    if pooling is not None:  # an embedding model: {arch}.pooling_type (1 mean, 2 cls, 3 last)
+        w.add_pooling_type(gguf.PoolingType(pooling))
     if n_swa:
         w.add_sliding_window(n_swa)
     _tokenizer(w, n_vocab)

@@ -16,12 +16,12 @@ function deviceRow(d) {
   const used = Math.max(0, d.total - d.available);  // held by other programs
   const bar = el("div", { class: "bar", title: `${d.device}: ${gib(d.total)}` });
   for (const [cls, bytes] of [["used", used], ["weights", d.weights], ["kv", d.kv], ["compute", d.compute],
-                              ["headroom", d.headroom]]) {
+                              ["prompt-cache", d.cache || 0], ["headroom", d.headroom]]) {
     bar.append(el("span", { class: cls, style: `width:${pct(bytes, d.total)}`, title: `${cls} ${gib(bytes)}` }));
   }
   if (d.real > 0) bar.append(el("span", { class: "real", style: `left:${pct(used + d.real, d.total)}`,
                                           title: `real ${gib(d.real)}` }));
-  const planned = d.weights + d.kv + d.compute;
+  const planned = d.weights + d.kv + d.compute + (d.cache || 0);
   return el("div", { class: "device" }, el("span", {}, d.device), bar,
             el("span", { class: "legend" }, `planned ${gib(planned)} · real ${gib(d.real)} · free ${gib(d.free)}`));
 }
@@ -37,6 +37,7 @@ function renderHosts(hosts) {
   }));
   box.append(el("div", { class: "legend" }, el("i", { style: "background:var(--weights)" }), "weights",
     el("i", { style: "background:var(--kv)" }), "KV", el("i", { style: "background:var(--compute)" }), "compute",
+    el("i", { style: "background:var(--prompt-cache)" }), "prompt cache",
     el("i", { style: "background:var(--headroom)" }), "headroom", el("i", { style: "background:var(--free)" }), "free",
     el("i", { style: "background:#fff" }), "real (RSS)"));
 }
@@ -61,6 +62,9 @@ function renderLanes(hosts) {
       el("td", { class: `state state-${l.state}` }, l.state),
       el("td", {}, `${l.slots_busy} / ${l.parallel}`), el("td", { class: "rps" }, l.requests_per_second.toFixed(2)),
       el("td", { class: "kv" }, `${mib(l.kv_planned_bytes)} / ${mib(l.kv_real_bytes)}`),
+      el("td", { class: "hit", title: `${l.cached_tokens} of ${l.prompt_tokens} prompt tokens cached; ` +
+                 `--cache-ram ${l.cache_ram_mib ?? "default"} MiB` },
+         l.cache_hit_ratio == null ? "-" : `${(100 * l.cache_hit_ratio).toFixed(0)}%`),
       el("td", { class: "error" }, l.last_error)));
   }
   $("#lanes tbody").replaceChildren(...rows);

@@ -100,6 +100,12 @@ def lane_args(spec: LaneSpec, caps: ServerCaps) -> tuple[str, ...]:
     if spec.chat_template is not None:
         # a built-in template's name is only read as a name with jinja off (jinja reads it as text)
         args += (["--no-jinja"] if caps.has_no_jinja else []) + ["--chat-template", spec.chat_template]
+    if spec.cache_ram_mib is not None:
+        args += ["--cache-ram", str(spec.cache_ram_mib)]
+    if spec.embeddings:
+        args.append("--embeddings")
+    if spec.pooling is not None:
+        args += ["--pooling", spec.pooling]
     if spec.fit_off:
         args += ["-fit", "off"]
     if spec.n_ubatch != DEFAULT_N_UBATCH:  # the plan's compute and sliding-window sizes assume it
@@ -219,6 +225,7 @@ def parse_caps(help_text: str, version_text: str = "") -> ServerCaps:
         has_n_cpu_moe="--n-cpu-moe" in help_text,
         has_chat_template="--chat-template" in help_text,
         has_no_jinja="--no-jinja" in help_text,
+        has_cache_ram="--cache-ram" in help_text,
     )
 
 

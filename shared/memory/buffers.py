@@ -15,6 +15,7 @@ each buffer is, from the b11434 source and checked against the binary's -lv 4 li
 - output: logits for n_vocab x parallel floats, in host memory.
 - compute: see compute_bytes.
 - recurrent: each recurrent layer's share of the per-sequence state, on its layer's device.
+- prompt cache: the --cache-ram limit the plan gives the lane, in host RAM (prompt_cache_bytes).
 
 Each per-device list has the host's RAM at index 0, then each GPU-type device of the lane.
 """
@@ -73,6 +74,7 @@ class LaneShape:
     ngl_rule: NglRule = "output_first"
     n_cpu_moe: int = 0  # --n-cpu-moe: the expert tensors of the first N blocks in RAM
     tensor_overrides: tuple[tuple[str, str], ...] = ()  # -ot PATTERN=BUFFER pairs (only =CPU on experts)
+    cache_ram: int = 0  # bytes: the prompt cache's limit (--cache-ram), see prompt_cache_bytes
 
 
 def placement_for(facts: ModelFacts, shape: LaneShape) -> Placement:
@@ -274,6 +276,14 @@ def compute_bytes(facts: ModelFacts, placement: Placement, shape: LaneShape, kv:
     return out
 
 
+def prompt_cache_bytes(shape: LaneShape, placement: Placement) -> list[int]:
+    """llama-server's prompt cache (--cache-ram): past prompts' states, copied to host RAM as
+    slots move on, up to the limit. Counted at its limit, in host memory whatever the layout:
+    it fills with use, so a plan that left it out would be exceeded by a lane that served long
+    enough (the issue's 8 GiB per process by default)."""
+    return [shape.cache_ram] + [0] * placement.n_devices
+
+
 def lane_memory(
     facts: ModelFacts, shape: LaneShape, cpu_repack: Sequence[str] | None = None, *, placement: Placement | None = None
 ) -> MemoryBreakdown:
@@ -292,6 +302,7 @@ def lane_memory(
     recurrent = recurrent_per_device(facts, placement, shape.parallel)
     compute = compute_bytes(facts, placement, shape, kv)
     output = output_bytes(facts, placement, shape.parallel)
+    prompt_cache = prompt_cache_bytes(shape, placement)
     devices = []
     for i in range(1 + placement.n_devices):
         dev = CPU if i == 0 else i - 1
@@ -303,6 +314,7 @@ def lane_memory(
                 compute_bytes=compute[i],
                 output_bytes=output[i],
                 recurrent_bytes=recurrent[i],
+                prompt_cache_bytes=prompt_cache[i],
                 layers=len(placement.layers_on(dev)),
                 index=dev,
                 backend=placement.backend(dev),
@@ -321,6 +333,7 @@ def lane_memory(
         recurrent_bytes=sum(recurrent),
         compute_bytes=sum(compute),
         overhead_bytes=PROCESS_OVERHEAD,
+        prompt_cache_bytes=sum(prompt_cache),
         total_bytes=total,
         devices=tuple(devices),
     )
