@@ -37,6 +37,7 @@ from planner_svc.policy import (
     revert_target,
     window_bounds,
 )
+from planner_svc import spans
 from planner_svc.threads import with_threads
 from shared.llama.flags import effective_cache_type, lane_args
 from shared.memory import (
@@ -57,6 +58,8 @@ from shared.messages import (
     MemoryBreakdown,
     ModelFacts,
     Persona,
+    RpcWorkerSpec,
+    SpanWorker,
     Unplaced,
 )
 
@@ -88,6 +91,9 @@ class _Lane:
     factor: float  # >1 when the host reported more use than planned
     reasons: list[str] = field(default_factory=list)
     window: int = 0
+    # A span lane (one lane across hosts): its workers and the serving host's view of them.
+    span: spans.Span | None = None
+    span_workers: tuple[SpanWorker, ...] = ()
 
     @property
     def lane_id(self) -> str:
@@ -184,6 +190,7 @@ def plan(
         if r.server is None:
             host_reasons[r.host_id].append("no lanes: no usable llama-server binary on this host")
     lanes: dict[str, list[_Lane]] = {r.host_id: [] for r in reports}
+    span_book = _SpanBook()
 
     for persona in personas:
         holders = [(r, m) for r in reports if r.server is not None for m in r.models if m.name == persona.model]
@@ -194,6 +201,11 @@ def plan(
         for _ in range(wanted):
             candidates = holders if persona.lanes is not None else [holders.pop(0)]
             placed, why = _place(persona, candidates, config, lanes, remaining, previous, feedback)
+            if not placed and (persona.lanes is not None or not span_book.has(persona.model)):
+                span_placed, span_why = _place_span(
+                    persona, candidates, reports, config, lanes, remaining, previous, feedback, span_book
+                )
+                placed, why = span_placed, (why if not span_placed and not span_why else f"{why}; {span_why}")
             if not placed:
                 target = candidates[0][0].host_id if len(candidates) == 1 else None
                 entry = Unplaced(model=persona.model, reason=why)
@@ -213,6 +225,7 @@ def plan(
                 previous.get(r.host_id),
                 config_revision,
                 feedback.get(r.host_id, ()),
+                span_book,
             )
         )
     return FleetPlan(hosts=tuple(plans), unplaced=tuple(fleet_unplaced))
@@ -340,17 +353,27 @@ def _place(persona, candidates_, config, lanes, remaining, previous, feedback) -
 
 
 def _host_plan(
-    report, config, lanes, reasons, unplaced, prev: HostPlan | None, config_revision, feedback=()
+    report, config, lanes, reasons, unplaced, prev: HostPlan | None, config_revision, feedback=(), span_book=None
 ) -> HostPlan:
     budgets = _budgets(report, config)
+    span_book = span_book or _SpanBook()
+    # Memory lent to other hosts' span lanes, and this host's own span lanes (their windows were
+    # chosen when they were placed), come off before the other lanes grow.
+    grow_budget = dict(budgets)
+    grow_budget[CPU_RESOURCE] = grow_budget.get(CPU_RESOURCE, 0) - span_book.lent.get(report.host_id, 0)
+    for lane in lanes:
+        if lane.span is not None:
+            used = _cost(lane, lane.window, lane.span.report, config.n_ubatch)
+            grow_budget[CPU_RESOURCE] -= used.get(CPU_RESOURCE, 0)
+    single = [lane for lane in lanes if lane.span is None]
     specs: list[LaneSpec] = []
     if report.server is not None:
 
         def cost(lane: _Lane, window: int) -> dict[Resource, int]:
             return _cost(lane, window, report, config.n_ubatch)
 
-        _grow(lanes, budgets, cost)
-        _keep_stable(lanes, budgets, cost, prev, config, report.server.has_kv_unified)
+        _grow(single, grow_budget, cost)
+        _keep_stable(single, grow_budget, cost, prev, config, report.server.has_kv_unified)
         busy = {fb.port: fb.detail for fb in feedback if fb.kind == "port_busy" and fb.port}
         specs, no_port = _assign_ports(report, [_spec(report, config, lane) for lane in lanes], prev, busy)
         specs = with_threads(report, config, specs, prev)
@@ -375,6 +398,7 @@ def _host_plan(
         lanes=tuple(specs),
         unplaced=tuple(unplaced),
         reasons=tuple(reasons),
+        rpc_workers=tuple(sorted(span_book.specs.get(report.host_id, ()), key=lambda w: (w.port, w.lane_id))),
     )
     if prev is None:
         return msgspec.structs.replace(draft, plan_revision=1)
@@ -463,6 +487,7 @@ def _n_gpu_layers(lane: _Lane) -> int:
 
 def _spec(report: HostReport, config: FleetConfig, lane: _Lane) -> LaneSpec:
     caps = report.server
+    report = lane.span.report if lane.span is not None else report  # a span sees its workers as devices
     memory = lane.memory(lane.window, report, config.n_ubatch)
     pins = pins_for(lane.layout, report)
     window_reason = f"window {lane.window} tokens per slot x {lane.persona.parallel} on {lane.device}: " + (
@@ -497,6 +522,7 @@ def _spec(report: HostReport, config: FleetConfig, lane: _Lane) -> LaneSpec:
         layout=lane.layout,
         n_cpu_moe=lane.layout.n_cpu_moe,
         chat_template=chat_template_for(lane.facts, caps)[0],
+        workers=lane.span_workers,
     )
 
 
@@ -530,3 +556,94 @@ def _assign_ports(
         spec = msgspec.structs.replace(spec, port=port)
         out.append(msgspec.structs.replace(spec, args=lane_args(spec, report.server)))
     return out, dropped
+
+
+# ------------------------------------------------------------------ spans (one lane across hosts)
+
+
+@dataclass
+class _SpanBook:
+    """What this planning pass's span lanes took from their workers."""
+
+    lent: dict[str, int] = field(default_factory=dict)  # worker host -> bytes reserved there
+    ports: dict[str, set[int]] = field(default_factory=dict)  # worker host -> ports given out
+    specs: dict[str, list[RpcWorkerSpec]] = field(default_factory=dict)  # worker host -> its servers
+    models: set[str] = field(default_factory=set)
+
+    def has(self, model: str) -> bool:
+        return model in self.models
+
+
+def _previous_span(prev: HostPlan | None, lane_id: str) -> tuple[tuple[tuple[str, ...], int] | None, dict[str, int]]:
+    spec = next((s for s in prev.lanes if s.lane_id == lane_id), None) if prev else None
+    if spec is None or not spec.workers:
+        return None, {}
+    ports = {w.host_id: int(w.endpoint.rsplit(":", 1)[1]) for w in spec.workers}
+    return (tuple(w.host_id for w in spec.workers), spec.ctx_total // spec.parallel), ports
+
+
+def _place_span(persona, candidates_, reports, config, lanes, remaining, previous, feedback, book) -> tuple[bool, str]:
+    """A model that fits no single host: one lane on a holder of it, with layers on the fewest
+    workers (planner_svc.spans). (False, why) when no span fits either; why is "" with no workers."""
+    if not any(r.rpc_worker is not None for r in reports):
+        return False, ""
+    options = []
+    why = "no span over the workers fits it either"
+    for report, facts in candidates_:
+        host = report.host_id
+        fb = [f for f in feedback.get(host, ()) if f.model == persona.model]
+        blocked = spans.span_blocked(fb, persona.model)
+        if blocked:
+            why = f"no span from {host}: {blocked}"
+            continue
+        flags = decide_flags(config, report, facts, fb)
+        floor, ceiling, bound_reasons = window_bounds(persona, facts, fb)
+        if ceiling < CTX_PAD:
+            continue
+        factor, factor_reasons = correction(fb)
+        index = sum(1 for lane in lanes[host] if lane.persona.model == persona.model)
+        lane_id = lane_id_for(persona.model, index)
+        prev_span, prev_ports = _previous_span(previous.get(host), lane_id)
+        workers = spans.worker_candidates(host, reports, remaining, book.ports, prev_ports)
+
+        def lane_at(layout: Layout) -> _Lane:
+            return _Lane(host, persona, facts, index, flags, layout, floor, ceiling, factor)
+
+        def cost_at(view: HostReport, layout: Layout, window: int) -> dict[Resource, int]:
+            return _cost(lane_at(layout), window, view, config.n_ubatch)
+
+        try:
+            span = spans.find_span(report, remaining[host], workers, facts.n_layer, cost_at, floor, ceiling, CTX_PAD,
+                                   prev_span, config.min_gain_fraction)  # fmt: skip
+        except (MemoryModelError, PlacementError) as exc:
+            why = str(exc)
+            continue
+        if span is None:
+            continue
+        lane = lane_at(span.layout)
+        lane.window, lane.span = span.window, span
+        lane.reasons = list(flags.reasons) + bound_reasons + factor_reasons
+        options.append((len(span.workers), host, lane))
+    if not options:
+        return False, why
+    options.sort(key=lambda o: o[:2])
+    _, host, lane = options[0]
+    span = lane.span
+    cost = _cost(lane, lane.window, span.report, config.n_ubatch)
+    memory = lane.memory(lane.window, span.report, config.n_ubatch)
+    lane.span_workers = spans.span_workers(span, memory, cost)
+    remaining[host][CPU_RESOURCE] -= cost.get(CPU_RESOURCE, 0)
+    for worker, spec in zip(span.workers, spans.worker_specs(lane.lane_id, host, span, lane.span_workers)):
+        remaining[worker.host_id][CPU_RESOURCE] -= spec.reserved_bytes
+        book.lent[worker.host_id] = book.lent.get(worker.host_id, 0) + spec.reserved_bytes
+        book.ports.setdefault(worker.host_id, set()).add(worker.port)
+        book.specs.setdefault(worker.host_id, []).append(spec)
+    book.models.add(persona.model)
+    on = ", ".join(f"{w.host_id} ({_gib(w.reserved_bytes)} at {w.endpoint})" for w in lane.span_workers)
+    lane.reasons.append(
+        f"span: fits no single host at its floor of {lane.floor} tokens per slot; layers on {on}"
+        f" and {lane.facts.n_layer + 1 - sum(lane.layout.shares or (_n_gpu_layers(lane),))} on {host}'s CPU"
+    )
+    lane.reasons.append(f"layout: {describe(lane.layout, lane.facts.n_layer)} (RPC devices)")
+    lanes[host].append(lane)
+    return True, ""
