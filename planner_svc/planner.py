@@ -191,6 +191,7 @@ def plan(
             host_reasons[r.host_id].append("no lanes: no usable llama-server binary on this host")
     lanes: dict[str, list[_Lane]] = {r.host_id: [] for r in reports}
     span_book = _SpanBook()
+    deferred = []  # (persona, candidates, why, target host) of lanes that fit no single host
 
     for persona in personas:
         holders = [(r, m) for r in reports if r.server is not None for m in r.models if m.name == persona.model]
@@ -198,20 +199,32 @@ def plan(
             fleet_unplaced.append(Unplaced(model=persona.model, reason="no host with a llama-server holds this model"))
             continue
         wanted = len(holders) if persona.lanes is None else persona.lanes
-        for _ in range(wanted):
+        for i in range(wanted):
             candidates = holders if persona.lanes is not None else [holders.pop(0)]
             placed, why = _place(persona, candidates, config, lanes, remaining, previous, feedback)
-            if not placed and (persona.lanes is not None or not span_book.has(persona.model)):
-                span_placed, span_why = _place_span(
-                    persona, candidates, reports, config, lanes, remaining, previous, feedback, span_book
-                )
-                placed, why = span_placed, (why if not span_placed and not span_why else f"{why}; {span_why}")
             if not placed:
                 target = candidates[0][0].host_id if len(candidates) == 1 else None
-                entry = Unplaced(model=persona.model, reason=why)
-                (host_unplaced[target] if target else fleet_unplaced).append(entry)
+                deferred += [(persona, candidates, why, target)] * (wanted - i if persona.lanes is not None else 1)
                 if persona.lanes is not None:
                     break
+
+    # Spans last: a lane across hosts takes what the single-host lanes left at their floors.
+    failed_spans: set[str] = set()
+    for persona, candidates, why, target in deferred:
+        if persona.model in failed_spans:
+            continue  # one unplaced entry for the lanes of a persona no span takes
+        if persona.lanes is not None or not span_book.has(persona.model):
+            placed, span_why = _place_span(
+                persona, candidates, reports, config, lanes, remaining, previous, feedback, span_book
+            )
+            if placed:
+                continue
+            why = f"{why}; {span_why}" if span_why else why
+            if persona.lanes is not None:
+                failed_spans.add(persona.model)
+        entry = Unplaced(model=persona.model, reason=why)
+        (host_unplaced[target] if target else fleet_unplaced).append(entry)
+    _grow_spans(span_book, remaining, config)
 
     plans = []
     for r in reports:
@@ -569,6 +582,7 @@ class _SpanBook:
     ports: dict[str, set[int]] = field(default_factory=dict)  # worker host -> ports given out
     specs: dict[str, list[RpcWorkerSpec]] = field(default_factory=dict)  # worker host -> its servers
     models: set[str] = field(default_factory=set)
+    placed: list[tuple[_Lane, HostReport, Callable, object]] = field(default_factory=list)
 
     def has(self, model: str) -> bool:
         return model in self.models
@@ -582,9 +596,20 @@ def _previous_span(prev: HostPlan | None, lane_id: str) -> tuple[tuple[tuple[str
     return (tuple(w.host_id for w in spec.workers), spec.ctx_total // spec.parallel), ports
 
 
+def _span_take(lane: _Lane, remaining, config, sign: int) -> None:
+    """Reserve (sign 1) or give back (-1) what a span lane uses on its serving host and workers."""
+    span = lane.span
+    cost = _cost(lane, lane.window, span.report, config.n_ubatch)
+    first = len(span.report.gpus) - len(span.workers)
+    remaining[lane.host_id][CPU_RESOURCE] -= sign * cost.get(CPU_RESOURCE, 0)
+    for k, w in enumerate(span.workers):
+        remaining[w.host_id][CPU_RESOURCE] -= sign * (cost.get(("gpu", first + k), 0) + spans.RPC_SERVER_OVERHEAD)
+
+
 def _place_span(persona, candidates_, reports, config, lanes, remaining, previous, feedback, book) -> tuple[bool, str]:
     """A model that fits no single host: one lane on a holder of it, with layers on the fewest
-    workers (planner_svc.spans). (False, why) when no span fits either; why is "" with no workers."""
+    workers (planner_svc.spans), at its floor window (_grow_spans widens it once every span has
+    its floor). (False, why) when no span fits either; why is "" when no host offers itself as a worker."""
     if not any(r.rpc_worker is not None for r in reports):
         return False, ""
     options = []
@@ -606,15 +631,16 @@ def _place_span(persona, candidates_, reports, config, lanes, remaining, previou
         prev_span, prev_ports = _previous_span(previous.get(host), lane_id)
         workers = spans.worker_candidates(host, reports, remaining, book.ports, prev_ports)
 
-        def lane_at(layout: Layout) -> _Lane:
+        def lane_at(layout: Layout, host=host, facts=facts, index=index, flags=flags, floor=floor,
+                    ceiling=ceiling, factor=factor) -> _Lane:  # fmt: skip
             return _Lane(host, persona, facts, index, flags, layout, floor, ceiling, factor)
 
-        def cost_at(view: HostReport, layout: Layout, window: int) -> dict[Resource, int]:
+        def cost_at(view: HostReport, layout: Layout, window: int, lane_at=lane_at) -> dict[Resource, int]:
             return _cost(lane_at(layout), window, view, config.n_ubatch)
 
         try:
-            span = spans.find_span(report, remaining[host], workers, facts.n_layer, cost_at, floor, ceiling, CTX_PAD,
-                                   prev_span, config.min_gain_fraction)  # fmt: skip
+            span = spans.find_span(report, remaining[host], workers, facts.n_layer, cost_at, floor, floor, CTX_PAD,
+                                   prev_span)  # fmt: skip
         except (MemoryModelError, PlacementError) as exc:
             why = str(exc)
             continue
@@ -623,27 +649,49 @@ def _place_span(persona, candidates_, reports, config, lanes, remaining, previou
         lane = lane_at(span.layout)
         lane.window, lane.span = span.window, span
         lane.reasons = list(flags.reasons) + bound_reasons + factor_reasons
-        options.append((len(span.workers), host, lane))
+        options.append((len(span.workers), host, lane, report, cost_at, prev_span))
     if not options:
         return False, why
     options.sort(key=lambda o: o[:2])
-    _, host, lane = options[0]
-    span = lane.span
-    cost = _cost(lane, lane.window, span.report, config.n_ubatch)
-    memory = lane.memory(lane.window, span.report, config.n_ubatch)
-    lane.span_workers = spans.span_workers(span, memory, cost)
-    remaining[host][CPU_RESOURCE] -= cost.get(CPU_RESOURCE, 0)
-    for worker, spec in zip(span.workers, spans.worker_specs(lane.lane_id, host, span, lane.span_workers)):
-        remaining[worker.host_id][CPU_RESOURCE] -= spec.reserved_bytes
-        book.lent[worker.host_id] = book.lent.get(worker.host_id, 0) + spec.reserved_bytes
-        book.ports.setdefault(worker.host_id, set()).add(worker.port)
-        book.specs.setdefault(worker.host_id, []).append(spec)
+    _, host, lane, report, cost_at, prev_span = options[0]
+    _span_take(lane, remaining, config, 1)
+    for w in lane.span.workers:
+        book.ports.setdefault(w.host_id, set()).add(w.port)
     book.models.add(persona.model)
-    on = ", ".join(f"{w.host_id} ({_gib(w.reserved_bytes)} at {w.endpoint})" for w in lane.span_workers)
-    lane.reasons.append(
-        f"span: fits no single host at its floor of {lane.floor} tokens per slot; layers on {on}"
-        f" and {lane.facts.n_layer + 1 - sum(lane.layout.shares or (_n_gpu_layers(lane),))} on {host}'s CPU"
-    )
-    lane.reasons.append(f"layout: {describe(lane.layout, lane.facts.n_layer)} (RPC devices)")
+    book.placed.append((lane, report, cost_at, prev_span))
     lanes[host].append(lane)
     return True, ""
+
+
+def _grow_spans(book: _SpanBook, remaining, config) -> None:
+    """Every span has its floor: each, in the order placed, widens its window into what its devices
+    have left (keeping its previous window under min_gain), then its workers' plans are written."""
+    for lane, report, cost_at, prev_span in book.placed:
+        _span_take(lane, remaining, config, -1)
+        workers = [
+            spans.Worker(w.host_id, w.address, w.port, w.device,
+                         remaining[w.host_id][CPU_RESOURCE] - spans.RPC_SERVER_OVERHEAD)
+            for w in lane.span.workers
+        ]  # fmt: skip
+        grown = spans.find_span(
+            report, remaining[lane.host_id], workers, lane.facts.n_layer, cost_at, lane.floor, lane.ceiling, CTX_PAD,
+            (tuple(w.host_id for w in workers), prev_span[1] if prev_span else lane.floor), config.min_gain_fraction,
+        )
+        if grown is not None and len(grown.workers) == len(workers):
+            lane.layout, lane.window, lane.span = grown.layout, grown.window, grown
+        _span_take(lane, remaining, config, 1)
+        span = lane.span
+        cost = _cost(lane, lane.window, span.report, config.n_ubatch)
+        memory = lane.memory(lane.window, span.report, config.n_ubatch)
+        lane.span_workers = spans.span_workers(span, memory, cost)
+        for w, spec in zip(span.workers, spans.worker_specs(lane.lane_id, lane.host_id, span, lane.span_workers)):
+            book.lent[w.host_id] = book.lent.get(w.host_id, 0) + spec.reserved_bytes
+            book.specs.setdefault(w.host_id, []).append(spec)
+        on = ", ".join(f"{w.host_id} ({_gib(w.reserved_bytes)} at {w.endpoint})" for w in lane.span_workers)
+        on_cpu = sum(d.layers for d in memory.devices if d.index < 0)
+        lane.reasons.append(
+            f"span: fits no single host at its floor of {lane.floor} tokens per slot; layers on {on}"
+            f" and {on_cpu} on {lane.host_id}'s CPU"
+        )
+        lane.reasons.append(f"layout: {describe(lane.layout, lane.facts.n_layer)} (RPC devices)")
+

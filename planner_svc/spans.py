@@ -22,13 +22,12 @@ import msgspec
 from planner_svc.layouts import CPU_RESOURCE, Layout, Resource, fits, largest
 from shared.messages import GpuInfo, HostReport, LaneFeedback, MemoryBreakdown, RpcWorkerSpec, SpanWorker
 
+from shared.span_check import SPAN_FAILED
+
 MIB = 1024 * 1024
 # What one ggml-rpc-server process holds beyond the buffers a lane allocates on it (its own
 # code, the ggml context, the receive buffer); reserved on the worker with the buffers.
 RPC_SERVER_OVERHEAD = 64 * MIB
-# Feedback whose detail starts so says a span failed its check after start (a worker missing
-# from llama-server's buffer lines): that serving host gets no span for the model until it expires.
-SPAN_FAILED = "span check failed"
 
 Cost = Callable[[Layout], Mapping[Resource, int]]
 
