@@ -8,8 +8,8 @@ as it does for any GPU-type device. The split is never llama-server's load-time 
 `split_layers` gives each worker, from the last (which takes the output layer) to the first,
 the most layers whose exact cost fits its budget, the serving CPU the rest, and passes those
 layer counts as --tensor-split (llama.cpp's cumulative-share rule turns counts into exactly
-those layers; the placement reproduces it bit for bit). The fewest workers win; a worker that
-would take no layer is one too many.
+those layers; the placement reproduces it bit for bit). The fewest workers win (the largest last:
+it takes the output layer); a worker that would take no layer is one too many.
 """
 
 from __future__ import annotations
@@ -115,23 +115,39 @@ def counts_layout(gpus: tuple[int, ...], counts: Sequence[int], n_layer: int) ->
 
 def split_layers(n_layer: int, gpus: tuple[int, ...], cost: Cost, remaining: Mapping[Resource, int]) -> Layout | None:
     """The span's layers over its devices from exact per-device costs, or None when they do not
-    fit or a device would take no layer. The last device takes the output layer and the last
-    blocks; a device's layers (and so its cost) depend only on the counts of the devices after it."""
+    fit or a device would take no layer. From the last device (the output layer and the last
+    blocks) to the first, each takes the most layers whose exact cost fits its budget, sized with
+    every layer still unplaced offloaded to the first device (buffers such as compute depend a
+    little on what the others hold); then any device still over its budget gives up layers, the
+    first device's to the CPU, until all fit."""
     counts = [0] * len(gpus)
     for d in reversed(range(len(gpus))):
         left = n_layer + 1 - sum(counts)
 
         def device_fits(c: int, d: int = d) -> bool:
             trial = counts[:d] + [c] + counts[d + 1 :]
+            if d > 0:
+                trial[0] = left - c  # the rest offloaded, as it will be when the earlier devices fit them
             resource = ("gpu", gpus[d])
             return cost(counts_layout(gpus, trial, n_layer)).get(resource, 0) <= remaining.get(resource, 0)
 
         c = largest(device_fits, 0, left) if left > 0 else 0
-        if c == 0 or not device_fits(c):
+        if c == 0:
             return None
         counts[d] = c
-    layout = counts_layout(gpus, counts, n_layer)
-    return layout if fits(cost(layout), remaining) else None
+    for _ in range(n_layer + 1):
+        layout = counts_layout(gpus, counts, n_layer)
+        used = cost(layout)
+        over = [d for d in range(len(gpus)) if used.get(("gpu", gpus[d]), 0) > remaining.get(("gpu", gpus[d]), 0)]
+        if not over:
+            return layout if fits(used, remaining) else None
+        d = over[-1]
+        if counts[d] <= 1:
+            return None
+        counts[d] -= 1
+        if d > 0:
+            counts[d - 1] += 1  # the layer moves to the device before it (the first gives it to the CPU)
+    return None
 
 
 @dataclass(frozen=True)
@@ -167,7 +183,9 @@ def find_span(
         by_host = {w.host_id: w for w in candidates}
         if all(h in by_host for h in previous[0]) and previous[0]:
             options.append(tuple(by_host[h] for h in previous[0]))
-    options += [tuple(candidates[:k]) for k in range(1, len(candidates) + 1)]
+    # the largest last in --rpc order: the last device takes the output layer (with tied embeddings,
+    # a copy of the token embeddings), often the largest tensor of the model
+    options += [tuple(reversed(candidates[:k])) for k in range(1, len(candidates) + 1)]
     for workers in options:
         view = span_report(report, workers)
         gpus = tuple(range(len(report.gpus), len(view.gpus)))

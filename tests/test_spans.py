@@ -203,10 +203,11 @@ def test_find_span_takes_the_fewest_workers_then_the_largest_window():
     one = spans.find_span(report, {CPU_RESOURCE: 4}, [big, small], 8, cost_at, 256, 256 * 64, 256)
     assert one is not None and [w.host_id for w in one.workers] == ["w1"]
     assert one.layout.n_gpu_layers == 7 and one.window == 256 * (30 - 14)  # 7 layers of 2, one KV unit per 256
-    # too little on the big one alone: both, the output-holding last one filled first
+    # too little on the big one alone: both, the largest last (it takes the output layer)
     two = spans.find_span(report, {CPU_RESOURCE: 4}, [spans.Worker("w1", "a", 1, "CPU", 12), small], 8, cost_at, 256,
                           256 * 64, 256)  # fmt: skip
-    assert two is not None and [w.host_id for w in two.workers] == ["w1", "w2"]
+    assert two is not None and [w.host_id for w in two.workers] == ["w2", "w1"]
+    assert two.layout.shares == (2, 5)  # the last filled first: 5 layers of 2 and its KV in 12
     assert spans.find_span(report, {CPU_RESOURCE: 4}, [small, small], 8, cost_at, 256, 512, 256) is None
 
 
@@ -257,7 +258,7 @@ def test_a_model_no_host_holds_alone_spans_the_fewest_workers():
     fleet = plan(reports, FleetConfig())
     check_span_invariants(fleet, reports)
     lane = span_lane(fleet)
-    assert [w.host_id for w in lane.workers] == ["w1", "w2"]  # two are needed, the third is left alone
+    assert [w.host_id for w in lane.workers] == ["w2", "w1"]  # two are needed (the largest last), the third is left alone
     assert by_host(fleet)["w3"].rpc_workers == ()
     assert any(r.startswith("span: fits no single host") for r in lane.reasons)
     # its plan as `lanes plan --json` shows it: each worker with its device and buffers
@@ -295,7 +296,7 @@ def test_a_lost_worker_is_never_in_a_span_and_the_span_is_replanned():
     second = plan(live, FleetConfig(), previous=previous)
     check_span_invariants(second, live)
     lane = span_lane(second)
-    assert [w.host_id for w in lane.workers] == ["w2", "w3"]
+    assert [w.host_id for w in lane.workers] == ["w3", "w2"]
     assert by_host(second)["serve"].plan_revision == 2  # the serving host's plan changed
 
 
