@@ -20,6 +20,7 @@ from nats.aio.client import Client
 from nats.micro import add_service
 from nats.micro.request import Request
 
+from launcher_agent import cores as host_cores
 from launcher_agent.config import AgentConfig
 from launcher_agent.lane import Lane
 from launcher_agent.metrics import AgentMetrics
@@ -56,8 +57,10 @@ class Agent:
     def __post_init__(self) -> None:
         self.sup = Supervisor(self.cfg, emit=self._event)
         if self.cfg.rpc_worker:
+            # ggml-rpc-server computes its layers with the CPU backend: one thread per physical core
             settings = WorkerSettings(self.cfg.rpc_server_binary, self.cfg.advertise, self.cfg.rpc_worker_port_base,
-                                      self.cfg.rpc_worker_port_count, self.cfg.data_dir / "rpc-cache")  # fmt: skip
+                                      self.cfg.rpc_worker_port_count, self.cfg.data_dir / "rpc-cache",
+                                      threads=host_cores.host_cores().physical or 1)  # fmt: skip
             self.workers = RpcWorkers(settings, self.cfg.data_dir / "rpc-workers.json")
         # Model facts survive a restart: an unchanged GGUF is never read again.
         self._facts_cache = FactsCache(self.cfg.data_dir / "model-facts.json")

@@ -340,3 +340,43 @@ def test_one_span_per_model_when_every_holder_would_want_one():
     fleet = plan(reports, FleetConfig())
     spanning = [s for h in fleet.hosts for s in h.lanes if s.workers]
     assert len(spanning) == 1 and by_host(fleet)["w1"].rpc_workers[0].serving_host == "serve"
+
+
+# ------------------------------------------------------------------ the command line
+
+
+@pytest.mark.slow  # six `lanes` processes
+def test_cli_report_rpc_worker_and_plan_json_show_the_span(tmp_path):
+    """`lanes report --rpc-worker` describes a worker (no model folder needed); `lanes plan --hosts
+    --json` shows the span lane with its workers."""
+    import json
+
+    from fixtures_bus import fake_binary
+    from test_cli_offline import assert_one_line_error, lanes
+
+    binary = fake_binary(tmp_path / "bin")
+    rpc_server = tmp_path / "bin" / "ggml-rpc-server"
+    rpc_server.write_text("#!/bin/sh\n")
+    run = lanes("report", "--llama-server", binary, "--host-id", "w1", "--max-ram", "3GiB", "--rpc-worker",
+                "--advertise", "10.0.0.7", "--rpc-worker-ports", "50100:3")  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    report = msgspec.json.decode(run.stdout, type=HostReport)
+    assert report.rpc_worker == RpcWorkerOffer(address="10.0.0.7", port_base=50100, port_count=3)
+    assert report.models == () and report.ram_total == 3 * GIB
+    assert_one_line_error(lanes("report", "--llama-server", binary, "--rpc-worker"), "--rpc-worker needs --advertise")
+    assert_one_line_error(lanes("report", "--llama-server", binary, "--rpc-worker", "--advertise", "0.0.0.0"),
+                          "not a wildcard")  # fmt: skip
+    assert_one_line_error(lanes("report", "--llama-server", binary), "--models")
+
+    hosts = tmp_path / "hosts.json"
+    reports = [serving(3.0), worker("w1", 2.0), worker("w2", 2.0)]
+    hosts.write_bytes(msgspec.json.encode(reports))
+    run = lanes("plan", "--hosts", hosts, "--json")
+    assert run.returncode == 0, run.stderr
+    shown = json.loads(run.stdout)
+    lane = next(s for h in shown["hosts"] for s in h["lanes"] if s["workers"])
+    assert [w["host_id"] for w in lane["workers"]] == ["w2", "w1"]
+    for w in lane["workers"]:
+        assert {"host_id", "device", "model_bytes", "kv_bytes", "compute_bytes"} <= set(w) and w["model_bytes"] > 0
+    text = lanes("plan", "--hosts", hosts)
+    assert "span: fits no single host" in text.stdout and "--rpc 10.0.0.2:50052,10.0.0.1:50052" in text.stdout
