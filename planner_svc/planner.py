@@ -38,6 +38,7 @@ from planner_svc.policy import (
     window_bounds,
 )
 from planner_svc import spans
+from planner_svc.span_lanes import LaneKit, SpanBook, grow_spans, place_span
 from planner_svc.threads import with_threads
 from shared.llama.flags import effective_cache_type, lane_args
 from shared.memory import (
@@ -58,7 +59,6 @@ from shared.messages import (
     MemoryBreakdown,
     ModelFacts,
     Persona,
-    RpcWorkerSpec,
     SpanWorker,
     Unplaced,
 )
@@ -190,7 +190,7 @@ def plan(
         if r.server is None:
             host_reasons[r.host_id].append("no lanes: no usable llama-server binary on this host")
     lanes: dict[str, list[_Lane]] = {r.host_id: [] for r in reports}
-    span_book = _SpanBook()
+    span_book = SpanBook()
     deferred = []  # (persona, candidates, why, target host) of lanes that fit no single host
 
     for persona in personas:
@@ -214,8 +214,8 @@ def plan(
         if persona.model in failed_spans:
             continue  # one unplaced entry for the lanes of a persona no span takes
         if persona.lanes is not None or not span_book.has(persona.model):
-            placed, span_why = _place_span(
-                persona, candidates, reports, config, lanes, remaining, previous, feedback, span_book
+            placed, span_why = place_span(
+                persona, candidates, reports, config, lanes, remaining, previous, feedback, span_book, _KIT
             )
             if placed:
                 continue
@@ -224,7 +224,7 @@ def plan(
                 failed_spans.add(persona.model)
         entry = Unplaced(model=persona.model, reason=why)
         (host_unplaced[target] if target else fleet_unplaced).append(entry)
-    _grow_spans(span_book, remaining, config)
+    grow_spans(span_book, remaining, config, _KIT)
 
     plans = []
     for r in reports:
@@ -369,7 +369,7 @@ def _host_plan(
     report, config, lanes, reasons, unplaced, prev: HostPlan | None, config_revision, feedback=(), span_book=None
 ) -> HostPlan:
     budgets = _budgets(report, config)
-    span_book = span_book or _SpanBook()
+    span_book = span_book or SpanBook()
     # Memory lent to other hosts' span lanes, and this host's own span lanes (their windows were
     # chosen when they were placed), come off before the other lanes grow.
     grow_budget = dict(budgets)
@@ -571,127 +571,4 @@ def _assign_ports(
     return out, dropped
 
 
-# ------------------------------------------------------------------ spans (one lane across hosts)
-
-
-@dataclass
-class _SpanBook:
-    """What this planning pass's span lanes took from their workers."""
-
-    lent: dict[str, int] = field(default_factory=dict)  # worker host -> bytes reserved there
-    ports: dict[str, set[int]] = field(default_factory=dict)  # worker host -> ports given out
-    specs: dict[str, list[RpcWorkerSpec]] = field(default_factory=dict)  # worker host -> its servers
-    models: set[str] = field(default_factory=set)
-    placed: list[tuple[_Lane, HostReport, Callable, object]] = field(default_factory=list)
-
-    def has(self, model: str) -> bool:
-        return model in self.models
-
-
-def _previous_span(prev: HostPlan | None, lane_id: str) -> tuple[tuple[tuple[str, ...], int] | None, dict[str, int]]:
-    spec = next((s for s in prev.lanes if s.lane_id == lane_id), None) if prev else None
-    if spec is None or not spec.workers:
-        return None, {}
-    ports = {w.host_id: int(w.endpoint.rsplit(":", 1)[1]) for w in spec.workers}
-    return (tuple(w.host_id for w in spec.workers), spec.ctx_total // spec.parallel), ports
-
-
-def _span_take(lane: _Lane, remaining, config, sign: int) -> None:
-    """Reserve (sign 1) or give back (-1) what a span lane uses on its serving host and workers."""
-    span = lane.span
-    cost = _cost(lane, lane.window, span.report, config.n_ubatch)
-    first = len(span.report.gpus) - len(span.workers)
-    remaining[lane.host_id][CPU_RESOURCE] -= sign * cost.get(CPU_RESOURCE, 0)
-    for k, w in enumerate(span.workers):
-        remaining[w.host_id][CPU_RESOURCE] -= sign * (cost.get(("gpu", first + k), 0) + spans.RPC_SERVER_OVERHEAD)
-
-
-def _place_span(persona, candidates_, reports, config, lanes, remaining, previous, feedback, book) -> tuple[bool, str]:
-    """A model that fits no single host: one lane on a holder of it, with layers on the fewest
-    workers (planner_svc.spans), at its floor window (_grow_spans widens it once every span has
-    its floor). (False, why) when no span fits either; why is "" when no host offers itself as a worker."""
-    if not any(r.rpc_worker is not None for r in reports):
-        return False, ""
-    options = []
-    why = "no span over the workers fits it either"
-    for report, facts in candidates_:
-        host = report.host_id
-        fb = [f for f in feedback.get(host, ()) if f.model == persona.model]
-        blocked = spans.span_blocked(fb, persona.model)
-        if blocked:
-            why = f"no span from {host}: {blocked}"
-            continue
-        flags = decide_flags(config, report, facts, fb)
-        floor, ceiling, bound_reasons = window_bounds(persona, facts, fb)
-        if ceiling < CTX_PAD:
-            continue
-        factor, factor_reasons = correction(fb)
-        index = sum(1 for lane in lanes[host] if lane.persona.model == persona.model)
-        lane_id = lane_id_for(persona.model, index)
-        prev_span, prev_ports = _previous_span(previous.get(host), lane_id)
-        workers = spans.worker_candidates(host, reports, remaining, book.ports, prev_ports)
-
-        def lane_at(layout: Layout, host=host, facts=facts, index=index, flags=flags, floor=floor,
-                    ceiling=ceiling, factor=factor) -> _Lane:  # fmt: skip
-            return _Lane(host, persona, facts, index, flags, layout, floor, ceiling, factor)
-
-        def cost_at(view: HostReport, layout: Layout, window: int, lane_at=lane_at) -> dict[Resource, int]:
-            return _cost(lane_at(layout), window, view, config.n_ubatch)
-
-        try:
-            span = spans.find_span(report, remaining[host], workers, facts.n_layer, cost_at, floor, floor, CTX_PAD,
-                                   prev_span)  # fmt: skip
-        except (MemoryModelError, PlacementError) as exc:
-            why = str(exc)
-            continue
-        if span is None:
-            continue
-        lane = lane_at(span.layout)
-        lane.window, lane.span = span.window, span
-        lane.reasons = list(flags.reasons) + bound_reasons + factor_reasons
-        options.append((len(span.workers), host, lane, report, cost_at, prev_span))
-    if not options:
-        return False, why
-    options.sort(key=lambda o: o[:2])
-    _, host, lane, report, cost_at, prev_span = options[0]
-    _span_take(lane, remaining, config, 1)
-    for w in lane.span.workers:
-        book.ports.setdefault(w.host_id, set()).add(w.port)
-    book.models.add(persona.model)
-    book.placed.append((lane, report, cost_at, prev_span))
-    lanes[host].append(lane)
-    return True, ""
-
-
-def _grow_spans(book: _SpanBook, remaining, config) -> None:
-    """Every span has its floor: each, in the order placed, widens its window into what its devices
-    have left (keeping its previous window under min_gain), then its workers' plans are written."""
-    for lane, report, cost_at, prev_span in book.placed:
-        _span_take(lane, remaining, config, -1)
-        workers = [
-            spans.Worker(w.host_id, w.address, w.port, w.device,
-                         remaining[w.host_id][CPU_RESOURCE] - spans.RPC_SERVER_OVERHEAD)
-            for w in lane.span.workers
-        ]  # fmt: skip
-        grown = spans.find_span(
-            report, remaining[lane.host_id], workers, lane.facts.n_layer, cost_at, lane.floor, lane.ceiling, CTX_PAD,
-            (tuple(w.host_id for w in workers), prev_span[1] if prev_span else lane.floor), config.min_gain_fraction,
-        )
-        if grown is not None and len(grown.workers) == len(workers):
-            lane.layout, lane.window, lane.span = grown.layout, grown.window, grown
-        _span_take(lane, remaining, config, 1)
-        span = lane.span
-        cost = _cost(lane, lane.window, span.report, config.n_ubatch)
-        memory = lane.memory(lane.window, span.report, config.n_ubatch)
-        lane.span_workers = spans.span_workers(span, memory, cost)
-        for w, spec in zip(span.workers, spans.worker_specs(lane.lane_id, lane.host_id, span, lane.span_workers)):
-            book.lent[w.host_id] = book.lent.get(w.host_id, 0) + spec.reserved_bytes
-            book.specs.setdefault(w.host_id, []).append(spec)
-        on = ", ".join(f"{w.host_id} ({_gib(w.reserved_bytes)} at {w.endpoint})" for w in lane.span_workers)
-        on_cpu = sum(d.layers for d in memory.devices if d.index < 0)
-        lane.reasons.append(
-            f"span: fits no single host at its floor of {lane.floor} tokens per slot; layers on {on}"
-            f" and {on_cpu} on {lane.host_id}'s CPU"
-        )
-        lane.reasons.append(f"layout: {describe(lane.layout, lane.facts.n_layer)} (RPC devices)")
-
+_KIT = LaneKit(_Lane, _cost, lane_id_for)  # what the span step (planner_svc.span_lanes) builds lanes with

@@ -9,7 +9,6 @@ serving llama-server started with the plan's argv prints per RPC device what the
 from __future__ import annotations
 
 import socket
-import time
 from pathlib import Path
 
 import msgspec

@@ -8,7 +8,7 @@ import itertools
 
 import msgspec
 import pytest
-from test_planner import GIB, host, llama_1b, llama_8b, window
+from test_planner import GIB, host, llama_1b, window
 
 from planner_svc import spans
 from planner_svc.layouts import CPU_RESOURCE, Layout
