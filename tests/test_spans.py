@@ -380,3 +380,5 @@ def test_cli_report_rpc_worker_and_plan_json_show_the_span(tmp_path):
         assert {"host_id", "device", "model_bytes", "kv_bytes", "compute_bytes"} <= set(w) and w["model_bytes"] > 0
     text = lanes("plan", "--hosts", hosts)
     assert "span: fits no single host" in text.stdout and "--rpc 10.0.0.2:50052,10.0.0.1:50052" in text.stdout
+    assert "worker w2 at 10.0.0.2:50052 (CPU): model" in text.stdout
+    assert "ggml-rpc-server on 10.0.0.1:50052 for serve's llama-8b-0" in text.stdout
