@@ -39,7 +39,7 @@ from shared.messages import FleetConfig, HostReport, RpcWorkerOffer  # noqa: E40
 MIB = 2**20
 PROMPT = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 16)
 # (serving host, workers) memory in MiB, no headroom: one host; a span over one worker; over two
-SETUPS = {"1 host": (2048, ()), "2 hosts": (300, (304,)), "3 hosts": (235, (184, 304))}
+SETUPS = {"1 host": (2048, ()), "2 hosts": (300, (430,)), "3 hosts": (235, (184, 400))}
 
 
 def _free_port() -> int:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from planner_svc import spans
-from planner_svc.layouts import CPU_RESOURCE, Layout, Resource, describe
+from planner_svc.layouts import CPU_RESOURCE, Layout, Resource, describe, layout_placement, with_layers
 from planner_svc.policy import correction, decide_flags, window_bounds
 from shared.memory import CTX_PAD, MemoryModelError, PlacementError
 from shared.messages import HostPlan, HostReport, RpcWorkerSpec
@@ -58,10 +58,21 @@ def previous_span(prev: HostPlan | None, lane_id: str) -> tuple[tuple[tuple[str,
     return (tuple(w.host_id for w in spec.workers), spec.ctx_total // spec.parallel), ports
 
 
+def span_cost(kit: LaneKit, lane, window: int, view: HostReport, n_ubatch: int) -> dict[Resource, int]:
+    """The lane's cost on the serving host's view of its span, each RPC device's with the largest
+    tensor its ggml-rpc-server receives while loading (spans.receive_bytes)."""
+    cost = dict(kit.cost(lane, window, view, n_ubatch))
+    placement = layout_placement(lane.facts.n_layer, lane.layout, view)
+    for d, extra in spans.receive_bytes(with_layers(lane.facts), placement).items():
+        resource = ("gpu", lane.layout.gpus[d])
+        cost[resource] = cost.get(resource, 0) + extra
+    return cost
+
+
 def _span_take(lane, remaining, config, sign: int, kit) -> None:
     """Reserve (sign 1) or give back (-1) what a span lane uses on its serving host and workers."""
     span = lane.span
-    cost = kit.cost(lane, lane.window, span.report, config.n_ubatch)
+    cost = span_cost(kit, lane, lane.window, span.report, config.n_ubatch)
     first = len(span.report.gpus) - len(span.workers)
     remaining[lane.host_id][CPU_RESOURCE] -= sign * cost.get(CPU_RESOURCE, 0)
     for k, w in enumerate(span.workers):
@@ -98,7 +109,7 @@ def place_span(persona, candidates_, reports, config, lanes, remaining, previous
             return kit.make(host, persona, facts, index, flags, layout, floor, ceiling, factor)
 
         def cost_at(view: HostReport, layout: Layout, window: int, lane_at=lane_at) -> dict[Resource, int]:
-            return kit.cost(lane_at(layout), window, view, config.n_ubatch)
+            return span_cost(kit, lane_at(layout), window, view, config.n_ubatch)
 
         try:
             span = spans.find_span(report, remaining[host], workers, facts.n_layer, cost_at, floor, floor, CTX_PAD,
@@ -143,7 +154,7 @@ def grow_spans(book: SpanBook, remaining, config, kit) -> None:
             lane.layout, lane.window, lane.span = grown.layout, grown.window, grown
         _span_take(lane, remaining, config, 1, kit)
         span = lane.span
-        cost = kit.cost(lane, lane.window, span.report, config.n_ubatch)
+        cost = span_cost(kit, lane, lane.window, span.report, config.n_ubatch)
         memory = lane.memory(lane.window, span.report, config.n_ubatch)
         lane.span_workers = spans.span_workers(span, memory, cost)
         for w, spec in zip(span.workers, spans.worker_specs(lane.lane_id, lane.host_id, span, lane.span_workers)):

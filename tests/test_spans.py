@@ -87,7 +87,8 @@ def check_span_invariants(fleet: FleetPlan, reports: list[HostReport]) -> None:
                 d = devices[k]
                 assert d.backend == "rpc" and d.layers > 0  # a worker that holds nothing is one too many
                 assert (w.model_bytes, w.kv_bytes, w.compute_bytes) == (d.model_bytes, d.kv_bytes, d.compute_bytes)
-                assert w.reserved_bytes == d.total + spans.RPC_SERVER_OVERHEAD
+                # its buffers, the largest tensor it receives while loading, and the process
+                assert w.reserved_bytes > d.total + spans.RPC_SERVER_OVERHEAD
                 served = [x for x in plans[w.host_id].rpc_workers if x.lane_id == lane.lane_id]
                 assert len(served) == 1 and served[0].serving_host == hp.host_id
                 assert served[0].reserved_bytes == w.reserved_bytes
@@ -254,7 +255,7 @@ def test_no_span_without_workers_says_why_unplaced():
 
 
 def test_a_model_no_host_holds_alone_spans_the_fewest_workers():
-    reports = fleet_of(3.0, (("w1", 2.0), ("w2", 2.0), ("w3", 2.0)))
+    reports = fleet_of(3.0, (("w1", 2.3), ("w2", 2.3), ("w3", 2.3)))
     fleet = plan(reports, FleetConfig())
     check_span_invariants(fleet, reports)
     lane = span_lane(fleet)
@@ -289,7 +290,7 @@ def test_workers_memory_is_reserved_in_their_own_plans():
 
 
 def test_a_lost_worker_is_never_in_a_span_and_the_span_is_replanned():
-    reports = fleet_of(3.0, (("w1", 2.0), ("w2", 2.0), ("w3", 2.0)))
+    reports = fleet_of(3.0, (("w1", 2.3), ("w2", 2.3), ("w3", 2.3)))
     first = plan(reports, FleetConfig())
     previous = {h.host_id: h for h in first.hosts}
     live = [r for r in reports if r.host_id != "w1"]  # the planner plans live hosts only
