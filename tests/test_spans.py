@@ -383,3 +383,25 @@ def test_cli_report_rpc_worker_and_plan_json_show_the_span(tmp_path):
     assert "span: fits no single host" in text.stdout and "--rpc 10.0.0.2:50052,10.0.0.1:50052" in text.stdout
     assert "worker w2 at 10.0.0.2:50052 (CPU): model" in text.stdout
     assert "ggml-rpc-server on 10.0.0.1:50052 for serve's llama-8b-0" in text.stdout
+
+
+def test_a_fleet_with_workers_is_replanned_whole_when_one_host_changes():
+    """A span ties hosts' plans together: with a worker in the fleet, one host's new report replans all."""
+    from planner_svc.state import PlannerState
+    from shared import subjects
+
+    state = PlannerState()
+    reports = fleet_of(3.0, (("w1", 2.3), ("w2", 2.3)))
+    for i, r in enumerate(reports):
+        assert state.apply(subjects.report_key(r.host_id), msgspec.json.encode(r), i + 1)
+    state.caught_up = True
+    first = state.planning_job()()
+    assert sorted(first) == ["serve", "w1", "w2"] and first["w1"].rpc_workers and first["w2"].rpc_workers
+    for host, p in first.items():
+        state.apply(subjects.plan_key(host), msgspec.json.encode(p), 10)
+    state.planning_job()()  # whatever reading the plans back asked for
+    # the worker w2 has less memory now: the serving host's plan (its span) is replanned with it
+    less = msgspec.structs.replace(reports[2], ram_available=reports[2].ram_available - 256 * MIB)
+    state.apply(subjects.report_key("w2"), msgspec.json.encode(less), 20)
+    again = state.planning_job()()
+    assert sorted(again) == ["serve", "w1", "w2"]
