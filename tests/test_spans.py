@@ -370,7 +370,7 @@ def test_cli_report_rpc_worker_and_plan_json_show_the_span(tmp_path):
     assert_one_line_error(lanes("report", "--llama-server", binary), "--models")
 
     hosts = tmp_path / "hosts.json"
-    reports = [serving(3.0), worker("w1", 2.0), worker("w2", 2.0)]
+    reports = [serving(3.0), worker("w1", 2.3), worker("w2", 2.3)]
     hosts.write_bytes(msgspec.json.encode(reports))
     run = lanes("plan", "--hosts", hosts, "--json")
     assert run.returncode == 0, run.stderr

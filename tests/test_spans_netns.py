@@ -52,7 +52,7 @@ def rpc_bin():
     return found
 
 
-def _start(topo, tmp_path, gemma_model, rpc_bin) -> str:
+def _start(topo, tmp_path, rpc_bin) -> str:
     store = tmp_path / "nats-store"
     store.mkdir()
     conf = tmp_path / "nats.conf"
@@ -111,7 +111,7 @@ def _rpc_server_pids(topo, role: str) -> list[int]:
 async def test_one_lane_across_three_hosts_answers_and_prints_its_plan(topo, tmp_path, gemma_model, rpc_bin):
     import openai
 
-    url = _start(topo, tmp_path, gemma_model, rpc_bin)
+    url = _start(topo, tmp_path, rpc_bin)
     nc = await connect(url, name="spans-test", retry_forever=False)
     try:
         kv = await eventually(lambda: kv_bucket(nc), what="the planner created the lanes bucket")
