@@ -236,10 +236,14 @@ def find_span(
 
 
 def span_blocked(feedback: Sequence[LaneFeedback], model: str) -> str | None:
-    """Why this serving host gets no span for the model now: a span of it failed its check."""
+    """Why this serving host gets no span for the model now: a span of it failed its check, or
+    its llama-server keeps failing (a worker it cannot reach, a build without RPC)."""
     for fb in feedback:
         if fb.model == model and fb.detail.startswith(SPAN_FAILED):
             return fb.detail
+    for fb in feedback:
+        if fb.model == model and fb.kind == "crash_loop":
+            return f"llama-server keeps failing with it: {fb.detail}"
     return None
 
 

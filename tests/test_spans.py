@@ -336,6 +336,17 @@ def test_a_failed_span_check_is_fed_back_and_blocks_the_span():
     assert all(not h.rpc_workers for h in fleet.hosts)
 
 
+def test_a_crash_looping_span_is_not_planned_again_on_that_host():
+    reports = fleet_of()
+    lane = span_lane(plan(reports, FleetConfig()))
+    fb = LaneFeedback(lane_id=lane.lane_id, model=lane.model, kind="crash_loop",
+                      detail="failed to connect to 10.0.0.2:50052")  # fmt: skip
+    hp = by_host(plan(reports, FleetConfig(), feedback={"serve": (fb,)}))["serve"]
+    assert hp.lanes == () and "keeps failing with it: failed to connect" in hp.unplaced[0].reason
+    # another host's feedback does not block it
+    assert span_lane(plan(reports, FleetConfig(), feedback={"w1": (fb,)})).workers == lane.workers
+
+
 def test_one_span_per_model_when_every_holder_would_want_one():
     reports = [serving(3.0), msgspec.structs.replace(serving(3.0), host_id="serve2"), worker("w1", 12.0)]
     fleet = plan(reports, FleetConfig())
