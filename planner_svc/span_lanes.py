@@ -91,6 +91,8 @@ def place_span(persona, candidates_, reports, config, lanes, remaining, previous
         host = report.host_id
         fb = [f for f in feedback.get(host, ()) if f.model == persona.model]
         blocked = spans.span_blocked(fb, persona.model)
+        if report.server is not None and not report.server.has_rpc:
+            blocked = "its llama-server is built without the RPC backend (lanes install-llama --rpc)"
         if blocked:
             why = f"no span from {host}: {blocked}"
             continue

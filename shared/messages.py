@@ -90,6 +90,9 @@ class ServerCaps(msgspec.Struct, frozen=True, kw_only=True):
     has_n_cpu_moe: bool = True  # -ncmoe/--n-cpu-moe N: the experts of the first N blocks in RAM (Aug 2025)
     has_chat_template: bool = True  # --chat-template NAME: a built-in template by name
     has_no_jinja: bool = True  # --no-jinja: jinja is on by default, so a template name needs it first
+    # --rpc works: built with the RPC backend (every build lists --rpc in --help; one without it
+    # refuses it with "RPC not supported in this build"). Only such a host serves a span lane.
+    has_rpc: bool = True
 
 
 class LayerWeights(msgspec.Struct, frozen=True, array_like=True):

@@ -347,6 +347,13 @@ def test_a_crash_looping_span_is_not_planned_again_on_that_host():
     assert span_lane(plan(reports, FleetConfig(), feedback={"w1": (fb,)})).workers == lane.workers
 
 
+def test_no_span_from_a_llama_server_built_without_rpc():
+    reports = fleet_of()
+    reports[0] = msgspec.structs.replace(reports[0], server=ServerCaps(has_rpc=False))
+    hp = by_host(plan(reports, FleetConfig()))["serve"]
+    assert hp.lanes == () and "built without the RPC backend" in hp.unplaced[0].reason
+
+
 def test_one_span_per_model_when_every_holder_would_want_one():
     reports = [serving(3.0), msgspec.structs.replace(serving(3.0), host_id="serve2"), worker("w1", 12.0)]
     fleet = plan(reports, FleetConfig())
