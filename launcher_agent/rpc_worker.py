@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import structlog
 
-from shared.messages import RpcWorkerSpec
+from shared.messages import RpcWorkerSpec, RpcWorkerStatus
 
 log = structlog.get_logger("lanes.agent")
 RESTART_AFTER = 2.0  # seconds before an exited ggml-rpc-server is started again
@@ -120,10 +120,11 @@ class RpcWorkers:
                 log.warning("ggml-rpc-server exited", port=proc.spec.port, lane=proc.spec.lane_id)
         running = {p: Running(x.spec, x.alive(), x.exited_at) for p, x in self.procs.items()}
         starts, stops = decide(ok, running, now)
+        restarts = {p: x.restarts + 1 for p, x in self.procs.items() if not x.alive()}
         for port in stops:
             self._stop(port)
         for spec in starts:
-            self._start(spec, restarts=sum(1 for p in stops if p == spec.port))
+            self._start(spec, restarts=restarts.get(spec.port, 0))
         if starts or stops:
             self._save()
 
@@ -171,6 +172,13 @@ class RpcWorkers:
         for port in list(self.procs):
             self._stop(port)
         self._save()
+
+    def status(self) -> tuple[RpcWorkerStatus, ...]:
+        return tuple(
+            RpcWorkerStatus(lane_id=p.spec.lane_id, serving_host=p.spec.serving_host, port=port, pid=p.pid,
+                            running=p.alive(), restarts=p.restarts)
+            for port, p in sorted(self.procs.items())
+        )  # fmt: skip
 
     def rss(self) -> int:
         total = 0

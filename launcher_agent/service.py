@@ -119,6 +119,8 @@ class Agent:
         if self.kv is None or self.nc is None or not self.nc.is_connected:
             return
         status = self.sup.status(nats_connected=True)
+        if self.workers is not None:
+            status = msgspec.structs.replace(status, rpc_workers=self.workers.status())
         data = encode(status)
         comparable = encode(
             msgspec.structs.replace(

@@ -460,6 +460,17 @@ class LaneStatus(msgspec.Struct, frozen=True, kw_only=True):
     draining: bool = False
 
 
+class RpcWorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """One ggml-rpc-server a worker host runs for another host's span lane."""
+
+    lane_id: Name
+    serving_host: Name
+    port: Port
+    pid: int | None = None
+    running: bool = False
+    restarts: int = 0
+
+
 class HostStatus(_Msg, tag="host_status", kw_only=True):
     host_id: Name
     plan_revision: int = 0
@@ -472,6 +483,8 @@ class HostStatus(_Msg, tag="host_status", kw_only=True):
     agent_session: str = ""
     # Where gateways reach this host's lanes (the bind address, or the agent's --advertise).
     address: str = ""
+    # The ggml-rpc-servers this host runs for span lanes of other hosts (an agent with --rpc-worker).
+    rpc_workers: tuple[RpcWorkerStatus, ...] = ()
 
 
 class LaneEvent(_Msg, tag="lane_event", kw_only=True):

@@ -162,6 +162,8 @@ def test_workers_run_and_stop_real_servers_and_a_restarted_agent_adopts_them(rpc
     again.apply([a], now=2 + RESTART_AFTER)
     assert again.procs[base].pid != pid
     eventually_blocking(lambda: _listening(base), timeout=10, interval=0.05, what="the restarted server")
+    (shown,) = again.status()
+    assert (shown.lane_id, shown.port, shown.running, shown.restarts) == ("m-0", base, True, 1)
     new_pid = again.procs[base].pid
     # no span needs it: stopped
     again.apply([], now=10)

@@ -423,3 +423,18 @@ def test_a_fleet_with_workers_is_replanned_whole_when_one_host_changes():
     state.apply(subjects.report_key("w2"), msgspec.json.encode(less), 20)
     again = state.planning_job()()
     assert sorted(again) == ["serve", "w1", "w2"]
+
+
+def test_lanes_status_shows_each_workers_ggml_rpc_server():
+    from lanes.online import render_status
+    from shared.messages import FleetStatus, HostStatus, RpcWorkerStatus
+
+    reports = fleet_of()
+    fleet = plan(reports, FleetConfig())
+    w1 = by_host(fleet)["w1"].rpc_workers[0]
+    statuses = (HostStatus(host_id="w1", rpc_workers=(RpcWorkerStatus(lane_id=w1.lane_id, serving_host="serve",
+                                                                      port=w1.port, pid=7, running=True, restarts=2),)),)  # fmt: skip
+    text = render_status(FleetStatus(reports=tuple(reports), plans=fleet.hosts, statuses=statuses))
+    assert f"ggml-rpc-server on w1 {w1.bind}:{w1.port} for serve's {w1.lane_id}:" in text
+    assert "reserved, running, 2 restarts" in text
+    assert "reserved, pending" in text  # w2's: its agent has not said yet

@@ -181,6 +181,14 @@ async def test_one_lane_across_three_hosts_answers_and_prints_its_plan(topo, tmp
         await eventually(lambda: (p := _rpc_server_pids(topo, "worker2")) and p != pids, timeout=30,
                          what="worker2's ggml-rpc-server restarted")  # fmt: skip
 
+        async def worker2_says_restarted() -> bool:
+            st = await _get(kv, subjects.status_key("worker2"), HostStatus)
+            return st is not None and [(w.lane_id, w.running, w.restarts) for w in st.rpc_workers] == [
+                (lane.lane_id, True, 1)
+            ]
+
+        await eventually(worker2_says_restarted, timeout=15, what="worker2's status: its server running, 1 restart")
+
         async def restarted() -> LaneStatus | None:
             await answered()  # llama-server notices a lost RPC connection at its next computation
             return await healthy(not_pid=first)
