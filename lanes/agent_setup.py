@@ -20,6 +20,9 @@ def agent_config(args: argparse.Namespace, data_dir: Path) -> AgentConfig:
         caps = probe(binary)
     except ProbeError as exc:
         raise UserError(str(exc)) from None
+    if not args.models and not getattr(args, "rpc_worker", False):
+        raise UserError("--models: give at least one model folder (only a --rpc-worker may hold none)")
+    worker = _rpc_worker_settings(args, binary)
     for folder in args.models:
         if not Path(folder).is_dir():
             raise UserError(f"--models {folder}: not a folder")
@@ -41,4 +44,37 @@ def agent_config(args: argparse.Namespace, data_dir: Path) -> AgentConfig:
         rpc_servers=tuple(e for e in (getattr(args, "rpc", None) or "").split(",") if e),
         advertise=getattr(args, "advertise", None) or "",
         metrics_port=getattr(args, "metrics_port", None),
+        **worker,
     )
+
+
+def _rpc_worker_settings(args: argparse.Namespace, llama_server: str) -> dict:
+    """--rpc-worker's fields of the AgentConfig; the operator names the address it binds."""
+    if not getattr(args, "rpc_worker", False):
+        return {}
+    if not getattr(args, "advertise", None):
+        raise UserError("--rpc-worker needs --advertise ADDRESS: ggml-rpc-server binds only the address you name")
+    if args.advertise in ("0.0.0.0", "::"):
+        raise UserError("--advertise for --rpc-worker must be one address, not a wildcard")
+    try:
+        base_text, _, count_text = args.rpc_worker_ports.partition(":")
+        base, count = int(base_text), int(count_text or "1")
+    except ValueError:
+        raise UserError(f"--rpc-worker-ports {args.rpc_worker_ports}: use PORT:COUNT, e.g. 50052:4") from None
+    if not (1 <= base <= 65535 and 1 <= count <= 1000 and base + count - 1 <= 65535):
+        raise UserError(f"--rpc-worker-ports {args.rpc_worker_ports}: ports must lie in 1..65535, 1 to 1000 of them")
+    binary = args.rpc_server or _beside(llama_server)
+    if binary is None:
+        from lanes.install_rpc import rpc_bin_dir
+
+        found = rpc_bin_dir()
+        binary = str(found / "ggml-rpc-server") if found else None
+    if binary is None or not Path(binary).is_file():
+        raise UserError("--rpc-worker: no ggml-rpc-server found: pass --rpc-server or run `lanes install-llama --rpc`")
+    return {"rpc_worker": True, "rpc_worker_port_base": base, "rpc_worker_port_count": count,
+            "rpc_server_binary": binary}  # fmt: skip
+
+
+def _beside(llama_server: str) -> str | None:
+    candidate = Path(llama_server).resolve().parent / "ggml-rpc-server"
+    return str(candidate) if candidate.is_file() else None

@@ -54,6 +54,14 @@ def _add_connection(p: argparse.ArgumentParser) -> None:
     add_auth_arguments(p)
 
 
+def _add_rpc_worker(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--rpc-worker", action="store_true",
+                   help="offer this host as a worker for lanes across hosts: run ggml-rpc-server when a plan asks "
+                        "(no authentication: bound only to --advertise; trusted networks only)")  # fmt: skip
+    p.add_argument("--rpc-worker-ports", default="50052:4", help="first port and count for ggml-rpc-server (PORT:COUNT)")
+    p.add_argument("--rpc-server", help="ggml-rpc-server binary (default: beside --llama-server, or the RPC build)")
+
+
 def _add_admin_key(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--admin-key", default=os.environ.get("LANES_GATEWAY_ADMIN_KEY"),
@@ -135,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("report", help="this host's report as JSON (hardware, llama-server, models), for plan --hosts")
-    p.add_argument("--models", action="append", required=True, help="model folder (repeatable)")
+    p.add_argument("--models", action="append", default=[],
+                   help="model folder (repeatable; a --rpc-worker may hold none)")  # fmt: skip
     p.add_argument("--llama-server", help="llama-server binary (default: $LLAMA_SERVER_BIN, PATH)")
     p.add_argument("--host-id", default=None)
     p.add_argument("--port-base", type=int, default=8080)
@@ -143,6 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bind", default="127.0.0.1")
     p.add_argument("--max-ram", type=parse_size, help="RAM lanes may plan for on this host, e.g. 8GiB")
     p.add_argument("--rpc", help="ggml-rpc-server endpoints (host:port,...) lanes may use as GPU-type devices")
+    p.add_argument("--advertise", help="address other hosts reach this one at (a --rpc-worker's bind address)")
+    _add_rpc_worker(p)
 
     p = sub.add_parser("up", help="local fleet: embedded nats-server, planner and one agent")
     p.add_argument(
@@ -168,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("agent", help="run the launcher agent for this host")
     _add_connection(p)
-    p.add_argument("--models", action="append", required=True, help="model folder (repeatable)")
+    p.add_argument("--models", action="append", default=[],
+                   help="model folder (repeatable; a --rpc-worker may hold none)")  # fmt: skip
     p.add_argument("--llama-server", help="llama-server binary (default: $LLAMA_SERVER_BIN, PATH)")
     p.add_argument("--host-id", default=None, help="default: the machine's host name")
     p.add_argument("--port-base", type=int, default=8080)
@@ -186,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probe-interval", type=float, default=5.0, help="seconds between /health probes of a serving lane")
     p.add_argument("--probe-failures", type=_positive, default=3,
                    help="missed probes in a row that make a lane unresponsive (then it is restarted)")  # fmt: skip
+    _add_rpc_worker(p)
 
     p = sub.add_parser("gateway", help="OpenAI-compatible gateway in front of every lane")
     _add_connection(p)

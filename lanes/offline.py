@@ -227,7 +227,13 @@ def render_plan(fleet) -> str:
             )
         for s in host.lanes:
             out.append(f"  {s.lane_id}: " + "; ".join(s.reasons))
+            for w in s.workers:  # a span lane: layers on other hosts' ggml-rpc-servers
+                out.append(f"    worker {w.host_id} at {w.endpoint} ({w.device}): model {mib(w.model_bytes)}, kv"
+                           f" {mib(w.kv_bytes)}, compute {mib(w.compute_bytes)}, reserved {gib(w.reserved_bytes)}")
             out.append("    llama-server " + " ".join(s.args))
+        for w in host.rpc_workers:
+            out.append(f"  ggml-rpc-server on {w.bind}:{w.port} for {w.serving_host}'s {w.lane_id}:"
+                       f" {gib(w.reserved_bytes)} reserved")
         for r in host.reasons:
             out.append(f"  note: {r}")
         for u in host.unplaced:

@@ -292,6 +292,14 @@ def render_status(fleet: FleetStatus) -> str:
         for s in p.lanes:
             if len(s.memory.devices) > 1 or printed.get(s.lane_id):
                 out.extend(device_lines(s, printed.get(s.lane_id, ())))
+    for p in fleet.plans:  # span lanes: the ggml-rpc-servers each worker runs for them
+        running = {w.port: w for w in statuses[p.host_id].rpc_workers} if p.host_id in statuses else {}
+        for w in p.rpc_workers:
+            seen = running.get(w.port)
+            state = ("running" if seen.running else "exited") + (f", {seen.restarts} restarts" if seen.restarts else "") \
+                if seen else "pending"  # fmt: skip
+            out.append(f"ggml-rpc-server on {p.host_id} {w.bind}:{w.port} for {w.serving_host}'s {w.lane_id}:"
+                       f" {gib(w.reserved_bytes)} reserved, {state}")
     for p in fleet.plans:
         for u in p.unplaced:
             out.append(f"unplaced on {p.host_id}: {u.model}: {u.reason}")

@@ -37,6 +37,12 @@ class AgentConfig:
     advertise: str = ""
     metrics_port: int | None = None  # serve /metrics on this port (0: any free); None: off
     metrics_host: str = "0.0.0.0"
+    # --rpc-worker: this host may run ggml-rpc-server for span lanes of other hosts, bound to
+    # `advertise` on a port of rpc_worker_port_base.. (rpc_worker_port_count ports).
+    rpc_worker: bool = False
+    rpc_worker_port_base: int = 50052
+    rpc_worker_port_count: int = 4
+    rpc_server_binary: str = ""
 
 
 def default_host_id() -> str:

@@ -7,6 +7,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import msgspec
+
 from shared.llama.flags import parse_caps
 from shared.messages import ServerCaps
 
@@ -42,7 +44,19 @@ def probe(binary: str, timeout: float = 20.0) -> ServerCaps:
         raise ProbeError(f"cannot run {binary}: {exc}") from None
     help_text = help_run.stdout + help_run.stderr
     try:
-        return parse_caps(help_text, version_run.stdout + version_run.stderr)
+        caps = parse_caps(help_text, version_run.stdout + version_run.stderr)
     except ValueError as exc:
         tail = help_text.strip().splitlines()[-1:] or ["no output"]
         raise ProbeError(f"{binary}: {exc}; it printed: {tail[0]}") from None
+    return msgspec.structs.replace(caps, has_rpc=_has_rpc(binary, timeout))
+
+
+def _has_rpc(binary: str, timeout: float) -> bool:
+    """Whether --rpc works: a build without the RPC backend says so at once (a port that refuses
+    connections: an RPC build then fails to reach it, which is not the question)."""
+    try:
+        run = subprocess.run([binary, "--rpc", "127.0.0.1:9", "--list-devices"], capture_output=True, text=True,
+                             timeout=timeout, stdin=subprocess.DEVNULL)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return True  # not known: a span from here that cannot start is fed back as a failure
+    return "rpc not supported" not in (run.stdout + run.stderr).lower()

@@ -12,7 +12,7 @@ from launcher_agent import cores as host_cores
 from launcher_agent import hardware
 from launcher_agent.config import AgentConfig
 from shared.gguf_facts import scan_models
-from shared.messages import GpuInfo, HostReport
+from shared.messages import GpuInfo, HostReport, RpcWorkerOffer
 from shared.version import VERSION
 
 log = structlog.get_logger("lanes.agent")
@@ -24,6 +24,7 @@ def host_report(
     facts_cache: dict | None = None,
     lane_pids: list[int] | None = None,
     lanes_gpu: dict[int, int] | None = None,
+    workers_rss: int = 0,
 ) -> HostReport:
     """`facts_cache` keeps each GGUF's facts between reports (a file is read once per change).
 
@@ -56,6 +57,9 @@ def host_report(
         cpu_physical=cpus.physical,
         cpu_performance=cpus.performance,
         cpu_ids=cpus.cpu_ids,
+        rpc_worker=RpcWorkerOffer(address=cfg.advertise, port_base=cfg.rpc_worker_port_base,
+                                  port_count=cfg.rpc_worker_port_count) if cfg.rpc_worker else None,  # fmt: skip
+        workers_rss=workers_rss,
     )
 
 

@@ -20,10 +20,12 @@ from nats.aio.client import Client
 from nats.micro import add_service
 from nats.micro.request import Request
 
+from launcher_agent import cores as host_cores
 from launcher_agent.config import AgentConfig
 from launcher_agent.lane import Lane
 from launcher_agent.metrics import AgentMetrics
 from launcher_agent.report import VERSION, host_report
+from launcher_agent.rpc_worker import RpcWorkers, WorkerSettings
 from launcher_agent.supervisor import Supervisor
 from shared import subjects
 from shared.bus import NatsAuth, connect, follow_key, kv_bucket, quietly, run_until
@@ -50,8 +52,16 @@ class Agent:
     _facts_cache: dict = field(default_factory=dict)
     _plan_seen: bytes | None = None  # the plan entry last acted on: a re-read of it changes nothing
 
+    workers: RpcWorkers | None = None  # ggml-rpc-servers for other hosts' span lanes (--rpc-worker)
+
     def __post_init__(self) -> None:
         self.sup = Supervisor(self.cfg, emit=self._event)
+        if self.cfg.rpc_worker:
+            # ggml-rpc-server computes its layers with the CPU backend: one thread per physical core
+            settings = WorkerSettings(self.cfg.rpc_server_binary, self.cfg.advertise, self.cfg.rpc_worker_port_base,
+                                      self.cfg.rpc_worker_port_count, self.cfg.data_dir / "rpc-cache",
+                                      threads=host_cores.host_cores().physical or 1)  # fmt: skip
+            self.workers = RpcWorkers(settings, self.cfg.data_dir / "rpc-workers.json")
         # Model facts survive a restart: an unchanged GGUF is never read again.
         self._facts_cache = FactsCache(self.cfg.data_dir / "model-facts.json")
 
@@ -61,7 +71,8 @@ class Agent:
 
     def report(self) -> HostReport:
         return host_report(
-            self.cfg, self.sup.lanes_rss(), self._facts_cache, self.sup.lane_pids(), self.sup.lanes_gpu_bytes()
+            self.cfg, self.sup.lanes_rss(), self._facts_cache, self.sup.lane_pids(), self.sup.lanes_gpu_bytes(),
+            workers_rss=self.workers.rss() if self.workers else 0,
         )
 
     # ------------------------------------------------------------ plans in
@@ -108,6 +119,8 @@ class Agent:
         if self.kv is None or self.nc is None or not self.nc.is_connected:
             return
         status = self.sup.status(nats_connected=True)
+        if self.workers is not None:
+            status = msgspec.structs.replace(status, rpc_workers=self.workers.status())
         data = encode(status)
         comparable = encode(
             msgspec.structs.replace(
@@ -217,6 +230,8 @@ async def _control_loop(agent: Agent, stop: asyncio.Event) -> None:
             await agent.sup.supervise(now)
             await agent.publish_status()  # a lane that came up is told before the next one restarts
             await agent.sup.reconcile(now)
+            if agent.workers is not None and agent.sup.plan is not None:
+                agent.workers.apply(agent.sup.plan.rpc_workers, now)
             await agent.publish_status()
         except Exception:
             log.exception("control loop error")
@@ -231,6 +246,8 @@ async def _control_loop(agent: Agent, stop: asyncio.Event) -> None:
 async def run_agent(cfg: AgentConfig, servers: str, stop: asyncio.Event, auth: NatsAuth = NatsAuth()) -> None:
     agent = Agent(cfg)
     agent.sup.load_saved()
+    if agent.workers is not None:
+        agent.workers.adopt()
     async with AsyncExitStack() as stack:
         tasks = [
             asyncio.create_task(_control_loop(agent, stop)),
@@ -246,4 +263,6 @@ async def run_agent(cfg: AgentConfig, servers: str, stop: asyncio.Event, auth: N
         # Cancelled from outside (like a SIGKILL), this leaves the lanes running for adoption.
         await run_until(stop, tasks)
         await agent.sup.stop_all()
+        if agent.workers is not None:
+            agent.workers.stop_all()
         await quietly(lambda: agent.publish_status(force=True))()

@@ -28,6 +28,7 @@ from launcher_agent.persistence import StateFile
 from launcher_agent.reconcile import Observed, as_rendered, decide, validate_plan
 from shared.llama.endpoints import WILDCARD_BINDS
 from shared.messages import HostPlan, HostStatus, LaneStatus
+from shared.span_check import span_problem
 
 log = structlog.get_logger("lanes.agent")
 
@@ -110,6 +111,12 @@ class Supervisor:
         ready = await proc.probe_health() if ask == "ready" else None
         alive = await proc.alive(self.cfg.probe_timeout) if ask == "alive" else None
         proc.read_log()
+        if ready is not None and ready[0] == "healthy" and lane.spec.workers:
+            problem = span_problem(lane.spec, proc.buffer_lines)
+            if problem:  # it serves, but not across its hosts as planned: fail it, tell the planner
+                log.warning("span lane failed its check", lane=lane.spec.lane_id, reason=problem)
+                self.feedback.failure(lane, "other", problem)
+                ready = ("mismatch", problem)
         return health.Probe(proc.returncode, tuple(proc.tail), ready, alive)
 
     async def _apply(self, lane: Lane, outcome: health.Outcome, now: float = 0.0) -> None:

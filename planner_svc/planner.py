@@ -38,6 +38,8 @@ from planner_svc.policy import (
     window_bounds,
 )
 from planner_svc.prompt_cache import MIB, plan_cache_ram
+from planner_svc import spans
+from planner_svc.span_lanes import LaneKit, SpanBook, grow_spans, place_span
 from planner_svc.threads import with_threads
 from shared.llama.flags import effective_cache_type, lane_args
 from shared.memory import (
@@ -58,6 +60,7 @@ from shared.messages import (
     MemoryBreakdown,
     ModelFacts,
     Persona,
+    SpanWorker,
     Unplaced,
 )
 
@@ -90,6 +93,9 @@ class _Lane:
     reasons: list[str] = field(default_factory=list)
     window: int = 0
     cache_ram: int = 0  # bytes of prompt cache (--cache-ram), decided once the windows are
+    # A span lane (one lane across hosts): its workers and the serving host's view of them.
+    span: spans.Span | None = None
+    span_workers: tuple[SpanWorker, ...] = ()
 
     @property
     def lane_id(self) -> str:
@@ -191,6 +197,8 @@ def plan(
         if r.server is None:
             host_reasons[r.host_id].append("no lanes: no usable llama-server binary on this host")
     lanes: dict[str, list[_Lane]] = {r.host_id: [] for r in reports}
+    span_book = SpanBook()
+    deferred = []  # (persona, candidates, why, target host) of lanes that fit no single host
 
     for persona in personas:
         holders = [(r, m) for r in reports if r.server is not None for m in r.models if m.name == persona.model]
@@ -198,15 +206,32 @@ def plan(
             fleet_unplaced.append(Unplaced(model=persona.model, reason="no host with a llama-server holds this model"))
             continue
         wanted = len(holders) if persona.lanes is None else persona.lanes
-        for _ in range(wanted):
+        for i in range(wanted):
             candidates = holders if persona.lanes is not None else [holders.pop(0)]
             placed, why = _place(persona, candidates, config, lanes, remaining, previous, feedback)
             if not placed:
                 target = candidates[0][0].host_id if len(candidates) == 1 else None
-                entry = Unplaced(model=persona.model, reason=why)
-                (host_unplaced[target] if target else fleet_unplaced).append(entry)
+                deferred += [(persona, candidates, why, target)] * (wanted - i if persona.lanes is not None else 1)
                 if persona.lanes is not None:
                     break
+
+    # Spans last: a lane across hosts takes what the single-host lanes left at their floors.
+    failed_spans: set[str] = set()
+    for persona, candidates, why, target in deferred:
+        if persona.model in failed_spans:
+            continue  # one unplaced entry for the lanes of a persona no span takes
+        if persona.lanes is not None or not span_book.has(persona.model):
+            placed, span_why = place_span(
+                persona, candidates, reports, config, lanes, remaining, previous, feedback, span_book, _KIT
+            )
+            if placed:
+                continue
+            why = f"{why}; {span_why}" if span_why else why
+            if persona.lanes is not None:
+                failed_spans.add(persona.model)
+        entry = Unplaced(model=persona.model, reason=why)
+        (host_unplaced[target] if target else fleet_unplaced).append(entry)
+    grow_spans(span_book, remaining, config, _KIT)
 
     plans = []
     for r in reports:
@@ -220,6 +245,7 @@ def plan(
                 previous.get(r.host_id),
                 config_revision,
                 feedback.get(r.host_id, ()),
+                span_book,
             )
         )
     return FleetPlan(hosts=tuple(plans), unplaced=tuple(fleet_unplaced))
@@ -347,18 +373,29 @@ def _place(persona, candidates_, config, lanes, remaining, previous, feedback) -
 
 
 def _host_plan(
-    report, config, lanes, reasons, unplaced, prev: HostPlan | None, config_revision, feedback=()
+    report, config, lanes, reasons, unplaced, prev: HostPlan | None, config_revision, feedback=(), span_book=None
 ) -> HostPlan:
     budgets = _budgets(report, config)
+    span_book = span_book or SpanBook()
+    # Memory lent to other hosts' span lanes, and this host's own span lanes (their windows were
+    # chosen when they were placed), come off before the other lanes grow.
+    grow_budget = dict(budgets)
+    grow_budget[CPU_RESOURCE] = grow_budget.get(CPU_RESOURCE, 0) - span_book.lent.get(report.host_id, 0)
+    for lane in lanes:
+        if lane.span is not None:
+            used = _cost(lane, lane.window, lane.span.report, config.n_ubatch)
+            grow_budget[CPU_RESOURCE] -= used.get(CPU_RESOURCE, 0)
+    single = [lane for lane in lanes if lane.span is None]
     specs: list[LaneSpec] = []
     if report.server is not None:
 
         def cost(lane: _Lane, window: int) -> dict[Resource, int]:
             return _cost(lane, window, report, config.n_ubatch)
 
-        _grow(lanes, budgets, cost)
-        _keep_stable(lanes, budgets, cost, prev, config, report.server.has_kv_unified)
-        _prompt_caches(lanes, budgets, cost, prev, config, report.server.has_cache_ram)
+        _grow(single, grow_budget, cost)
+        _keep_stable(single, grow_budget, cost, prev, config, report.server.has_kv_unified)
+        # A span lane's cache stays 0: its host's RAM went to the lanes and what it lends.
+        _prompt_caches(single, grow_budget, cost, prev, config, report.server.has_cache_ram)
         busy = {fb.port: fb.detail for fb in feedback if fb.kind == "port_busy" and fb.port}
         specs, no_port = _assign_ports(report, [_spec(report, config, lane) for lane in lanes], prev, busy)
         specs = with_threads(report, config, specs, prev)
@@ -383,6 +420,7 @@ def _host_plan(
         lanes=tuple(specs),
         unplaced=tuple(unplaced),
         reasons=tuple(reasons),
+        rpc_workers=tuple(sorted(span_book.specs.get(report.host_id, ()), key=lambda w: (w.port, w.lane_id))),
     )
     if prev is None:
         return msgspec.structs.replace(draft, plan_revision=1)
@@ -487,6 +525,7 @@ def _n_gpu_layers(lane: _Lane) -> int:
 
 def _spec(report: HostReport, config: FleetConfig, lane: _Lane) -> LaneSpec:
     caps = report.server
+    report = lane.span.report if lane.span is not None else report  # a span sees its workers as devices
     memory = lane.memory(lane.window, report, config.n_ubatch)
     pins = pins_for(lane.layout, report)
     window_reason = f"window {lane.window} tokens per slot x {lane.persona.parallel} on {lane.device}: " + (
@@ -529,6 +568,7 @@ def _spec(report: HostReport, config: FleetConfig, lane: _Lane) -> LaneSpec:
         cache_ram_mib=lane.cache_ram // MIB if caps.has_cache_ram else None,
         embeddings=embeddings,
         pooling=pooling,
+        workers=lane.span_workers,
     )
 
 
@@ -562,3 +602,6 @@ def _assign_ports(
         spec = msgspec.structs.replace(spec, port=port)
         out.append(msgspec.structs.replace(spec, args=lane_args(spec, report.server)))
     return out, dropped
+
+
+_KIT = LaneKit(_Lane, _cost, lane_id_for)  # what the span step (planner_svc.span_lanes) builds lanes with

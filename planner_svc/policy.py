@@ -21,7 +21,7 @@ DEFAULT_CTX_CEILING = 131072
 
 def ram_budget(report: HostReport, config: FleetConfig) -> int:
     """RAM lanes may use: what is free plus what our own lanes hold, less headroom."""
-    usable = min(report.ram_total, report.ram_available + report.lanes_rss)
+    usable = min(report.ram_total, report.ram_available + report.lanes_rss + report.workers_rss)
     headroom = config.headroom_bytes + int(config.headroom_fraction * report.ram_total)
     return max(0, usable - headroom)
 

@@ -264,6 +264,8 @@ class PlannerState:
         """
         fleet_wide = self.demand is not None and any(p.lanes is not None for p in self.demand.personas)
         fleet_wide = fleet_wide or self.demand_engaged()
+        # A span lane (one lane across hosts) ties its serving host's plan to its workers' plans.
+        fleet_wide = fleet_wide or any(r.rpc_worker is not None for r in self.reports.values())
         # A lost host's plan is left as it is; its fleet-wide lanes are placed on the live ones.
         if self.replan_all or fleet_wide:
             reports = [r for h, r in self.reports.items() if h not in self.lost]

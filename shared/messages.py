@@ -91,6 +91,9 @@ class ServerCaps(msgspec.Struct, frozen=True, kw_only=True):
     has_chat_template: bool = True  # --chat-template NAME: a built-in template by name
     has_no_jinja: bool = True  # --no-jinja: jinja is on by default, so a template name needs it first
     has_cache_ram: bool = True  # -cram/--cache-ram N: the host-RAM prompt cache's limit
+    # --rpc works: built with the RPC backend (every build lists --rpc in --help; one without it
+    # refuses it with "RPC not supported in this build"). Only such a host serves a span lane.
+    has_rpc: bool = True
 
 
 class LayerWeights(msgspec.Struct, frozen=True, array_like=True):
@@ -158,6 +161,17 @@ class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
     pooling: str = ""
 
 
+class RpcWorkerOffer(msgspec.Struct, frozen=True, kw_only=True):
+    """A host whose agent was started with --rpc-worker: it may run ggml-rpc-server for a span
+    lane of another host, bound to `address` (the operator's --advertise) on a port of its range."""
+
+    address: str
+    port_base: Port = 50052
+    port_count: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 4
+    # The device it offers, as ggml-rpc-server exposes it: "CPU" (its RAM) on a CPU-only host.
+    device: str = "CPU"
+
+
 class HostReport(_Msg, tag="host_report", kw_only=True):
     host_id: Name
     cpu_cores: int  # logical CPUs
@@ -186,6 +200,10 @@ class HostReport(_Msg, tag="host_report", kw_only=True):
     cpu_performance: Annotated[int, msgspec.Meta(ge=1)] | None = None
     # Logical CPU ids to pin lanes to, one per core this agent may use, performance cores first.
     cpu_ids: tuple[CpuId, ...] = ()
+    # Set when the agent runs with --rpc-worker: it may lend its memory to another host's lane.
+    rpc_worker: RpcWorkerOffer | None = None
+    # Memory its ggml-rpc-servers hold now (like lanes_rss: the planner may hand it out again).
+    workers_rss: Bytes = 0
 
 
 # ---------------------------------------------------------------- fleet intent
@@ -333,6 +351,31 @@ class LaneLayout(msgspec.Struct, frozen=True):
     n_cpu_moe: Annotated[int, msgspec.Meta(ge=0)] = 0
 
 
+class SpanWorker(msgspec.Struct, frozen=True, kw_only=True):
+    """One worker of a span lane: the host whose ggml-rpc-server holds some of its layers."""
+
+    host_id: Name
+    endpoint: str  # host:port the serving llama-server reaches it on (--rpc)
+    device: str = "CPU"  # the worker's device ggml-rpc-server exposes
+    index: int = 0  # the lane's device index (DeviceMemory.index, RPC<index> to llama-server)
+    model_bytes: Bytes = 0
+    kv_bytes: Bytes = 0
+    compute_bytes: Bytes = 0
+    # Everything reserved on the worker for it (buffers and the ggml-rpc-server process).
+    reserved_bytes: Bytes = 0
+
+
+class RpcWorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """What a worker host runs for a span lane of another host: one ggml-rpc-server."""
+
+    lane_id: Name
+    serving_host: Name
+    bind: str
+    port: Port
+    device: str = "CPU"
+    reserved_bytes: Bytes = 0
+
+
 class LaneSpec(msgspec.Struct, frozen=True, kw_only=True):
     """One llama-server instance, with every flag decided. `args` is the exact argv tail."""
 
@@ -379,6 +422,8 @@ class LaneSpec(msgspec.Struct, frozen=True, kw_only=True):
     cache_ram_mib: Annotated[int, msgspec.Meta(ge=0)] | None = None
     embeddings: bool = False  # --embeddings: the lane serves /v1/embeddings only
     pooling: Literal["mean", "cls", "last", "rank"] | None = None  # --pooling, for a model that declares none
+    # A span lane: its layers also lie on these workers' ggml-rpc-servers (rpc_servers, in order).
+    workers: tuple[SpanWorker, ...] = ()
 
 
 class Unplaced(msgspec.Struct, frozen=True, kw_only=True):
@@ -403,6 +448,8 @@ class HostPlan(_Msg, tag="host_plan", kw_only=True):
     reasons: tuple[str, ...] = ()
     # The planner that wrote it (its lease holder id): a stand-by adopts only the active one's plans.
     planned_by: str = ""
+    # ggml-rpc-servers this host runs for span lanes of other hosts (agents with --rpc-worker).
+    rpc_workers: tuple[RpcWorkerSpec, ...] = ()
 
 
 class FleetPlan(_Msg, tag="fleet_plan", kw_only=True):
@@ -439,6 +486,17 @@ class LaneStatus(msgspec.Struct, frozen=True, kw_only=True):
     load_seconds: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
 
 
+class RpcWorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
+    """One ggml-rpc-server a worker host runs for another host's span lane."""
+
+    lane_id: Name
+    serving_host: Name
+    port: Port
+    pid: int | None = None
+    running: bool = False
+    restarts: int = 0
+
+
 class HostStatus(_Msg, tag="host_status", kw_only=True):
     host_id: Name
     plan_revision: int = 0
@@ -451,6 +509,8 @@ class HostStatus(_Msg, tag="host_status", kw_only=True):
     agent_session: str = ""
     # Where gateways reach this host's lanes (the bind address, or the agent's --advertise).
     address: str = ""
+    # The ggml-rpc-servers this host runs for span lanes of other hosts (an agent with --rpc-worker).
+    rpc_workers: tuple[RpcWorkerStatus, ...] = ()
 
 
 class LaneEvent(_Msg, tag="lane_event", kw_only=True):
