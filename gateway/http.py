@@ -109,9 +109,12 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
     except msgspec.DecodeError as exc:
         return openai_error(400, f"request body is not JSON: {exc}", "invalid_json")
     name = payload.get("model") if isinstance(payload, dict) else None
-    if not isinstance(name, str) or not name:
-        return openai_error(400, "the request names no model (field 'model')", "model_required")
     view, metrics = app[VIEW], app[METRICS]
+    if not isinstance(name, str) or not name:
+        # As llama-server itself: a fleet of one model serves a request that names none.
+        name, why = waking.only_model(waking.catalogue(view))
+        if name is None:
+            return openai_error(400, f"the request names no model (field 'model') and {why}", "model_required")
     model = waking.classify(view, name)
     label = model.name if model.state != "unknown" else "unknown"  # bounded labels: no client-chosen names
     if model.state != "unknown":

@@ -99,6 +99,18 @@ def catalogue(view: FleetView) -> list[dict]:
     return out
 
 
+def only_model(catalogue: list[dict]) -> tuple[str | None, str]:
+    """The model a request that names none goes to: the fleet's one servable model, else None
+    and why not (a fleet of several cannot guess)."""
+    names = [m["id"] for m in catalogue]
+    if len(names) == 1:
+        return names[0], ""
+    if not names:
+        return None, "this fleet serves no model"
+    shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+    return None, f"this fleet serves {len(names)} models ({shown}): name one"
+
+
 DEFAULT_LOAD_TIMEOUT = 120.0  # seconds, where the planner predicts nothing
 LOAD_MARGIN = 30.0  # seconds added to half again the predicted load time
 

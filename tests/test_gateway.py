@@ -162,6 +162,11 @@ async def test_errors_come_in_openai_shape(fleet):
                                  headers={"Authorization": f"Bearer {KEY}"}) as resp:  # fmt: skip
                 assert resp.status == 413
                 assert (await resp.json())["error"]["type"] == "invalid_request_error"
+            # No model named: the fleet serves exactly one, so it goes there (as llama-server does).
+            async with http.post(gw.url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2},
+                                 headers={"Authorization": f"Bearer {KEY}"}) as resp:  # fmt: skip
+                assert resp.status == 200, await resp.text()
+                assert resp.headers["x-lanes-lane"].split("/")[0] == HOST
             async with http.get(gw.url + "/health") as resp:  # probes need no key
                 assert resp.status == 200 and (await resp.json())["lanes_routable"] == 2
             async with http.get(gw.url + "/ready") as resp:
@@ -189,6 +194,9 @@ async def test_no_lanes_for_a_model(tmp_path):
         with pytest.raises(openai.NotFoundError) as missing:
             await ai.chat.completions.create(model=ALIAS, messages=MESSAGES)
         assert missing.value.code == "model_not_found" and ALIAS in missing.value.message
+        with pytest.raises(openai.BadRequestError) as unnamed:
+            await ai.chat.completions.create(model="", messages=MESSAGES)
+        assert unnamed.value.code == "model_required" and "serves no model" in unnamed.value.message
     finally:
         stop.set()
         await asyncio.wait_for(task, 15)

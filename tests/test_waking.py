@@ -120,3 +120,10 @@ async def test_a_load_past_its_bound_is_a_timeout_with_retry_after_and_the_queue
         await first
     assert late.value.retry_after == 4  # the predicted load time
     assert waker.held == {}
+
+
+def test_a_request_naming_no_model_goes_to_the_only_one():
+    assert waking.only_model([{"id": "gemma"}]) == ("gemma", "")
+    assert waking.only_model([]) == (None, "this fleet serves no model")
+    name, why = waking.only_model([{"id": m} for m in "abcdefg"])
+    assert name is None and why == "this fleet serves 7 models (a, b, c, d, e, ...): name one"
