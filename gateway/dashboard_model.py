@@ -139,7 +139,10 @@ def _devices(report: HostReport | None, plan, specs, live: Mapping[str, LaneStat
         bars.append(_bar(f"GPU{i} {g.name}", g.vram_total, available, budget, config))
     for spec in specs:
         lane = live.get(spec.lane_id)
+        remote = {w.index for w in getattr(spec, "workers", ())}  # a span's devices on other hosts
         for index, parts in _lane_parts(spec):
+            if index in remote:
+                continue
             bar = _bar_for(bars, spec, index)
             for part, n in parts.items():
                 bar[part] += n
@@ -148,11 +151,14 @@ def _devices(report: HostReport | None, plan, specs, live: Mapping[str, LaneStat
         real = getattr(lane, "devices", ())
         if real:
             for d in real:
-                _bar_for(bars, spec, d.index)["real"] += d.total
+                if d.index not in remote:
+                    _bar_for(bars, spec, d.index)["real"] += d.total
         elif lane.rss_bytes is not None:
             bars[0]["real"] += lane.rss_bytes
+    # What this host holds for other hosts' span lanes (its ggml-rpc-servers).
+    bars[0]["lent"] = sum(w.reserved_bytes for w in getattr(plan, "rpc_workers", ())) if plan else 0
     for bar in bars:
-        planned = bar["weights"] + bar["kv"] + bar["compute"] + bar["cache"]
+        planned = bar["weights"] + bar["kv"] + bar["compute"] + bar["cache"] + bar["lent"]
         bar["free"] = max(0, bar["available"] - planned - bar["headroom"])
     return bars
 
@@ -186,4 +192,4 @@ def _bar(name: str, total: int, available: int, budget: int | None, config: Flee
         budget = available - config.headroom_bytes - int(config.headroom_fraction * total)
     headroom = max(0, available - max(0, budget))
     return {"device": name, "total": total, "available": available, "headroom": headroom,
-            "weights": 0, "kv": 0, "compute": 0, "cache": 0, "real": 0, "free": 0}  # fmt: skip
+            "weights": 0, "kv": 0, "compute": 0, "cache": 0, "lent": 0, "real": 0, "free": 0}  # fmt: skip

@@ -194,3 +194,27 @@ def test_lane_rows_show_the_cache_hit_ratio_from_the_lanes_answers() -> None:
     assert rows[first.lane_id]["cache_hit_ratio"] == 0.5 and rows[first.lane_id]["prompt_tokens"] == 2000
     assert rows[second.lane_id]["cache_hit_ratio"] is None  # no answers yet
     assert rows[first.lane_id]["cache_ram_mib"] == first.cache_ram_mib is not None
+
+
+def test_a_span_draws_its_remote_devices_on_the_workers_bars_only() -> None:
+    from test_spans import by_host, fleet_of, span_lane
+
+    reports = fleet_of(3.0, (("w1", 2.3), ("w2", 2.3), ("w3", 2.3)))
+    fleet = plan(reports, FleetConfig())
+    lane = span_lane(fleet)
+    view = FleetView()
+    for r in reports:
+        assert view.apply_entry(f"report.{r.host_id}", encode(r)) is None
+    for hp in fleet.hosts:
+        assert view.apply_entry(f"plan.{hp.host_id}", encode(hp)) is None
+    bars = {h["host_id"]: h["devices"][0] for h in snapshot(view)["hosts"]}
+    remote = {w.index for w in lane.workers}
+    local = [d for d in lane.memory.devices if d.index not in remote]
+    # The serving host draws only what lies in its own RAM; the workers' shares are theirs.
+    assert bars["serve"]["weights"] == sum(d.model_bytes for d in local)
+    assert bars["serve"]["lent"] == 0
+    for w in lane.workers:
+        assert bars[w.host_id]["lent"] == w.reserved_bytes > w.model_bytes > 0
+        assert bars[w.host_id]["free"] == max(0, bars[w.host_id]["available"] - bars[w.host_id]["lent"]
+                                               - bars[w.host_id]["headroom"])  # fmt: skip
+    assert bars["w3"]["lent"] == 0 and by_host(fleet)["w3"].rpc_workers == ()

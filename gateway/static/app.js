@@ -16,12 +16,13 @@ function deviceRow(d) {
   const used = Math.max(0, d.total - d.available);  // held by other programs
   const bar = el("div", { class: "bar", title: `${d.device}: ${gib(d.total)}` });
   for (const [cls, bytes] of [["used", used], ["weights", d.weights], ["kv", d.kv], ["compute", d.compute],
-                              ["prompt-cache", d.cache || 0], ["headroom", d.headroom]]) {
+                              ["prompt-cache", d.cache || 0], ["lent", d.lent || 0],
+                              ["headroom", d.headroom]]) {
     bar.append(el("span", { class: cls, style: `width:${pct(bytes, d.total)}`, title: `${cls} ${gib(bytes)}` }));
   }
   if (d.real > 0) bar.append(el("span", { class: "real", style: `left:${pct(used + d.real, d.total)}`,
                                           title: `real ${gib(d.real)}` }));
-  const planned = d.weights + d.kv + d.compute + (d.cache || 0);
+  const planned = d.weights + d.kv + d.compute + (d.cache || 0) + (d.lent || 0);
   return el("div", { class: "device" }, el("span", {}, d.device), bar,
             el("span", { class: "legend" }, `planned ${gib(planned)} · real ${gib(d.real)} · free ${gib(d.free)}`));
 }
@@ -38,6 +39,7 @@ function renderHosts(hosts) {
   box.append(el("div", { class: "legend" }, el("i", { style: "background:var(--weights)" }), "weights",
     el("i", { style: "background:var(--kv)" }), "KV", el("i", { style: "background:var(--compute)" }), "compute",
     el("i", { style: "background:var(--prompt-cache)" }), "prompt cache",
+    el("i", { style: "background:var(--lent)" }), "lent to spans",
     el("i", { style: "background:var(--headroom)" }), "headroom", el("i", { style: "background:var(--free)" }), "free",
     el("i", { style: "background:#fff" }), "real (RSS)"));
 }
