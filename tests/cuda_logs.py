@@ -59,14 +59,16 @@ LOGS: tuple[CudaLog, ...] = (
         notes="RTX 4070 Ti + RTX 3090 Ti; the 12/28 split is what the KV lines print (3 x 128 MiB per block)",
     ),
     CudaLog(
-        key="qwen-28l-q8kv-fa-b74xx",
+        key="qwen3-0.6b-q8kv-fa-b74xx",
         url="https://github.com/ggml-org/llama.cpp/issues/18258",
         build=7406,
-        era="b7406+ (December 2025: 'Major performance drop since b7406')",
+        era="b7406+ (December 2025: 'Major performance drop since b7406'; before PR 23861)",
         program="llama-server",
-        shape=dict(architecture="qwen", n_layer=28, n_head_kv=8, head_dim=128, n_vocab=151936),
-        shape_from="the log's own KV size line (28 layers) and output buffer (0.58 MiB = 151936 floats); "
-        "the KV width (8 x 128) is read off the K size, so only cells and q8_0 rows are checked",
+        shape=dict(architecture="qwen3", n_layer=28, n_embd=1024, n_head=16, n_head_kv=8, head_dim=128,
+                   n_vocab=151936, n_ff=3072),
+        shape_from="Qwen3-0.6B's public config: its 28 layers, 8 x 128 KV width and 151936 tokens are what the "
+        "KV line (28 layers, 587.56 MiB of q8_0 K over 20224 cells) and the output line (0.58 MiB) print; "
+        "n_ctx_train 32768 points at the Embedding/Reranker-0.6B variant of the same shape",
         flags=dict(ctx=20224, parallel=1, type_k="q8_0", type_v="q8_0", flash_attn=True, n_gpu_layers="all",
                    n_ubatch=512, devices=("cuda",)),
         printed={
@@ -77,7 +79,50 @@ LOGS: tuple[CudaLog, ...] = (
             "output": {"CUDA_Host": 0.58},
             "compute": {"CUDA0": 298.75, "CUDA_Host": 41.51},
         },
-        notes="compute not held: n_embd and n_ff are not in the excerpt",
+        notes="CUDA0 compute = logits for all 512 ubatch tokens (296.75) + the normed hidden state (2.00); "
+        "CUDA_Host = the f32 mask of 20224 x 512 (39.50) + 2.01",
+    ),
+    CudaLog(
+        key="qwen2.5-3b-b4701",
+        url="https://github.com/SciSharp/LLamaSharp/issues/1099",
+        build=4701,
+        era="b4701 (February 2025; the comment's llama-cli run prints `build: 4701 (be3bbd62)`)",
+        program="LLamaSharp (bundled llama.cpp) beside llama-cli b4701",
+        shape=dict(architecture="qwen2", n_layer=36, n_embd=2048, n_head=16, n_head_kv=2, head_dim=128,
+                   n_vocab=151936, n_ff=11008),
+        shape_from="Qwen2.5-3B's public config: the log's 36 layers of n_embd_k_gqa 256 and its 0.58 MiB output "
+        "buffer (151936 tokens) match it",
+        flags=dict(ctx=4096, parallel=1, type_k="f16", type_v="f16", flash_attn=False, n_gpu_layers="all",
+                   n_ubatch=512, devices=("cuda",)),
+        printed={
+            "kv": {"CUDA0": 144.00},
+            "kv_k": 72.00,
+            "output": {"CUDA_Host": 0.58},
+            "compute": {"CUDA0": 300.75, "CUDA_Host": 12.01},
+        },
+        notes="ctx 4096 is what 144 MiB of f16 KV over 36 layers of width 256 holds (the excerpt has no n_ctx "
+        "line); CUDA0 compute = logits of 512 tokens (296.75) + hidden state (4.00)",
+    ),
+    CudaLog(
+        key="deepseek-r1-8gpu-q4k-b45xx",
+        url="https://github.com/ggml-org/llama.cpp/issues/9390",
+        build=None,
+        era="b4500-b4700 (early 2025: llama_init_from_model, llama_kv_cache_init, before MLA caches)",
+        program="llama-server",
+        shape=dict(architecture="deepseek2", n_layer=61, n_head_kv=128, head_dim_k=192, head_dim_v=128,
+                   n_expert=256, n_expert_used=8),
+        shape_from="DeepSeek-V3/R1's public config (61 layers, 128 heads of K 192 = 128 + 64 rope, V 128); "
+        "the log prints n_layer = 61 and n_ctx_train 163840",
+        flags=dict(ctx=16384, parallel=8, type_k="q4_0", type_v="f16", flash_attn=False, n_gpu_layers=62,
+                   n_ubatch=256, devices=("cuda",) * 8, layers_per_device=(8, 8, 8, 7)),
+        printed={
+            "model": {"CUDA2": 25338.47, "CUDA3": 22171.16, "CUDA4": 25338.47, "CUDA5": 25338.47,
+                      "CUDA6": 25338.47, "CUDA7": 19728.83},
+            "kv": {"CUDA0": 5824.00, "CUDA1": 5824.00, "CUDA2": 5824.00, "CUDA3": 5096.00},
+        },
+        notes="8 slots over one shared 16384-cell cache; K q4_0 and V f16 differ; the later devices' lines are "
+        "cut off in the excerpt. Model lines: 25338.47 / 8 blocks and 22171.16 / 7 blocks agree to 0.01 MiB "
+        "(3167.31 MiB per MoE block)",
     ),
     CudaLog(
         key="qwen3-30b-a3b-partial-b5466",

@@ -26,6 +26,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from shared.llama.builds import fa_mask_is_f16, reserves_logits_per_token
 from shared.memory.cpu_repack import repack_rule
 from shared.memory.experts import cpu_expert_blocks
 from shared.memory.kv import DEFAULT_N_UBATCH, MIB, KvSize, MemoryModelError, kv_size
@@ -75,6 +76,7 @@ class LaneShape:
     n_cpu_moe: int = 0  # --n-cpu-moe: the expert tensors of the first N blocks in RAM
     tensor_overrides: tuple[tuple[str, str], ...] = ()  # -ot PATTERN=BUFFER pairs (only =CPU on experts)
     cache_ram: int = 0  # bytes: the prompt cache's limit (--cache-ram), see prompt_cache_bytes
+    llama_build: int = 0  # the build whose graph rules apply (shared.llama.builds); 0: the current rules
 
 
 def placement_for(facts: ModelFacts, shape: LaneShape) -> Placement:
@@ -218,10 +220,13 @@ def compute_bytes(facts: ModelFacts, placement: Placement, shape: LaneShape, kv:
     """
     n_tokens = min(shape.n_ubatch, kv.cells * kv.streams)
     f32 = 4
-    mask_width = 2 if shape.flash_attn else 4
+    mask_width = 2 if shape.flash_attn and fa_mask_is_f16(shape.llama_build) else 4
     embd = facts.n_embd * n_tokens * f32
     ffn = ffn_width(facts) * n_tokens * f32
-    logits = facts.n_vocab * shape.parallel * f32
+    # Builds before PR 23861 reserve logits for every ubatch token; their output peak is those logits
+    # and the normed hidden state they are computed from (public CUDA logs, tests/cuda_logs.py).
+    per_token_logits = reserves_logits_per_token(shape.llama_build)
+    logits = facts.n_vocab * (n_tokens if per_token_logits else shape.parallel) * f32
     swa = tuple(facts.swa_layers) + (False,) * (facts.n_layer + 1)
     kv_layers = [il for il in range(facts.n_layer) if facts.n_head_kv[il]]
 
@@ -260,9 +265,14 @@ def compute_bytes(facts: ModelFacts, placement: Placement, shape: LaneShape, kv:
             resid, attn_extra = 2 * embd, 4 * ffn - (7 if dev == first_gpu else 12) * embd // 2
         else:
             resid, attn_extra = 4 * embd, 4 * ffn - 2 * embd
-        peak_ffn = masks + resid + max(3 * ffn, logits if is_output else 0)
+        if per_token_logits:
+            peak_ffn = masks + resid + 3 * ffn
+            peak_out = logits + embd if is_output else 0
+        else:
+            peak_ffn = masks + resid + max(3 * ffn, logits if is_output else 0)
+            peak_out = 0
         peak_attn = masks + scores + attn_extra if scores else 0
-        out[1 + dev] = max(peak_ffn, peak_attn)
+        out[1 + dev] = max(peak_ffn, peak_attn, peak_out)
         if pipeline:
             out[1 + dev] += (copies - 1) * masks + (12 if dev == first_gpu else 4) * embd
     offload_to = op_offload_device(placement)
