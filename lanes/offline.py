@@ -144,7 +144,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         n_gpu_layers=ngl, tensor_split=shares, devices=(backend,) * len(gpus), split_mode=args.split_mode,
         main_gpu=args.main_gpu, no_kv_offload=args.no_kv_offload, ngl_rule=caps.ngl_rule,
         n_cpu_moe=args.n_cpu_moe, tensor_overrides=overrides,
-        cache_ram=args.cache_ram * 2**20,
+        cache_ram=args.cache_ram * 2**20, llama_build=caps.build or 0,
     )  # fmt: skip
     try:
         mem = lane_memory(facts, shape, cpu_repack())

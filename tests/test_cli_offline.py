@@ -300,6 +300,14 @@ def test_estimate_moe_contract(tmp_path):
     old = json.loads(lanes(*base, "--gpu-backend", "cuda", "--llama-build", "5000").stdout)
     assert old["flash_attn"] is False and "switch" in old["flash_attn_reason"]
     assert old["kv_streams"] == 1 and old["compute_bytes"] > cuda["compute_bytes"]
+    # PR 23861 (~b9400): before it the prompt graph reserved logits for every ubatch token
+    from tinymodels import write_llama
+
+    big_vocab = write_llama(tmp_path / "vocab.gguf", n_vocab=65536)
+    vocab = ["estimate", big_vocab, "--ctx", "4096", "-ngl", "all", "--gpus", "8GiB", "--gpu-backend", "cuda", "--json"]
+    before, after = (json.loads(lanes(*vocab, "--llama-build", b).stdout) for b in ("9399", "9400"))
+    logits_all = 65536 * 512 * 4
+    assert before["devices"][1]["compute_bytes"] >= logits_all > after["devices"][1]["compute_bytes"]
     assert_one_line_error(lanes(*base, "-ot", "attn=CPU"), "not only expert tensors")
     assert_one_line_error(lanes(*base, "-ot", "exps=CUDA0"), "only overrides to CPU")
     assert_one_line_error(lanes(*base, "--n-cpu-moe", "2", "--llama-build", "6000"), "does not have it")

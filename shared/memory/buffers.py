@@ -216,7 +216,9 @@ def compute_bytes(facts: ModelFacts, placement: Placement, shape: LaneShape, kv:
     n_kv x n_ubatch), without flash attention the f32 scores of every head (n_kv x n_ubatch
     x n_head), FFN activations (3 x n_ff x n_ubatch f32), residual stream (5 x n_embd x
     n_ubatch f32), and the logits of `parallel` outputs (llama-server reserves
-    n_outputs = slots; llama-fit-params reserves all n_ubatch, hence its larger figure).
+    n_outputs = slots; llama-fit-params reserves all n_ubatch, hence its larger figure). Builds
+    before ~b9400 (shape.llama_build, PR 23861) reserve logits for every ubatch token and, before
+    ~b9380 (PR 23764), an f32 flash-attention mask: both checked on public CUDA logs.
     """
     n_tokens = min(shape.n_ubatch, kv.cells * kv.streams)
     f32 = 4
