@@ -19,6 +19,7 @@ The rules, by persona name (its alias, or its model's name; what a lane spec cal
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass, field, fields
 
 import msgspec
@@ -150,12 +151,15 @@ class DemandState:
         changes it made (a replan is due when there are any)."""
         lanes = _lanes_by_name(plans)
         load: dict[str, list[int]] = {}
-        for at, act in self.gateways.values():
-            if now - at <= STALE_INTERVALS * act.interval:
-                for m in act.models:
-                    got = load.setdefault(m.name, [0, 0])
-                    got[0] += m.in_flight
-                    got[1] += m.queued
+        fresh = {g for g, (at, act) in self.gateways.items() if now - at <= STALE_INTERVALS * act.interval}
+        # A gateway gone quiet no longer counts: neither its load nor its streaks.
+        self.scale = dataclasses.replace(self.scale, streaks={k: v for k, v in self.scale.streaks.items()
+                                                              if k[0] in fresh})  # fmt: skip
+        for g in fresh:
+            for m in self.gateways[g][1].models:
+                got = load.setdefault(m.name, [0, 0])
+                got[0] += m.in_flight
+                got[1] += m.queued
         models = {}
         for p in personas:
             name = persona_name(p)

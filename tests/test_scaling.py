@@ -237,3 +237,39 @@ def test_an_added_lane_with_no_room_is_taken_back_and_not_asked_again_at_once():
     for i in range(3):
         busy(f, 8.0 + 2.0 * i, wait=4.0)
     assert f.state.rescale(demand.personas, CONFIG, f.plans, 14.0) == ()  # no room lately: no retry loop
+
+
+def test_on_two_holders_the_running_lanes_stay_and_one_is_added():
+    # Fixed windows: with an open ctx_max the planner shares the room between the lanes of the
+    # host that gets the new one (the running lane narrows). Its prompt cache is shared either
+    # way: that lane restarts through drain with a smaller --cache-ram (a known limit).
+    hosts = [host(h, ram_total=8 * GIB, ram_available=int(5 * GIB), models=(llama_1b("a"),)) for h in ("h1", "h2")]
+    demand = Demand(personas=(Persona(model="a", max_lanes=3, ctx_min=8192, ctx_max=8192),))
+    f = Fleet(hosts, demand, config=CONFIG)
+    before = f.replan(0.0)
+    assert lanes_of(before) == {"h1": ["a"], "h2": ["a"]}
+    for i in range(3):
+        busy(f, 2.0 * i, wait=4.0)
+    assert [c.delta for c in f.state.rescale(demand.personas, CONFIG, f.plans, 6.0)] == [1]
+    after = f.replan(7.0)
+    assert sum(len(h.lanes) for h in after.hosts) == 3 and not after.unplaced
+    kept = {(h.host_id, s.lane_id): s for h in before.hosts for s in h.lanes}
+    now = {(h.host_id, s.lane_id): s for h in after.hosts for s in h.lanes}
+    grown = next(h.host_id for h in after.hosts if len(h.lanes) == 2)
+    for (h, lane_id), spec in kept.items():
+        if h != grown:
+            assert now[(h, lane_id)] == spec  # the other host's lane is untouched
+        else:  # same lane, port and window; only its share of the prompt cache changes
+            shape = ("port", "ctx_total", "ctx_per_slot", "parallel", "model_path", "layout")
+            assert [getattr(now[(h, lane_id)], f) for f in shape] == [getattr(spec, f) for f in shape]
+            assert now[(h, lane_id)].cache_ram_mib < spec.cache_ram_mib
+
+
+def test_a_gateway_gone_quiet_neither_adds_lanes_nor_keeps_them():
+    f, demand = scaled_fleet(roomy_host())
+    f.replan(0.0)
+    for i in range(3):
+        busy(f, 2.0 * i, wait=4.0)
+    # Its reports stop: past STALE_INTERVALS of its interval, its streak no longer counts.
+    assert f.state.rescale(demand.personas, CONFIG, f.plans, 4.0 + 3 * 2.0 + 1.0) == ()
+    assert f.state.scale.streaks == {}
