@@ -5,7 +5,7 @@ one request, waits past the sleep, and reads the process's memory with psutil at
 RSS, USS (its private pages: what another lane could really get back) and the swap-free
 anonymous part. Then one more request, timed (the wake-up cost), and the memory again.
 
-    .venv/bin/python bench/sleep_rss.py [--sleep 3] [--ctx 8192] [--no-mmap]
+    .venv/bin/python bench/sleep_rss.py [--sleep 3] [--ctx 8192] [--no-mmap] [--poll]
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ def main() -> None:
     ap.add_argument("--sleep", type=float, default=3.0)
     ap.add_argument("--ctx", type=int, default=8192)
     ap.add_argument("--no-mmap", action="store_true")
+    ap.add_argument("--poll", action="store_true", help="read /health and /slots every 0.5 s while idle, as lanes does")
     args = ap.parse_args()
     model = ensure_demo_model(Path(tempfile.gettempdir()) / "lanes-sleep-bench")
     binary = find_llama_server()
@@ -93,7 +94,15 @@ def main() -> None:
         load_s = time.perf_counter() - started
         rows.append(("loaded", memory(proc), sleeping(base), round(load_s, 2)))
         rows.append(("after one request", memory(proc), sleeping(base), round(chat(base), 2)))
-        time.sleep(args.sleep + 3.0)
+        idle_until = time.monotonic() + args.sleep + 3.0
+        while time.monotonic() < idle_until:
+            if args.poll:
+                for path in ("/health", "/slots"):
+                    try:
+                        get(base + path, 2)
+                    except Exception:
+                        pass
+            time.sleep(0.5)
         rows.append((f"{args.sleep + 3:g} s idle", memory(proc), sleeping(base), None))
         wake_s = round(chat(base), 2)
         rows.append(("woken by a request", memory(proc), sleeping(base), wake_s))
@@ -101,7 +110,8 @@ def main() -> None:
         server.terminate()
         server.wait(30)
     print(f"model {model.name} ({model.stat().st_size / MIB:.0f} MiB), -c {args.ctx}, "
-          f"--sleep-idle-seconds {int(args.sleep)}{' --no-mmap' if args.no_mmap else ''}")  # fmt: skip
+          f"--sleep-idle-seconds {int(args.sleep)}{' --no-mmap' if args.no_mmap else ''}"
+          f"{', /health and /slots read every 0.5 s' if args.poll else ''}")  # fmt: skip
     print("| step | RSS MiB | USS MiB | shared MiB | is_sleeping | seconds |")
     print("|---|---|---|---|---|---|")
     for step, mem, asleep, secs in rows:
