@@ -14,6 +14,8 @@ The rules, by persona name (its alias, or its model's name; what a lane spec cal
   newcomer never takes a running lane's room; where it fits nowhere, `eviction.choose` picks
   the idle lanes to unload (through the agent's drain), and the plan is made again.
 - `min_lanes` pins: the persona always has that many lanes and none is evicted or idles out.
+- `max_lanes`: lanes added by measured demand (planner_svc/scaling.py) come on top of the
+  persona's count; one the plan cannot place is taken back (it never evicts).
 """
 
 from __future__ import annotations
