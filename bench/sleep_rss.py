@@ -5,7 +5,7 @@ one request, waits past the sleep, and reads the process's memory with psutil at
 RSS, USS (its private pages: what another lane could really get back) and the swap-free
 anonymous part. Then one more request, timed (the wake-up cost), and the memory again.
 
-    .venv/bin/python bench/sleep_rss.py [--sleep 3] [--ctx 8192] [--no-mmap] [--poll]
+    .venv/bin/python bench/sleep_rss.py [--sleep 3] [--ctx 8192] [--no-mmap] [--poll /health,/slots]
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sleep", type=float, default=3.0)
     ap.add_argument("--ctx", type=int, default=8192)
-    ap.add_argument("--no-mmap", action="store_true")
-    ap.add_argument("--poll", action="store_true", help="read /health and /slots every 0.5 s while idle, as lanes does")
+    ap.add_argument("--no-mmap", action="store_true", help="-lm none (this build has no --no-mmap)")
+    ap.add_argument("--poll", default="", help="paths to read every 0.5 s while idle, as lanes does: /health,/slots")
     args = ap.parse_args()
     model = ensure_demo_model(Path(tempfile.gettempdir()) / "lanes-sleep-bench")
     binary = find_llama_server()
@@ -75,7 +75,7 @@ def main() -> None:
     argv = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-c", str(args.ctx),
             "-np", "1", "--sleep-idle-seconds", str(int(args.sleep))]  # fmt: skip
     if args.no_mmap:
-        argv.append("--no-mmap")
+        argv += ["-lm", "none"]
     log = open(Path(tempfile.gettempdir()) / "lanes-sleep-bench.log", "w")
     server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     proc = psutil.Process(server.pid)
@@ -97,7 +97,7 @@ def main() -> None:
         idle_until = time.monotonic() + args.sleep + 3.0
         while time.monotonic() < idle_until:
             if args.poll:
-                for path in ("/health", "/slots"):
+                for path in args.poll.split(","):
                     try:
                         get(base + path, 2)
                     except Exception:
@@ -111,7 +111,7 @@ def main() -> None:
         server.wait(30)
     print(f"model {model.name} ({model.stat().st_size / MIB:.0f} MiB), -c {args.ctx}, "
           f"--sleep-idle-seconds {int(args.sleep)}{' --no-mmap' if args.no_mmap else ''}"
-          f"{', /health and /slots read every 0.5 s' if args.poll else ''}")  # fmt: skip
+          f"{f', {args.poll} read every 0.5 s' if args.poll else ''}")  # fmt: skip
     print("| step | RSS MiB | USS MiB | shared MiB | is_sleeping | seconds |")
     print("|---|---|---|---|---|---|")
     for step, mem, asleep, secs in rows:
