@@ -298,7 +298,8 @@ def effective(
         extra = state.scale.extra.get(name, 0) if p.max_lanes is not None else 0
         if name not in state.on_demand and name not in state.wakes:
             if extra:
-                base = p.lanes if p.lanes is not None else sum(1 for r in reports for m in r.models if m.name == p.model)
+                holders = sum(1 for r in reports for m in r.models if m.name == p.model)
+                base = p.lanes if p.lanes is not None else holders
                 p = msgspec.structs.replace(p, lanes=min(p.max_lanes, max(base, p.min_lanes) + extra))
             out.append(p)
             continue
