@@ -174,6 +174,9 @@ class DemandState:
                 queued=queued, serving=bool(here) and all((h, s.lane_id) in self.healthy_at for h, s in here),
             )  # fmt: skip
         self.scale, changes = step(self.scale, models, config, now)
+        removed = sum(1 for c in changes if c.delta < 0)
+        if removed:
+            self.evictions["scaled_down"] = self.evictions.get("scaled_down", 0) + removed
         return changes
 
     def apply(self, outcome: Outcome, now: float) -> None:

@@ -222,6 +222,7 @@ def test_the_planner_adds_the_lane_where_it_fits_and_takes_it_back_when_idle():
     assert f.state.rescale(demand.personas, CONFIG, f.plans, 69.0) == ()
     f.state.note_activity(GatewayActivity(gateway="g1", models=(ModelActivity(name="a"),)), 70.0, CONFIG)
     assert [c.delta for c in f.state.rescale(demand.personas, CONFIG, f.plans, 71.0)] == [-1]
+    assert f.state.evictions == {"scaled_down": 1}  # lanes_evictions_total{reason="scaled_down"}
     assert lanes_of(f.replan(72.0)) == {"h1": ["a"]}
 
 
