@@ -115,6 +115,7 @@ class _Waiter:
     prompt: Fingerprint | None = None
     patient_until: float = 0.0  # loop time until which it waits for its warm lane rather than a cold one
     waiting_for: LaneKey | None = None  # that lane, while it does
+    since: float = 0.0  # loop time it joined the queue
 
 
 @dataclass
@@ -127,6 +128,7 @@ class Admission:
     use_affinity: bool = True  # False: most free slots only (the benchmark's baseline)
     _queues: dict[str, deque[_Waiter]] = field(default_factory=dict)
     _turns: itertools.count = field(default_factory=itertools.count)
+    _waited: dict[str, float] = field(default_factory=dict)  # name -> longest queue wait ended since the last report
 
     def __post_init__(self) -> None:
         self.view.listeners.append(self._fleet_changed)
@@ -148,7 +150,7 @@ class Admission:
         queue = self._queues.setdefault(name, deque())
         if len(queue) >= self.max_queue:
             raise QueueFull(f"all slots for {name!r} are busy and {len(queue)} requests already wait")
-        waiter = _Waiter(name, exclude, loop.create_future(), prompt)
+        waiter = _Waiter(name, exclude, loop.create_future(), prompt, since=loop.time())
         if choice.matched:
             wait = affinity.patience(choice.matched, self._prefill_rate(name), self.max_wait)
             waiter.patient_until, waiter.waiting_for = loop.time() + wait, choice.wait_for
@@ -170,7 +172,19 @@ class Admission:
         finally:
             if waiter in queue:
                 queue.remove(waiter)
+            self._waited[name] = max(self._waited.get(name, 0.0), loop.time() - waiter.since)
             self._count(name)
+
+    def take_queue_waits(self, now: float) -> dict[str, float]:
+        """Per requested name: the longest queue wait since the last call, the requests still
+        waiting counted at their age so far (what the planner scales lanes on). Clears the record."""
+        out = dict(self._waited)
+        self._waited.clear()
+        for name, queue in self._queues.items():
+            ages = [now - w.since for w in queue if not w.future.done()]
+            if ages:
+                out[name] = max(out.get(name, 0.0), max(ages))
+        return out
 
     def _prefill_rate(self, name: str) -> float | None:
         rates = [self.counts.prefill_rate[lane.key] for lane in self.view.lanes_for(name)

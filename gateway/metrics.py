@@ -44,10 +44,10 @@ class _FleetCollector(Collector):
         synced.add_metric([], 1 if self.view.synced else 0)
         # The planner's count (KV key `models`), so one scrape of a gateway shows it too.
         evictions = CounterMetricFamily("lanes_evictions", "Lanes the planner unloaded on demand, by reason "
-                                        "(idle: past idle_ttl; wake: to make room for a woken model)",
+                                        "(idle: past idle_ttl; wake: to make room for a woken model; scaled_down: a lane added by demand, given back)",
                                         labels=["reason"])  # fmt: skip
         counted = self.view.catalogue.evictions if self.view.catalogue else {}
-        for reason in ("idle", "wake", "abandoned"):
+        for reason in ("idle", "wake", "abandoned", "scaled_down"):
             evictions.add_metric([reason], counted.get(reason, 0))
         prompt = CounterMetricFamily("lanes_gateway_prompt_tokens", "Prompt tokens lanes read, from their answers",
                                      labels=["model", "lane"])  # fmt: skip

@@ -72,8 +72,9 @@ class Gateway:
     async def publish_activity(self) -> None:
         if self.nc is None or not self.nc.is_connected:
             return
+        now = time.monotonic()  # the loop's clock too: queue waits are measured on it
         models = waking.activity(self.view, self.admission.counts, self.waker.counts(), self.waker.last_request,
-                                 time.monotonic())  # fmt: skip
+                                 now, self.admission.take_queue_waits(now))  # fmt: skip
         msg = GatewayActivity(gateway=self.gateway_id, interval=self.settings.activity_interval, models=models)
         await self.nc.publish(subjects.activity_subject(self.gateway_id), encode(msg))
 

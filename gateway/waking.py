@@ -137,9 +137,11 @@ def persona_of(view: FleetView, name: str) -> str | None:
 
 
 def activity(
-    view: FleetView, counts: LaneCounts, held: Mapping[str, int], last_request: Mapping[str, float], now: float
+    view: FleetView, counts: LaneCounts, held: Mapping[str, int], last_request: Mapping[str, float], now: float,
+    waits: Mapping[str, float] | None = None,
 ) -> tuple[ModelActivity, ...]:
-    """Per persona: requests in flight, queued or held, and seconds since its last request."""
+    """Per persona: requests in flight, queued or held, seconds since its last request, and the
+    longest wait for a slot of the last interval (`waits`, by requested name)."""
     in_flight: dict[str, int] = {}
     for lane in view.lanes():
         if counts.busy(lane.key):
@@ -149,10 +151,16 @@ def activity(
         persona = persona_of(view, name)
         if persona is not None:
             queued[persona] = queued.get(persona, 0) + depth
-    names = sorted(set(in_flight) | {n for n, q in queued.items() if q} | set(last_request))
+    wait: dict[str, float] = {}
+    for name, seconds in (waits or {}).items():
+        persona = persona_of(view, name)
+        if persona is not None:
+            wait[persona] = max(wait.get(persona, 0.0), seconds)
+    names = sorted(set(in_flight) | {n for n, q in queued.items() if q} | set(last_request) | set(wait))
     return tuple(
         ModelActivity(name=n, in_flight=in_flight.get(n, 0), queued=queued.get(n, 0),
-                      idle_s=max(0.0, now - last_request[n]) if n in last_request else None)
+                      idle_s=max(0.0, now - last_request[n]) if n in last_request else None,
+                      wait_s=round(max(0.0, wait.get(n, 0.0)), 3))
         for n in names
     )  # fmt: skip
 

@@ -14,11 +14,14 @@ The rules, by persona name (its alias, or its model's name; what a lane spec cal
   newcomer never takes a running lane's room; where it fits nowhere, `eviction.choose` picks
   the idle lanes to unload (through the agent's drain), and the plan is made again.
 - `min_lanes` pins: the persona always has that many lanes and none is evicted or idles out.
+- `max_lanes`: lanes added by measured demand (planner_svc/scaling.py) come on top of the
+  persona's count; one the plan cannot place is taken back (it never evicts).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass, field, fields
 
 import msgspec
@@ -28,6 +31,7 @@ from planner_svc.eviction import Candidate, NoRoom, Placement, Room, choose
 from planner_svc.layouts import CPU_RESOURCE, Layout, cost_vector
 from planner_svc.planner import default_demand, plan
 from planner_svc.policy import gpu_budgets, ram_budget
+from planner_svc.scaling import ModelLoad, ScaleState, cut, note_report, step
 from shared.messages import (
     Demand,
     FleetConfig,
@@ -76,6 +80,8 @@ class DemandState:
     # Measured loads, kept after their lanes are gone: host -> read rate, persona -> seconds.
     rates: dict[str, float] = field(default_factory=dict)
     measured: dict[str, float] = field(default_factory=dict)
+    # Lanes added by measured demand (planner_svc/scaling.py; immutable, replaced on each change).
+    scale: ScaleState = field(default_factory=ScaleState)
 
     def note_wake(self, name: str, now: float) -> bool:
         """A gateway asks for `name`. True when the planner must replan (a new or failed-out wake)."""
@@ -87,10 +93,11 @@ class DemandState:
         self.failed.pop(name, None)
         return fresh or name in self.waiting
 
-    def note_activity(self, activity: GatewayActivity, now: float) -> bool:
+    def note_activity(self, activity: GatewayActivity, now: float, config: FleetConfig | None = None) -> bool:
         """Fold one gateway's report in. True when some model went busy or idle."""
         before = set(self.busy(now))
         self.gateways[activity.gateway] = (now, activity)
+        self.scale = note_report(self.scale, activity, config or FleetConfig())
         for m in activity.models:
             if m.idle_s is not None:
                 self.last_used[m.name] = max(self.last_used.get(m.name, now - m.idle_s), now - m.idle_s)
@@ -136,10 +143,46 @@ class DemandState:
 
     def snapshot(self) -> DemandState:
         """A copy the planning job may change (every table copied, field by field)."""
-        return DemandState(**{f.name: type(v)(v) for f in fields(self) for v in (getattr(self, f.name),)})
+        return DemandState(**{f.name: v if isinstance(v, ScaleState) else type(v)(v)
+                              for f in fields(self) for v in (getattr(self, f.name),)})  # fmt: skip
+
+    def rescale(
+        self, personas: Sequence[Persona], config: FleetConfig, plans: Mapping[str, HostPlan], now: float
+    ) -> tuple:
+        """Apply the scaling rule (planner_svc/scaling.py) to the personas with max_lanes; the
+        changes it made (a replan is due when there are any)."""
+        lanes = _lanes_by_name(plans)
+        load: dict[str, list[int]] = {}
+        fresh = {g for g, (at, act) in self.gateways.items() if now - at <= STALE_INTERVALS * act.interval}
+        # A gateway gone quiet no longer counts: neither its load nor its streaks.
+        self.scale = dataclasses.replace(self.scale, streaks={k: v for k, v in self.scale.streaks.items()
+                                                              if k[0] in fresh})  # fmt: skip
+        for g in fresh:
+            for m in self.gateways[g][1].models:
+                got = load.setdefault(m.name, [0, 0])
+                got[0] += m.in_flight
+                got[1] += m.queued
+        models = {}
+        for p in personas:
+            name = persona_name(p)
+            if p.max_lanes is None:
+                continue
+            here = lanes.get(name, [])
+            in_flight, queued = load.get(name, (0, 0))
+            models[name] = ModelLoad(
+                name=name, max_lanes=p.max_lanes, lanes=len(here), parallel=p.parallel, in_flight=in_flight,
+                queued=queued, serving=bool(here) and all((h, s.lane_id) in self.healthy_at for h, s in here),
+            )  # fmt: skip
+        self.scale, changes = step(self.scale, models, config, now)
+        removed = sum(1 for c in changes if c.delta < 0)
+        if removed:
+            self.evictions["scaled_down"] = self.evictions.get("scaled_down", 0) + removed
+        return changes
 
     def apply(self, outcome: Outcome, now: float) -> None:
         """Take a job's outcome in (wakes that came meanwhile stay)."""
+        if outcome.extra_placed:
+            self.scale = cut(self.scale, outcome.extra_placed, now)
         self.on_demand |= outcome.on_demand
         self.counts = dict(outcome.counts)
         self.excluded = dict(outcome.excluded)
@@ -166,6 +209,8 @@ class Outcome:
     waiting: Mapping[str, str] = field(default_factory=dict)
     evicted: Mapping[str, int] = field(default_factory=dict)  # reason -> lanes
     victims: tuple[tuple[str, str, str], ...] = ()  # (host, lane, reason), for the log
+    # Personas whose lanes added by demand were not all placed (no room, or idled out): how many were.
+    extra_placed: Mapping[str, int] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------ who is servable
@@ -253,13 +298,20 @@ def effective(
         running = [h for h, _ in lanes.get(name, []) if h not in excluded]
         if running:
             residents.append((-p.priority, p.model))
+        extra = state.scale.extra.get(name, 0) if p.max_lanes is not None else 0
         if name not in state.on_demand and name not in state.wakes:
+            if extra:
+                holders = sum(1 for r in reports for m in r.models if m.name == p.model)
+                base = p.lanes if p.lanes is not None else holders
+                p = msgspec.structs.replace(p, lanes=min(p.max_lanes, max(base, p.min_lanes) + extra))
             out.append(p)
             continue
         n = state.counts.get(name, len(running))
         if n == 0 and name in state.wakes:
             n = p.lanes or 1
         n = max(n, p.min_lanes)
+        if n and extra:
+            n = min(p.max_lanes, n + extra)
         if n:
             out.append(msgspec.structs.replace(p, lanes=n))
     woken = [persona_for(personas, n).model for n in sorted(state.wakes, key=lambda n: (state.wakes[n], n))
@@ -404,9 +456,12 @@ def plan_on_demand(
     evicted: dict[str, int] = {}
     victims_log: list[tuple[str, str, str]] = []
     excluded = {m: set(h) for m, h in state.excluded.items()}
+    extra_placed: dict[str, int] = {}
     for p, lanes in idle_unloads(state, config, personas, previous, now):
         state.on_demand.add(persona_name(p))
         state.counts[persona_name(p)] = 0
+        if state.scale.extra.get(persona_name(p)):
+            extra_placed[persona_name(p)] = 0
         excluded.setdefault(p.model, set()).update(h for h, _ in lanes)
         evicted["idle"] = evicted.get("idle", 0) + len(lanes)
         victims_log += [(h, s.lane_id, f"idle for {ttl_of(p, config):g} s") for h, s in lanes]
@@ -468,8 +523,21 @@ def plan_on_demand(
         gone = set(choice.victims)
         previous = {h: msgspec.structs.replace(p, lanes=tuple(s for s in p.lanes if (h, s.lane_id) not in gone))
                     if any((h, s.lane_id) in gone for s in p.lanes) else p for h, p in previous.items()}  # fmt: skip
+    if extra_placed:
+        state.scale = cut(state.scale, extra_placed, now)
+    # A lane added by demand that found no room is taken back (it never evicts), so the plan
+    # shows no unplaced lane for it: plan once more without it.
+    short = _extra_short(fleet, effective(state, personas, reports, previous)[0], state)
+    if short:
+        extra_placed |= short
+        state.scale = cut(state.scale, short, now)
+        eff, shown, first = effective(state, personas, reports, previous)
+        fleet = plan(shown, config, eff, previous=previous, feedback=feedback, config_revision=config_revision,
+                     first=first)  # fmt: skip
     placed = _placed(fleet)
-    counts = {n: sum(1 for h in fleet.hosts for s in h.lanes if s.alias == n) for n in state.on_demand}
+    # The counts kept for on-demand personas leave the added lanes out: scaling owns those.
+    counts = {n: max(0, sum(1 for h in fleet.hosts for s in h.lanes if s.alias == n) - state.scale.extra.get(n, 0))
+              for n in state.on_demand}  # fmt: skip
     loaded_at = {
         (h.host_id, s.lane_id): state.loaded_at.get((h.host_id, s.lane_id), now) for h in fleet.hosts for s in h.lanes
     }
@@ -483,8 +551,24 @@ def plan_on_demand(
         waiting=waiting,
         evicted=evicted,
         victims=tuple(victims_log),
+        extra_placed=extra_placed,
     )
     return fleet, outcome
+
+
+def _extra_short(fleet: FleetPlan, demand: Demand, state: DemandState) -> dict[str, int]:
+    """Personas with lanes added by demand that the plan could not place all of: how many of
+    the added ones it placed."""
+    out = {}
+    for p in demand.personas:
+        name = persona_name(p)
+        extra = state.scale.extra.get(name, 0)
+        if not extra or p.lanes is None:
+            continue
+        missing = p.lanes - sum(1 for h in fleet.hosts for s in h.lanes if s.alias == name)
+        if missing > 0:
+            out[name] = max(0, extra - missing)
+    return out
 
 
 # ------------------------------------------------------------------ what clients see

@@ -62,8 +62,8 @@ class _PlanCollector(Collector):
         info = GaugeMetricFamily("lanes_build_info", "Version of this lanes service", labels=["service", "version"])
         info.add_metric(["planner", VERSION], 1)
         evictions = CounterMetricFamily("lanes_evictions", "Lanes unloaded on demand, by reason (idle: past its "
-                                        "idle_ttl; wake: to make room for a woken model)", labels=["reason"])  # fmt: skip
-        for reason in ("idle", "wake", "abandoned"):
+                                        "idle_ttl; wake: to make room for a woken model; scaled_down: a lane added by demand, given back)", labels=["reason"])  # fmt: skip
+        for reason in ("idle", "wake", "abandoned", "scaled_down"):
             evictions.add_metric([reason], state.demand_state.evictions.get(reason, 0))
         yield from (planned, kv, slots, budget, unplaced, ram, free, rollbacks, hosts, revision, replans, info, evictions)
 

@@ -71,15 +71,26 @@ class PlannerState:
         return self.demand_state.note_wake(name, self.clock())
 
     def note_activity(self, activity) -> bool:
-        changed = self.demand_state.note_activity(activity, self.clock())
-        return changed and bool(self.demand_state.waiting or self.demand_state.wakes)
+        changed = self.demand_state.note_activity(activity, self.clock(), self.config)
+        return (changed and bool(self.demand_state.waiting or self.demand_state.wakes)) or self.rescale()
+
+    def rescale(self) -> bool:
+        """Lanes that follow demand (planner_svc/scaling.py): True when one is added or removed."""
+        if not self.demand or not any(p.max_lanes is not None for p in self.demand.personas):
+            return False
+        personas, _ = servable(self.demand, list(self.reports.values()))
+        plans = {p.host_id: p for p in self.plans.values()}
+        changes = self.demand_state.rescale(personas, self.config, plans, self.clock())
+        for c in changes:
+            log.info("lane added by demand" if c.delta > 0 else "lane removed by demand", model=c.name, reason=c.reason)
+        return bool(changes)
 
     def demand_engaged(self) -> bool:
         """Are models on demand in play (then every live host is planned together)?"""
         d = self.demand_state
         personas = self.demand.personas if self.demand else ()
         return bool(d.wakes or d.on_demand or d.excluded or self.config.idle_ttl
-                    or any(p.idle_ttl or p.min_lanes for p in personas))  # fmt: skip
+                    or any(p.idle_ttl or p.min_lanes or p.max_lanes is not None for p in personas))  # fmt: skip
 
     def demand_due(self) -> bool:
         """Does time alone call for a replan (an idle_ttl passed, a wake waits for room)?"""
@@ -87,6 +98,8 @@ class PlannerState:
         self.demand_state.expire(now)
         if not self.demand_engaged():
             return False
+        if self.rescale():
+            return True
         personas, _ = servable(self.demand, list(self.reports.values()))
         plans = {p.host_id: p for p in self.plans.values()}
         return self.demand_state.due(personas, self.config, plans, now)

@@ -240,6 +240,12 @@ class FleetConfig(_Msg, tag="fleet_config", forbid_unknown_fields=True, kw_only=
     idle_ttl: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
     # A lane loaded less than this many seconds ago is never evicted to make room (anti-thrash).
     min_residency: Annotated[float, msgspec.Meta(ge=0.0, le=86400.0)] = 30.0
+    # Scaling by demand (personas with max_lanes): a lane is added when a gateway reports a queue
+    # wait above scale_up_wait seconds this many reports in a row, and an added lane is removed
+    # once its model had no queue and spare slots for scale_down_idle seconds.
+    scale_up_wait: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 2.0
+    scale_up_reports: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 3
+    scale_down_idle: Annotated[float, msgspec.Meta(ge=0.0, le=86400.0)] = 60.0
     # Counts config changes (1, 2, 3 ...); the planner sets it on each `config set`.
     revision: Annotated[int, msgspec.Meta(ge=0)] = 0
 
@@ -260,6 +266,9 @@ class Persona(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     idle_ttl: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
     # Lanes that are never unloaded or evicted (pinned); the model is loaded even before any request.
     min_lanes: Annotated[int, msgspec.Meta(ge=0, le=10000)] = 0
+    # Lanes the planner may grow this model to while its queue wait stays above the fleet's
+    # scale_up_wait (planner_svc/scaling.py); None: no scaling, its lanes stay as planned.
+    max_lanes: Annotated[int, msgspec.Meta(ge=1, le=10000)] | None = None
     # Lanes serve /v1/embeddings only (llama-server --embeddings); None: when the model's GGUF
     # declares a pooling type (an embedding model).
     embeddings: bool | None = None
@@ -598,6 +607,9 @@ class ModelActivity(msgspec.Struct, frozen=True, kw_only=True):
     in_flight: Annotated[int, msgspec.Meta(ge=0)] = 0
     queued: Annotated[int, msgspec.Meta(ge=0)] = 0  # waiting for a slot or held while it loads
     idle_s: Annotated[float, msgspec.Meta(ge=0.0)] | None = None  # seconds since its last request; None: none yet
+    # The longest wait for a slot in the last interval (requests still queued at their age so
+    # far); the planner adds lanes on it (planner_svc/scaling.py). 0 from older gateways.
+    wait_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
 
 
 class GatewayActivity(_Msg, tag="gateway_activity", kw_only=True):

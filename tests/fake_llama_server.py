@@ -24,6 +24,7 @@ Behaviour knobs (environment):
   FAKE_LLAMA_REFUSE_TYPES=a,b  types --help still lists but the build refuses at start (a binary
                                swapped under a running agent, or a distro build that lies)
   FAKE_LLAMA_LOAD_SECONDS=S    how long /health answers 503 "Loading model" (0.3)
+  FAKE_LLAMA_REPLY_SECONDS=S   how long each completion takes to answer (0: at once)
   FAKE_LLAMA_ALLOC=1           allocate and touch memory the size of the KV cache
   FAKE_LLAMA_OOM_ABOVE_CTX=N   fail to allocate the KV cache when the total context is > N
   FAKE_LLAMA_CRASH_AFTER=S     exit 139 ("Segmentation fault") S seconds after becoming healthy
@@ -606,12 +607,20 @@ def _metrics():
     return 200, "\n".join(lines) + "\n", "text/plain; version=0.0.4"
 
 
+def _reply_delay() -> None:
+    delay = float(os.environ.get("FAKE_LLAMA_REPLY_SECONDS", "0") or 0)
+    if delay > 0:
+        time.sleep(delay)
+
+
 def _completion():
+    _reply_delay()
     return 200, {"content": "fake", "stop": True, "tokens_predicted": 1, "tokens_evaluated": 1,
                  "model": STATE.alias}
 
 
 def _chat():
+    _reply_delay()
     return 200, {
         "id": "chatcmpl-fake",
         "object": "chat.completion",

@@ -127,3 +127,30 @@ def test_a_request_naming_no_model_goes_to_the_only_one():
     assert waking.only_model([]) == (None, "this fleet serves no model")
     name, why = waking.only_model([{"id": m} for m in "abcdefg"])
     assert name is None and why == "this fleet serves 7 models (a, b, c, d, e, ...): name one"
+
+
+def test_activity_reports_the_longest_queue_wait_per_persona():
+    view = fleet()
+    got = waking.activity(view, LaneCounts(), {}, {}, now=100.0, waits={"gemma": 1.5, "chat": 3.25, "ghost": 9.0})
+    assert {a.name: a.wait_s for a in got} == {"chat": 3.25}  # the file name counts under its persona
+
+
+async def test_admission_measures_queue_waits_ended_and_still_waiting():
+    from gateway.admission import Admission
+
+    view = fleet()  # chat has one lane of two slots
+    admission = Admission(view, max_wait=5.0)
+    loop = asyncio.get_running_loop()
+    first, other = await admission.acquire("chat"), await admission.acquire("chat")
+    assert admission.take_queue_waits(loop.time()) == {}  # a slot at once is no queue wait
+    second = asyncio.create_task(admission.acquire("chat"))
+    await asyncio.sleep(0.3)
+    still = admission.take_queue_waits(loop.time())
+    assert 0.25 <= still["chat"] < 1.0  # the waiter still queued, at its age so far
+    first.release()
+    lease = await asyncio.wait_for(second, 1)
+    ended = admission.take_queue_waits(loop.time())
+    assert 0.25 <= ended["chat"] < 1.0  # the wait that ended since the last report
+    assert admission.take_queue_waits(loop.time()) == {}  # cleared: each interval reports its own
+    lease.release()
+    other.release()
