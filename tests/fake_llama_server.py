@@ -526,13 +526,17 @@ class Handler(BaseHTTPRequestHandler):
         self._route()
 
 
+_PROCESSING = [0]  # completions being answered now: /slots shows that many slots busy, as the binary does
+_PROCESSING_LOCK = threading.Lock()
+
+
 def _slot(i: int) -> dict:
     return {
         "id": i,
         "id_task": -1,
         "n_ctx": STATE.n_ctx_slot,
         "speculative": False,
-        "is_processing": False,
+        "is_processing": i < _PROCESSING[0],
         "params": {"n_predict": -1, "temperature": 0.8, "top_k": 40, "top_p": 0.95},
     }
 
@@ -608,9 +612,16 @@ def _metrics():
 
 
 def _reply_delay() -> None:
+    """An answer that takes time holds a slot meanwhile (the agent's drain waits on /slots)."""
     delay = float(os.environ.get("FAKE_LLAMA_REPLY_SECONDS", "0") or 0)
     if delay > 0:
-        time.sleep(delay)
+        with _PROCESSING_LOCK:
+            _PROCESSING[0] += 1
+        try:
+            time.sleep(delay)
+        finally:
+            with _PROCESSING_LOCK:
+                _PROCESSING[0] -= 1
 
 
 def _completion():
