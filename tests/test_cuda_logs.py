@@ -11,7 +11,7 @@ import pytest
 
 from shared.memory import MIB, LaneShape, kv_size, lane_memory, place
 from shared.messages import LayerWeights, ModelFacts
-from tests.cuda_logs import LOGS, CudaLog
+from cuda_logs import LOGS, CudaLog
 
 BY_KEY = {log.key: log for log in LOGS}
 Q6_K_BLOCK = (256, 210)  # values, bytes

@@ -19,7 +19,7 @@ from shared.messages import (
     Persona,
     ServerCaps,
 )
-from tests.test_planner import GIB, llama_1b, llama_8b
+from test_planner import GIB, llama_1b, llama_8b
 
 PROPS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
