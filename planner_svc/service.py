@@ -56,6 +56,20 @@ def planner_id() -> str:
     return f"{socket.gethostname().split('.')[0]}-{os.getpid()}"
 
 
+
+def _on_its_subject(msg, kind: type, field: str, subject_of, what: str):
+    """The message decoded, or None (logged and dropped): malformed, or sent on another
+    sender's subject than the one its `field` names (a client may publish only on its own)."""
+    try:
+        decoded = msgspec.json.decode(msg.data, type=kind)
+        named = getattr(decoded, field)
+        if subject_of(named) != msg.subject:
+            raise msgspec.ValidationError(f"{field} {named!r} does not match {msg.subject!r}")
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        log.warning(f"dropped malformed {what}", subject=msg.subject, reason=str(exc))
+        return None
+    return decoded
+
 class PlannerService:
     def __init__(self, nc: Client, kv: KeyValue, lease_ttl: float = DEFAULT_TTL, name: str | None = None) -> None:
         self.nc, self.kv = nc, kv
@@ -80,36 +94,24 @@ class PlannerService:
             self.dirty.set()
 
     async def _on_rejected(self, msg) -> None:
-        try:
-            rejection = msgspec.json.decode(msg.data, type=PlanRejected)
-            if subjects.rejected_subject(rejection.host_id) != msg.subject:
-                raise msgspec.ValidationError(f"host_id {rejection.host_id!r} does not match {msg.subject!r}")
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            log.warning("dropped malformed rejection", subject=msg.subject, reason=str(exc))
+        rejection = _on_its_subject(msg, PlanRejected, "host_id", subjects.rejected_subject, "rejection")
+        if rejection is None:
             return
         log.warning("agent rejected its plan", host=rejection.host_id, reason=rejection.reason)
         if self.state.apply_rejection(rejection):
             self.dirty.set()
 
     async def _on_wake(self, msg) -> None:
-        try:
-            wake = msgspec.json.decode(msg.data, type=ModelWake)
-            if subjects.wake_subject(wake.name) != msg.subject:
-                raise msgspec.ValidationError(f"name {wake.name!r} does not match {msg.subject!r}")
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            log.warning("dropped malformed wake", subject=msg.subject, reason=str(exc))
+        wake = _on_its_subject(msg, ModelWake, "name", subjects.wake_subject, "wake")
+        if wake is None:
             return
         if self.state.note_wake(wake.name):
             log.info("model woken", model=wake.name, gateway=wake.gateway)
             self.dirty.set()
 
     async def _on_activity(self, msg) -> None:
-        try:
-            activity = msgspec.json.decode(msg.data, type=GatewayActivity)
-            if subjects.activity_subject(activity.gateway) != msg.subject:
-                raise msgspec.ValidationError(f"gateway {activity.gateway!r} does not match {msg.subject!r}")
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            log.warning("dropped malformed activity", subject=msg.subject, reason=str(exc))
+        activity = _on_its_subject(msg, GatewayActivity, "gateway", subjects.activity_subject, "activity")
+        if activity is None:
             return
         if self.state.note_activity(activity):
             self.dirty.set()

@@ -100,6 +100,17 @@ def llama_server() -> str:
     return binary
 
 
+@pytest.fixture(scope="session")
+def rpc_bin() -> Path:
+    """The RPC build of llama.cpp (ggml-rpc-server, llama-server with --rpc), for several devices."""
+    from lanes.install_rpc import rpc_bin_dir
+
+    found = rpc_bin_dir()
+    if found is None:
+        pytest.fail("no RPC build of llama.cpp: run `lanes install-llama --rpc` (scripts/test builds it)")
+    return found
+
+
 # --- end real model ---
 
 

@@ -11,7 +11,6 @@ import pytest
 from fixtures_bus import agent_config, client, fleet_status, host_status, lane_of, services
 from waiting import eventually
 from rpc_harness import rpc_servers
-from test_devices_real import rpc_bin  # noqa: F401  (fixture)
 from test_real_llama import _planner_with
 from tinymodels import write_llama
 

@@ -22,18 +22,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from device_bench import Case, run_case  # noqa: E402
 
-from lanes.install_rpc import rpc_bin_dir  # noqa: E402
 from shared.gguf_facts import read_model_facts  # noqa: E402
 from shared.llama.logs import parse_buffers  # noqa: E402
 from shared.memory import placement_for  # noqa: E402
-
-
-@pytest.fixture(scope="session")
-def rpc_bin() -> Path:
-    found = rpc_bin_dir()
-    if found is None:
-        pytest.fail("no RPC build of llama.cpp: run `lanes install-llama --rpc` (scripts/test does)")
-    return found
 
 
 @pytest.fixture(scope="session")

@@ -109,16 +109,6 @@ def test_a_lane_without_workers_is_not_checked():
 # ------------------------------------------------------------------ real processes (the RPC build)
 
 
-@pytest.fixture(scope="session")
-def rpc_bin() -> Path:
-    from lanes.install_rpc import rpc_bin_dir
-
-    found = rpc_bin_dir()
-    if found is None:
-        pytest.fail("no RPC build of llama.cpp: run `lanes install-llama --rpc` (scripts/test builds it)")
-    return found
-
-
 def _free_port_block(n: int) -> int:
     for _ in range(50):
         with socket.socket() as s:

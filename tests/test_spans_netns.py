@@ -42,16 +42,6 @@ MIB = 2**20
 MAX_RAM = {"serve": "786MiB", "worker1": "732MiB", "worker2": "960MiB", "worker3": "960MiB"}
 
 
-@pytest.fixture(scope="session")
-def rpc_bin():
-    from lanes.install_rpc import rpc_bin_dir
-
-    found = rpc_bin_dir()
-    if found is None:
-        pytest.fail("no RPC build of llama.cpp: run `lanes install-llama --rpc` (scripts/test builds it)")
-    return found
-
-
 def _start(topo, tmp_path, rpc_bin) -> str:
     store = tmp_path / "nats-store"
     store.mkdir()
