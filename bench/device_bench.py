@@ -24,7 +24,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 from rpc_harness import rpc_servers  # noqa: E402
 
-from launcher_agent.measure import load_and_stop  # noqa: E402
+from measure import load_and_stop  # noqa: E402
 from shared.gguf_facts import read_model_facts  # noqa: E402
 from shared.llama.logs import parse_buffers  # noqa: E402
 from shared.llama.printed import compare  # noqa: E402

@@ -29,7 +29,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from rpc_harness import rpc_servers  # noqa: E402
 
 from launcher_agent.hardware import listed_devices  # noqa: E402
-from launcher_agent.measure import load_and_stop  # noqa: E402
+from measure import load_and_stop  # noqa: E402
 from launcher_agent.probe import probe  # noqa: E402
 from planner_svc.planner import plan  # noqa: E402
 from shared.gguf_facts import read_model_facts  # noqa: E402
@@ -90,7 +90,7 @@ def lanes_choice(server: str, model: Path, facts, endpoints, names, budgets_mib,
 
 def with_ctx(args: list[str], ctx: int) -> list[str]:
     """The lane's own argv (pinned with --device, its -ts) at another context, on a free port."""
-    from launcher_agent.measure import free_port
+    from measure import free_port
 
     out = list(args)
     out[out.index("--ctx-size") + 1] = str(ctx)

@@ -28,7 +28,7 @@ from rpc_harness import rpc_servers  # noqa: E402
 from tinymodels import write_gpt_oss, write_moe  # noqa: E402
 
 from launcher_agent.hardware import listed_devices  # noqa: E402
-from launcher_agent.measure import load_and_stop  # noqa: E402
+from measure import load_and_stop  # noqa: E402
 from shared.gguf_facts import read_model_facts  # noqa: E402
 from shared.llama.logs import MIB, parse_buffers  # noqa: E402
 

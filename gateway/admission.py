@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from gateway import affinity
@@ -44,21 +43,6 @@ class QueueFull(AdmissionError):
 
 class QueueTimeout(AdmissionError):
     code = "queue_timeout"
-
-
-def choose_lane(candidates: Iterable[LaneRoute], busy: dict[LaneKey, int], turn: int = 0) -> LaneRoute | None:
-    """The routable lane with the most free slots; `turn` rotates among equals."""
-    best: list[LaneRoute] = []
-    most = 0
-    for lane in candidates:
-        if not lane.routable:
-            continue
-        free = lane.parallel - busy.get(lane.key, 0)
-        if free > most:
-            best, most = [lane], free
-        elif free == most and free > 0:
-            best.append(lane)
-    return best[turn % len(best)] if best else None
 
 
 @dataclass

@@ -177,13 +177,3 @@ class FleetView:
         """Lanes the agent calls healthy: the gateway checks it can reach them itself."""
         return [lane for lane in self.lanes() if lane.state == "healthy"]
 
-    def models(self) -> list[dict]:
-        """What the fleet serves, one entry per alias (the name clients use)."""
-        names: dict[str, dict] = {}
-        for lane in self.lanes():
-            entry = names.setdefault(lane.alias, {"id": lane.alias, "model": lane.model, "lanes": 0, "ready": 0,
-                                                  "embeddings": False})  # fmt: skip
-            entry["lanes"] += 1
-            entry["ready"] += lane.routable
-            entry["embeddings"] |= lane.embeddings
-        return [names[n] for n in sorted(names)]

@@ -68,15 +68,6 @@ def idle_after(idle_since: float | None, busy: int | None, now: float) -> float 
     return now if idle_since is None else idle_since
 
 
-def drain_done(
-    *, since: float, now: float, busy: int | None, timeout: float, idle_since: float | None = None,
-    grace: float = DRAIN_GRACE,
-) -> bool:
-    """May a draining lane go?"""
-    v = verdict(serving=True, since=since, now=now, busy=busy, timeout=timeout, idle_since=idle_since, grace=grace)
-    return v in ("done", "timed_out")
-
-
 def _target(action: Action) -> str | None:
     if isinstance(action, Stop):
         return action.lane_id

@@ -44,6 +44,10 @@ def pytest_collection_modifyitems(items) -> None:
 _TESTS_DIR = str(Path(__file__).resolve().parent)
 if _TESTS_DIR not in sys.path:
     sys.path.insert(0, _TESTS_DIR)
+# bench/measure.py (start llama-server until loaded, then stop it) serves the real-binary tests too.
+_BENCH_DIR = str(Path(__file__).resolve().parent.parent / "bench")
+if _BENCH_DIR not in sys.path:
+    sys.path.append(_BENCH_DIR)
 
 import tinymodels  # noqa: E402
 

@@ -93,7 +93,7 @@ def test_real_gemma_per_device(rpc_bin, endpoints, gemma_model, case):
 
 def test_estimate_cli_equals_the_binary(rpc_bin, endpoints, gemma_model):
     """`lanes estimate --llama-server` with --gpus names the RPC devices: its JSON is what llama-server prints."""
-    from launcher_agent.measure import load_and_stop
+    from measure import load_and_stop
 
     run = subprocess.run(
         [sys.executable, "-m", "lanes.cli", "estimate", str(gemma_model), "--ctx", "8192", "--parallel", "2",

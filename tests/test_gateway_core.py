@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from gateway.admission import Admission, QueueFull, QueueTimeout, UnknownModel, choose_lane
-from gateway.fleet import FleetView, LaneRoute
+from gateway.admission import Admission, QueueFull, QueueTimeout, UnknownModel
+from gateway.fleet import FleetView
 from shared import subjects
 from shared.messages import FleetConfig, HostPlan, HostStatus, LaneSpec, LaneStatus, encode
 
@@ -52,10 +52,6 @@ def test_lanes_come_from_plans_with_their_agents_state():
     assert lanes["qwen-0"].state == "pending" and not lanes["qwen-0"].routable  # no status yet
     assert [lane.lane_id for lane in view.lanes_for("chat")] == ["gemma-0"]
     assert [lane.lane_id for lane in view.lanes_for("gemma")] == ["gemma-0"]  # model name works too
-    assert view.models() == [
-        {"id": "chat", "model": "gemma", "lanes": 1, "ready": 1, "embeddings": False},
-        {"id": "qwen", "model": "qwen", "lanes": 1, "ready": 0, "embeddings": False},
-    ]
 
 
 def test_address_is_advertised_then_bind_then_host_name():
@@ -104,22 +100,6 @@ def test_the_config_is_read_and_demand_left_alone():
     view.apply_entry(subjects.CONFIG_KEY, encode(FleetConfig(kv_cache_type="q8_0")))
     assert view.config.kv_cache_type == "q8_0"
     assert view.apply_entry(subjects.DEMAND_KEY, b"anything") is None  # not the gateway's business
-
-
-# ------------------------------------------------------------------ route choice
-
-
-def _lane(name: str, parallel: int, state: str = "healthy") -> LaneRoute:
-    return LaneRoute(host_id="h", lane_id=name, model="m", alias="m", url="", parallel=parallel, state=state)
-
-
-def test_most_free_slots_wins_and_equals_rotate():
-    a, b, c = _lane("a", 4), _lane("b", 2), _lane("c", 4, state="loading")
-    assert choose_lane([a, b, c], {}) is a
-    assert choose_lane([a, b], {("h", "a"): 3}) is b  # a has 1 free, b 2
-    assert {choose_lane([a, b], {("h", "a"): 2}, turn).lane_id for turn in range(4)} == {"a", "b"}
-    assert choose_lane([a, b], {("h", "a"): 4, ("h", "b"): 2}) is None
-    assert choose_lane([c], {}) is None
 
 
 # ------------------------------------------------------------------ admission

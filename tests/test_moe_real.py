@@ -126,7 +126,7 @@ def test_estimate_cli_with_experts_in_ram_equals_the_binary(rpc_bin, endpoints, 
     import json
     import subprocess
 
-    from launcher_agent.measure import load_and_stop
+    from measure import load_and_stop
     from shared.llama.logs import parse_buffers
 
     model = moe_models["qwen3moe_q4_0"]

@@ -165,7 +165,7 @@ def test_workers_run_and_stop_real_servers_and_a_restarted_agent_adopts_them(rpc
 
 def test_a_planned_span_over_two_loopback_workers_prints_what_the_plan_says(rpc_bin, gemma_model, tmp_path):
     from launcher_agent import hardware
-    from launcher_agent.measure import load_and_stop
+    from measure import load_and_stop
     from launcher_agent.probe import probe
     from planner_svc.planner import plan
     from shared.gguf_facts import read_model_facts

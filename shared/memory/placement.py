@@ -45,10 +45,6 @@ class Placement:
     # Blocks whose expert tensors stay in RAM though the block is on a device (--n-cpu-moe, -ot ...=CPU).
     cpu_experts: frozenset[int] = frozenset()
 
-    def experts_on(self, il: int) -> int:
-        """The device holding block il's expert tensors."""
-        return CPU if il in self.cpu_experts else self.layer_device[il]
-
     @property
     def output_device(self) -> int:
         return self.layer_device[-1]
