@@ -127,15 +127,15 @@ class Sim:
         act = GatewayActivity(gateway="sim", interval=1e9, models=tuple(
             ModelActivity(name=n, in_flight=busy.get(n, 0), queued=queued.get(n, 0),
                           idle_s=max(0.0, now - self.last[n]) if n in self.last else None) for n in MODELS))  # fmt: skip
-        self.state.note_activity(act, now)
-        self.state.expire(now)
-        fleet, outcome = plan_on_demand(self.reports, self.config, self.demand, self.state.snapshot(), now=now,
+        self.state, _ = self.state.note_activity(act, now)
+        self.state = self.state.expire(now)
+        fleet, outcome = plan_on_demand(self.reports, self.config, self.demand, self.state, now=now,
                                         previous=self.plans, chooser=self.chooser)  # fmt: skip
-        self.state.apply(outcome, now)
+        self.state = self.state.apply(outcome, now)
         self.failed += len(outcome.failed)
         before = set(self.ready_at)
         self.plans = {h.host_id: h for h in fleet.hosts}
-        self.state.forget_lanes(self.plans)
+        self.state = self.state.forget_lanes(self.plans)
         now_lanes = {(h, s.lane_id): s for h, p in self.plans.items() for s in p.lanes}
         for key, spec in now_lanes.items():
             if key not in before:
@@ -158,7 +158,7 @@ class Sim:
             self.running = [r for r in self.running if r[0] > t]
             for (host, lane), at in self.ready_at.items():
                 if at <= t:
-                    self.state.note_healthy(host, [lane], at)
+                    self.state = self.state.note_healthy(host, [lane], at)
             while pending and pending[0][0] <= t:
                 waiting.append(pending.pop(0))
             woke = False
@@ -172,7 +172,8 @@ class Sim:
                     self.last[name] = t
                     waiting.remove(req)
                 elif not self.lanes_of(name):
-                    woke |= self.state.note_wake(name, t) or name in self.state.waiting or True
+                    self.state, _ = self.state.note_wake(name, t)
+                    woke = True
             if woke or t >= next_idle_check:
                 self.replan(t, waiting)
                 next_idle_check = t + 5.0

@@ -76,7 +76,7 @@ def per_event_cost(n: int) -> float:
         changed = msgspec.structs.replace(fleet(1)[0], ram_available=(30 + k) * GIB)
         started = time.perf_counter()
         state.apply(subjects.report_key(changed.host_id), encode(changed), n + k + 1)
-        planned = state.planning_job()()
+        planned = state.planning_job()().plans
         times.append(time.perf_counter() - started)
         assert list(planned) == [subjects.host_token(changed.host_id)]
     return statistics.median(times)

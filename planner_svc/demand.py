@@ -1,42 +1,41 @@
 """Models on demand: which personas the planner places now, what a wake evicts, what idles out.
 
-Pure: the service folds wakes and gateway activity into a `DemandState` with its own clock
-value, and `plan_on_demand` turns a snapshot of it into one fleet plan and an `Outcome` the
-service applies. Nothing here reads a clock, the bus or a file.
+Pure: the service folds wakes and gateway activity into a `DemandState` (planner_svc/
+demand_state.py) with its own clock value; `plan_on_demand` turns that state into one fleet
+plan and an `Outcome`, `demand_due` and `model_states` answer with a new state beside their
+answer, and the service applies what they return. Nothing here reads a clock, the bus or a file.
 
-The rules, by persona name (its alias, or its model's name; what a lane spec calls alias):
-- A persona is *default-on* until it is first unloaded: planned exactly as before (today's
-  behaviour and the golden plans are untouched while no one opts in).
-- Once unloaded (evicted, or idle past its `idle_ttl`) it is *on demand*: it keeps the lanes
-  it has, and gets one (or its `lanes`) only when woken. Model files no persona names, when
-  a demand is set, are on demand from the start.
-- A wake places the persona with the lanes that run now placed first and the woken next, so a
-  newcomer never takes a running lane's room; where it fits nowhere, `eviction.choose` picks
-  the idle lanes to unload (through the agent's drain), and the plan is made again.
-- `min_lanes` pins: the persona always has that many lanes and none is evicted or idles out.
-- `max_lanes`: lanes added by measured demand (planner_svc/scaling.py) come on top of the
-  persona's count; one the plan cannot place is taken back (it never evicts).
+`plan_on_demand` runs the phases in order:
+- idle unload: lanes idle past their persona's `idle_ttl`, and loads
+  nobody waits for any more, go;
+- waking: a woken persona is on demand and asks its lanes again; a
+  persona is *default-on* (planned exactly as before) until it is first unloaded;
+- placement of wakes: the lanes that run now are placed first,
+  the woken next; where a wake fits nowhere, `eviction.choose` picks the idle lanes to unload;
+- scaling (planner_svc/scaling.py): lanes added by measured demand come on top of a persona's
+  count (`max_lanes`); one the plan cannot place is taken back (it never evicts).
+`min_lanes` pins: the persona always has that many lanes and none is evicted or idles out.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-import dataclasses
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, replace
 
 import msgspec
 
 from planner_svc.coldstart import measured_loads, predicted_seconds, read_rates
+from planner_svc.demand_state import FAILED_TTL, WAKE_TTL, DemandState, Outcome
 from planner_svc.eviction import Candidate, NoRoom, Placement, Room, choose
 from planner_svc.layouts import CPU_RESOURCE, Layout, cost_vector
-from planner_svc.planner import default_demand, plan
-from planner_svc.policy import gpu_budgets, ram_budget
-from planner_svc.scaling import ModelLoad, ScaleState, cut, note_report, step
+from planner_svc.personas import lanes_by_name, persona_for, persona_name, servable, ttl_of
+from planner_svc.planner import plan
+from planner_svc.policy import host_budgets
+from planner_svc.scaling import Change, cut, extra_short
 from shared.messages import (
     Demand,
     FleetConfig,
     FleetPlan,
-    GatewayActivity,
     HostPlan,
     HostReport,
     HostStatus,
@@ -47,239 +46,30 @@ from shared.messages import (
     Persona,
 )
 
-WAKE_TTL = 10.0  # seconds a wake lasts unless a gateway repeats it (they do while they hold requests)
-FAILED_TTL = 30.0  # seconds a failed wake is answered as failed before a request may try again
-STALE_INTERVALS = 3  # a gateway's activity counts for this many of its report intervals
-MAX_ROUNDS = 4  # evict-and-replan rounds per job
+__all__ = ["FAILED_TTL", "WAKE_TTL", "DemandState", "Outcome", "demand_due", "model_states", "plan_on_demand"]
 
 
-def persona_name(p: Persona) -> str:
-    return p.alias or p.model
+# ------------------------------------------------------------------ waking
 
 
-@dataclass
-class DemandState:
-    """What the planner knows of demand, each time on its own clock."""
-
-    wakes: dict[str, float] = field(default_factory=dict)  # persona name -> latest wake
-    on_demand: set[str] = field(default_factory=set)  # personas unloaded at least once
-    excluded: dict[str, frozenset[str]] = field(default_factory=dict)  # model -> hosts it is unloaded from
-    loaded_at: dict[tuple[str, str], float] = field(default_factory=dict)  # (host, lane) -> first planned
-    # (host, lane) -> when its agent first said healthy: the idle clock and the residency start there.
-    healthy_at: dict[tuple[str, str], float] = field(default_factory=dict)
-    last_used: dict[str, float] = field(default_factory=dict)  # persona name -> its last request
-    gateways: dict[str, tuple[float, GatewayActivity]] = field(default_factory=dict)
-    failed: dict[str, tuple[float, str]] = field(default_factory=dict)  # persona name -> (when, why)
-    waiting: dict[str, str] = field(default_factory=dict)  # persona name -> why its wake is not placed yet
-    evictions: dict[str, int] = field(default_factory=dict)  # reason -> lanes unloaded
-    # Lanes wanted per on-demand persona (the lanes it has; a wake asks one, an idle unload 0).
-    counts: dict[str, int] = field(default_factory=dict)
-    # Persona name -> when a wake got it placed: while its lanes still load, it is kept only as
-    # long as someone waits for it (a client that gave up does not leave a load behind).
-    placed_at: dict[str, float] = field(default_factory=dict)
-    # Measured loads, kept after their lanes are gone: host -> read rate, persona -> seconds.
-    rates: dict[str, float] = field(default_factory=dict)
-    measured: dict[str, float] = field(default_factory=dict)
-    # Lanes added by measured demand (planner_svc/scaling.py; immutable, replaced on each change).
-    scale: ScaleState = field(default_factory=ScaleState)
-
-    def note_wake(self, name: str, now: float) -> bool:
-        """A gateway asks for `name`. True when the planner must replan (a new or failed-out wake)."""
-        fresh = name not in self.wakes
-        self.wakes[name] = now
-        failed = self.failed.get(name)
-        if failed is not None and now - failed[0] < FAILED_TTL:
-            return False  # answered as failed until FAILED_TTL passes: no retry loop
-        self.failed.pop(name, None)
-        return fresh or name in self.waiting
-
-    def note_activity(self, activity: GatewayActivity, now: float, config: FleetConfig | None = None) -> bool:
-        """Fold one gateway's report in. True when some model went busy or idle."""
-        before = set(self.busy(now))
-        self.gateways[activity.gateway] = (now, activity)
-        self.scale = note_report(self.scale, activity, config or FleetConfig())
-        for m in activity.models:
-            if m.idle_s is not None:
-                self.last_used[m.name] = max(self.last_used.get(m.name, now - m.idle_s), now - m.idle_s)
-        return set(self.busy(now)) != before
-
-    def busy(self, now: float) -> dict[str, int]:
-        """Persona name -> requests in flight or queued at gateways heard from lately."""
-        out: dict[str, int] = {}
-        for at, act in self.gateways.values():
-            if now - at > STALE_INTERVALS * act.interval:
-                continue
-            for m in act.models:
-                if m.in_flight or m.queued:
-                    out[m.name] = out.get(m.name, 0) + m.in_flight + m.queued
-        return out
-
-    def note_healthy(self, host_id: str, lane_ids: Sequence[str], now: float) -> None:
-        for lane_id in lane_ids:
-            self.healthy_at.setdefault((host_id, lane_id), now)
-
-    def adopt(self, states: ModelStates) -> None:
-        """Carry on from the active planner's `models` key (a stand-by, or a planner restarted)."""
-        self.on_demand = {m.name for m in states.models if m.on_demand}
-        self.evictions = dict(states.evictions)
-
-    def forget_lanes(self, plans: Mapping[str, HostPlan]) -> None:
-        """Drop load times of lanes no plan has any more."""
-        live = {(p.host_id, s.lane_id) for p in plans.values() for s in p.lanes}
-        names = {s.alias for p in plans.values() for s in p.lanes}
-        self.placed_at = {n: t for n, t in self.placed_at.items() if n in names}
-        self.loaded_at = {k: t for k, t in self.loaded_at.items() if k in live}
-        self.healthy_at = {k: t for k, t in self.healthy_at.items() if k in live}
-
-    def expire(self, now: float) -> None:
-        self.wakes = {n: t for n, t in self.wakes.items() if now - t < WAKE_TTL}
-        self.failed = {n: v for n, v in self.failed.items() if now - v[0] < FAILED_TTL}
-        self.waiting = {n: why for n, why in self.waiting.items() if n in self.wakes}
-        self.gateways = {g: v for g, v in self.gateways.items() if now - v[0] <= STALE_INTERVALS * v[1].interval}
-
-    def due(self, personas: Sequence[Persona], config: FleetConfig, plans: Mapping[str, HostPlan], now: float) -> bool:
-        """Does time alone call for a replan: a persona past its idle_ttl, or a wake still waiting."""
-        return bool(self.waiting) or bool(idle_unloads(self, config, personas, plans, now))
-
-    def snapshot(self) -> DemandState:
-        """A copy the planning job may change (every table copied, field by field)."""
-        return DemandState(**{f.name: v if isinstance(v, ScaleState) else type(v)(v)
-                              for f in fields(self) for v in (getattr(self, f.name),)})  # fmt: skip
-
-    def rescale(
-        self, personas: Sequence[Persona], config: FleetConfig, plans: Mapping[str, HostPlan], now: float
-    ) -> tuple:
-        """Apply the scaling rule (planner_svc/scaling.py) to the personas with max_lanes; the
-        changes it made (a replan is due when there are any)."""
-        lanes = _lanes_by_name(plans)
-        load: dict[str, list[int]] = {}
-        fresh = {g for g, (at, act) in self.gateways.items() if now - at <= STALE_INTERVALS * act.interval}
-        # A gateway gone quiet no longer counts: neither its load nor its streaks.
-        self.scale = dataclasses.replace(self.scale, streaks={k: v for k, v in self.scale.streaks.items()
-                                                              if k[0] in fresh})  # fmt: skip
-        for g in fresh:
-            for m in self.gateways[g][1].models:
-                got = load.setdefault(m.name, [0, 0])
-                got[0] += m.in_flight
-                got[1] += m.queued
-        models = {}
-        for p in personas:
-            name = persona_name(p)
-            if p.max_lanes is None:
-                continue
-            here = lanes.get(name, [])
-            in_flight, queued = load.get(name, (0, 0))
-            models[name] = ModelLoad(
-                name=name, max_lanes=p.max_lanes, lanes=len(here), parallel=p.parallel, in_flight=in_flight,
-                queued=queued, serving=bool(here) and all((h, s.lane_id) in self.healthy_at for h, s in here),
-            )  # fmt: skip
-        self.scale, changes = step(self.scale, models, config, now)
-        removed = sum(1 for c in changes if c.delta < 0)
-        if removed:
-            self.evictions["scaled_down"] = self.evictions.get("scaled_down", 0) + removed
-        return changes
-
-    def apply(self, outcome: Outcome, now: float) -> None:
-        """Take a job's outcome in (wakes that came meanwhile stay)."""
-        if outcome.extra_placed:
-            self.scale = cut(self.scale, outcome.extra_placed, now)
-        self.on_demand |= outcome.on_demand
-        self.counts = dict(outcome.counts)
-        self.excluded = dict(outcome.excluded)
-        self.loaded_at = self.loaded_at | dict(outcome.loaded_at)
-        for name in outcome.placed | set(outcome.failed):
-            self.wakes.pop(name, None)
-        for name in outcome.placed:
-            self.placed_at[name] = now
-        for name, why in outcome.failed.items():
-            self.failed[name] = (now, why)
-        self.waiting = {n: why for n, why in outcome.waiting.items() if n in self.wakes}
-        for reason, n in outcome.evicted.items():
-            self.evictions[reason] = self.evictions.get(reason, 0) + n
+def known_wakes(state: DemandState, personas: Sequence[Persona], extra: frozenset[str]) -> DemandState:
+    """The state a job starts from: the model files no persona names on demand from the start
+    (`extra`), and only the wakes for servable personas that have not failed."""
+    known = {persona_name(p) for p in personas}
+    return replace(state, on_demand=state.on_demand | extra,
+                   wakes={n: t for n, t in state.wakes.items() if n in known and n not in state.failed})  # fmt: skip
 
 
-@dataclass(frozen=True)
-class Outcome:
-    on_demand: frozenset[str] = frozenset()
-    counts: Mapping[str, int] = field(default_factory=dict)
-    excluded: Mapping[str, frozenset[str]] = field(default_factory=dict)
-    loaded_at: Mapping[tuple[str, str], float] = field(default_factory=dict)
-    placed: frozenset[str] = frozenset()  # woken personas that have lanes now
-    failed: Mapping[str, str] = field(default_factory=dict)
-    waiting: Mapping[str, str] = field(default_factory=dict)
-    evicted: Mapping[str, int] = field(default_factory=dict)  # reason -> lanes
-    victims: tuple[tuple[str, str, str], ...] = ()  # (host, lane, reason), for the log
-    # Personas whose lanes added by demand were not all placed (no room, or idled out): how many were.
-    extra_placed: Mapping[str, int] = field(default_factory=dict)
-
-
-# ------------------------------------------------------------------ who is servable
-
-
-def servable(demand: Demand | None, reports: Sequence[HostReport]) -> tuple[list[Persona], frozenset[str]]:
-    """Every persona, and the names of those on demand from the start: with a demand set, each
-    model file no persona names is servable too, loaded only when asked for."""
-    if demand is None or not demand.personas:
-        return list(default_demand(reports).personas), frozenset()
-    named = {p.model for p in demand.personas}
-    extra = sorted({m.name for r in reports for m in r.models} - named)
-    return list(demand.personas) + [Persona(model=n) for n in extra], frozenset(extra)
-
-
-def _lanes_by_name(plans: Mapping[str, HostPlan]) -> dict[str, list[tuple[str, LaneSpec]]]:
-    out: dict[str, list[tuple[str, LaneSpec]]] = {}
-    for p in plans.values():
-        for spec in p.lanes:
-            out.setdefault(spec.alias, []).append((p.host_id, spec))
-    return out
-
-
-def ttl_of(p: Persona, config: FleetConfig) -> float:
-    return p.idle_ttl if p.idle_ttl is not None else config.idle_ttl
-
-
-def idle_unloads(
-    state: DemandState, config: FleetConfig, personas: Sequence[Persona], plans: Mapping[str, HostPlan], now: float
-) -> list[tuple[Persona, list[tuple[str, LaneSpec]]]]:
-    """Personas whose lanes idled past their idle_ttl: no request (only requests count, never a
-    probe or a scrape) for that long, none in flight or queued, not pinned."""
-    lanes = _lanes_by_name(plans)
-    busy = state.busy(now)
-    out = []
-    for p in personas:
-        name, ttl = persona_name(p), ttl_of(p, config)
-        here = lanes.get(name, [])
-        if ttl <= 0 or p.min_lanes > 0 or not here or busy.get(name):
-            continue
-        if any((h, s.lane_id) not in state.healthy_at for h, s in here):
-            continue  # still loading: its idle time starts once it serves
-        last = max([state.last_used.get(name, float("-inf")), state.wakes.get(name, float("-inf"))]
-                   + [state.healthy_at[(h, s.lane_id)] for h, s in here])  # fmt: skip
-        if now - last >= ttl:
-            out.append((p, here))
-    return out
-
-
-def abandoned_loads(
-    state: DemandState, personas: Sequence[Persona], plans: Mapping[str, HostPlan], now: float
-) -> list[tuple[Persona, list[tuple[str, LaneSpec]]]]:
-    """Woken personas whose lanes still load while nobody waits for them any more: no request
-    held or queued at any gateway, no wake for WAKE_TTL, none served since. Unloaded, so a
-    client that gives up leaves no load behind (one that still waits keeps it going)."""
-    lanes = _lanes_by_name(plans)
-    busy = state.busy(now)
-    out = []
-    for p in personas:
-        name = persona_name(p)
-        since = state.placed_at.get(name)
-        here = lanes.get(name, [])
-        if since is None or not here or p.min_lanes or busy.get(name) or name in state.wakes:
-            continue
-        if any((h, s.lane_id) in state.healthy_at for h, s in here):
-            continue  # it serves: idle_ttl governs it now
-        if now - since >= WAKE_TTL and state.last_used.get(name, float("-inf")) <= since:
-            out.append((p, here))
-    return out
+def wake(state: DemandState, personas: Sequence[Persona]) -> DemandState:
+    """Each woken persona on demand from now, its model no longer left out anywhere, and a
+    count of lanes asked anew where it had none."""
+    excluded, counts = dict(state.excluded), dict(state.counts)
+    for name in state.wakes:
+        woken = persona_for(personas, name)
+        excluded.pop(woken.model, None)
+        if not counts.get(name):
+            counts.pop(name, None)
+    return replace(state, on_demand=state.on_demand | set(state.wakes), excluded=excluded, counts=counts)
 
 
 def effective(
@@ -289,7 +79,7 @@ def effective(
     plans: Mapping[str, HostPlan],
 ) -> tuple[Demand, list[HostReport], list[str]]:
     """The demand, reports and placing order the planner is run with now."""
-    lanes = _lanes_by_name(plans)
+    lanes = lanes_by_name(plans)
     out: list[Persona] = []
     residents: list[tuple[int, str]] = []
     for p in personas:
@@ -322,23 +112,109 @@ def effective(
     return Demand(personas=tuple(out)), shown, first
 
 
-def persona_for(personas: Sequence[Persona], name: str) -> Persona | None:
-    return next((p for p in personas if persona_name(p) == name), None)
-
-
 def _without(report: HostReport, models: set[str]) -> HostReport:
     if not models:
         return report
     return msgspec.structs.replace(report, models=tuple(m for m in report.models if m.name not in models))
 
 
-# ------------------------------------------------------------------ sizing for eviction
+# ------------------------------------------------------------------ idle unload
 
 
-def _budgets(report: HostReport, config: FleetConfig) -> dict:
-    out = {CPU_RESOURCE: ram_budget(report, config)}
-    out.update({("gpu", i): b for i, b in gpu_budgets(report, config).items()})
+@dataclass(frozen=True)
+class Unloaded:
+    """What the idle phase unloads."""
+
+    evicted: Mapping[str, int] = field(default_factory=dict)  # reason (idle, abandoned) -> lanes
+    victims: tuple[tuple[str, str, str], ...] = ()  # (host, lane, reason)
+    # Personas with lanes added by demand that idled out: none of the added lanes stays placed.
+    extra_placed: Mapping[str, int] = field(default_factory=dict)
+
+
+def idle_unloads(
+    state: DemandState, config: FleetConfig, personas: Sequence[Persona], plans: Mapping[str, HostPlan], now: float
+) -> list[tuple[Persona, list[tuple[str, LaneSpec]]]]:
+    """Personas whose lanes idled past their idle_ttl: no request (only requests count, never a
+    probe or a scrape) for that long, none in flight or queued, not pinned."""
+    lanes = lanes_by_name(plans)
+    busy = state.busy(now)
+    out = []
+    for p in personas:
+        name, ttl = persona_name(p), ttl_of(p, config)
+        here = lanes.get(name, [])
+        if ttl <= 0 or p.min_lanes > 0 or not here or busy.get(name):
+            continue
+        if any((h, s.lane_id) not in state.healthy_at for h, s in here):
+            continue  # still loading: its idle time starts once it serves
+        last = max([state.last_used.get(name, float("-inf")), state.wakes.get(name, float("-inf"))]
+                   + [state.healthy_at[(h, s.lane_id)] for h, s in here])  # fmt: skip
+        if now - last >= ttl:
+            out.append((p, here))
     return out
+
+
+def abandoned_loads(
+    state: DemandState, personas: Sequence[Persona], plans: Mapping[str, HostPlan], now: float
+) -> list[tuple[Persona, list[tuple[str, LaneSpec]]]]:
+    """Woken personas whose lanes still load while nobody waits for them any more: no request
+    held or queued at any gateway, no wake for WAKE_TTL, none served since. Unloaded, so a
+    client that gives up leaves no load behind (one that still waits keeps it going)."""
+    lanes = lanes_by_name(plans)
+    busy = state.busy(now)
+    out = []
+    for p in personas:
+        name = persona_name(p)
+        since = state.placed_at.get(name)
+        here = lanes.get(name, [])
+        if since is None or not here or p.min_lanes or busy.get(name) or name in state.wakes:
+            continue
+        if any((h, s.lane_id) in state.healthy_at for h, s in here):
+            continue  # it serves: idle_ttl governs it now
+        if now - since >= WAKE_TTL and state.last_used.get(name, float("-inf")) <= since:
+            out.append((p, here))
+    return out
+
+
+def due(
+    state: DemandState, personas: Sequence[Persona], config: FleetConfig, plans: Mapping[str, HostPlan], now: float
+) -> bool:
+    """Does time alone call for a replan: a persona past its idle_ttl, or a wake still waiting."""
+    return bool(state.waiting) or bool(idle_unloads(state, config, personas, plans, now))
+
+
+def unload_idle(
+    state: DemandState, config: FleetConfig, personas: Sequence[Persona], plans: Mapping[str, HostPlan], now: float
+) -> tuple[DemandState, Unloaded]:
+    """The idle and abandoned lanes of `plans` unloaded: each such persona is on demand with no
+    lane wanted, and its model left out on the hosts it ran on."""
+    on_demand, counts, placed_at = set(state.on_demand), dict(state.counts), dict(state.placed_at)
+    excluded = {m: set(h) for m, h in state.excluded.items()}
+    evicted: dict[str, int] = {}
+    victims: list[tuple[str, str, str]] = []
+    extra_placed: dict[str, int] = {}
+    for p, lanes in idle_unloads(state, config, personas, plans, now):
+        on_demand.add(persona_name(p))
+        counts[persona_name(p)] = 0
+        if state.scale.extra.get(persona_name(p)):
+            extra_placed[persona_name(p)] = 0
+        excluded.setdefault(p.model, set()).update(h for h, _ in lanes)
+        evicted["idle"] = evicted.get("idle", 0) + len(lanes)
+        victims += [(h, s.lane_id, f"idle for {ttl_of(p, config):g} s") for h, s in lanes]
+    for p, lanes in abandoned_loads(state, personas, plans, now):
+        counts[persona_name(p)] = 0
+        excluded.setdefault(p.model, set()).update(h for h, _ in lanes)
+        evicted["abandoned"] = evicted.get("abandoned", 0) + len(lanes)
+        victims += [(h, s.lane_id, "nobody waits for it any more") for h, s in lanes]
+        placed_at.pop(persona_name(p), None)
+    after = replace(state, on_demand=frozenset(on_demand), counts=counts, placed_at=placed_at,
+                    excluded={m: frozenset(h) for m, h in excluded.items() if h})  # fmt: skip
+    return after, Unloaded(evicted=evicted, victims=tuple(victims), extra_placed=extra_placed)
+
+
+# ------------------------------------------------------------------ placement of wakes
+
+
+MAX_ROUNDS = 4  # evict-and-replan rounds per job
 
 
 def _cost(spec: LaneSpec, report: HostReport) -> dict:
@@ -390,16 +266,13 @@ def room_on(
         for s in probe.hosts[0].lanes if probe.hosts else ():
             if s.lane_id in frees:
                 frees[s.lane_id] = _cost(s, report)
-    budgets = _budgets(report, config)
+    have = host_budgets(report, config)
     used: dict = {}
     for cost in frees.values():
         for r, b in cost.items():
             used[r] = used.get(r, 0) + b
-    free = {r: b - used.get(r, 0) for r, b in budgets.items()}
+    free = {r: b - used.get(r, 0) for r, b in have.items()}
     return Room(host, free, needs), frees
-
-
-# ------------------------------------------------------------------ the job
 
 
 def _rooms_and_candidates(woken, fleet, reports, config, personas, feedback, state, now):
@@ -425,67 +298,46 @@ def _rooms_and_candidates(woken, fleet, reports, config, personas, feedback, sta
     return rooms, candidates
 
 
-def _placed(fleet: FleetPlan) -> set[str]:
+def placed_names(fleet: FleetPlan) -> set[str]:
     return {s.alias for h in fleet.hosts for s in h.lanes}
 
 
-def plan_on_demand(
+def plan_with(state, personas, reports, config, previous, feedback, config_revision) -> FleetPlan:
+    """The fleet planned with demand as `state` shapes it (planner_svc/waking.py's `effective`)."""
+    eff, shown, first = effective(state, personas, reports, previous)
+    return plan(shown, config, eff, previous=previous, feedback=feedback, config_revision=config_revision, first=first)
+
+
+@dataclass(frozen=True)
+class WakesPlaced:
+    state: DemandState  # evicted personas on demand, keeping their count, left out where they ran
+    fleet: FleetPlan
+    previous: Mapping[str, HostPlan]  # the plans the job started from, less the evicted lanes
+    failed: Mapping[str, str] = field(default_factory=dict)  # persona name -> why its wake failed
+    waiting: Mapping[str, str] = field(default_factory=dict)  # persona name -> why it waits
+    evicted: int = 0
+    victims: tuple[tuple[str, str, str], ...] = ()  # (host, lane, reason)
+
+
+def place_wakes(
+    state: DemandState,
+    personas: Sequence[Persona],
     reports: Sequence[HostReport],
     config: FleetConfig,
-    demand: Demand | None,
-    state: DemandState,
-    *,
+    previous: Mapping[str, HostPlan],
+    feedback: Mapping[str, Sequence[LaneFeedback]],
+    config_revision: int,
     now: float,
-    previous: Mapping[str, HostPlan] | None = None,
-    feedback: Mapping[str, Sequence[LaneFeedback]] | None = None,
-    config_revision: int = 0,
     chooser=choose,
-) -> tuple[FleetPlan, Outcome]:
-    """One fleet plan with demand applied: idle unloads, wakes, and the evictions they need.
-
-    `state` is a snapshot: it is changed here and handed back in the Outcome. `previous` is
-    keyed by host id, like the plans it returns. `chooser` is eviction.choose (a benchmark
-    passes another rule to compare with).
-    """
-    previous = dict(previous or {})
-    feedback = feedback or {}
-    personas, extra = servable(demand, reports)
-    state.on_demand |= extra
-    known = {persona_name(p) for p in personas}
-    state.wakes = {n: t for n, t in state.wakes.items() if n in known and n not in state.failed}
-    evicted: dict[str, int] = {}
-    victims_log: list[tuple[str, str, str]] = []
-    excluded = {m: set(h) for m, h in state.excluded.items()}
-    extra_placed: dict[str, int] = {}
-    for p, lanes in idle_unloads(state, config, personas, previous, now):
-        state.on_demand.add(persona_name(p))
-        state.counts[persona_name(p)] = 0
-        if state.scale.extra.get(persona_name(p)):
-            extra_placed[persona_name(p)] = 0
-        excluded.setdefault(p.model, set()).update(h for h, _ in lanes)
-        evicted["idle"] = evicted.get("idle", 0) + len(lanes)
-        victims_log += [(h, s.lane_id, f"idle for {ttl_of(p, config):g} s") for h, s in lanes]
-    for p, lanes in abandoned_loads(state, personas, previous, now):
-        state.counts[persona_name(p)] = 0
-        excluded.setdefault(p.model, set()).update(h for h, _ in lanes)
-        evicted["abandoned"] = evicted.get("abandoned", 0) + len(lanes)
-        victims_log += [(h, s.lane_id, "nobody waits for it any more") for h, s in lanes]
-        state.placed_at.pop(persona_name(p), None)
-    for name in state.wakes:
-        state.on_demand.add(name)
-        woken = persona_for(personas, name)
-        excluded.pop(woken.model, None)
-        if not state.counts.get(name):
-            state.counts.pop(name, None)
-    state.excluded = {m: frozenset(h) for m, h in excluded.items() if h}
-
+) -> WakesPlaced:
+    """Plan, evicting for the oldest unplaced wake, for at most MAX_ROUNDS rounds."""
     failed: dict[str, str] = {}
     waiting: dict[str, str] = {}
+    evicted = 0
+    victims_log: list[tuple[str, str, str]] = []
     for round_ in range(MAX_ROUNDS + 1):
-        eff, shown, first = effective(state, personas, reports, previous)
-        fleet = plan(shown, config, eff, previous=previous, feedback=feedback, config_revision=config_revision,
-                     first=first)  # fmt: skip
-        placed = _placed(fleet)
+        fleet = plan_with(state, personas, reports, config, previous, feedback, config_revision)
+        placed = placed_names(fleet)
         pending = sorted((n for n in state.wakes if n not in placed and n not in failed), key=lambda n: (state.wakes[n], n))
         for n in pending[1:]:
             waiting.setdefault(n, f"waits behind {pending[0]}")  # retried while it waits
@@ -511,64 +363,126 @@ def plan_on_demand(
             waiting[name] = "the planner could not place it: " + (why[0] if why else "no reason given")
             break
         lanes_now = {(h.host_id, s.lane_id): s for h in fleet.hosts for s in h.lanes}
+        counts, on_demand, excluded = dict(state.counts), set(state.on_demand), dict(state.excluded)
         for host, lane_id in choice.victims:
             spec = lanes_now[(host, lane_id)]
             # It keeps its count: where another host has room, the next round places it there.
-            state.counts.setdefault(spec.alias, sum(1 for s in lanes_now.values() if s.alias == spec.alias))
-            state.on_demand.add(spec.alias)
-            state.excluded = dict(state.excluded) | {spec.model: state.excluded.get(spec.model, frozenset()) | {host}}
+            counts.setdefault(spec.alias, sum(1 for s in lanes_now.values() if s.alias == spec.alias))
+            on_demand.add(spec.alias)
+            excluded[spec.model] = excluded.get(spec.model, frozenset()) | {host}
             victims_log.append((host, lane_id, f"evicted for {name}"))
-        evicted["wake"] = evicted.get("wake", 0) + len(choice.victims)
+        state = replace(state, counts=counts, on_demand=frozenset(on_demand), excluded=excluded)
+        evicted += len(choice.victims)
         # The evicted lanes leave `previous`' count of what runs (the next round sees them gone).
         gone = set(choice.victims)
         previous = {h: msgspec.structs.replace(p, lanes=tuple(s for s in p.lanes if (h, s.lane_id) not in gone))
                     if any((h, s.lane_id) in gone for s in p.lanes) else p for h, p in previous.items()}  # fmt: skip
+    return WakesPlaced(state=state, fleet=fleet, previous=previous, failed=failed, waiting=waiting, evicted=evicted,
+                       victims=tuple(victims_log))  # fmt: skip
+
+
+# ------------------------------------------------------------------ the job
+
+
+def plan_on_demand(
+    reports: Sequence[HostReport],
+    config: FleetConfig,
+    demand: Demand | None,
+    state: DemandState,
+    *,
+    now: float,
+    previous: Mapping[str, HostPlan] | None = None,
+    feedback: Mapping[str, Sequence[LaneFeedback]] | None = None,
+    config_revision: int = 0,
+    chooser=choose,
+) -> tuple[FleetPlan, Outcome]:
+    """One fleet plan with demand applied: idle unloads, wakes, and the evictions they need.
+
+    `state` is left as it is; what the job decided comes back in the Outcome, for
+    `DemandState.apply`. `previous` is keyed by host id, like the plans it returns. `chooser`
+    is eviction.choose (a benchmark passes another rule to compare with).
+    """
+    previous = dict(previous or {})
+    feedback = feedback or {}
+    personas, extra = servable(demand, reports)
+    state = known_wakes(state, personas, extra)
+    state, unloaded = unload_idle(state, config, personas, previous, now)
+    state = wake(state, personas)
+    placing = place_wakes(state, personas, reports, config, previous, feedback, config_revision, now, chooser)
+    state, fleet, previous = placing.state, placing.fleet, placing.previous
+    extra_placed = dict(unloaded.extra_placed)
     if extra_placed:
-        state.scale = cut(state.scale, extra_placed, now)
+        state = replace(state, scale=cut(state.scale, extra_placed, now))
     # A lane added by demand that found no room is taken back (it never evicts), so the plan
     # shows no unplaced lane for it: plan once more without it.
-    short = _extra_short(fleet, effective(state, personas, reports, previous)[0], state)
+    short = extra_short(fleet, effective(state, personas, reports, previous)[0], state.scale.extra)
     if short:
         extra_placed |= short
-        state.scale = cut(state.scale, short, now)
-        eff, shown, first = effective(state, personas, reports, previous)
-        fleet = plan(shown, config, eff, previous=previous, feedback=feedback, config_revision=config_revision,
-                     first=first)  # fmt: skip
-    placed = _placed(fleet)
+        state = replace(state, scale=cut(state.scale, short, now))
+        fleet = plan_with(state, personas, reports, config, previous, feedback, config_revision)
+    placed = placed_names(fleet)
     # The counts kept for on-demand personas leave the added lanes out: scaling owns those.
     counts = {n: max(0, sum(1 for h in fleet.hosts for s in h.lanes if s.alias == n) - state.scale.extra.get(n, 0))
               for n in state.on_demand}  # fmt: skip
     loaded_at = {
         (h.host_id, s.lane_id): state.loaded_at.get((h.host_id, s.lane_id), now) for h in fleet.hosts for s in h.lanes
     }
+    evicted = dict(unloaded.evicted) | ({"wake": placing.evicted} if placing.evicted else {})
     outcome = Outcome(
         on_demand=frozenset(state.on_demand),
         counts=counts,
         excluded=dict(state.excluded),
         loaded_at=loaded_at,
         placed=frozenset(n for n in state.wakes if n in placed),
-        failed=failed,
-        waiting=waiting,
+        failed=placing.failed,
+        waiting=placing.waiting,
         evicted=evicted,
-        victims=tuple(victims_log),
+        victims=unloaded.victims + placing.victims,
         extra_placed=extra_placed,
     )
     return fleet, outcome
 
 
-def _extra_short(fleet: FleetPlan, demand: Demand, state: DemandState) -> dict[str, int]:
-    """Personas with lanes added by demand that the plan could not place all of: how many of
-    the added ones it placed."""
-    out = {}
-    for p in demand.personas:
-        name = persona_name(p)
-        extra = state.scale.extra.get(name, 0)
-        if not extra or p.lanes is None:
-            continue
-        missing = p.lanes - sum(1 for h in fleet.hosts for s in h.lanes if s.alias == name)
-        if missing > 0:
-            out[name] = max(0, extra - missing)
-    return out
+# ------------------------------------------------------------------ what time alone calls for
+
+
+def engaged(state: DemandState, demand: Demand | None, config: FleetConfig) -> bool:
+    """Are models on demand in play (then every live host is planned together)?"""
+    personas = demand.personas if demand else ()
+    return bool(state.wakes or state.on_demand or state.excluded or config.idle_ttl
+                or any(p.idle_ttl or p.min_lanes or p.max_lanes is not None for p in personas))  # fmt: skip
+
+
+def rescaled(
+    state: DemandState, demand: Demand | None, reports: Sequence[HostReport], plans: Mapping[str, HostPlan],
+    config: FleetConfig, now: float,
+) -> tuple[DemandState, tuple[Change, ...]]:
+    """Lanes that follow demand (planner_svc/scaling.py): the state after, and the lanes added or removed."""
+    if not demand or not any(p.max_lanes is not None for p in demand.personas):
+        return state, ()
+    personas, _ = servable(demand, reports)
+    return state.rescale(personas, config, plans, now)
+
+
+def demand_due(
+    state: DemandState,
+    demand: Demand | None,
+    reports: Sequence[HostReport],
+    plans: Mapping[str, HostPlan],
+    config: FleetConfig,
+    now: float,
+) -> tuple[DemandState, bool, tuple[Change, ...]]:
+    """Does time alone call for a replan (an idle_ttl passed, a wake waits for room, a lane is
+    added or removed by demand)? The state after (old wakes expired, the scaling rule applied),
+    the answer, and the scaling changes."""
+    state = state.expire(now)
+    if not engaged(state, demand, config):
+        return state, False, ()
+    state, changes = rescaled(state, demand, reports, plans, config, now)
+    if changes:
+        return state, True, changes
+    personas, _ = servable(demand, reports)
+    return state, due(state, personas, config, plans, now), ()
 
 
 # ------------------------------------------------------------------ what clients see
@@ -580,17 +494,16 @@ def model_states(
     plans: Mapping[str, HostPlan],
     state: DemandState,
     statuses: Mapping[str, HostStatus] | None = None,
-) -> ModelStates:
+) -> tuple[ModelStates, DemandState]:
     """Every servable model and its load state, for gateways, `lanes status` and the dashboard,
-    with its predicted and measured cold start (planner_svc/coldstart.py). What the running lanes
-    measured is kept in `state`, so a prediction outlives the lanes it was learnt from."""
+    with its predicted and measured cold start (planner_svc/coldstart.py); and the state with
+    what the running lanes measured, so a prediction outlives the lanes it was learnt from."""
     statuses = statuses or {}
-    # What the lanes that run now measured; what earlier lanes measured is kept in the state.
-    state.rates.update(read_rates(reports, plans, statuses))
-    state.measured.update(measured_loads(plans, statuses))
+    state = replace(state, rates={**state.rates, **read_rates(reports, plans, statuses)},
+                    measured={**state.measured, **measured_loads(plans, statuses)})  # fmt: skip
     rates, measured = state.rates, state.measured
     personas, _ = servable(demand, reports)
-    lanes = _lanes_by_name(plans)
+    lanes = lanes_by_name(plans)
     holders: dict[str, list[str]] = {}
     sizes: dict[str, int] = {}
     pooled: set[str] = set()
@@ -619,4 +532,4 @@ def model_states(
                               predicted_load_s=predicted_seconds(sizes.get(p.model, 0), fastest) if held_by else None,
                               measured_load_s=measured.get(name),
                               embeddings=p.embeddings if p.embeddings is not None else p.model in pooled))  # fmt: skip
-    return ModelStates(models=tuple(out), evictions=dict(sorted(state.evictions.items())))
+    return ModelStates(models=tuple(out), evictions=dict(sorted(state.evictions.items()))), state

@@ -32,8 +32,7 @@ from planner_svc.policy import (
     chat_template_for,
     decide_flags,
     flash_attn_for,
-    gpu_budgets,
-    ram_budget,
+    host_budgets,
     revert_target,
     window_bounds,
 )
@@ -193,7 +192,7 @@ def plan(
     fleet_unplaced: list[Unplaced] = []
     remaining: dict[str, dict[Resource, int]] = {}
     for r in reports:
-        remaining[r.host_id] = _budgets(r, config)
+        remaining[r.host_id] = host_budgets(r, config)
         if r.server is None:
             host_reasons[r.host_id].append("no lanes: no usable llama-server binary on this host")
     lanes: dict[str, list[_Lane]] = {r.host_id: [] for r in reports}
@@ -249,12 +248,6 @@ def plan(
             )
         )
     return FleetPlan(hosts=tuple(plans), unplaced=tuple(fleet_unplaced))
-
-
-def _budgets(report: HostReport, config: FleetConfig) -> dict[Resource, int]:
-    budgets = {CPU_RESOURCE: ram_budget(report, config)}
-    budgets.update({("gpu", i): b for i, b in gpu_budgets(report, config).items()})
-    return budgets
 
 
 def _previous_layout(prev: HostPlan | None, lane_id: str) -> Layout | None:
@@ -375,7 +368,7 @@ def _place(persona, candidates_, config, lanes, remaining, previous, feedback) -
 def _host_plan(
     report, config, lanes, reasons, unplaced, prev: HostPlan | None, config_revision, feedback=(), span_book=None
 ) -> HostPlan:
-    budgets = _budgets(report, config)
+    budgets = host_budgets(report, config)
     span_book = span_book or SpanBook()
     # Memory lent to other hosts' span lanes, and this host's own span lanes (their windows were
     # chosen when they were placed), come off before the other lanes grow.

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from planner_svc.layouts import CPU_RESOURCE
 from shared.llama.flags import cache_pair, effective_cache_type, needs_flash_attn
 from shared.llama.chat_templates import builtin_template
 from shared.llama.flash_attn import FlashAttn, resolve_flash_attn
@@ -45,6 +46,13 @@ def gpu_budgets(report: HostReport, config: FleetConfig) -> dict[int, int]:
         usable = min(gpu.vram_total, gpu.vram_free + per_gpu[i])
         budgets[i] = max(0, usable - int(config.headroom_fraction * gpu.vram_total) - GPU_RESERVE)
     return budgets
+
+
+def host_budgets(report: HostReport, config: FleetConfig) -> dict:
+    """Bytes lanes may use per resource: RAM (CPU_RESOURCE) and each GPU (("gpu", i))."""
+    out: dict = {CPU_RESOURCE: ram_budget(report, config)}
+    out.update({("gpu", i): b for i, b in gpu_budgets(report, config).items()})
+    return out
 
 
 # ------------------------------------------------------------------ flags

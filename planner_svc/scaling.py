@@ -1,8 +1,9 @@
 """Lanes that follow measured demand: when a model gets another lane, and when it gives it back.
 
-Pure: gateway reports are folded in with `note_report`, and `step` turns the state, a view of
-each scalable model and `now` into the lanes added above its base count. Nothing here reads a
-clock, the bus or a file.
+Pure: gateway reports are folded in with `note_report`, `rescale` (through `step`) turns the
+state, the personas, their plans and `now` into the lanes added above each base count, and
+`extra_short` tells which added lanes a plan could not place (`cut` takes them back). Nothing
+here reads a clock, the bus or a file.
 
 The rule, for a persona with `max_lanes` (others are never touched):
 - Up: some gateway reported its queue wait above `scale_up_wait` in `scale_up_reports`
@@ -21,10 +22,11 @@ Reshaping slots and windows from measured concurrency is not done here (not in s
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from shared.messages import FleetConfig, GatewayActivity
+from planner_svc.personas import lanes_by_name, persona_name
+from shared.messages import Demand, FleetConfig, FleetPlan, GatewayActivity, HostPlan, Persona
 
 
 @dataclass(frozen=True)
@@ -112,3 +114,53 @@ def cut(state: ScaleState, placed: Mapping[str, int], now: float) -> ScaleState:
     extra = {n: (min(k, placed[n]) if n in placed else k) for n, k in state.extra.items()}
     no_room = dict(state.no_room) | {n: now for n in placed}
     return replace(state, extra={n: k for n, k in extra.items() if k > 0}, no_room=no_room)
+
+
+def rescale(
+    state: ScaleState,
+    activities: Sequence[GatewayActivity],
+    healthy: Collection[tuple[str, str]],
+    personas: Sequence[Persona],
+    plans: Mapping[str, HostPlan],
+    config: FleetConfig,
+    now: float,
+) -> tuple[ScaleState, tuple[Change, ...]]:
+    """The rule applied to the personas with max_lanes, from the reports of the gateways heard
+    from lately (`activities`) and the lanes that said healthy ((host, lane) in `healthy`)."""
+    lanes = lanes_by_name(plans)
+    load: dict[str, list[int]] = {}
+    fresh = {a.gateway for a in activities}
+    # A gateway gone quiet no longer counts: neither its load nor its streaks.
+    state = replace(state, streaks={k: v for k, v in state.streaks.items() if k[0] in fresh})
+    for act in activities:
+        for m in act.models:
+            got = load.setdefault(m.name, [0, 0])
+            got[0] += m.in_flight
+            got[1] += m.queued
+    models = {}
+    for p in personas:
+        name = persona_name(p)
+        if p.max_lanes is None:
+            continue
+        here = lanes.get(name, [])
+        in_flight, queued = load.get(name, (0, 0))
+        models[name] = ModelLoad(
+            name=name, max_lanes=p.max_lanes, lanes=len(here), parallel=p.parallel, in_flight=in_flight,
+            queued=queued, serving=bool(here) and all((h, s.lane_id) in healthy for h, s in here),
+        )  # fmt: skip
+    return step(state, models, config, now)
+
+
+def extra_short(fleet: FleetPlan, demand: Demand, extra: Mapping[str, int]) -> dict[str, int]:
+    """Personas with lanes added by demand (`extra`) that the plan could not place all of: how
+    many of the added ones it placed."""
+    out = {}
+    for p in demand.personas:
+        name = persona_name(p)
+        added = extra.get(name, 0)
+        if not added or p.lanes is None:
+            continue
+        missing = p.lanes - sum(1 for h in fleet.hosts for s in h.lanes if s.alias == name)
+        if missing > 0:
+            out[name] = max(0, added - missing)
+    return out

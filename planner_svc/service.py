@@ -70,6 +70,18 @@ def _on_its_subject(msg, kind: type, field: str, subject_of, what: str):
         return None
     return decoded
 
+def _log_scaling(changes) -> None:
+    for c in changes:
+        log.info("lane added by demand" if c.delta > 0 else "lane removed by demand", model=c.name, reason=c.reason)
+
+
+def _log_outcome(outcome) -> None:
+    for host, lane, why in outcome.victims:
+        log.info("lane unloaded", host=host, lane=lane, reason=why)
+    for name, why in outcome.failed.items():
+        log.warning("wake failed", model=name, reason=why)
+
+
 class PlannerService:
     def __init__(self, nc: Client, kv: KeyValue, lease_ttl: float = DEFAULT_TTL, name: str | None = None) -> None:
         self.nc, self.kv = nc, kv
@@ -105,7 +117,8 @@ class PlannerService:
         wake = _on_its_subject(msg, ModelWake, "name", subjects.wake_subject, "wake")
         if wake is None:
             return
-        if self.state.note_wake(wake.name):
+        self.state.demand_state, woke = self.state.note_wake(wake.name)
+        if woke:
             log.info("model woken", model=wake.name, gateway=wake.gateway)
             self.dirty.set()
 
@@ -113,14 +126,17 @@ class PlannerService:
         activity = _on_its_subject(msg, GatewayActivity, "gateway", subjects.activity_subject, "activity")
         if activity is None:
             return
-        if self.state.note_activity(activity):
+        self.state.demand_state, replan, changes = self.state.note_activity(activity)
+        _log_scaling(changes)
+        if replan:
             self.dirty.set()
 
     async def publish_models(self) -> None:
         """Put the `models` key (every servable model's load state) when it changed."""
         if not (self.ready.is_set() and self.lease.holds()):
             return
-        data = encode(self.state.model_states())
+        states, self.state.demand_state = self.state.model_states()
+        data = encode(states)
         if data == self._models_written:
             return
         try:
@@ -134,7 +150,9 @@ class PlannerService:
         while not stop.is_set():
             if self.state.check_liveness():
                 self.dirty.set()
-            if self.state.demand_due():
+            self.state.demand_state, due, changes = self.state.demand_due()
+            _log_scaling(changes)
+            if due:
                 self.dirty.set()
             await self.publish_models()
             hosts = encode(
@@ -183,11 +201,12 @@ class PlannerService:
     async def write_plans(self) -> None:
         started = time.monotonic()
         try:
-            plans = await asyncio.to_thread(self.state.planning_job())
+            plans, outcome = await asyncio.to_thread(self.state.planning_job())
         except BaseException:
             self.state.replan_all = True  # the job's hosts were taken off the list: plan all again
             raise
-        self.state.settle_demand()
+        self.state.demand_state = self.state.settle_demand(outcome)
+        _log_outcome(outcome)
         self.last_replan_seconds = time.monotonic() - started
         self.replans += 1
         self.metrics.replan_seconds.observe(self.last_replan_seconds)
@@ -312,7 +331,7 @@ class PlannerService:
                     hosts=s.liveness(),
                     planner_id=self.id,
                     planner_active=self.lease.holds(),
-                    models=s.model_states().models,
+                    models=s.model_states()[0].models,
                 )
             )
         )

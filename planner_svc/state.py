@@ -1,7 +1,9 @@
 """The planner's view of the lanes bucket: a pure fold of KV entries into inputs for the planner.
 
 No NATS and no wall clock (the clock is passed in): planner_svc.service feeds it the watch,
-asks it what to replan, and writes what `planning_job` returns. Also the two pure answers
+asks it what to replan, and writes what `planning_job` returns. Its demand questions (wakes,
+activity, what is due, the models' states, a job's outcome) return a new `DemandState` beside
+their answer and change nothing: the service applies it. Also the two pure answers
 the service gives: a merged `config set`, and a host plan explained line by line.
 """
 
@@ -9,11 +11,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 
 import msgspec
 import structlog
 
-from planner_svc.demand import DemandState, model_states, plan_on_demand, servable
+from planner_svc.demand import DemandState, Outcome, demand_due, engaged, model_states, plan_on_demand, rescaled
+from planner_svc.scaling import Change
 from shared import subjects
 from shared.llama.printed import device_lines
 from shared.messages import (
@@ -31,6 +35,13 @@ from shared.messages import (
 
 log = structlog.get_logger("lanes.planner")
 LOST_AFTER_INTERVALS = 3  # a host is lost after this many report intervals of silence
+
+
+class Planned(NamedTuple):
+    """What a planning job returns: the plans by host key, and its demand outcome to apply."""
+
+    plans: dict[str, HostPlan]
+    outcome: Outcome
 
 
 class PlannerState:
@@ -63,64 +74,45 @@ class PlannerState:
         self.replan_hosts: set[str] = set()
         # Models on demand (planner_svc/demand.py): wakes, gateway activity, what was unloaded.
         self.demand_state = DemandState()
-        self._outcome = None  # the last job's demand outcome, applied on the event loop
 
     # ------------------------------------------------------------ models on demand
 
-    def note_wake(self, name: str) -> bool:
+    def _plans_by_host(self) -> dict[str, HostPlan]:
+        return {p.host_id: p for p in self.plans.values()}
+
+    def note_wake(self, name: str) -> tuple[DemandState, bool]:
+        """The demand state with the wake in, and whether it calls for a replan."""
         return self.demand_state.note_wake(name, self.clock())
 
-    def note_activity(self, activity) -> bool:
-        changed = self.demand_state.note_activity(activity, self.clock(), self.config)
-        return (changed and bool(self.demand_state.waiting or self.demand_state.wakes)) or self.rescale()
-
-    def rescale(self) -> bool:
-        """Lanes that follow demand (planner_svc/scaling.py): True when one is added or removed."""
-        if not self.demand or not any(p.max_lanes is not None for p in self.demand.personas):
-            return False
-        personas, _ = servable(self.demand, list(self.reports.values()))
-        plans = {p.host_id: p for p in self.plans.values()}
-        changes = self.demand_state.rescale(personas, self.config, plans, self.clock())
-        for c in changes:
-            log.info("lane added by demand" if c.delta > 0 else "lane removed by demand", model=c.name, reason=c.reason)
-        return bool(changes)
+    def note_activity(self, activity) -> tuple[DemandState, bool, tuple[Change, ...]]:
+        """The demand state with a gateway's report in, whether it calls for a replan, and the
+        lanes the scaling rule added or removed."""
+        now = self.clock()
+        state, changed = self.demand_state.note_activity(activity, now, self.config)
+        if changed and (state.waiting or state.wakes):
+            return state, True, ()
+        state, changes = rescaled(state, self.demand, list(self.reports.values()), self._plans_by_host(),
+                                  self.config, now)  # fmt: skip
+        return state, bool(changes), changes
 
     def demand_engaged(self) -> bool:
         """Are models on demand in play (then every live host is planned together)?"""
-        d = self.demand_state
-        personas = self.demand.personas if self.demand else ()
-        return bool(d.wakes or d.on_demand or d.excluded or self.config.idle_ttl
-                    or any(p.idle_ttl or p.min_lanes or p.max_lanes is not None for p in personas))  # fmt: skip
+        return engaged(self.demand_state, self.demand, self.config)
 
-    def demand_due(self) -> bool:
-        """Does time alone call for a replan (an idle_ttl passed, a wake waits for room)?"""
+    def demand_due(self) -> tuple[DemandState, bool, tuple[Change, ...]]:
+        """Does time alone call for a replan (an idle_ttl passed, a wake waits for room, demand
+        adds or removes a lane)? With the demand state after, and the scaling changes."""
+        return demand_due(self.demand_state, self.demand, list(self.reports.values()), self._plans_by_host(),
+                          self.config, self.clock())  # fmt: skip
+
+    def settle_demand(self, outcome: Outcome) -> DemandState:
+        """The demand state with a job's outcome in (on the event loop, after the job's thread)."""
         now = self.clock()
-        self.demand_state.expire(now)
-        if not self.demand_engaged():
-            return False
-        if self.rescale():
-            return True
-        personas, _ = servable(self.demand, list(self.reports.values()))
-        plans = {p.host_id: p for p in self.plans.values()}
-        return self.demand_state.due(personas, self.config, plans, now)
+        return self.demand_state.expire(now).apply(outcome, now).forget_lanes(self._plans_by_host())
 
-    def settle_demand(self) -> None:
-        """Apply the last job's demand outcome (on the event loop, after the job's thread)."""
-        outcome, self._outcome = self._outcome, None
-        if outcome is None:
-            return
-        self.demand_state.apply(outcome, self.clock())
-        self.demand_state.forget_lanes({p.host_id: p for p in self.plans.values()})
-        for host, lane, why in outcome.victims:
-            log.info("lane unloaded", host=host, lane=lane, reason=why)
-        for name, why in outcome.failed.items():
-            log.warning("wake failed", model=name, reason=why)
-
-    def model_states(self):
-        return model_states(
-            self.demand, list(self.reports.values()), {p.host_id: p for p in self.plans.values()}, self.demand_state,
-            self.statuses,
-        )  # fmt: skip
+    def model_states(self) -> tuple[ModelStates, DemandState]:
+        return model_states(self.demand, list(self.reports.values()), self._plans_by_host(), self.demand_state,
+                            self.statuses)  # fmt: skip
 
     def apply(self, key: str, value: bytes | None, revision: int) -> bool:
         """Fold one KV entry in. True when the planner must replan (or rewrite a plan)."""
@@ -141,8 +133,8 @@ class PlannerState:
                 self._put(self.statuses, host, value, HostStatus)
                 if host in self.statuses:
                     s = self.statuses[host]
-                    self.demand_state.note_healthy(s.host_id, [x.lane_id for x in s.lanes if x.state == "healthy"],
-                                                   self.clock())  # fmt: skip
+                    healthy = [x.lane_id for x in s.lanes if x.state == "healthy"]
+                    self.demand_state = self.demand_state.note_healthy(s.host_id, healthy, self.clock())
                 self._heard_from(host, value)
                 applied, planned = self.statuses.get(host), self.plans.get(host)
                 if applied and planned and applied.plan_revision >= planned.plan_revision:
@@ -151,7 +143,7 @@ class PlannerState:
             elif key == subjects.MODELS_KEY:
                 # The active planner writes it; one that follows (or starts) carries on from it.
                 if value is not None and (self.following or not self.caught_up):
-                    self.demand_state.adopt(msgspec.json.decode(value, type=ModelStates))
+                    self.demand_state = self.demand_state.adopt(msgspec.json.decode(value, type=ModelStates))
                 return False
             elif kind == "plan":
                 if self._apply_plan(host, value, revision):
@@ -267,7 +259,7 @@ class PlannerState:
             raise msgspec.ValidationError(problem)
         table[host] = msg
 
-    def planning_job(self) -> Callable[[], dict[str, HostPlan]]:
+    def planning_job(self) -> Callable[[], Planned]:
         """A snapshot of the inputs, planned later off the event loop (the watch keeps
         changing the live dicts meanwhile).
 
@@ -297,15 +289,15 @@ class PlannerState:
         config, demand, config_revision, me = self.config, self.demand, self.config_revision, self.planner_id
         per_host = {r.host_id: feedback.get(subjects.host_token(r.host_id), ()) for r in reports}
         now = self.clock()
-        self.demand_state.expire(now)
-        snapshot = self.demand_state.snapshot()
+        demand_state = self.demand_state.expire(now)  # a value: the watch folds new events into the next one
 
-        def job() -> dict[str, HostPlan]:
-            fleet, self._outcome = plan_on_demand(
-                reports, config, demand, snapshot, now=now, previous=previous, feedback=per_host,
+        def job() -> Planned:
+            fleet, outcome = plan_on_demand(
+                reports, config, demand, demand_state, now=now, previous=previous, feedback=per_host,
                 config_revision=config_revision,
             )  # fmt: skip
-            return {subjects.host_token(h.host_id): msgspec.structs.replace(h, planned_by=me) for h in fleet.hosts}
+            plans = {subjects.host_token(h.host_id): msgspec.structs.replace(h, planned_by=me) for h in fleet.hosts}
+            return Planned(plans, outcome)
 
         return job
 

@@ -1,6 +1,8 @@
-"""Models on demand, pure (planner_svc/demand.py): wakes, eviction through the planner, idle unload."""
+"""Models on demand, pure (planner_svc/demand.py and its phases): wakes, eviction through the planner, idle unload."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import msgspec
 import pytest
@@ -8,6 +10,7 @@ from record_golden_plans import load_inputs, run
 from test_planner import GIB, host, llama_1b
 
 from planner_svc.demand import FAILED_TTL, WAKE_TTL, DemandState, model_states, plan_on_demand
+from planner_svc.demand import due
 from planner_svc.planner import plan
 from shared.messages import Demand, FleetConfig, GatewayActivity, ModelActivity, Persona
 
@@ -35,19 +38,32 @@ class Fleet:
 
     def replan(self, now: float, loads: bool = True):
         """`loads`: every planned lane is healthy at once (False: new lanes are still loading)."""
-        self.state.expire(now)
-        fleet, self.outcome = plan_on_demand(self.reports, self.config, self.demand, self.state.snapshot(), now=now,
+        self.state = self.state.expire(now)
+        fleet, self.outcome = plan_on_demand(self.reports, self.config, self.demand, self.state, now=now,
                                              previous=self.plans)  # fmt: skip
-        self.state.apply(self.outcome, now)
+        self.state = self.state.apply(self.outcome, now)
         self.plans = {h.host_id: h for h in fleet.hosts}
-        self.state.forget_lanes(self.plans)
+        self.state = self.state.forget_lanes(self.plans)
         if loads:
             self.healthy(now)
         return fleet
 
     def healthy(self, now: float) -> None:
         for h in self.plans.values():
-            self.state.note_healthy(h.host_id, [s.lane_id for s in h.lanes], now)
+            self.state = self.state.note_healthy(h.host_id, [s.lane_id for s in h.lanes], now)
+
+    # The folds return a new state: the harness keeps it, as planner_svc/service.py does.
+    def wake(self, name: str, now: float) -> bool:
+        self.state, replan = self.state.note_wake(name, now)
+        return replan
+
+    def activity(self, activity, now: float, config=None) -> bool:
+        self.state, changed = self.state.note_activity(activity, now, config)
+        return changed
+
+    def rescale(self, personas, config, plans, now: float):
+        self.state, changes = self.state.rescale(personas, config, plans, now)
+        return changes
 
 
 @pytest.mark.parametrize("scenario", load_inputs(), ids=lambda s: s.name)
@@ -63,11 +79,11 @@ def test_a_wake_evicts_the_idle_lane_and_places_the_woken_model():
     f = Fleet([one_room_host()])
     assert lanes_of(f.replan(0.0)) == {"h1": ["a"]}
     assert f.state.wakes == {} and f.state.loaded_at == {("h1", "a-0"): 0.0}
-    states = {m.name: m.state for m in model_states(None, f.reports, f.plans, f.state).models}
+    states = {m.name: m.state for m in model_states(None, f.reports, f.plans, f.state)[0].models}
     assert states == {"a": "loaded", "b": "unloaded", "c": "unloaded"}
 
-    assert f.state.note_wake("b", 40.0)
-    assert not f.state.note_wake("b", 40.5)  # a second request or gateway: the same wake
+    assert f.wake("b", 40.0)
+    assert not f.wake("b", 40.5)  # a second request or gateway: the same wake
     fleet = f.replan(41.0)
     assert lanes_of(fleet) == {"h1": ["b"]}
     assert f.outcome.evicted == {"wake": 1} and f.outcome.victims == (("h1", "a-0", "evicted for b"),)
@@ -80,21 +96,20 @@ def test_a_wake_evicts_the_idle_lane_and_places_the_woken_model():
 def test_a_busy_lane_is_never_evicted_and_the_wake_waits():
     f = Fleet([one_room_host()])
     f.replan(0.0)
-    f.state.note_activity(GatewayActivity(gateway="g1", models=(ModelActivity(name="a", in_flight=1),)), 40.0)
-    f.state.note_wake("b", 40.0)
+    f.activity(GatewayActivity(gateway="g1", models=(ModelActivity(name="a", in_flight=1),)), 40.0)
+    f.wake("b", 40.0)
     assert lanes_of(f.replan(40.0)) == {"h1": ["a"]}
     assert "has requests in flight" in f.state.waiting["b"]
-    states = {m.name: (m.state, m.reason) for m in model_states(None, f.reports, f.plans, f.state).models}
+    states = {m.name: (m.state, m.reason) for m in model_states(None, f.reports, f.plans, f.state)[0].models}
     assert states["b"][0] == "waking" and "in flight" in states["b"][1]
     # The request ends (the gateway says so): the next replan evicts a.
-    f.state.note_activity(GatewayActivity(gateway="g1", models=(ModelActivity(name="a", idle_s=1.0),)), 41.0)
-    f.state.note_wake("b", 41.0)
+    f.activity(GatewayActivity(gateway="g1", models=(ModelActivity(name="a", idle_s=1.0),)), 41.0)
+    f.wake("b", 41.0)
     assert lanes_of(f.replan(41.0)) == {"h1": ["b"]}
 
 
 def test_a_stale_gateway_report_does_not_keep_a_lane_busy_forever():
-    state = DemandState()
-    state.note_activity(GatewayActivity(gateway="g1", interval=2.0, models=(ModelActivity(name="a", queued=3),)), 0.0)
+    state, _ = DemandState().note_activity(GatewayActivity(gateway="g1", interval=2.0, models=(ModelActivity(name="a", queued=3),)), 0.0)
     assert state.busy(5.9) == {"a": 3}
     assert state.busy(6.1) == {}
 
@@ -102,11 +117,11 @@ def test_a_stale_gateway_report_does_not_keep_a_lane_busy_forever():
 def test_a_lane_loaded_moments_ago_is_not_evicted():
     f = Fleet([one_room_host()])
     f.replan(0.0)
-    f.state.note_wake("b", 10.0)
+    f.wake("b", 10.0)
     assert lanes_of(f.replan(10.0)) == {"h1": ["a"]}
     assert "min residency 30 s" in f.state.waiting["b"]
-    assert f.state.due([], CONFIG, f.plans, 11.0)  # a waiting wake replans with time
-    f.state.note_wake("b", 30.0)
+    assert due(f.state, [], CONFIG, f.plans, 11.0)  # a waiting wake replans with time
+    f.wake("b", 30.0)
     assert lanes_of(f.replan(30.0)) == {"h1": ["b"]}
 
 
@@ -114,7 +129,7 @@ def test_a_pinned_persona_is_never_evicted():
     demand = Demand(personas=(Persona(model="a", min_lanes=1), Persona(model="b")))
     f = Fleet([one_room_host()], demand)
     f.replan(0.0)
-    f.state.note_wake("b", 100.0)
+    f.wake("b", 100.0)
     assert lanes_of(f.replan(100.0)) == {"h1": ["a"]}
     assert "pinned" in f.state.waiting["b"]
 
@@ -124,7 +139,7 @@ def test_lowest_priority_then_least_recently_used_is_evicted_first():
     demand = Demand(personas=(Persona(model="a", priority=5), Persona(model="b"), Persona(model="c")))
     f = Fleet([two], demand)
     assert lanes_of(f.replan(0.0)) == {"h1": ["a", "b"]}
-    f.state.note_wake("c", 100.0)
+    f.wake("c", 100.0)
     assert lanes_of(f.replan(100.0)) == {"h1": ["a", "c"]}  # b (priority 0) goes, a (5) stays
 
 
@@ -135,7 +150,7 @@ def test_a_lane_moves_to_a_host_with_room_rather_than_being_dropped():
     demand = Demand(personas=(Persona(model="a", lanes=1), Persona(model="b", lanes=1)))
     f = Fleet([h1, h2], demand)
     assert lanes_of(f.replan(0.0)) == {"h1": ["a"], "h2": []}  # h1 first: b fits nowhere
-    f.state.note_wake("b", 100.0)
+    f.wake("b", 100.0)
     assert lanes_of(f.replan(100.0)) == {"h1": ["b"], "h2": ["a"]}
 
 
@@ -143,14 +158,14 @@ def test_idle_ttl_unloads_and_requests_keep_it():
     demand = Demand(personas=(Persona(model="a", idle_ttl=60),))
     f = Fleet([one_room_host(models=(llama_1b("a"),))], demand)
     assert lanes_of(f.replan(0.0)) == {"h1": ["a"]}
-    f.state.note_activity(GatewayActivity(gateway="g1", models=(ModelActivity(name="a", idle_s=10.0),)), 50.0)
-    assert not f.state.due(demand.personas, CONFIG, f.plans, 99.0)  # last request at 40: due at 100
+    f.activity(GatewayActivity(gateway="g1", models=(ModelActivity(name="a", idle_s=10.0),)), 50.0)
+    assert not due(f.state, demand.personas, CONFIG, f.plans, 99.0)  # last request at 40: due at 100
     assert lanes_of(f.replan(99.0)) == {"h1": ["a"]}
-    assert f.state.due(demand.personas, CONFIG, f.plans, 100.0)
+    assert due(f.state, demand.personas, CONFIG, f.plans, 100.0)
     assert lanes_of(f.replan(100.0)) == {"h1": []}
     assert f.outcome.evicted == {"idle": 1}
-    assert [m.state for m in model_states(demand, f.reports, f.plans, f.state).models] == ["unloaded"]
-    f.state.note_wake("a", 200.0)  # a request brings it back
+    assert [m.state for m in model_states(demand, f.reports, f.plans, f.state)[0].models] == ["unloaded"]
+    f.wake("a", 200.0)  # a request brings it back
     assert lanes_of(f.replan(200.0)) == {"h1": ["a"]}
 
 
@@ -166,33 +181,32 @@ def test_a_model_no_host_can_take_fails_once_not_in_a_loop():
     demand = Demand(personas=(Persona(model="a"), Persona(model="ghost")))
     f = Fleet([one_room_host(models=(llama_1b("a"),))], demand)
     f.replan(0.0)
-    f.state.note_wake("ghost", 1.0)
+    f.wake("ghost", 1.0)
     f.replan(1.0)
     assert "no host holds this model" in f.state.failed["ghost"][1]
-    states = {m.name: m for m in model_states(demand, f.reports, f.plans, f.state).models}
+    states = {m.name: m for m in model_states(demand, f.reports, f.plans, f.state)[0].models}
     assert states["ghost"].state == "failed"
-    assert not f.state.note_wake("ghost", 2.0)  # answered as failed: no replan, no retry
-    f.state.expire(2.0 + FAILED_TTL)
-    assert f.state.note_wake("ghost", 2.0 + FAILED_TTL)  # later, a request may try again
+    assert not f.wake("ghost", 2.0)  # answered as failed: no replan, no retry
+    f.state = f.state.expire(2.0 + FAILED_TTL)
+    assert f.wake("ghost", 2.0 + FAILED_TTL)  # later, a request may try again
 
 
 def test_unlisted_model_files_are_servable_when_a_demand_is_set():
     demand = Demand(personas=(Persona(model="a", alias="chat"),))
     f = Fleet([host("h1", models=MODELS)], demand)
     assert lanes_of(f.replan(0.0)) == {"h1": ["chat"]}  # b and c are not loaded before a request
-    names = {m.name: m.state for m in model_states(demand, f.reports, f.plans, f.state).models}
+    names = {m.name: m.state for m in model_states(demand, f.reports, f.plans, f.state)[0].models}
     assert names == {"chat": "loaded", "b": "unloaded", "c": "unloaded"}
-    f.state.note_wake("c", 1.0)
+    f.wake("c", 1.0)
     assert lanes_of(f.replan(1.0)) == {"h1": ["c", "chat"]}  # room enough: no eviction
     assert not f.outcome.evicted
 
 
 def test_wakes_expire_unless_repeated():
-    state = DemandState()
-    state.note_wake("b", 0.0)
-    state.expire(WAKE_TTL - 0.1)
+    state, _ = DemandState().note_wake("b", 0.0)
+    state = state.expire(WAKE_TTL - 0.1)
     assert "b" in state.wakes
-    state.expire(WAKE_TTL)
+    state = state.expire(WAKE_TTL)
     assert state.wakes == {}
 
 
@@ -209,9 +223,9 @@ def test_a_planner_taking_over_carries_on_from_the_models_key():
 
     f = Fleet([one_room_host()], config=msgspec.structs.replace(CONFIG, min_residency=0.0))
     f.replan(0.0)
-    f.state.note_wake("b", 1.0)
+    f.wake("b", 1.0)
     f.replan(1.0)
-    written = model_states(None, f.reports, f.plans, f.state)
+    written, _ = model_states(None, f.reports, f.plans, f.state)
     assert {m.name: (m.state, m.on_demand) for m in written.models} == {
         "a": ("unloaded", True), "b": ("loaded", True), "c": ("unloaded", False)}
     standby = PlannerState()
@@ -219,7 +233,7 @@ def test_a_planner_taking_over_carries_on_from_the_models_key():
     standby.apply(subjects.MODELS_KEY, msgspec.json.encode(written), 1)
     assert standby.demand_state.on_demand == {"a", "b"} and standby.demand_state.evictions == {"wake": 1}
     # Planning from the adopted state and the plans keeps b, and does not bring a back.
-    fleet, _ = plan_on_demand(f.reports, CONFIG, None, standby.demand_state.snapshot(), now=2.0, previous=f.plans)
+    fleet, _ = plan_on_demand(f.reports, CONFIG, None, standby.demand_state, now=2.0, previous=f.plans)
     assert lanes_of(fleet) == {"h1": ["b"]}
     # The active planner ignores the key (it writes it).
     active = PlannerState()
@@ -241,7 +255,7 @@ def test_cold_start_is_predicted_from_the_rate_a_host_has_shown():
     statuses = {"h1": HostStatus(host_id="h1", lanes=(LaneStatus(lane_id="a-0", state="healthy", load_seconds=2.0),))}
     rates = read_rates(f.reports, f.plans, statuses)
     assert rates == {"h1": size / 2.0}
-    states = {m.name: m for m in model_states(None, f.reports, f.plans, f.state, statuses).models}
+    states = {m.name: m for m in model_states(None, f.reports, f.plans, f.state, statuses)[0].models}
     assert states["a"].measured_load_s == 2.0
     assert states["b"].predicted_load_s == 2.0 and states["b"].measured_load_s is None  # same size, same host
 
@@ -254,40 +268,39 @@ def test_a_lane_still_loading_neither_idles_out_nor_is_evicted():
               config=msgspec.structs.replace(CONFIG, min_residency=1.0))
     assert lanes_of(f.replan(0.0, loads=False)) == {"h1": ["a"]}
     assert lanes_of(f.replan(50.0, loads=False)) == {"h1": ["a"]}  # loading for 50 s: not idle
-    f.state.note_wake("b", 50.0)
+    f.wake("b", 50.0)
     assert lanes_of(f.replan(50.0, loads=False)) == {"h1": ["a"]}  # not evicted while it loads
     assert "min residency" in f.state.waiting["b"]
     f.healthy(51.0)
-    f.state.note_wake("b", 52.5)
+    f.wake("b", 52.5)
     assert lanes_of(f.replan(52.5)) == {"h1": ["b"]}  # served 1.5 s: past the residency
 
 
-def test_a_snapshot_is_a_copy_of_every_table():
+def test_a_fold_returns_a_new_state_and_leaves_the_one_it_was_given():
+    """The state is a value (a planning job reads it while the service folds the next events in)."""
     state = DemandState()
-    state.note_wake("b", 1.0)
-    state.note_healthy("h1", ["a-0"], 2.0)
-    state.evictions["idle"] = 1
-    snap = state.snapshot()
-    assert snap == state
-    snap.wakes.clear(), snap.healthy_at.clear(), snap.evictions.clear(), snap.on_demand.add("x")
-    assert state.wakes == {"b": 1.0} and state.healthy_at == {("h1", "a-0"): 2.0} and state.evictions == {"idle": 1}
-    assert state.on_demand == set()
+    woken, replan = state.note_wake("b", 1.0)
+    healthy = woken.note_healthy("h1", ["a-0"], 2.0)
+    assert replan and woken.wakes == {"b": 1.0} and healthy.healthy_at == {("h1", "a-0"): 2.0}
+    assert state == DemandState() and woken.healthy_at == {}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        healthy.wakes = {}
 
 
 def test_a_load_nobody_waits_for_any_more_is_dropped_one_someone_waits_for_goes_on():
     demand = Demand(personas=(Persona(model="a"),))  # b: a file no persona names, loaded on request
     f = Fleet([host("h1", models=(llama_1b("a"), llama_1b("b")))], demand)
     assert lanes_of(f.replan(0.0)) == {"h1": ["a"]}
-    f.state.note_wake("b", 1.0)
+    f.wake("b", 1.0)
     assert lanes_of(f.replan(1.0, loads=False)) == {"h1": ["a", "b"]}  # b loads (slowly)
     waiting = GatewayActivity(gateway="g1", models=(ModelActivity(name="b", queued=1, idle_s=19.0),))  # held since 1
-    f.state.note_activity(waiting, 20.0)
+    f.activity(waiting, 20.0)
     assert lanes_of(f.replan(20.0, loads=False)) == {"h1": ["a", "b"]}  # a request still waits: it goes on
     gave_up = GatewayActivity(gateway="g1", models=(ModelActivity(name="b", queued=0, idle_s=20.0),))
-    f.state.note_activity(gave_up, 21.0)
+    f.activity(gave_up, 21.0)
     assert lanes_of(f.replan(21.0, loads=False)) == {"h1": ["a"]}  # the client gave up: no load left behind
     assert f.outcome.evicted == {"abandoned": 1}
     # A load that finished is not abandoned: idle_ttl governs it.
-    f.state.note_wake("b", 30.0)
+    f.wake("b", 30.0)
     f.replan(30.0)
     assert lanes_of(f.replan(60.0)) == {"h1": ["a", "b"]}

@@ -96,7 +96,7 @@ def test_window_is_the_largest_that_fits_every_device():
     facts = llama_8b()
     flags = p.Flags(lane.cache_type_k, lane.cache_type_v, lane.flash_attn, ())
     probe = p._Lane(report.host_id, Persona(model="llama-8b", ctx_min=2048), facts, 0, flags, layout, 2048, 131072, 1.0)
-    budgets = p._budgets(report, FleetConfig())
+    budgets = p.host_budgets(report, FleetConfig())
     at = cost_vector(probe.memory(w, report, 512), layout, report)
     beyond = cost_vector(probe.memory(w + 256, report, 512), layout, report)
     assert all(b <= budgets[r] for r, b in at.items())

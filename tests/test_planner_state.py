@@ -36,31 +36,31 @@ def caught_up_state(hosts=("h1", "h2", "h3")) -> PlannerState:
 
 def test_first_replan_covers_every_host_then_only_changed_ones():
     state = caught_up_state()
-    assert sorted(state.planning_job()()) == ["h1", "h2", "h3"]
-    assert state.planning_job()() == {}  # nothing changed
+    assert sorted(state.planning_job()().plans) == ["h1", "h2", "h3"]
+    assert state.planning_job()().plans == {}  # nothing changed
     state.apply(subjects.report_key("h2"), report("h2", free=6), 10)
-    assert sorted(state.planning_job()()) == ["h2"]
+    assert sorted(state.planning_job()().plans) == ["h2"]
 
 
 def test_a_single_host_replan_equals_its_part_of_a_full_replan():
     state = caught_up_state()
     state.planning_job()()
     state.apply(subjects.report_key("h2"), report("h2", free=5), 10)
-    alone = state.planning_job()()["h2"]
+    alone = state.planning_job()().plans["h2"]
     state.replan_all = True
-    assert state.planning_job()()["h2"] == alone
+    assert state.planning_job()().plans["h2"] == alone
 
 
 def test_config_and_fleet_wide_demand_replan_everything():
     state = caught_up_state()
     state.planning_job()()
     state.apply(subjects.CONFIG_KEY, encode(FleetConfig(kv_cache_type="q8_0")), 20)
-    assert sorted(state.planning_job()()) == ["h1", "h2", "h3"]
+    assert sorted(state.planning_job()().plans) == ["h1", "h2", "h3"]
     state.apply(subjects.DEMAND_KEY, encode(Demand(personas=(Persona(model="a", lanes=2),))), 21)
     state.planning_job()()
     state.apply(subjects.report_key("h1"), report("h1", free=7), 22)
     # Two lanes spread over the fleet: one host's change can move a lane elsewhere.
-    assert sorted(state.planning_job()()) == ["h1", "h2", "h3"]
+    assert sorted(state.planning_job()().plans) == ["h1", "h2", "h3"]
 
 
 def test_malformed_entries_are_dropped_and_a_bad_config_does_not_pin_its_revision():

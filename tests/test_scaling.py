@@ -195,7 +195,7 @@ def scaled_fleet(report_host, max_lanes=2):
 
 
 def busy(f, now, wait, queued=2, in_flight=1):
-    f.state.note_activity(GatewayActivity(gateway="g1", models=(
+    f.activity(GatewayActivity(gateway="g1", models=(
         ModelActivity(name="a", in_flight=in_flight, queued=queued, wait_s=wait),)), now, CONFIG)  # fmt: skip
 
 
@@ -210,18 +210,18 @@ def test_the_planner_adds_the_lane_where_it_fits_and_takes_it_back_when_idle():
     assert lanes_of(f.replan(0.0)) == {"h1": ["a"]}
     for i in range(3):
         busy(f, 2.0 * i, wait=4.0)
-    changes = f.state.rescale(demand.personas, CONFIG, f.plans, 6.0)
+    changes = f.rescale(demand.personas, CONFIG, f.plans, 6.0)
     assert [c.delta for c in changes] == [1]
     fleet = f.replan(7.0)
     assert lanes_of(fleet) == {"h1": ["a", "a"]} and not fleet.unplaced and not fleet.hosts[0].unplaced
     first = next(s for s in fleet.hosts[0].lanes if s.lane_id == "a-0")
     assert first == next(s for s in f.plans["h1"].lanes if s.lane_id == "a-0")
     # The load stops: quiet for scale_down_idle, then one lane again.
-    f.state.note_activity(GatewayActivity(gateway="g1", models=(ModelActivity(name="a"),)), 10.0, CONFIG)
-    assert f.state.rescale(demand.personas, CONFIG, f.plans, 10.0) == ()
-    assert f.state.rescale(demand.personas, CONFIG, f.plans, 69.0) == ()
-    f.state.note_activity(GatewayActivity(gateway="g1", models=(ModelActivity(name="a"),)), 70.0, CONFIG)
-    assert [c.delta for c in f.state.rescale(demand.personas, CONFIG, f.plans, 71.0)] == [-1]
+    f.activity(GatewayActivity(gateway="g1", models=(ModelActivity(name="a"),)), 10.0, CONFIG)
+    assert f.rescale(demand.personas, CONFIG, f.plans, 10.0) == ()
+    assert f.rescale(demand.personas, CONFIG, f.plans, 69.0) == ()
+    f.activity(GatewayActivity(gateway="g1", models=(ModelActivity(name="a"),)), 70.0, CONFIG)
+    assert [c.delta for c in f.rescale(demand.personas, CONFIG, f.plans, 71.0)] == [-1]
     assert f.state.evictions == {"scaled_down": 1}  # lanes_evictions_total{reason="scaled_down"}
     assert lanes_of(f.replan(72.0)) == {"h1": ["a"]}
 
@@ -231,13 +231,13 @@ def test_an_added_lane_with_no_room_is_taken_back_and_not_asked_again_at_once():
     f.replan(0.0)
     for i in range(3):
         busy(f, 2.0 * i, wait=4.0)
-    assert [c.delta for c in f.state.rescale(demand.personas, CONFIG, f.plans, 6.0)] == [1]
+    assert [c.delta for c in f.rescale(demand.personas, CONFIG, f.plans, 6.0)] == [1]
     fleet = f.replan(7.0)
     assert lanes_of(fleet) == {"h1": ["a"]} and not fleet.unplaced and not fleet.hosts[0].unplaced
     assert f.state.scale.extra == {} and f.outcome.extra_placed == {"a": 0}
     for i in range(3):
         busy(f, 8.0 + 2.0 * i, wait=4.0)
-    assert f.state.rescale(demand.personas, CONFIG, f.plans, 14.0) == ()  # no room lately: no retry loop
+    assert f.rescale(demand.personas, CONFIG, f.plans, 14.0) == ()  # no room lately: no retry loop
 
 
 def test_on_two_holders_the_running_lanes_stay_and_one_is_added():
@@ -251,7 +251,7 @@ def test_on_two_holders_the_running_lanes_stay_and_one_is_added():
     assert lanes_of(before) == {"h1": ["a"], "h2": ["a"]}
     for i in range(3):
         busy(f, 2.0 * i, wait=4.0)
-    assert [c.delta for c in f.state.rescale(demand.personas, CONFIG, f.plans, 6.0)] == [1]
+    assert [c.delta for c in f.rescale(demand.personas, CONFIG, f.plans, 6.0)] == [1]
     after = f.replan(7.0)
     assert sum(len(h.lanes) for h in after.hosts) == 3 and not after.unplaced
     kept = {(h.host_id, s.lane_id): s for h in before.hosts for s in h.lanes}
@@ -272,5 +272,5 @@ def test_a_gateway_gone_quiet_neither_adds_lanes_nor_keeps_them():
     for i in range(3):
         busy(f, 2.0 * i, wait=4.0)
     # Its reports stop: past STALE_INTERVALS of its interval, its streak no longer counts.
-    assert f.state.rescale(demand.personas, CONFIG, f.plans, 4.0 + 3 * 2.0 + 1.0) == ()
+    assert f.rescale(demand.personas, CONFIG, f.plans, 4.0 + 3 * 2.0 + 1.0) == ()
     assert f.state.scale.streaks == {}

@@ -413,7 +413,7 @@ def test_a_fleet_with_workers_is_replanned_whole_when_one_host_changes():
     for i, r in enumerate(reports):
         assert state.apply(subjects.report_key(r.host_id), msgspec.json.encode(r), i + 1)
     state.caught_up = True
-    first = state.planning_job()()
+    first = state.planning_job()().plans
     assert sorted(first) == ["serve", "w1", "w2"] and first["w1"].rpc_workers and first["w2"].rpc_workers
     for host, p in first.items():
         state.apply(subjects.plan_key(host), msgspec.json.encode(p), 10)
@@ -421,7 +421,7 @@ def test_a_fleet_with_workers_is_replanned_whole_when_one_host_changes():
     # the worker w2 has less memory now: the serving host's plan (its span) is replanned with it
     less = msgspec.structs.replace(reports[2], ram_available=reports[2].ram_available - 256 * MIB)
     state.apply(subjects.report_key("w2"), msgspec.json.encode(less), 20)
-    again = state.planning_job()()
+    again = state.planning_job()().plans
     assert sorted(again) == ["serve", "w1", "w2"]
 
 
