@@ -304,3 +304,32 @@ def test_a_load_nobody_waits_for_any_more_is_dropped_one_someone_waits_for_goes_
     f.wake("b", 30.0)
     f.replan(30.0)
     assert lanes_of(f.replan(60.0)) == {"h1": ["a", "b"]}
+
+
+def test_plan_on_demand_model_states_and_demand_due_answer_with_a_new_state_and_change_none():
+    from copy import deepcopy
+
+    from planner_svc.demand import demand_due
+    from planner_svc.state import PlannerState
+    from shared import subjects
+    from shared.messages import HostStatus, LaneStatus, encode
+
+    demand = Demand(personas=(Persona(model="a", idle_ttl=150), Persona(model="b")))
+    f = Fleet([one_room_host()], demand)
+    f.replan(0.0)
+    f.wake("b", 100.0)
+    given = deepcopy(f.state)
+    statuses = {"h1": HostStatus(host_id="h1", lanes=(LaneStatus(lane_id="a-0", state="healthy", load_seconds=2.0),))}
+    _, outcome = plan_on_demand(f.reports, CONFIG, demand, f.state, now=100.0, previous=f.plans)
+    _, learned = model_states(demand, f.reports, f.plans, f.state, statuses)
+    after, due_now, _ = demand_due(f.state, demand, f.reports, f.plans, CONFIG, 200.0)
+    assert f.state == given  # nothing it was given changed
+    assert outcome.evicted == {"wake": 1} and learned.measured == {"a": 2.0} and after.wakes == {} and due_now
+    # The planner's questions do not write its state either: the service applies what they return.
+    planner = PlannerState(clock=lambda: 200.0)
+    planner.apply(subjects.DEMAND_KEY, encode(demand), 1)
+    planner.apply(subjects.report_key("h1"), encode(f.reports[0]), 2)
+    planner.plans, planner.demand_state = dict(f.plans), f.state
+    for question in (planner.demand_due, planner.model_states):
+        question()
+        assert planner.demand_state is f.state

@@ -8,8 +8,8 @@ import msgspec
 from test_demand import Fleet, lanes_of
 from test_planner import GIB, host, llama_1b
 
-from planner_svc.scaling import ModelLoad, ScaleState, note_report, step
-from shared.messages import Demand, FleetConfig, GatewayActivity, ModelActivity, Persona
+from planner_svc.scaling import ModelLoad, ScaleState, extra_short, note_report, rescale, step
+from shared.messages import Demand, FleetConfig, FleetPlan, GatewayActivity, HostPlan, LaneSpec, ModelActivity, Persona
 
 CONFIG = FleetConfig(scale_up_wait=2.0, scale_up_reports=3, scale_down_idle=60.0)
 
@@ -274,3 +274,33 @@ def test_a_gateway_gone_quiet_neither_adds_lanes_nor_keeps_them():
     # Its reports stop: past STALE_INTERVALS of its interval, its streak no longer counts.
     assert f.rescale(demand.personas, CONFIG, f.plans, 4.0 + 3 * 2.0 + 1.0) == ()
     assert f.state.scale.streaks == {}
+
+
+# ------------------------------------------------------------------ the scaling phase on its own (no planner run)
+
+
+def _plans(*lanes: str) -> dict[str, HostPlan]:
+    specs = tuple(LaneSpec(lane_id=f"a-{i}", model="a", model_path="/a.gguf", alias="a", port=8080 + i,
+                           ctx_total=4096, ctx_per_slot=4096, parallel=1) for i, _ in enumerate(lanes))  # fmt: skip
+    return {"h1": HostPlan(host_id="h1", lanes=specs)}
+
+
+def test_rescale_adds_a_lane_only_when_every_lane_serves_and_counts_only_fresh_gateways():
+    personas = [Persona(model="a", max_lanes=2)]
+    hot = hot_state()
+    plans = _plans("a-0")
+    state, changes = rescale(hot, [report(5.0, queued=2)], {("h1", "a-0")}, personas, plans, CONFIG, 6.0)
+    assert [c.delta for c in changes] == [1] and state.extra == {"a": 1}
+    assert rescale(hot, [report(5.0, queued=2)], set(), personas, plans, CONFIG, 6.0)[1] == ()  # still loading
+    quiet, changes = rescale(hot, [], {("h1", "a-0")}, personas, plans, CONFIG, 6.0)  # g1 not heard from lately
+    assert changes == () and quiet.streaks == {}
+    assert rescale(hot, [report(5.0)], {("h1", "a-0")}, [Persona(model="a")], plans, CONFIG, 6.0)[1] == ()
+
+
+def test_extra_short_tells_how_many_added_lanes_the_plan_placed():
+    demand = Demand(personas=(Persona(model="a", lanes=3, max_lanes=3),))
+    two = FleetPlan(hosts=tuple(_plans("a-0", "a-1").values()))
+    assert extra_short(two, demand, {"a": 2}) == {"a": 1}  # 3 asked, 2 placed: one of the 2 added
+    assert extra_short(two, demand, {}) == {}  # none added: nothing to take back
+    three = FleetPlan(hosts=tuple(_plans("a-0", "a-1", "a-2").values()))
+    assert extra_short(three, demand, {"a": 2}) == {}
