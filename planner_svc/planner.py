@@ -6,48 +6,18 @@ llama-server gets is decided here and nowhere else; each decision leaves a reaso
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 
 import msgspec
 
-from planner_svc.layouts import (
-    CPU_RESOURCE,
-    Layout,
-    Resource,
-    candidates,
-    cost_vector,
-    describe,
-    expert_layout,
-    fits,
-    largest,
-    layout_memory,
-    partial_layout,
-    pins_for,
-    rank,
-)
-from planner_svc.policy import (
-    Flags,
-    correction,
-    chat_template_for,
-    decide_flags,
-    flash_attn_for,
-    host_budgets,
-    revert_target,
-    window_bounds,
-)
-from planner_svc.prompt_cache import MIB, plan_cache_ram
-from planner_svc import spans
+from planner_svc.lane_placing import _place
+from planner_svc.lane_windows import _cost, _grow, _keep_stable, _Lane, _n_gpu_layers, _prompt_caches, lane_id_for
+from planner_svc.layouts import CPU_RESOURCE, Resource, pins_for
+from planner_svc.policy import chat_template_for, host_budgets
+from planner_svc.prompt_cache import MIB
 from planner_svc.span_lanes import LaneKit, SpanBook, grow_spans, place_span
 from planner_svc.threads import with_threads
-from shared.llama.flags import effective_cache_type, lane_args
-from shared.memory import (
-    CTX_PAD,
-    LaneShape,
-    MemoryModelError,
-    PlacementError,
-    ngl_count,
-)
+from shared.llama.flags import lane_args
 from shared.messages import (
     Demand,
     FleetConfig,
@@ -56,107 +26,9 @@ from shared.messages import (
     HostReport,
     LaneFeedback,
     LaneSpec,
-    MemoryBreakdown,
-    ModelFacts,
     Persona,
-    SpanWorker,
     Unplaced,
 )
-
-GIB = 1024**3
-_T_SCALE = 1 << 16
-
-
-def _gib(n: int) -> str:
-    return f"{n / GIB:.2f} GiB"
-
-
-# ------------------------------------------------------------------ lanes and their cost
-
-
-def lane_id_for(model: str, index: int) -> str:
-    return f"{model[:120]}-{index}"  # a Name holds 128 characters
-
-
-@dataclass
-class _Lane:
-    host_id: str
-    persona: Persona
-    facts: ModelFacts
-    index: int
-    flags: Flags
-    layout: Layout
-    floor: int  # per-slot window
-    ceiling: int
-    factor: float  # >1 when the host reported more use than planned
-    reasons: list[str] = field(default_factory=list)
-    window: int = 0
-    cache_ram: int = 0  # bytes of prompt cache (--cache-ram), decided once the windows are
-    # A span lane (one lane across hosts): its workers and the serving host's view of them.
-    span: spans.Span | None = None
-    span_workers: tuple[SpanWorker, ...] = ()
-
-    @property
-    def lane_id(self) -> str:
-        return lane_id_for(self.persona.model, self.index)
-
-    @property
-    def device(self) -> str:
-        return "gpu" if self.layout.gpus else "cpu"
-
-    def total_ctx(self, window: int) -> int:
-        return window * self.persona.parallel
-
-    def memory(self, window: int, report: HostReport, n_ubatch: int) -> MemoryBreakdown:
-        caps = report.server
-        base = LaneShape(
-            ctx=self.total_ctx(window),
-            parallel=self.persona.parallel,
-            kv_unified=self.persona.kv_unified,
-            type_k=effective_cache_type(self.flags.cache_type_k),
-            type_v=effective_cache_type(self.flags.cache_type_v),
-            # `auto` resolved per backend as llama-server does (RPC devices run the CPU's kernels)
-            flash_attn=flash_attn_for(self.flags, report, self.layout.gpus, self.facts).on,
-            layout=caps.kv_layout,
-            n_ubatch=n_ubatch,
-            cache_ram=self.cache_ram,
-        )
-        return layout_memory(self.facts, self.layout, report, base)
-
-
-def _cost(lane: _Lane, window: int, report: HostReport, n_ubatch: int) -> dict[Resource, int]:
-    return cost_vector(lane.memory(window, report, n_ubatch), lane.layout, report, lane.factor)
-
-
-def _sum_costs(costs) -> dict[Resource, int]:
-    total: dict[Resource, int] = {}
-    for c in costs:
-        for r, b in c.items():
-            total[r] = total.get(r, 0) + b
-    return total
-
-
-def _grow(lanes: list[_Lane], budget: Mapping[Resource, int], cost: Callable[[_Lane, int], dict]) -> None:
-    """Elastic windows: one common growth fraction t for every lane of a host.
-
-    Each lane's window is monotone in t and the largest feasible t is monotone in the
-    budgets, so more memory, or a cheaper cache type, never gives any lane a smaller
-    window; a window is the largest that fits every device its lane touches.
-    """
-    if not lanes:
-        return
-    steps = [(lane.ceiling - lane.floor) // CTX_PAD for lane in lanes]
-
-    def windows(t: int) -> list[int]:
-        return [lane.floor + CTX_PAD * (s * t // _T_SCALE) for lane, s in zip(lanes, steps)]
-
-    def fits(t: int) -> bool:
-        total = _sum_costs(cost(lane, w) for lane, w in zip(lanes, windows(t)))
-        return all(b <= budget.get(r, 0) for r, b in total.items())
-
-    for lane, w in zip(lanes, windows(largest(fits, 0, _T_SCALE))):
-        lane.window = w
-
 
 # ------------------------------------------------------------------ the planner
 
@@ -250,121 +122,6 @@ def plan(
     return FleetPlan(hosts=tuple(plans), unplaced=tuple(fleet_unplaced))
 
 
-def _previous_layout(prev: HostPlan | None, lane_id: str) -> Layout | None:
-    spec = next((s for s in prev.lanes if s.lane_id == lane_id), None) if prev else None
-    if spec is None:
-        return None
-    if spec.layout is not None:
-        return spec.layout
-    # A spec from an older planner carries no layout: rebuild it from the device fields.
-    if not spec.gpu_devices:
-        return Layout("cpu")
-    full = spec.memory.devices and all(d.layers == 0 for d in spec.memory.devices if d.index < 0)
-    kind = ("gpu" if len(spec.gpu_devices) == 1 else "split") if full else "partial"
-    shares = spec.tensor_split
-    if shares and len(shares) != len(spec.gpu_devices):
-        shares = tuple(shares[g] for g in spec.gpu_devices if g < len(shares))
-    return Layout(kind, spec.gpu_devices, shares, "all" if full else spec.n_gpu_layers)
-
-
-def _choose_layout(lane_at, report, remaining, config, prev_layout) -> tuple[Layout, dict] | None:
-    """The first layout that fits at the floor window: the previous one if it still does
-    (steady inputs never alternate layouts), else the fastest."""
-
-    def cost(layout: Layout) -> dict[Resource, int]:
-        lane = lane_at(layout)
-        floor_cost = _cost(lane, lane.floor, report, config.n_ubatch)
-        # The layout is chosen with f16 costs, so the cache type only moves the window.
-        f16 = _cost(lane_at(layout, f16=True), lane.floor, report, config.n_ubatch)
-        return {r: max(b, f16.get(r, 0)) for r, b in floor_cost.items()}
-
-    tried = []
-    if prev_layout is not None and all(("gpu", g) in remaining for g in prev_layout.gpus):
-        tried.append(prev_layout)
-    tried += candidates(report, remaining, config.use_gpu)
-    for layout in tried:
-        c = cost(layout)
-        if fits(c, remaining):
-            return layout, c
-    facts = lane_at(Layout("cpu")).facts
-    for search in (expert_layout, partial_layout):
-        layout = search(facts, report, remaining, cost, config.use_gpu)
-        if layout is not None:
-            return layout, cost(layout)
-    c = cost(Layout("cpu"))
-    return (Layout("cpu"), c) if fits(c, remaining) else None
-
-
-def _place(persona, candidates_, config, lanes, remaining, previous, feedback) -> tuple[bool, str]:
-    """Put one lane of persona on the best candidate host where it fits at its floor."""
-    options = []
-    why = "does not fit"
-    for report, facts in candidates_:
-        host = report.host_id
-        fb = [f for f in feedback.get(host, ()) if f.model == persona.model]
-        index = sum(1 for lane in lanes[host] if lane.persona.model == persona.model)
-        lane_id = lane_id_for(persona.model, index)
-        revert = revert_target(config, report, facts, persona, lane_id, fb)
-        if revert is not None:
-            flags, floor, ceiling, bound_reasons = revert
-            factor, factor_reasons = 1.0, []
-        else:
-            flags = decide_flags(config, report, facts, fb)
-            looping = [
-                f
-                for f in fb
-                if f.kind == "crash_loop"
-                and (f.cache_type_k, f.cache_type_v) == (flags.cache_type_k, flags.cache_type_v)
-            ]
-            if looping:
-                why = f"llama-server keeps failing on {host} with this spec: {looping[0].detail}"
-                continue
-            floor, ceiling, bound_reasons = window_bounds(persona, facts, fb)
-            if ceiling < CTX_PAD:
-                why = f"trained context {facts.n_ctx_train} is below {CTX_PAD}"
-                continue
-            factor, factor_reasons = correction(fb)
-
-        def lane_at(layout: Layout, f16: bool = False) -> _Lane:
-            f = Flags(None, None, None, ()) if f16 else flags
-            return _Lane(host, persona, facts, index, f, layout, floor, ceiling, factor)
-
-        try:
-            chosen = _choose_layout(lane_at, report, remaining[host], config, _previous_layout(previous.get(host), lane_id))
-        except (MemoryModelError, PlacementError) as exc:
-            why = str(exc)
-            continue
-        if chosen is None:
-            at_floor = _cost(lane_at(Layout("cpu")), floor, report, config.n_ubatch)[CPU_RESOURCE]
-            why = (
-                f"does not fit at its floor of {floor} tokens per slot: needs {_gib(at_floor)} on the CPU,"
-                f" {_gib(remaining[host][CPU_RESOURCE])} RAM left"
-                + (f", and no layer fits the GPUs' {_gib(sum(b for r, b in remaining[host].items() if r[0] == 'gpu'))}"
-                   if report.gpus and config.use_gpu else "")
-            )  # fmt: skip
-            continue
-        layout, floor_cost = chosen
-        lane = lane_at(layout)
-        lane.reasons = list(flags.reasons) + bound_reasons + factor_reasons
-        lane.reasons.append(f"layout: {describe(layout, facts.n_layer)}")
-        template_reason = chat_template_for(facts, report.server)[1]
-        if template_reason:
-            lane.reasons.append(template_reason)
-        if flags.flash_attn in (None, "auto") and layout.gpus:  # on the CPU auto is always on
-            lane.reasons.append(flash_attn_for(flags, report, layout.gpus, facts).reason)
-        had_before = any(s.lane_id == lane.lane_id for s in (previous.get(host).lanes if previous.get(host) else ()))
-        slack = sum(remaining[host].get(r, 0) - b for r, b in floor_cost.items())
-        options.append((not had_before, rank(layout), -slack, host, lane, floor_cost))
-    if not options:
-        return False, why
-    options.sort(key=lambda o: o[:4])
-    *_, host, lane, floor_cost = options[0]
-    for r, b in floor_cost.items():
-        remaining[host][r] = remaining[host].get(r, 0) - b
-    lanes[host].append(lane)
-    return True, ""
-
-
 def _host_plan(
     report, config, lanes, reasons, unplaced, prev: HostPlan | None, config_revision, feedback=(), span_book=None
 ) -> HostPlan:
@@ -449,71 +206,6 @@ def _asked(plan: HostPlan) -> HostPlan:
         for s in plan.lanes
     )  # fmt: skip
     return msgspec.structs.replace(plan, lanes=lanes)
-
-
-def _keep_stable(
-    pool: list[_Lane], budget: Mapping[Resource, int], cost, prev: HostPlan | None, config: FleetConfig,
-    has_kv_unified: bool = True,
-) -> None:
-    """Keep a running lane's window when the replan would move it by less than min_gain."""
-    if prev is None:
-        return
-    old = {s.lane_id: s for s in prev.lanes}
-    for lane in pool:
-        before = old.get(lane.lane_id)
-        if before is None or not _same_shape(before, lane, has_kv_unified):
-            continue
-        old_window = before.ctx_total // before.parallel
-        if old_window == lane.window or not lane.floor <= old_window <= lane.ceiling:
-            continue
-        change = abs(lane.window - old_window) / old_window
-        if change >= config.min_gain_fraction:
-            continue
-        proposed = lane.window
-        lane.window = old_window
-        total = _sum_costs(cost(x, x.window) for x in pool)
-        if any(b > budget.get(r, 0) for r, b in total.items()):
-            lane.window = proposed
-            continue
-        lane.reasons.append(
-            f"kept window {old_window}: the replan's {proposed} differs by {change:.0%},"
-            f" under the {config.min_gain_fraction:.0%} worth a restart"
-        )
-
-
-def _prompt_caches(pool: list[_Lane], budget: Mapping[Resource, int], cost, prev: HostPlan | None,
-                   config: FleetConfig, has_cache_ram: bool) -> None:  # fmt: skip
-    """Each lane's --cache-ram from the host RAM its buffers leave (planner_svc/prompt_cache.py)."""
-    if not pool or not has_cache_ram:
-        return
-    used = sum(cost(lane, lane.window).get(CPU_RESOURCE, 0) for lane in pool)
-    before = {s.lane_id: s.cache_ram_mib for s in prev.lanes} if prev else {}
-    factor = max(lane.factor for lane in pool)
-    planned = plan_cache_ram([lane.lane_id for lane in pool], budget.get(CPU_RESOURCE, 0) - used, before,
-                             config.min_gain_fraction, factor)  # fmt: skip
-    for lane in pool:
-        mib, reason = planned[lane.lane_id]
-        lane.cache_ram = mib * MIB
-        lane.reasons.append(reason)
-
-
-def _same_shape(spec: LaneSpec, lane: _Lane, has_kv_unified: bool = True) -> bool:
-    return (
-        spec.model_path == lane.facts.path
-        and spec.parallel == lane.persona.parallel
-        and spec.kv_unified == (lane.persona.kv_unified and has_kv_unified)  # as _spec renders it
-        and spec.cache_type_k == lane.flags.cache_type_k
-        and spec.cache_type_v == lane.flags.cache_type_v
-        and spec.flash_attn == lane.flags.flash_attn
-        and spec.gpu_devices == lane.layout.gpus
-        and spec.n_gpu_layers == _n_gpu_layers(lane)
-        and spec.n_cpu_moe == lane.layout.n_cpu_moe
-    )
-
-
-def _n_gpu_layers(lane: _Lane) -> int:
-    """-ngl as the spec carries it (the wire's int)."""
-    return ngl_count(lane.layout.n_gpu_layers, lane.facts.n_layer) if lane.layout.gpus else 0
 
 
 def _spec(report: HostReport, config: FleetConfig, lane: _Lane) -> LaneSpec:

@@ -1,0 +1,168 @@
+"""A lane as the planner sizes it: its cost per device at a window, and the windows of a host's
+lanes (elastic growth, a running lane's window kept when a change is not worth a restart, the
+prompt cache from the RAM the lanes leave). Pure; planner_svc/planner.py drives it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from planner_svc import spans
+from planner_svc.layouts import CPU_RESOURCE, Layout, Resource, cost_vector, largest, layout_memory
+from planner_svc.policy import Flags, flash_attn_for
+from planner_svc.prompt_cache import MIB, plan_cache_ram
+from shared.llama.flags import effective_cache_type
+from shared.memory import CTX_PAD, LaneShape, ngl_count
+from shared.messages import FleetConfig, HostPlan, HostReport, LaneSpec, MemoryBreakdown, ModelFacts, Persona, SpanWorker
+
+_T_SCALE = 1 << 16
+
+
+def lane_id_for(model: str, index: int) -> str:
+    return f"{model[:120]}-{index}"  # a Name holds 128 characters
+
+
+@dataclass
+class _Lane:
+    host_id: str
+    persona: Persona
+    facts: ModelFacts
+    index: int
+    flags: Flags
+    layout: Layout
+    floor: int  # per-slot window
+    ceiling: int
+    factor: float  # >1 when the host reported more use than planned
+    reasons: list[str] = field(default_factory=list)
+    window: int = 0
+    cache_ram: int = 0  # bytes of prompt cache (--cache-ram), decided once the windows are
+    # A span lane (one lane across hosts): its workers and the serving host's view of them.
+    span: spans.Span | None = None
+    span_workers: tuple[SpanWorker, ...] = ()
+
+    @property
+    def lane_id(self) -> str:
+        return lane_id_for(self.persona.model, self.index)
+
+    @property
+    def device(self) -> str:
+        return "gpu" if self.layout.gpus else "cpu"
+
+    def total_ctx(self, window: int) -> int:
+        return window * self.persona.parallel
+
+    def memory(self, window: int, report: HostReport, n_ubatch: int) -> MemoryBreakdown:
+        caps = report.server
+        base = LaneShape(
+            ctx=self.total_ctx(window),
+            parallel=self.persona.parallel,
+            kv_unified=self.persona.kv_unified,
+            type_k=effective_cache_type(self.flags.cache_type_k),
+            type_v=effective_cache_type(self.flags.cache_type_v),
+            # `auto` resolved per backend as llama-server does (RPC devices run the CPU's kernels)
+            flash_attn=flash_attn_for(self.flags, report, self.layout.gpus, self.facts).on,
+            layout=caps.kv_layout,
+            n_ubatch=n_ubatch,
+            cache_ram=self.cache_ram,
+        )
+        return layout_memory(self.facts, self.layout, report, base)
+
+
+def _cost(lane: _Lane, window: int, report: HostReport, n_ubatch: int) -> dict[Resource, int]:
+    return cost_vector(lane.memory(window, report, n_ubatch), lane.layout, report, lane.factor)
+
+
+def _sum_costs(costs) -> dict[Resource, int]:
+    total: dict[Resource, int] = {}
+    for c in costs:
+        for r, b in c.items():
+            total[r] = total.get(r, 0) + b
+    return total
+
+
+def _grow(lanes: list[_Lane], budget: Mapping[Resource, int], cost: Callable[[_Lane, int], dict]) -> None:
+    """Elastic windows: one common growth fraction t for every lane of a host.
+
+    Each lane's window is monotone in t and the largest feasible t is monotone in the
+    budgets, so more memory, or a cheaper cache type, never gives any lane a smaller
+    window; a window is the largest that fits every device its lane touches.
+    """
+    if not lanes:
+        return
+    steps = [(lane.ceiling - lane.floor) // CTX_PAD for lane in lanes]
+
+    def windows(t: int) -> list[int]:
+        return [lane.floor + CTX_PAD * (s * t // _T_SCALE) for lane, s in zip(lanes, steps)]
+
+    def fits(t: int) -> bool:
+        total = _sum_costs(cost(lane, w) for lane, w in zip(lanes, windows(t)))
+        return all(b <= budget.get(r, 0) for r, b in total.items())
+
+    for lane, w in zip(lanes, windows(largest(fits, 0, _T_SCALE))):
+        lane.window = w
+
+
+def _keep_stable(
+    pool: list[_Lane], budget: Mapping[Resource, int], cost, prev: HostPlan | None, config: FleetConfig,
+    has_kv_unified: bool = True,
+) -> None:
+    """Keep a running lane's window when the replan would move it by less than min_gain."""
+    if prev is None:
+        return
+    old = {s.lane_id: s for s in prev.lanes}
+    for lane in pool:
+        before = old.get(lane.lane_id)
+        if before is None or not _same_shape(before, lane, has_kv_unified):
+            continue
+        old_window = before.ctx_total // before.parallel
+        if old_window == lane.window or not lane.floor <= old_window <= lane.ceiling:
+            continue
+        change = abs(lane.window - old_window) / old_window
+        if change >= config.min_gain_fraction:
+            continue
+        proposed = lane.window
+        lane.window = old_window
+        total = _sum_costs(cost(x, x.window) for x in pool)
+        if any(b > budget.get(r, 0) for r, b in total.items()):
+            lane.window = proposed
+            continue
+        lane.reasons.append(
+            f"kept window {old_window}: the replan's {proposed} differs by {change:.0%},"
+            f" under the {config.min_gain_fraction:.0%} worth a restart"
+        )
+
+
+def _prompt_caches(pool: list[_Lane], budget: Mapping[Resource, int], cost, prev: HostPlan | None,
+                   config: FleetConfig, has_cache_ram: bool) -> None:  # fmt: skip
+    """Each lane's --cache-ram from the host RAM its buffers leave (planner_svc/prompt_cache.py)."""
+    if not pool or not has_cache_ram:
+        return
+    used = sum(cost(lane, lane.window).get(CPU_RESOURCE, 0) for lane in pool)
+    before = {s.lane_id: s.cache_ram_mib for s in prev.lanes} if prev else {}
+    factor = max(lane.factor for lane in pool)
+    planned = plan_cache_ram([lane.lane_id for lane in pool], budget.get(CPU_RESOURCE, 0) - used, before,
+                             config.min_gain_fraction, factor)  # fmt: skip
+    for lane in pool:
+        mib, reason = planned[lane.lane_id]
+        lane.cache_ram = mib * MIB
+        lane.reasons.append(reason)
+
+
+def _same_shape(spec: LaneSpec, lane: _Lane, has_kv_unified: bool = True) -> bool:
+    return (
+        spec.model_path == lane.facts.path
+        and spec.parallel == lane.persona.parallel
+        and spec.kv_unified == (lane.persona.kv_unified and has_kv_unified)  # as _spec renders it
+        and spec.cache_type_k == lane.flags.cache_type_k
+        and spec.cache_type_v == lane.flags.cache_type_v
+        and spec.flash_attn == lane.flags.flash_attn
+        and spec.gpu_devices == lane.layout.gpus
+        and spec.n_gpu_layers == _n_gpu_layers(lane)
+        and spec.n_cpu_moe == lane.layout.n_cpu_moe
+    )
+
+
+def _n_gpu_layers(lane: _Lane) -> int:
+    """-ngl as the spec carries it (the wire's int)."""
+    return ngl_count(lane.layout.n_gpu_layers, lane.facts.n_layer) if lane.layout.gpus else 0
