@@ -70,18 +70,6 @@ def _on_its_subject(msg, kind: type, field: str, subject_of, what: str):
         return None
     return decoded
 
-def _log_scaling(changes) -> None:
-    for c in changes:
-        log.info("lane added by demand" if c.delta > 0 else "lane removed by demand", model=c.name, reason=c.reason)
-
-
-def _log_outcome(outcome) -> None:
-    for host, lane, why in outcome.victims:
-        log.info("lane unloaded", host=host, lane=lane, reason=why)
-    for name, why in outcome.failed.items():
-        log.warning("wake failed", model=name, reason=why)
-
-
 class PlannerService:
     def __init__(self, nc: Client, kv: KeyValue, lease_ttl: float = DEFAULT_TTL, name: str | None = None) -> None:
         self.nc, self.kv = nc, kv
@@ -126,8 +114,7 @@ class PlannerService:
         activity = _on_its_subject(msg, GatewayActivity, "gateway", subjects.activity_subject, "activity")
         if activity is None:
             return
-        self.state.demand_state, replan, changes = self.state.note_activity(activity)
-        _log_scaling(changes)
+        self.state.demand_state, replan = self.state.note_activity(activity)
         if replan:
             self.dirty.set()
 
@@ -150,8 +137,7 @@ class PlannerService:
         while not stop.is_set():
             if self.state.check_liveness():
                 self.dirty.set()
-            self.state.demand_state, due, changes = self.state.demand_due()
-            _log_scaling(changes)
+            self.state.demand_state, due = self.state.demand_due()
             if due:
                 self.dirty.set()
             await self.publish_models()
@@ -206,7 +192,6 @@ class PlannerService:
             self.state.replan_all = True  # the job's hosts were taken off the list: plan all again
             raise
         self.state.demand_state = self.state.settle_demand(outcome)
-        _log_outcome(outcome)
         self.last_replan_seconds = time.monotonic() - started
         self.replans += 1
         self.metrics.replan_seconds.observe(self.last_replan_seconds)

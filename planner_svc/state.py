@@ -37,6 +37,13 @@ log = structlog.get_logger("lanes.planner")
 LOST_AFTER_INTERVALS = 3  # a host is lost after this many report intervals of silence
 
 
+def _logged(changes: tuple[Change, ...]) -> bool:
+    """Log the lanes demand adds or removes (planner_svc/scaling.py); True when there are any."""
+    for c in changes:
+        log.info("lane added by demand" if c.delta > 0 else "lane removed by demand", model=c.name, reason=c.reason)
+    return bool(changes)
+
+
 class Planned(NamedTuple):
     """What a planning job returns: the plans by host key, and its demand outcome to apply."""
 
@@ -84,29 +91,35 @@ class PlannerState:
         """The demand state with the wake in, and whether it calls for a replan."""
         return self.demand_state.note_wake(name, self.clock())
 
-    def note_activity(self, activity) -> tuple[DemandState, bool, tuple[Change, ...]]:
-        """The demand state with a gateway's report in, whether it calls for a replan, and the
-        lanes the scaling rule added or removed."""
+    def note_activity(self, activity) -> tuple[DemandState, bool]:
+        """The demand state with a gateway's report in, and whether it calls for a replan (a
+        model went busy or idle while a wake waits, or the scaling rule adds or removes a lane)."""
         now = self.clock()
         state, changed = self.demand_state.note_activity(activity, now, self.config)
         if changed and (state.waiting or state.wakes):
-            return state, True, ()
+            return state, True
         state, changes = rescaled(state, self.demand, list(self.reports.values()), self._plans_by_host(),
                                   self.config, now)  # fmt: skip
-        return state, bool(changes), changes
+        return state, _logged(changes)
 
     def demand_engaged(self) -> bool:
         """Are models on demand in play (then every live host is planned together)?"""
         return engaged(self.demand_state, self.demand, self.config)
 
-    def demand_due(self) -> tuple[DemandState, bool, tuple[Change, ...]]:
-        """Does time alone call for a replan (an idle_ttl passed, a wake waits for room, demand
-        adds or removes a lane)? With the demand state after, and the scaling changes."""
-        return demand_due(self.demand_state, self.demand, list(self.reports.values()), self._plans_by_host(),
-                          self.config, self.clock())  # fmt: skip
+    def demand_due(self) -> tuple[DemandState, bool]:
+        """The demand state after time passed (old wakes expired, the scaling rule applied), and
+        whether time alone calls for a replan (an idle_ttl passed, a wake waits for room, demand
+        adds or removes a lane)."""
+        state, due, changes = demand_due(self.demand_state, self.demand, list(self.reports.values()),
+                                         self._plans_by_host(), self.config, self.clock())  # fmt: skip
+        return state, _logged(changes) or due
 
     def settle_demand(self, outcome: Outcome) -> DemandState:
         """The demand state with a job's outcome in (on the event loop, after the job's thread)."""
+        for host, lane, why in outcome.victims:
+            log.info("lane unloaded", host=host, lane=lane, reason=why)
+        for name, why in outcome.failed.items():
+            log.warning("wake failed", model=name, reason=why)
         now = self.clock()
         return self.demand_state.expire(now).apply(outcome, now).forget_lanes(self._plans_by_host())
 
