@@ -48,7 +48,7 @@ from launcher_agent.probe import find_llama_server  # noqa: E402
 from planner_svc.layouts import with_layers  # noqa: E402
 from planner_svc.planner import plan  # noqa: E402
 from shared.gguf_facts import read_model_facts, swa_layer_pattern  # noqa: E402
-from shared.llama.flags import flash_attn_effective  # noqa: E402
+from shared.llama.flash_attn import resolve_flash_attn  # noqa: E402
 from shared.llama.logs import kv_mib_from_log  # noqa: E402
 from shared.memory import CTX_PAD, MIB, LaneShape, kv_caches, kv_size, lane_memory  # noqa: E402
 from shared.messages import (  # noqa: E402
@@ -287,7 +287,8 @@ def evaluate_cell(name, facts, type_k, type_v, ctx, slots, fa_flag, runs: list[R
     fa_active = (r0.flash_attn or "").lower().rsplit(">", 1)[-1] in ("enabled", "on", "true", "1")
     kw = dict(ctx=ctx, parallel=slots, kv_unified=False, type_k=type_k, type_v=type_v)
     # What the lanes planner costs: flash attention as it expects the flag to resolve.
-    planned = lane_memory(facts, LaneShape(flash_attn=flash_attn_effective(fa_flag, ServerCaps()), **kw))
+    fa_planned = resolve_flash_attn(fa_flag, ServerCaps(), ("cpu",), None, "f16", "f16").on
+    planned = lane_memory(facts, LaneShape(flash_attn=fa_planned, **kw))
     actual = lane_memory(facts, LaneShape(flash_attn=fa_active, **kw))  # with the FA state the server ran with
     pred_lines = predicted_kv_lines(facts, **kw)
     rep_lines = r0.kv_lines

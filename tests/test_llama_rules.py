@@ -8,7 +8,7 @@ import pytest
 
 from shared.llama.builds import caps_for_build
 from shared.llama.chat_templates import builtin_template
-from shared.llama.flags import flash_attn_effective, lane_args
+from shared.llama.flags import lane_args
 from shared.llama.flash_attn import resolve_flash_attn
 from shared.messages import LaneSpec, ModelFacts, ServerCaps
 
@@ -54,9 +54,10 @@ def test_flash_attn_explicit_flags_and_old_builds():
     assert resolve_flash_attn("on", NEW, ("vulkan",), facts(head_k=100), "f16", "f16").on
     assert not resolve_flash_attn("off", NEW, (), facts(), "f16", "f16").on
     assert not resolve_flash_attn(None, OLD, (), facts(), "f16", "f16").on
-    # the compatibility wrapper: "cpu" the CPU's kernels, a GPU without backends unknown (off)
-    assert flash_attn_effective("auto", NEW, "cpu") and not flash_attn_effective("auto", NEW, "gpu")
-    assert flash_attn_effective("auto", NEW, backends=("cuda",), facts=facts())
+    # auto: on with the CPU's kernels, off on a device of unknown backend, on for CUDA with these facts
+    assert resolve_flash_attn("auto", NEW, ("cpu",), None, "f16", "f16").on
+    assert not resolve_flash_attn("auto", NEW, ("unknown",), None, "f16", "f16").on
+    assert resolve_flash_attn("auto", NEW, ("cuda",), facts(), "f16", "f16").on
 
 
 def test_caps_for_build_follow_the_releases():

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import re
 
-from shared.llama.flash_attn import resolve_flash_attn
 from shared.memory import BLOCK_BYTES, DEFAULT_N_UBATCH, QUANTIZED
 from shared.messages import LaneSpec, ServerCaps
 
@@ -42,21 +41,6 @@ def needs_flash_attn(type_v: str | None) -> bool:
     """A quantized V cache needs flash attention on: llama-server refuses it with flash
     attention off (and turns it on itself from auto)."""
     return type_v in QUANTIZED
-
-
-def flash_attn_effective(
-    flag: str | None, caps: ServerCaps, device: str = "cpu", *, backends: tuple[str, ...] | None = None,
-    facts=None, type_k: str = "f16", type_v: str = "f16",
-) -> bool:
-    """Whether llama-server runs with flash attention for this flag (None: no flag passed).
-
-    `auto` (current builds' default) is resolved per backend as llama-server does
-    (shared.llama.flash_attn); without `backends`, "cpu" means the CPU's kernels and any
-    other device an unknown GPU (taken as off). Old switch builds default to off.
-    """
-    if backends is None:
-        backends = ("cpu",) if device == "cpu" else ("unknown",)
-    return resolve_flash_attn(flag, caps, backends, facts, type_k, type_v).on
 
 
 # ------------------------------------------------------------------ argv
