@@ -1,10 +1,12 @@
-"""The planner's view of the lanes bucket: a pure fold of KV entries into inputs for the planner.
+"""The planner's view of the lanes bucket: a fold of KV entries into inputs for the planner.
 
-No NATS and no wall clock (the clock is passed in): planner_svc.service feeds it the watch,
-asks it what to replan, and writes what `planning_job` returns. Its demand questions (wakes,
-activity, what is due, the models' states, a job's outcome) return a new `DemandState` beside
-their answer and change nothing: the service applies it. Also the two pure answers
-the service gives: a merged `config set`, and a host plan explained line by line.
+No NATS and no wall clock (the clock is passed in). `PlannerState` is the one object the
+service changes in place: planner_svc.service feeds it the watch (`apply`), asks it what to
+replan, and writes what `planning_job` returns. Its demand questions (a wake, a gateway's
+activity, what time alone calls for, the models' states, a job's outcome) change nothing: each
+returns a new `DemandState` (planner_svc/demand_state.py, a value) beside its answer, and the
+service puts it in place. Also the pure answers the service gives: a merged `config set`, a
+config's problem, and a host plan explained line by line.
 """
 
 from __future__ import annotations
