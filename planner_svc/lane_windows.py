@@ -14,7 +14,16 @@ from planner_svc.policy import Flags, flash_attn_for
 from planner_svc.prompt_cache import MIB, plan_cache_ram
 from shared.llama.flags import effective_cache_type
 from shared.memory import CTX_PAD, LaneShape, ngl_count
-from shared.messages import FleetConfig, HostPlan, HostReport, LaneSpec, MemoryBreakdown, ModelFacts, Persona, SpanWorker
+from shared.messages import (
+    FleetConfig,
+    HostPlan,
+    HostReport,
+    LaneSpec,
+    MemoryBreakdown,
+    ModelFacts,
+    Persona,
+    SpanWorker,
+)
 
 _T_SCALE = 1 << 16
 

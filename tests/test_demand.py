@@ -109,7 +109,8 @@ def test_a_busy_lane_is_never_evicted_and_the_wake_waits():
 
 
 def test_a_stale_gateway_report_does_not_keep_a_lane_busy_forever():
-    state, _ = DemandState().note_activity(GatewayActivity(gateway="g1", interval=2.0, models=(ModelActivity(name="a", queued=3),)), 0.0)
+    report = GatewayActivity(gateway="g1", interval=2.0, models=(ModelActivity(name="a", queued=3),))
+    state, _ = DemandState().note_activity(report, 0.0)
     assert state.busy(5.9) == {"a": 3}
     assert state.busy(6.1) == {}
 

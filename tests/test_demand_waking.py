@@ -22,7 +22,8 @@ def test_a_job_keeps_only_wakes_for_servable_personas_that_did_not_fail():
 
 
 def test_a_woken_persona_is_on_demand_back_on_every_host_and_asks_its_lanes_again():
-    state = DemandState(wakes={"b": 1.0}, counts={"b": 0, "a": 1}, excluded={"b": frozenset({"h1"}), "a": frozenset({"h2"})})
+    excluded = {"b": frozenset({"h1"}), "a": frozenset({"h2"})}
+    state = DemandState(wakes={"b": 1.0}, counts={"b": 0, "a": 1}, excluded=excluded)
     after = wake(state, PERSONAS)
     assert after.on_demand == {"b"} and after.excluded == {"a": frozenset({"h2"})} and after.counts == {"a": 1}
     assert state.counts == {"b": 0, "a": 1}  # unchanged

@@ -34,7 +34,8 @@ def test_a_lane_idle_for_its_ttl_goes_and_not_a_moment_before():
 
 def test_requests_pins_and_loading_keep_a_lane():
     personas = [Persona(model="a", idle_ttl=60), Persona(model="b", idle_ttl=60, min_lanes=1)]
-    state, _ = serving().note_activity(GatewayActivity(gateway="g", models=(ModelActivity(name="a", idle_s=5.0),)), 50.0)
+    used = GatewayActivity(gateway="g", models=(ModelActivity(name="a", idle_s=5.0),))
+    state, _ = serving().note_activity(used, 50.0)
     assert names(idle_unloads(state, CONFIG, personas, PLANS, 100.0)) == []  # last request at 45; b is pinned
     assert names(idle_unloads(state, CONFIG, personas, PLANS, 105.0)) == ["a"]
     busy, _ = state.note_activity(GatewayActivity(gateway="g", models=(ModelActivity(name="a", in_flight=1),)), 105.0)

@@ -59,9 +59,10 @@ def test_partial_offload_when_no_gpu_holds_it():
     assert cpu.layers + gpu0.layers == 33 and cpu.layers > 0
     assert any("layers on GPU0, the rest in RAM" in r for r in lane.reasons)
     # as many layers as fit: one more would not fit the GPU at the floor window
-    from planner_svc import lane_windows, policy
+    from planner_svc.lane_windows import _Lane
+    from planner_svc.policy import Flags
 
-    probe = lane_windows._Lane(report.host_id, Persona(model="llama-8b"), llama_8b(), 0, policy.Flags(None, None, None, ()),
+    probe = _Lane(report.host_id, Persona(model="llama-8b"), llama_8b(), 0, Flags(None, None, None, ()),
                     Layout("partial", (0,), (), lane.n_gpu_layers + 1), 2048, 131072, 1.0)  # fmt: skip
     more = cost_vector(probe.memory(2048, report, 512), probe.layout, report)
     assert gpu0.total + GPU_CONTEXT_BYTES["cuda"] <= fleet.hosts[0].budget_gpus[0] < more[("gpu", 0)]
@@ -90,13 +91,15 @@ def test_window_is_the_largest_that_fits_every_device():
     hp = fleet.hosts[0]
     w = window(lane)
     assert w < 131072  # bounded by memory, not the ceiling
-    from planner_svc import lane_placing, lane_windows, policy
+    from planner_svc.lane_placing import _previous_layout
+    from planner_svc.lane_windows import _Lane
+    from planner_svc.policy import Flags, host_budgets
 
-    layout = lane_placing._previous_layout(hp, lane.lane_id)
+    layout = _previous_layout(hp, lane.lane_id)
     facts = llama_8b()
-    flags = policy.Flags(lane.cache_type_k, lane.cache_type_v, lane.flash_attn, ())
-    probe = lane_windows._Lane(report.host_id, Persona(model="llama-8b", ctx_min=2048), facts, 0, flags, layout, 2048, 131072, 1.0)
-    budgets = policy.host_budgets(report, FleetConfig())
+    flags = Flags(lane.cache_type_k, lane.cache_type_v, lane.flash_attn, ())
+    probe = _Lane(report.host_id, Persona(model="llama-8b", ctx_min=2048), facts, 0, flags, layout, 2048, 131072, 1.0)
+    budgets = host_budgets(report, FleetConfig())
     at = cost_vector(probe.memory(w, report, 512), layout, report)
     beyond = cost_vector(probe.memory(w + 256, report, 512), layout, report)
     assert all(b <= budgets[r] for r, b in at.items())
@@ -124,7 +127,7 @@ def _as_an_older_planner_wrote_it(hp: HostPlan) -> HostPlan:
 
 
 def test_the_layout_rides_in_the_spec_and_a_replan_reads_it():
-    from planner_svc import lane_placing
+    from planner_svc.lane_placing import _previous_layout
 
     whole = host(gpus=(gpu(0, 8, 7), gpu(1, 24, 23)))
     split = host(gpus=(gpu(0, 5, 4.2), gpu(1, 5, 3.8)))
@@ -139,11 +142,11 @@ def test_the_layout_rides_in_the_spec_and_a_replan_reads_it():
         assert (layout.n_gpu_layers == "all") == (layout.kind in ("gpu", "split"))
         assert lane.n_gpu_layers == (33 if layout.n_gpu_layers == "all" else layout.n_gpu_layers)  # the wire's int
         seen.add(layout.kind)
-        assert lane_placing._previous_layout(hp, lane.lane_id) == layout
+        assert _previous_layout(hp, lane.lane_id) == layout
         # a plan from an older planner carries no layout: rebuilt from the device fields, the same one
         old = _as_an_older_planner_wrote_it(hp)
         assert old.lanes[0].layout is None
-        assert lane_placing._previous_layout(old, lane.lane_id) == layout
+        assert _previous_layout(old, lane.lane_id) == layout
         # ... and a replan that asks for the same keeps it, revision and all
         again = plan([report], FleetConfig(), previous={hp.host_id: old}).hosts[0]
         assert again.plan_revision == old.plan_revision and again.lanes[0].args == lane.args

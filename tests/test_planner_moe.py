@@ -9,9 +9,10 @@ import pytest
 from test_planner import GIB, MIB, check_invariants, host, llama_8b, only_lane
 from test_planner_devices import arg, gpu
 
-from planner_svc import lane_windows, policy
+from planner_svc.lane_windows import _Lane
 from planner_svc.layouts import GPU_CONTEXT_BYTES, Layout, cost_vector, describe, rank
 from planner_svc.planner import plan
+from planner_svc.policy import Flags
 from shared.messages import FleetConfig, LayerWeights, ModelFacts, Persona, ServerCaps
 
 EXPERTS = 330 * MIB  # per block: 128 experts x 768 x 2048 x 3 matrices at about 4.5 bits
@@ -36,7 +37,7 @@ def qwen3_30b_a3b(name: str = "qwen3-30b-a3b") -> ModelFacts:
 
 
 def _probe_cost(report, lane, n_cpu_moe: int):
-    probe = lane_windows._Lane(report.host_id, Persona(model=lane.model), qwen3_30b_a3b(), 0, policy.Flags(None, None, None, ()),
+    probe = _Lane(report.host_id, Persona(model=lane.model), qwen3_30b_a3b(), 0, Flags(None, None, None, ()),
                     Layout("gpu", lane.gpu_devices, (), "all", n_cpu_moe), 2048, 40960, 1.0)  # fmt: skip
     return cost_vector(probe.memory(2048, report, 512), probe.layout, report)
 
