@@ -1,6 +1,6 @@
 """A lane's log writer: copies the lane's output (stdin) to its log file, rotated by size.
 
-    python -I logpump.py LOG_PATH MAX_BYTES FILES
+    python -I logpump.py LOG_PATH MAX_BYTES FILES [QUIET_AFTER]
 
 llama-server writes to its stdout and never reopens a log file, so it cannot be rotated from
 outside without losing lines (copytruncate). Instead its output goes through a pipe to this
@@ -9,6 +9,12 @@ the agent, so a lane keeps its log across an agent restart and is adopted with i
 when the lane does (end of input). The file is opened for append; at MAX_BYTES (at a line's
 end) it becomes LOG_PATH.1, the older ones shift up, and at most FILES files are kept.
 
+QUIET_AFTER (a regular expression): once a line matches it (the model is loaded), debug lines
+are dropped with the unprefixed lines that continue them. Lanes run at verbosity 4 for the
+KV size and buffer lines printed while loading; at that verbosity llama-server also prints
+each request's prompt (`D formatted_chat: ...`, `D prompt token ...`, request bodies), which
+must not land on disk. A crash report that follows a debug line is kept.
+
 Standard library only, run by path (not as a package module): nothing of the agent's
 environment is needed to start it.
 """
@@ -16,6 +22,7 @@ environment is needed to start it.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 
@@ -45,25 +52,60 @@ def _write(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-def pump(source: int, path: str, max_bytes: int, files: int) -> None:
+# llama.cpp's common log prefix: `M.SS.mmm.uuu L ` (L: I, W, E or D); a line without it continues the last.
+_PREFIXED = re.compile(rb"^\d+\.\d{2}\.\d{3}\.\d{3} ([A-Z]) ")
+_CRASH = re.compile(rb"GGML_ASSERT|GGML_ABORT|^terminate called|CUDA error|std::bad_alloc")
+
+
+class Quiet:
+    """Which lines to keep: all, until a line matches `after`; then all but debug ones."""
+
+    def __init__(self, after: str | None) -> None:
+        self.after = re.compile(after.encode()) if after else None
+        self.quiet = False
+        self.dropping = False  # the last prefixed line was a dropped debug line
+
+    def keep(self, line: bytes) -> bool:
+        if self.after is None:
+            return True
+        prefixed = _PREFIXED.match(line)
+        if prefixed:
+            self.dropping = self.quiet and prefixed.group(1) == b"D"
+        elif self.dropping and _CRASH.search(line):
+            return True
+        if not self.quiet and self.after.search(line):
+            self.quiet = True
+        return not self.dropping
+
+
+def pump(source: int, path: str, max_bytes: int, files: int, quiet_after: str | None = None) -> None:
     fd = _open(path)
     size = os.fstat(fd).st_size
+    lines = Quiet(quiet_after)
+    partial = b""
     while True:
         try:
             chunk = os.read(source, CHUNK)
         except InterruptedError:
             continue
-        if not chunk:
-            break
-        _write(fd, chunk)
-        size += len(chunk)
-        # Rotate at a line's end, so a reader never sees a line split between two files
-        # (one line longer than a whole file is cut all the same).
-        if size >= max_bytes and (chunk.endswith(b"\n") or size >= 2 * max_bytes):
+        parts = (partial + chunk).split(b"\n")
+        partial = parts.pop() if chunk else b""
+        if len(partial) > CHUNK:  # one line longer than this is taken as it is
+            parts.append(partial)
+            partial = b""
+        if not chunk and not parts[-1]:
+            parts.pop()  # the input ended with a line's end
+        kept = b"".join(line + b"\n" for line in parts if lines.keep(line))
+        if kept:
+            _write(fd, kept)
+            size += len(kept)
+        if size >= max_bytes:  # whole lines only: a reader never sees a line split between files
             os.close(fd)
             rotate(path, files)
             fd = _open(path)
             size = 0
+        if not chunk:
+            break
     os.close(fd)
 
 
@@ -72,7 +114,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     path, max_bytes, files = argv[1], int(argv[2]), int(argv[3])
-    pump(sys.stdin.fileno(), path, max_bytes, files)
+    pump(sys.stdin.fileno(), path, max_bytes, files, argv[4] if len(argv) > 4 else None)
     return 0
 
 

@@ -27,6 +27,7 @@ import psutil
 from launcher_agent import lane_http
 from launcher_agent.child_env import child_environment
 from shared.llama.logs import (
+    LOADED_FOR_GOOD,
     MIB,
     devices_from_lines,
     is_buffer_line,
@@ -57,9 +58,11 @@ class LogLimits:
     files: int = LANE_LOG_FILES
 
 
-def pump_argv(log_path: Path, limits: LogLimits) -> list[str]:
-    """The log writer's argv: this interpreter, isolated (-I), running logpump.py by its path."""
-    return [sys.executable, "-I", str(PUMP), str(log_path), str(limits.max_bytes), str(limits.files)]
+def pump_argv(log_path: Path, limits: LogLimits, quiet_after: str | None = None) -> list[str]:
+    """The log writer's argv: this interpreter, isolated (-I), running logpump.py by its path;
+    `quiet_after`: once a line matches it, debug lines are dropped (they hold the prompts)."""
+    argv = [sys.executable, "-I", str(PUMP), str(log_path), str(limits.max_bytes), str(limits.files)]
+    return argv + [quiet_after] if quiet_after else argv
 
 
 class LaneProcess:
@@ -87,12 +90,12 @@ class LaneProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab"):
             pass
-        self._follow(from_end=0)  # this run's lines only: the file holds the previous runs' too
+        self._follow(tail=0)  # this run's lines only: the file holds the previous runs' too
         env = lane_environment(self.env_names)
         read, write = os.pipe()
         try:
             self.pump = await asyncio.create_subprocess_exec(
-                *pump_argv(self.log_path, self.log_limits),
+                *pump_argv(self.log_path, self.log_limits, LOADED_FOR_GOOD),
                 stdin=read,
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.DEVNULL,
@@ -134,7 +137,7 @@ class LaneProcess:
         lane = cls(spec, binary, log_path, **kw)
         lane.adopted = p
         lane._take_lines(facts)
-        lane._follow(from_end=TAIL_BYTES)
+        lane._follow(tail=TAIL_BYTES)
         lane.read_log()
         return lane
 
@@ -174,17 +177,20 @@ class LaneProcess:
         """The lines an adopting agent needs again (KV size, buffers): saved in its state file."""
         return [*self.kv_lines, *self.buffer_lines]
 
-    def _follow(self, from_end: int) -> None:
-        """Open the log for reading, `from_end` bytes before its end (a partial first line skipped)."""
+    def _follow(self, tail: int | None = None) -> None:
+        """Open the log for reading: from its start (None), or its last `tail` bytes (a partial
+        first line skipped; 0: from its end)."""
         self._partial = b""
         try:
             self._log = open(self.log_path, "rb")
         except OSError:
             self._log = None
             return
+        if tail is None:
+            return
         size = os.fstat(self._log.fileno()).st_size
-        self._log.seek(max(0, size - from_end))
-        if 0 < from_end < size:
+        self._log.seek(max(0, size - tail))
+        if 0 < tail < size:
             self._log.readline(LONGEST_LINE)
 
     def read_log(self) -> None:
@@ -192,7 +198,7 @@ class LaneProcess:
         and buffer lines. A rotated file is read to its end before the new one."""
         for _ in range(2):
             if self._log is None:
-                self._follow(from_end=0)
+                self._follow()  # a new file: from its start
                 if self._log is None:
                     return
             chunk = self._log.read(READ_LIMIT)
