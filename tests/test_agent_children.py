@@ -187,6 +187,16 @@ def test_an_adopted_lane_reads_its_log_from_the_tail_and_its_load_facts_from_the
 # ------------------------------------------------------------------ an agent's lanes (fake llama-server)
 
 
+def _kill_under(folder: Path) -> None:
+    """What a failed run left: any process whose command line names a path under `folder`."""
+    for p in psutil.process_iter(["cmdline"]):
+        if p.pid != os.getpid() and any(str(folder) in c for c in p.info["cmdline"] or []):
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+
+
 def _all_files(root: Path, skip: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file() and skip not in p.parents]
 
@@ -259,3 +269,80 @@ def test_the_fleet_config_carries_the_log_limits_into_each_plan():
     assert (HostPlan(host_id="h").lane_log_max_bytes, HostPlan(host_id="h").lane_log_files) == (16 * MIB, 3)
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert({"lane_log_files": 0}, FleetConfig)
+
+
+# ------------------------------------------------------------------ the real binaries (slow)
+
+
+async def test_real_llama_server_lanes_get_no_secret(nats_server, tmp_path, models, llama_server, monkeypatch):
+    monkeypatch.setenv(SECRET, "s3cr3t")
+    monkeypatch.setenv(NAMED, "given")
+    cfg = agent_config(tmp_path, "real", models, llama_server, max_ram=2**30, lane_env=(NAMED,))
+    async with services(nats_server.url) as s, client(nats_server.url) as nc:
+        s.start_planner()
+        s.start_agent(cfg)
+
+        async def healthy():
+            lane = lane_of(await host_status(nc, "real"), "llama8-0")
+            assert lane is None or lane.state not in ("failed", "mismatch"), lane
+            return lane if lane and lane.state == "healthy" else None
+
+        lane = await eventually(healthy, timeout=120, what="the real lane healthy")
+        assert Path(psutil.Process(lane.pid).exe()).name.startswith("llama-server")
+        env = _environ(lane.pid)
+        assert SECRET not in env and "s3cr3t" not in Path(f"/proc/{lane.pid}/environ").read_text(errors="replace")
+        assert env[NAMED] == "given"
+        assert lane.kv_bytes is not None  # its load-time lines were read through the log writer
+
+
+def test_real_ggml_rpc_servers_get_no_secret(tmp_path, rpc_bin, monkeypatch):
+    from launcher_agent.rpc_worker import RpcWorkers, WorkerSettings
+    from shared.messages import RpcWorkerSpec
+
+    monkeypatch.setenv(SECRET, "s3cr3t")
+    monkeypatch.setenv(NAMED, "given")
+    port = free_port_base(1)
+    settings = WorkerSettings(str(rpc_bin / "ggml-rpc-server"), "127.0.0.1", port, 1, tmp_path / "rpc-cache",
+                              env_names=(NAMED,))  # fmt: skip
+    workers = RpcWorkers(settings, tmp_path / "rpc-workers.json")
+    spec = RpcWorkerSpec(lane_id="m-0", serving_host="h", bind="127.0.0.1", port=port)
+    asyncio.run(workers.apply([spec], now=0))
+    try:
+        pid = workers.procs[port].pid
+        assert Path(psutil.Process(pid).exe()).name == "ggml-rpc-server"
+        env = _environ(pid)
+        assert SECRET not in env and "s3cr3t" not in Path(f"/proc/{pid}/environ").read_text(errors="replace")
+        assert env[NAMED] == "given" and env["LLAMA_CACHE"] == str(tmp_path / "rpc-cache")
+    finally:
+        asyncio.run(workers.stop_all())
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_lanes_up_with_the_real_binary_writes_no_prompt_anywhere(tmp_path, models, llama_server):
+    """A chat through the gateway with a unique marker: at the defaults, no file the agent, planner
+    or gateway writes (their own output included) holds it."""
+    marker = f"marker-{uuid.uuid4().hex}"
+    data, out_file = tmp_path / "data", tmp_path / "up.out"
+    out = open(out_file, "wb")
+    up = subprocess.Popen([sys.executable, "-m", "lanes.cli", "up", "--models", str(models), "--data", str(data),
+                           "--llama-server", llama_server, "--nats-port", "0", "--gateway-port", "0",
+                           "--host-id", "local", "--max-ram", "1GiB", "--port-base", str(free_port_base())],
+                          stdout=out, stderr=out, stdin=subprocess.DEVNULL)  # fmt: skip
+    out.close()
+    try:
+        url = eventually_blocking(lambda: re.search(r"gateway: (http://\S+)", out_file.read_text()).group(1),
+                                  what="the gateway's address")  # fmt: skip
+        answer = eventually_blocking(lambda: _chat(url, marker, "llama8", timeout=60), timeout=180,
+                                     what="an answer through the gateway")  # fmt: skip
+        assert answer["choices"]
+        up.send_signal(signal.SIGINT)
+        assert up.wait(60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait(10)
+        _kill_under(tmp_path)
+    written = _all_files(tmp_path, models)
+    assert any(p.name == "llama8-0.log" for p in written) and out_file in written
+    assert "main: model loaded" in (data / "agent" / "lanes" / "llama8-0.log").read_text()
+    assert [p for p in written if marker.encode() in p.read_bytes()] == []
