@@ -173,6 +173,24 @@ class LaneProcess:
         except psutil.Error:
             return None
 
+    async def drained(self, timeout: float = 2.0) -> None:
+        """After the lane exited: wait until its writer has written its last lines (the error),
+        and read on to the end of its log (its last TAIL_BYTES, if far behind)."""
+        if self.pump is not None and self.pump.returncode is None:
+            try:
+                await asyncio.wait_for(self.pump.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+        if self._log is not None:
+            try:
+                behind = os.fstat(self._log.fileno()).st_size - self._log.tell()
+            except (OSError, ValueError):
+                return
+            if behind > READ_LIMIT:
+                self._log.seek(-TAIL_BYTES, os.SEEK_END)
+                self._log.readline(LONGEST_LINE)
+                self._partial = b""
+
     def facts(self) -> list[str]:
         """The lines an adopting agent needs again (KV size, buffers): saved in its state file."""
         return [*self.kv_lines, *self.buffer_lines]

@@ -112,6 +112,8 @@ class Supervisor:
         ask = health.what_to_probe(health_of(lane), now) if proc.returncode is None else None
         ready = await proc.probe_health() if ask == "ready" else None
         alive = await proc.alive(self.cfg.probe_timeout) if ask == "alive" else None
+        if proc.returncode is not None:
+            await proc.drained()  # its last lines say why it exited
         proc.read_log()
         if ready is not None and ready[0] == "healthy" and lane.spec.workers:
             problem = span_problem(lane.spec, proc.buffer_lines)
