@@ -20,6 +20,8 @@ ALLOWED_NAMES = frozenset({
     "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "GPU_DEVICE_ORDINAL",  # ROCm / HIP
     "ONEAPI_DEVICE_SELECTOR",  # SYCL
     "DYLD_LIBRARY_PATH",  # Metal builds on macOS load their libraries through it
+    "XDG_CACHE_HOME", "XDG_RUNTIME_DIR",  # GPU drivers' shader caches
+    "LLAMA_CACHE",  # llama.cpp's cache folder (a path, not a flag)
 })  # fmt: skip
 # Prefixes: locale (LC_*), the GPU runtimes' settings and llama.cpp's own (GGML_*).
 ALLOWED_PREFIXES = (
@@ -31,6 +33,8 @@ ALLOWED_PREFIXES = (
     "VK_",  # Vulkan loader (VK_ICD_FILENAMES, VK_LOADER_* ...)
     "MTL_", "METAL_",  # Metal
     "SYCL_", "ZE_", "ONEAPI_",  # SYCL / Level Zero
+    "MESA_", "RADV_", "ANV_",  # Mesa's Vulkan drivers
+    "OMP_", "GOMP_", "KMP_",  # the OpenMP runtime CPU builds use
 )  # fmt: skip
 # Never passed, not even when named: the agent's own settings and llama-server's flag variables.
 FORBIDDEN_PREFIXES = ("LANES_", "LLAMA_ARG_")
