@@ -11,9 +11,10 @@ end) it becomes LOG_PATH.1, the older ones shift up, and at most FILES files are
 
 QUIET_AFTER (a regular expression): once a line matches it (the model is loaded), debug lines
 are dropped with the unprefixed lines that continue them. Lanes run at verbosity 4 for the
-KV size and buffer lines printed while loading; at that verbosity llama-server also prints
-each request's prompt (`D formatted_chat: ...`, `D prompt token ...`, request bodies), which
-must not land on disk. A crash report that follows a debug line is kept.
+KV size and buffer lines printed while loading; llama.cpp builds whose debug lines print each
+request's prompt (`D formatted_chat: ...`, `D prompt token ...`, request bodies) must not put
+it on disk (build 11434 prints none of these, even with -v). A crash report that follows a
+debug line is kept.
 
 Standard library only, run by path (not as a package module): nothing of the agent's
 environment is needed to start it.

@@ -344,5 +344,5 @@ def test_lanes_up_with_the_real_binary_writes_no_prompt_anywhere(tmp_path, model
         _kill_under(tmp_path)
     written = _all_files(tmp_path, models)
     assert any(p.name == "llama8-0.log" for p in written) and out_file in written
-    assert "main: model loaded" in (data / "agent" / "lanes" / "llama8-0.log").read_text()
+    assert re.search(LOADED_FOR_GOOD, (data / "agent" / "lanes" / "llama8-0.log").read_text())
     assert [p for p in written if marker.encode() in p.read_bytes()] == []
