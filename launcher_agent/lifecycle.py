@@ -80,6 +80,7 @@ class Lifecycle:
         if lane is None or lane.process is None:
             return
         await lane.process.stop()
+        lane.process.close_log()
         self.on_change()
         log.info("lane stopped", lane=lane_id, reason=reason)
         if not keep_counts:

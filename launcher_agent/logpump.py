@@ -43,14 +43,37 @@ def rotate(path: str, files: int) -> None:
             pass
 
 
-def _open(path: str) -> int:
-    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+class Writer:
+    """The log file, appended to and rotated. A failing disk (full, gone) loses lines, never the
+    lane: input is read on regardless (a writer that died would kill the lane with SIGPIPE)."""
 
+    def __init__(self, path: str, max_bytes: int, files: int) -> None:
+        self.path, self.max_bytes, self.files = path, max_bytes, files
+        self.fd: int | None = None
+        self.size = 0
 
-def _write(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
+    def write(self, data: bytes) -> None:
+        try:
+            if self.fd is None:
+                self.fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+                self.size = os.fstat(self.fd).st_size
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self.fd, view) :]
+            self.size += len(data)
+            if self.size >= self.max_bytes:  # whole lines only: no line is split between two files
+                self.close()
+                rotate(self.path, self.files)
+        except OSError:
+            self.close()
+
+    def close(self) -> None:
+        if self.fd is not None:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = None
 
 
 # llama.cpp's common log prefix: `M.SS.mmm.uuu L ` (L: I, W, E or D); a line without it continues the last.
@@ -80,8 +103,8 @@ class Quiet:
 
 
 def pump(source: int, path: str, max_bytes: int, files: int, quiet_after: str | None = None) -> None:
-    fd = _open(path)
-    size = os.fstat(fd).st_size
+    out = Writer(path, max_bytes, files)
+    out.write(b"")  # the file exists from the start
     lines = Quiet(quiet_after)
     partial = b""
     while True:
@@ -98,16 +121,10 @@ def pump(source: int, path: str, max_bytes: int, files: int, quiet_after: str | 
             parts.pop()  # the input ended with a line's end
         kept = b"".join(line + b"\n" for line in parts if lines.keep(line))
         if kept:
-            _write(fd, kept)
-            size += len(kept)
-        if size >= max_bytes:  # whole lines only: a reader never sees a line split between files
-            os.close(fd)
-            rotate(path, files)
-            fd = _open(path)
-            size = 0
+            out.write(kept)
         if not chunk:
             break
-    os.close(fd)
+    out.close()
 
 
 def main(argv: list[str]) -> int:

@@ -191,6 +191,11 @@ class LaneProcess:
                 self._log.readline(LONGEST_LINE)
                 self._partial = b""
 
+    def close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
     def facts(self) -> list[str]:
         """The lines an adopting agent needs again (KV size, buffers): saved in its state file."""
         return [*self.kv_lines, *self.buffer_lines]
@@ -225,6 +230,8 @@ class LaneProcess:
                 return
             try:  # at its end: has the writer moved on to a new file under the name?
                 if os.stat(self.log_path).st_ino == os.fstat(self._log.fileno()).st_ino:
+                    if self._log.tell() > os.fstat(self._log.fileno()).st_size:  # truncated (one file kept)
+                        self._log.seek(0)
                     return
             except OSError:
                 return

@@ -105,6 +105,16 @@ def test_the_log_rotates_by_size_keeps_its_files_and_splits_no_line(tmp_path):
     assert log.stat().st_size == before + len(b"one more\n")
 
 
+def test_a_log_that_cannot_be_written_loses_lines_never_the_lane(tmp_path):
+    """The writer reads its input to the end all the same: a lane never meets a closed pipe."""
+    gone = tmp_path / "gone" / "lane.log"
+    out = subprocess.run(pump_argv(gone, LogLimits()), input=b"x" * 10 * MIB, timeout=60)
+    assert out.returncode == 0 and not gone.exists()
+    one = tmp_path / "one.log"  # one file kept: it starts over at the limit
+    assert subprocess.run(pump_argv(one, LogLimits(64 * 1024, 1)), input=b"line\n" * 40000, timeout=60).returncode == 0
+    assert one.stat().st_size < 64 * 1024 and not one.with_name("one.log.1").exists()
+
+
 def test_after_the_model_loaded_no_debug_line_is_written_but_a_crash_report_is(tmp_path):
     stamp = "0.00.100.000"
     text = "\n".join([
