@@ -62,6 +62,22 @@ def _add_rpc_worker(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rpc-server", help="ggml-rpc-server binary (default: beside --llama-server, or the RPC build)")
 
 
+def _env_name(text: str) -> str:
+    from launcher_agent.child_env import forbidden
+
+    if not text.replace("_", "a").isalnum() or text[0].isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not an environment variable name")
+    if forbidden(text):
+        raise argparse.ArgumentTypeError(f"{text}: LANES_* and LLAMA_ARG_* never reach a lane")
+    return text
+
+
+def _add_lane_env(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lane-env", action="append", default=[], type=_env_name, metavar="NAME",
+                   help="also pass this variable of the agent's environment to llama-server and ggml-rpc-server "
+                        "(repeatable; they get only an allow-list otherwise: see README, Security)")  # fmt: skip
+
+
 def _add_admin_key(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--admin-key", default=os.environ.get("LANES_GATEWAY_ADMIN_KEY"),
@@ -167,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-ram", type=parse_size, help="RAM lanes may plan for on this host, e.g. 8GiB")
     p.add_argument("--rpc", help="ggml-rpc-server endpoints (host:port,...) lanes may use as GPU-type devices")
     p.add_argument("--gateway-port", type=int, default=8000, help="port of the OpenAI-compatible gateway (0: any free)")
+    _add_lane_env(p)
     _add_load_timeout(p)
     _add_admin_key(p)
 
@@ -198,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probe-interval", type=float, default=5.0, help="seconds between /health probes of a serving lane")
     p.add_argument("--probe-failures", type=_positive, default=3,
                    help="missed probes in a row that make a lane unresponsive (then it is restarted)")  # fmt: skip
+    _add_lane_env(p)
     _add_rpc_worker(p)
 
     p = sub.add_parser("gateway", help="OpenAI-compatible gateway in front of every lane")

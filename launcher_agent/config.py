@@ -43,6 +43,9 @@ class AgentConfig:
     rpc_worker_port_base: int = 50052
     rpc_worker_port_count: int = 4
     rpc_server_binary: str = ""
+    # Variables of the agent's environment its lanes and ggml-rpc-servers also get (--lane-env),
+    # beyond the allow-list of launcher_agent/child_env.py.
+    lane_env: tuple[str, ...] = ()
 
 
 def default_host_id() -> str:

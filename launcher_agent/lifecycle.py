@@ -14,7 +14,7 @@ from launcher_agent.feedback import Feedback
 from launcher_agent.lane import Emit, Lane
 from launcher_agent.lane_http import port_taken
 from launcher_agent.persistence import Saved
-from launcher_agent.process import DryRunLane, LaneProcess
+from launcher_agent.process import DryRunLane, LaneProcess, LogLimits
 from launcher_agent.reconcile import Action, Restart, Start, Stop
 from shared.messages import LaneSpec
 
@@ -30,6 +30,7 @@ class Lifecycle:
     # action can leave it orphaned (an agent killed mid-rollout).
     on_change: Callable[[], None] = lambda: None
     lanes: dict[str, Lane] = field(default_factory=dict)
+    log_limits: LogLimits = LogLimits()  # the plan's; a lane started after a change follows it
 
     async def apply(self, actions: Sequence[Action], plan_revision: int) -> None:
         for action in actions:
@@ -43,7 +44,9 @@ class Lifecycle:
                 await self.start(action.spec, plan_revision)
 
     async def start(self, spec: LaneSpec, plan_revision: int, previous: Lane | None = None) -> None:
-        process = (DryRunLane if self.cfg.dry_run else LaneProcess)(spec, self.cfg.binary, self._log_path(spec.lane_id))
+        process = (DryRunLane if self.cfg.dry_run else LaneProcess)(
+            spec, self.cfg.binary, self._log_path(spec.lane_id), env_names=self.cfg.lane_env, log_limits=self.log_limits
+        )
         lane = Lane(spec=spec, process=process, plan_revision=plan_revision)
         if previous is not None:
             lane.last_good = previous.last_good
@@ -77,6 +80,7 @@ class Lifecycle:
         if lane is None or lane.process is None:
             return
         await lane.process.stop()
+        lane.process.close_log()
         self.on_change()
         log.info("lane stopped", lane=lane_id, reason=reason)
         if not keep_counts:
@@ -93,7 +97,9 @@ class Lifecycle:
             spec = specs.get(lane_id)
             if spec is None or self.cfg.dry_run:
                 continue
-            proc = LaneProcess.adopt(spec, self.cfg.binary, self._log_path(lane_id), pid, saved.started.get(lane_id))
+            proc = LaneProcess.adopt(spec, self.cfg.binary, self._log_path(lane_id), pid, saved.started.get(lane_id),
+                                     facts=saved.facts.get(lane_id, ()), env_names=self.cfg.lane_env,
+                                     log_limits=self.log_limits)  # fmt: skip
             if proc is not None:
                 self.lanes[lane_id] = Lane(spec=spec, process=proc, state="loading")
                 log.info("adopted running lane", lane=lane_id, pid=pid)

@@ -20,6 +20,8 @@ class Saved(msgspec.Struct):
     pids: dict[str, int] = {}
     started: dict[str, float] = {}  # each pid's start time: a reused pid is not adopted
     feedback: list[LaneFeedback] = []  # what the plan got wrong, until it expires
+    # Each lane's KV size and buffer lines: an adopted lane's log is read from its tail only.
+    facts: dict[str, list[str]] = {}
 
 
 class StateFile:
@@ -30,7 +32,9 @@ class StateFile:
     def save(self, plan: HostPlan | None, lanes: Mapping[str, Lane], feedback: list[LaneFeedback] = ()) -> None:
         running = {k: v.process for k, v in lanes.items() if v.process and v.process.pid}
         started = {k: t for k, p in running.items() if (t := p.started_at()) is not None}
-        saved = Saved(plan=plan, pids={k: p.pid for k, p in running.items()}, started=started, feedback=list(feedback))
+        facts = {k: f for k, p in running.items() if (f := p.facts())}
+        saved = Saved(plan=plan, pids={k: p.pid for k, p in running.items()}, started=started, feedback=list(feedback),
+                      facts=facts)  # fmt: skip
         data = msgspec.json.encode(saved)
         if data == self._written:
             return

@@ -3,8 +3,12 @@
 What the log lines mean is shared.llama.logs' to say; asking the lane over HTTP is
 launcher_agent.lane_http's (the probe methods here only let a dry run answer for itself).
 
-The lane writes to its own log file rather than a pipe, so it survives the agent
-(no SIGPIPE when the agent is gone) and a restarted agent can adopt it.
+A lane's output goes through a pipe to its log writer (launcher_agent/logpump.py), a small
+process started beside it in its own session: it appends to the lane's log file and rotates
+it by size, and it outlives the agent, so a lane keeps its log (no SIGPIPE when the agent is
+gone) and a restarted agent can adopt it. The agent only reads the file, a bounded piece per
+look, following it across a rotation like `tail -F`; an adopted lane's log is read from its
+tail only (the load-time facts it printed come back from the agent's state file).
 """
 
 from __future__ import annotations
@@ -12,42 +16,71 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
 from launcher_agent import lane_http
+from launcher_agent.child_env import child_environment
 from shared.llama.logs import (
+    LOADED_FOR_GOOD,
     MIB,
     devices_from_lines,
     is_buffer_line,
     is_kv_size_line,
     kv_mib_from_log,
 )
-from shared.messages import DeviceMemory, LaneSpec
+from shared.messages import LANE_LOG_FILES, LANE_LOG_MAX_BYTES, DeviceMemory, LaneSpec
 
 TAIL_LINES = 40
 START_TIME_SLACK = 0.05  # seconds; psutil's create_time is read from /proc in clock ticks
+READ_LIMIT = 1024 * 1024  # bytes of a lane's log read per look: a chatty lane is caught up over a few
+TAIL_BYTES = 256 * 1024  # what an adopted lane's log is read from: its last bytes only
+LONGEST_LINE = 64 * 1024  # a line without its end longer than this is taken as it is
+PUMP = Path(__file__).with_name("logpump.py")
 
 
-def lane_environment() -> dict[str, str]:
-    """The agent's environment minus LLAMA_ARG_*: llama-server reads those as flags, and
-    only the plan decides flags (the official image sets LLAMA_ARG_HOST, for one)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("LLAMA_ARG_")}
+def lane_environment(names: Iterable[str] = ()) -> dict[str, str]:
+    """What a lane starts with: the allow-listed part of the agent's environment
+    (launcher_agent/child_env.py) plus the variables the operator named (--lane-env)."""
+    return child_environment(os.environ, names)
+
+
+@dataclass(frozen=True)
+class LogLimits:
+    """A lane's log rotation: at max_bytes the file rotates; `files` are kept, the current one included."""
+
+    max_bytes: int = LANE_LOG_MAX_BYTES
+    files: int = LANE_LOG_FILES
+
+
+def pump_argv(log_path: Path, limits: LogLimits, quiet_after: str | None = None) -> list[str]:
+    """The log writer's argv: this interpreter, isolated (-I), running logpump.py by its path;
+    `quiet_after`: once a line matches it, debug lines are dropped (they hold the prompts)."""
+    argv = [sys.executable, "-I", str(PUMP), str(log_path), str(limits.max_bytes), str(limits.files)]
+    return argv + [quiet_after] if quiet_after else argv
 
 
 class LaneProcess:
-    def __init__(self, spec: LaneSpec, binary: str, log_path: Path) -> None:
+    def __init__(self, spec: LaneSpec, binary: str, log_path: Path, env_names: Iterable[str] = (),
+                 log_limits: LogLimits = LogLimits()) -> None:  # fmt: skip
         self.spec = spec
         self.binary = binary
         self.log_path = log_path
+        self.env_names = tuple(env_names)  # the operator's --lane-env names
+        self.log_limits = log_limits
         self.proc: asyncio.subprocess.Process | None = None
+        self.pump: asyncio.subprocess.Process | None = None  # its log writer (launcher_agent/logpump.py)
         self.adopted: psutil.Process | None = None
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         self.kv_lines: list[str] = []
         self.buffer_lines: list[str] = []
-        self._offset = 0
+        self._log = None  # the log file as this lane reads it (kept open: followed across a rotation)
+        self._partial = b""  # the start of a line whose end is not written yet
 
     @property
     def argv(self) -> list[str]:
@@ -55,23 +88,42 @@ class LaneProcess:
 
     async def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "wb") as log:
+        with open(self.log_path, "ab"):
+            pass
+        self._follow(tail=0)  # this run's lines only: the file holds the previous runs' too
+        env = lane_environment(self.env_names)
+        read, write = os.pipe()
+        try:
+            self.pump = await asyncio.create_subprocess_exec(
+                *pump_argv(self.log_path, self.log_limits, LOADED_FOR_GOOD),
+                stdin=read,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.DEVNULL,
+                start_new_session=True,
+                env=env,
+            )
             self.proc = await asyncio.create_subprocess_exec(
                 *self.argv,
                 stdin=asyncio.subprocess.DEVNULL,
-                stdout=log,
-                stderr=log,
+                stdout=write,
+                stderr=write,
                 start_new_session=True,  # Ctrl-C on the agent's terminal must not hit the lanes
-                env=lane_environment(),
+                env=env,
             )
-        self._offset = 0
+        finally:
+            # The pipe's ends live on in the two children only: the writer ends with the lane.
+            os.close(read)
+            os.close(write)
 
     @classmethod
     def adopt(
-        cls, spec: LaneSpec, binary: str, log_path: Path, pid: int, started: float | None = None
+        cls, spec: LaneSpec, binary: str, log_path: Path, pid: int, started: float | None = None,
+        facts: Iterable[str] = (), **kw,
     ) -> LaneProcess | None:
         """Take over a lane a previous agent started, if it is still that very process: same
-        flags and, when recorded, the same start time (a reused pid has another)."""
+        flags and, when recorded, the same start time (a reused pid has another). Its log is
+        read from its last TAIL_BYTES; `facts` are the KV and buffer lines it printed at load,
+        as the previous agent saved them."""
         try:
             p = psutil.Process(pid)
             # Compare the flags, not argv[0]: a wrapper script may exec the real binary.
@@ -82,8 +134,10 @@ class LaneProcess:
                 return None
         except (psutil.Error, OSError):
             return None
-        lane = cls(spec, binary, log_path)
+        lane = cls(spec, binary, log_path, **kw)
         lane.adopted = p
+        lane._take_lines(facts)
+        lane._follow(tail=TAIL_BYTES)
         lane.read_log()
         return lane
 
@@ -119,21 +173,82 @@ class LaneProcess:
         except psutil.Error:
             return None
 
-    def read_log(self) -> None:
-        """Pick up new log lines: the tail for errors, and the KV size and buffer lines."""
+    async def drained(self, timeout: float = 2.0) -> None:
+        """After the lane exited: wait until its writer has written its last lines (the error),
+        and read on to the end of its log (its last TAIL_BYTES, if far behind)."""
+        if self.pump is not None and self.pump.returncode is None:
+            try:
+                await asyncio.wait_for(self.pump.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+        if self._log is not None:
+            try:
+                behind = os.fstat(self._log.fileno()).st_size - self._log.tell()
+            except (OSError, ValueError):
+                return
+            if behind > READ_LIMIT:
+                self._log.seek(-TAIL_BYTES, os.SEEK_END)
+                self._log.readline(LONGEST_LINE)
+                self._partial = b""
+
+    def close_log(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def facts(self) -> list[str]:
+        """The lines an adopting agent needs again (KV size, buffers): saved in its state file."""
+        return [*self.kv_lines, *self.buffer_lines]
+
+    def _follow(self, tail: int | None = None) -> None:
+        """Open the log for reading: from its start (None), or its last `tail` bytes (a partial
+        first line skipped; 0: from its end)."""
+        self._partial = b""
         try:
-            with open(self.log_path, "rb") as f:
-                f.seek(self._offset)
-                chunk = f.read()
+            self._log = open(self.log_path, "rb")
         except OSError:
+            self._log = None
             return
-        if not chunk:
+        if tail is None:
             return
-        complete, _, _ = chunk.rpartition(b"\n")
-        if not complete:
-            return
-        self._offset += len(complete) + 1
-        for line in complete.decode(errors="replace").splitlines():
+        size = os.fstat(self._log.fileno()).st_size
+        self._log.seek(max(0, size - tail))
+        if 0 < tail < size:
+            self._log.readline(LONGEST_LINE)
+
+    def read_log(self) -> None:
+        """Pick up new log lines (at most READ_LIMIT bytes): the tail for errors, and the KV size
+        and buffer lines. A rotated file is read to its end before the new one."""
+        for _ in range(2):
+            if self._log is None:
+                self._follow()  # a new file: from its start
+                if self._log is None:
+                    return
+            chunk = self._log.read(READ_LIMIT)
+            if chunk:
+                self._take(chunk)
+                return
+            try:  # at its end: has the writer moved on to a new file under the name?
+                if os.stat(self.log_path).st_ino == os.fstat(self._log.fileno()).st_ino:
+                    if self._log.tell() > os.fstat(self._log.fileno()).st_size:  # truncated (one file kept)
+                        self._log.seek(0)
+                    return
+            except OSError:
+                return
+            self._log.close()
+            self._log = None
+
+    def _take(self, chunk: bytes) -> None:
+        data = self._partial + chunk
+        complete, newline, rest = data.rpartition(b"\n")
+        if not newline:
+            complete, rest = (data, b"") if len(data) > LONGEST_LINE else (b"", data)
+        self._partial = rest
+        if complete:
+            self._take_lines(complete.decode(errors="replace").splitlines())
+
+    def _take_lines(self, lines: Iterable[str]) -> None:
+        for line in lines:
             self.tail.append(line)
             if is_kv_size_line(line):
                 self.kv_lines.append(line)
@@ -187,9 +302,14 @@ class LaneProcess:
         if self.proc is not None:
             try:
                 await asyncio.wait_for(self.proc.wait(), timeout)
-                return True
             except asyncio.TimeoutError:
                 return False
+            if self.pump is not None:  # its log writer ends with it (the end of its input)
+                try:
+                    await asyncio.wait_for(self.pump.wait(), 5.0)
+                except asyncio.TimeoutError:
+                    pass
+            return True
         loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(None, self.adopted.wait, timeout)
@@ -205,8 +325,8 @@ class DryRunLane(LaneProcess):
     drives hundreds of real agents with it.
     """
 
-    def __init__(self, spec: LaneSpec, binary: str, log_path: Path) -> None:
-        super().__init__(spec, binary, log_path)
+    def __init__(self, spec: LaneSpec, binary: str, log_path: Path, **kw) -> None:
+        super().__init__(spec, binary, log_path, **kw)
         self._stopped = False
 
     async def start(self) -> None:

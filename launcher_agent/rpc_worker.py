@@ -6,15 +6,18 @@ its --rpc-worker-ports range: ggml-rpc-server has no authentication, so nothing 
 reach it. `decide` is pure (which servers to start, which to stop); `RpcWorkers` runs them
 (argv lists only), restarts one that exited, and stops those no span needs any more.
 Each runs with its local tensor cache (-c, under the agent's data folder): weights a
-serving host sent once are loaded from disk the next time.
+serving host sent once are loaded from disk the next time. Each starts with the allow-listed
+environment lanes get (launcher_agent/child_env.py) and logs through the same rotating writer.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,10 +25,12 @@ from pathlib import Path
 import psutil
 import structlog
 
+from launcher_agent.process import LogLimits, lane_environment, pump_argv
 from shared.messages import RpcWorkerSpec, RpcWorkerStatus
 
 log = structlog.get_logger("lanes.agent")
 RESTART_AFTER = 2.0  # seconds before an exited ggml-rpc-server is started again
+STOP_WAIT = 5.0  # seconds a stopped ggml-rpc-server is given before SIGKILL
 
 
 @dataclass(frozen=True)
@@ -36,6 +41,8 @@ class WorkerSettings:
     port_count: int
     cache_dir: Path
     threads: int = 1
+    env_names: tuple[str, ...] = ()  # the operator's --lane-env names
+    log_limits: LogLimits = LogLimits()
 
 
 def spec_problem(spec: RpcWorkerSpec, settings: WorkerSettings) -> str | None:
@@ -85,6 +92,7 @@ class _Proc:
     spec: RpcWorkerSpec
     pid: int
     popen: subprocess.Popen | None = None
+    pump: subprocess.Popen | None = None  # its log writer (launcher_agent/logpump.py)
     exited_at: float | None = None
     restarts: int = 0
 
@@ -98,6 +106,16 @@ class _Proc:
             return False
 
 
+async def _until_exited(proc: _Proc, timeout: float, every: float = 0.05) -> bool:
+    """Whether the process exited (and was reaped, if ours) within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while proc.alive():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(every)
+    return True
+
+
 class RpcWorkers:
     """The running ggml-rpc-servers of one host, kept as the plan asks."""
 
@@ -106,7 +124,7 @@ class RpcWorkers:
         self.state_file = state_file
         self.procs: dict[int, _Proc] = {}
 
-    def apply(self, desired: Sequence[RpcWorkerSpec], now: float) -> None:
+    async def apply(self, desired: Sequence[RpcWorkerSpec], now: float) -> None:
         ok = []
         for spec in desired:
             problem = spec_problem(spec, self.settings)
@@ -122,7 +140,7 @@ class RpcWorkers:
         starts, stops = decide(ok, running, now)
         restarts = {p: x.restarts + 1 for p, x in self.procs.items() if not x.alive()}
         for port in stops:
-            self._stop(port)
+            await self._stop(port)
         for spec in starts:
             self._start(spec, restarts=restarts.get(spec.port, 0))
         if starts or stops:
@@ -132,45 +150,44 @@ class RpcWorkers:
         self.settings.cache_dir.mkdir(parents=True, exist_ok=True)
         argv = worker_argv(spec, self.settings)
         # ggml-rpc-server keeps its cache under $LLAMA_CACHE/rpc: the agent's data folder.
-        env = dict(os.environ, LLAMA_CACHE=str(self.settings.cache_dir))
-        out = open(self.settings.cache_dir.parent / f"rpc-worker-{spec.port}.log", "ab")
+        env = dict(lane_environment(self.settings.env_names), LLAMA_CACHE=str(self.settings.cache_dir))
+        log_path = self.settings.cache_dir.parent / f"rpc-worker-{spec.port}.log"
+        read, write = os.pipe()
         try:
-            popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
+            pump = subprocess.Popen(pump_argv(log_path, self.settings.log_limits), stdin=read,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                    env=env)  # fmt: skip
+            popen = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=write, stderr=write, env=env,
                                      start_new_session=True)  # fmt: skip
         except OSError as exc:
             log.error("could not start ggml-rpc-server", argv=argv, error=str(exc))
             return
         finally:
-            out.close()
-        self.procs[spec.port] = _Proc(spec, popen.pid, popen, restarts=restarts)
+            os.close(read)  # the writer ends with the server (the end of its input)
+            os.close(write)
+        self.procs[spec.port] = _Proc(spec, popen.pid, popen, pump, restarts=restarts)
         log.info("ggml-rpc-server started", port=spec.port, lane=spec.lane_id, serving=spec.serving_host, pid=popen.pid)
 
-    def _stop(self, port: int) -> None:
+    async def _stop(self, port: int) -> None:
+        """SIGTERM, then SIGKILL after STOP_WAIT seconds; waits without blocking the event loop."""
         proc = self.procs.pop(port, None)
         if proc is None:
             return
-        if proc.alive():
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if not proc.alive():
+                break
             try:
-                os.killpg(proc.pid, signal.SIGTERM)
+                os.killpg(proc.pid, sig)
             except ProcessLookupError:
-                pass
-            try:
-                if proc.popen is not None:
-                    proc.popen.wait(5)
-                else:
-                    psutil.Process(proc.pid).wait(5)
-            except (subprocess.TimeoutExpired, psutil.Error):
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        elif proc.popen is not None:
-            proc.popen.poll()
+                break
+            await _until_exited(proc, STOP_WAIT)
+        if proc.pump is not None:
+            await _until_exited(_Proc(proc.spec, proc.pump.pid, proc.pump), STOP_WAIT)
         log.info("ggml-rpc-server stopped", port=port, lane=proc.spec.lane_id)
 
-    def stop_all(self) -> None:
+    async def stop_all(self) -> None:
         for port in list(self.procs):
-            self._stop(port)
+            await self._stop(port)
         self._save()
 
     def status(self) -> tuple[RpcWorkerStatus, ...]:

@@ -1,7 +1,9 @@
 """The launcher agent's NATS side: reports this host, watches its plan, publishes
 status and events, and runs the Supervisor that keeps the host's lanes as planned.
 
-Lanes keep serving while NATS is away. The plan is followed without a JetStream
+Nothing that blocks runs on the event loop: the host report (NVML, the GGUF scan, llama-server
+probes) is built in a worker thread, one at a time, and ggml-rpc-servers are waited for
+asynchronously. Lanes keep serving while NATS is away. The plan is followed without a JetStream
 consumer (shared.bus.follow_key: a subscription on the key's subject plus a direct
 get), so the agent's NATS user needs no consumer rights; the key is read again after
 every reconnect and every report interval.
@@ -10,6 +12,7 @@ every reconnect and every report interval.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
@@ -51,6 +54,7 @@ class Agent:
     _last_status: bytes = b""
     _facts_cache: dict = field(default_factory=dict)
     _plan_seen: bytes | None = None  # the plan entry last acted on: a re-read of it changes nothing
+    _reporting: threading.Lock = field(default_factory=threading.Lock)  # one report (GGUF scan) at a time
 
     workers: RpcWorkers | None = None  # ggml-rpc-servers for other hosts' span lanes (--rpc-worker)
 
@@ -60,7 +64,8 @@ class Agent:
             # ggml-rpc-server computes its layers with the CPU backend: one thread per physical core
             settings = WorkerSettings(self.cfg.rpc_server_binary, self.cfg.advertise, self.cfg.rpc_worker_port_base,
                                       self.cfg.rpc_worker_port_count, self.cfg.data_dir / "rpc-cache",
-                                      threads=host_cores.host_cores().physical or 1)  # fmt: skip
+                                      threads=host_cores.host_cores().physical or 1,
+                                      env_names=self.cfg.lane_env)  # fmt: skip
             self.workers = RpcWorkers(settings, self.cfg.data_dir / "rpc-workers.json")
         # Model facts survive a restart: an unchanged GGUF is never read again.
         self._facts_cache = FactsCache(self.cfg.data_dir / "model-facts.json")
@@ -69,11 +74,16 @@ class Agent:
     def host(self) -> str:
         return subjects.host_token(self.cfg.host_id)
 
-    def report(self) -> HostReport:
-        return host_report(
-            self.cfg, self.sup.lanes_rss(), self._facts_cache, self.sup.lane_pids(), self.sup.lanes_gpu_bytes(),
-            workers_rss=self.workers.rss() if self.workers else 0,
-        )
+    async def report(self) -> HostReport:
+        """The lanes' figures are read here, on the loop (the lanes change on it); the rest blocks
+        (NVML, a GGUF scan, subprocesses) and runs in a worker thread, one report at a time."""
+        lanes = (self.sup.lanes_rss(), self.sup.lane_pids(), self.sup.lanes_gpu_bytes())
+        workers_rss = self.workers.rss() if self.workers else 0
+        return await asyncio.to_thread(self._build_report, *lanes, workers_rss)
+
+    def _build_report(self, rss: int, pids: list[int], gpu: dict[int, int], workers_rss: int) -> HostReport:
+        with self._reporting:
+            return host_report(self.cfg, rss, self._facts_cache, pids, gpu, workers_rss=workers_rss)
 
     # ------------------------------------------------------------ plans in
 
@@ -141,7 +151,7 @@ class Agent:
         if self.kv is None:
             return
         try:
-            report = await asyncio.get_running_loop().run_in_executor(None, self.report)
+            report = await self.report()
             await self.kv.put(subjects.report_key(self.host), encode(report))
         except Exception as exc:
             log.info("report not published", error=str(exc) or type(exc).__name__)
@@ -192,7 +202,7 @@ async def _nats_side(agent: Agent, servers: str, auth: NatsAuth, stop: asyncio.E
         await req.respond(encode(agent.sup.status(nats_connected=True)))
 
     async def info_handler(req: Request) -> None:
-        await req.respond(encode(agent.report()))
+        await req.respond(encode(await agent.report()))
 
     where = subjects.agent_group(agent.host)
     await group.add_endpoint(
@@ -231,7 +241,7 @@ async def _control_loop(agent: Agent, stop: asyncio.Event) -> None:
             await agent.publish_status()  # a lane that came up is told before the next one restarts
             await agent.sup.reconcile(now)
             if agent.workers is not None and agent.sup.plan is not None:
-                agent.workers.apply(agent.sup.plan.rpc_workers, now)
+                await agent.workers.apply(agent.sup.plan.rpc_workers, now)
             await agent.publish_status()
         except Exception:
             log.exception("control loop error")
@@ -264,5 +274,5 @@ async def run_agent(cfg: AgentConfig, servers: str, stop: asyncio.Event, auth: N
         await run_until(stop, tasks)
         await agent.sup.stop_all()
         if agent.workers is not None:
-            agent.workers.stop_all()
+            await agent.workers.stop_all()
         await quietly(lambda: agent.publish_status(force=True))()

@@ -25,6 +25,7 @@ from launcher_agent.feedback import Feedback
 from launcher_agent.lane import Emit, Lane, no_event
 from launcher_agent.lifecycle import Lifecycle
 from launcher_agent.persistence import StateFile
+from launcher_agent.process import LogLimits
 from launcher_agent.reconcile import Observed, as_rendered, decide, validate_plan
 from shared.llama.endpoints import WILDCARD_BINDS
 from shared.messages import HostPlan, HostStatus, LaneStatus
@@ -81,6 +82,7 @@ class Supervisor:
             return None
         log.info("plan applied", plan_revision=plan.plan_revision, lanes=[s.lane_id for s in plan.lanes])
         self.plan = plan
+        self.procs.log_limits = log_limits(plan)
         self._save()
         self.wake.set()
         return None
@@ -110,6 +112,8 @@ class Supervisor:
         ask = health.what_to_probe(health_of(lane), now) if proc.returncode is None else None
         ready = await proc.probe_health() if ask == "ready" else None
         alive = await proc.alive(self.cfg.probe_timeout) if ask == "alive" else None
+        if proc.returncode is not None:
+            await proc.drained()  # its last lines say why it exited
         proc.read_log()
         if ready is not None and ready[0] == "healthy" and lane.spec.workers:
             problem = span_problem(lane.spec, proc.buffer_lines)
@@ -177,6 +181,8 @@ class Supervisor:
         if saved is None:
             return
         self.plan = saved.plan
+        if saved.plan is not None:
+            self.procs.log_limits = log_limits(saved.plan)
         self.feedback.restore(saved.feedback)
         self.procs.adopt(saved)
 
@@ -252,6 +258,10 @@ _HEALTH_FIELDS = tuple(f.name for f in fields(health.LaneHealth))
 
 def health_of(lane: Lane) -> health.LaneHealth:
     return health.LaneHealth(**{f: getattr(lane, f) for f in _HEALTH_FIELDS})
+
+
+def log_limits(plan: HostPlan) -> LogLimits:
+    return LogLimits(plan.lane_log_max_bytes, plan.lane_log_files)
 
 
 def model_file_exists(path: str) -> bool:

@@ -286,11 +286,13 @@ def scan_models(
     """
     found: list[ModelFacts] = []
     problems: list[str] = []
+    seen: set[tuple[str, int, int]] = set()
     for folder in folders:
         for path in sorted(Path(folder).rglob("*.gguf")):
             try:
                 st = path.stat()
                 key = (str(path), st.st_size, st.st_mtime_ns)
+                seen.add(key)
                 facts = cache.get(key) if cache is not None else None
                 if facts is None:
                     facts = read_model_facts(path)
@@ -300,7 +302,7 @@ def scan_models(
             except (ModelError, OSError) as exc:
                 problems.append(str(exc))
     if isinstance(cache, FactsCache):
-        for key in [k for k in cache if not Path(k[0]).exists()]:
+        for key in [k for k in cache if k not in seen]:  # gone, or changed since (a new key)
             del cache[key]
         cache.save()
     return found, problems

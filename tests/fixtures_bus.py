@@ -37,7 +37,9 @@ def fake_binary(folder: Path, env: dict[str, str] | None = None) -> str:
     """An executable `llama-server` that runs the suite's fake with this interpreter."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "llama-server"
-    exports = "".join(f"export {k}='{v}'\n" for k, v in (env or {}).items())
+    # Lanes get only an allow-listed environment: the fake's knobs travel in the script itself.
+    knobs = {k: v for k, v in os.environ.items() if k == "FAKE_LLAMA_RECORD_TO"} | (env or {})
+    exports = "".join(f"export {k}='{v}'\n" for k, v in knobs.items())
     path.write_text(f"#!/bin/sh\n{exports}exec '{sys.executable}' '{FAKE}' \"$@\"\n")
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
     return str(path)

@@ -70,3 +70,11 @@ def test_affinity_bench_small(tmp_path, llama_server):
     data = json.loads(out.with_suffix(".json").read_text())
     assert data["affinity"]["requests"] == data["most_free_slots"]["requests"] == 6
     assert "cached-token ratio, turns 2+" in out.read_text()
+
+
+def test_loop_lag_bench_agent_small(tmp_path):
+    out = tmp_path / "lag.json"
+    result = run("loop_lag_bench.py", "agent", "--models", "20", "--rescans", "1", "--json", str(out))
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads(out.read_text())
+    assert data["models"] == 20 and data["loop_lag"]["samples"] > 0

@@ -367,3 +367,20 @@ async def test_lane_using_more_than_planned_is_replanned_smaller(nats_server, tm
         spec = (await fleet_status(nc)).plans[0].lanes[0]
         assert any("larger" in r and "measured more than planned" in r for r in spec.reasons)
         assert lane.kv_bytes > lane.planned_kv_bytes  # still reported, still visible beside the plan
+
+
+def test_a_nats_server_a_dead_parent_left_on_a_folder_is_stopped_by_the_next_start(tmp_path):
+    """Where the server could not go with its parent, the next start on the folder finds it by its
+    pid file and stops it: it comes up on the same port and store."""
+    from shared.natsserver import NatsServer
+
+    left = NatsServer(tmp_path / "nats").start()
+    try:
+        again = NatsServer(tmp_path / "nats", port=left.port).start()
+        try:
+            assert left.proc.wait(10) is not None
+            assert again.proc.poll() is None and again.port == left.port
+        finally:
+            again.stop()
+    finally:
+        left.stop()

@@ -68,3 +68,67 @@ def test_lanes_up_config_status_and_clean_stop(tmp_path, tiny_models):
     finally:
         if up.poll() is None:
             up.kill()
+
+
+def _nats_servers_on(store: str) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if cmd and cmd[0].endswith("nats-server") and store in cmd:
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(p)
+            except psutil.Error:
+                pass
+    return found
+
+
+def test_lanes_up_killed_with_sigkill_comes_back_on_its_folder_and_adopts_its_lane(tmp_path, tiny_models):
+    from fixtures_bus import free_port_base
+    from ops_helpers import kill_lanes_under
+
+    models = tmp_path / "models"
+    models.mkdir()
+    shutil.copy(tiny_models["llama8"], models / "llama8.gguf")
+    data = tmp_path / "data"
+    store = str(data / "nats" / "jetstream")
+    argv = [*LANES, "up", "--models", str(models), "--data", str(data), "--llama-server", fake_binary(tmp_path / "bin"),
+            "--nats-port", "0", "--gateway-port", "0", "--host-id", "local", "--max-ram", "1GiB",
+            "--port-base", str(free_port_base())]  # fmt: skip
+
+    def start() -> tuple[subprocess.Popen, str]:
+        up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return up, re.search(r"nats (nats://\S+)", up.stdout.readline()).group(1)
+
+    def healthy_lane(url: str):
+        out = _lanes("status", "--nats", url, "--json")
+        lanes = [lane for h in json.loads(out.stdout)["statuses"] for lane in h["lanes"]] if out.returncode == 0 else []
+        return next((lane for lane in lanes if lane["state"] == "healthy"), None)
+
+    up, url = start()
+    try:
+        lane = eventually_blocking(lambda: healthy_lane(url), what="the lane healthy")
+        (nats,) = _nats_servers_on(store)
+        up.kill()  # SIGKILL alone, as the OOM killer sends it
+        up.wait(10)
+        eventually_blocking(lambda: not _nats_servers_on(store), timeout=10, what="the nats-server to go with it")
+        assert psutil.Process(lane["pid"]).is_running()  # the lane outlives it, for adoption
+        assert not nats.is_running() or nats.status() == psutil.STATUS_ZOMBIE
+
+        up, url = start()  # the same data folder: it comes up
+        again = eventually_blocking(lambda: healthy_lane(url), what="the lane healthy after the restart")
+        assert again["pid"] == lane["pid"]  # adopted, not started a second time
+        assert len(_nats_servers_on(store)) == 1
+        up.send_signal(signal.SIGINT)
+        assert up.wait(30) == 0
+        assert not _nats_servers_on(store)  # no orphan after a clean stop
+        eventually_blocking(lambda: not psutil.pid_exists(lane["pid"])
+                            or psutil.Process(lane["pid"]).status() == psutil.STATUS_ZOMBIE,
+                            timeout=10, what="the adopted lane stopped with it")  # fmt: skip
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait(10)
+        for p in _nats_servers_on(store):
+            p.kill()
+        kill_lanes_under(tmp_path)

@@ -8,6 +8,7 @@ serving llama-server started with the plan's argv prints per RPC device what the
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from pathlib import Path
 
@@ -133,7 +134,7 @@ def test_workers_run_and_stop_real_servers_and_a_restarted_agent_adopts_them(rpc
     settings = WorkerSettings(str(rpc_bin / "ggml-rpc-server"), "127.0.0.1", base, 2, tmp_path / "rpc-cache")
     workers = RpcWorkers(settings, tmp_path / "rpc-workers.json")
     a = spec(base, bind="127.0.0.1")
-    workers.apply([a, spec(base + 5, "x-0", bind="127.0.0.1")], now=0)  # the second is outside the range
+    asyncio.run(workers.apply([a, spec(base + 5, "x-0", bind="127.0.0.1")], now=0))  # the second is outside the range
     assert list(workers.procs) == [base]
     eventually_blocking(lambda: _listening(base), timeout=10, interval=0.05, what="ggml-rpc-server to listen")
     pid = workers.procs[base].pid
@@ -143,20 +144,20 @@ def test_workers_run_and_stop_real_servers_and_a_restarted_agent_adopts_them(rpc
     again = RpcWorkers(settings, tmp_path / "rpc-workers.json")
     again.adopt()
     assert again.procs[base].pid == pid
-    again.apply([a], now=1)
+    asyncio.run(again.apply([a], now=1))
     assert again.procs[base].pid == pid
     # killed: started again after the pause
     psutil.Process(pid).kill()
     eventually_blocking(lambda: not again.procs[base].alive(), timeout=5, interval=0.05, what="the server to die")
-    again.apply([a], now=2)
-    again.apply([a], now=2 + RESTART_AFTER)
+    asyncio.run(again.apply([a], now=2))
+    asyncio.run(again.apply([a], now=2 + RESTART_AFTER))
     assert again.procs[base].pid != pid
     eventually_blocking(lambda: _listening(base), timeout=10, interval=0.05, what="the restarted server")
     (shown,) = again.status()
     assert (shown.lane_id, shown.port, shown.running, shown.restarts) == ("m-0", base, True, 1)
     new_pid = again.procs[base].pid
     # no span needs it: stopped
-    again.apply([], now=10)
+    asyncio.run(again.apply([], now=10))
     assert again.procs == {}
     eventually_blocking(lambda: not psutil.pid_exists(new_pid) or psutil.Process(new_pid).status() == "zombie",
                         timeout=5, interval=0.05, what="the server to stop")  # fmt: skip
@@ -202,7 +203,7 @@ def test_a_planned_span_over_two_loopback_workers_prints_what_the_plan_says(rpc_
         for h in ("w1", "w2"):
             w = RpcWorkers(WorkerSettings(str(rpc_bin / "ggml-rpc-server"), "127.0.0.1", plans[h].rpc_workers[0].port,
                                           1, tmp_path / h / "rpc-cache"), tmp_path / h / "state.json")  # fmt: skip
-            w.apply(plans[h].rpc_workers, now=0)
+            asyncio.run(w.apply(plans[h].rpc_workers, now=0))
             running.append(w)
             port = plans[h].rpc_workers[0].port
             eventually_blocking(lambda: _listening(port), timeout=10, interval=0.05, what=f"{h}'s server")
@@ -237,4 +238,4 @@ def test_a_planned_span_over_two_loopback_workers_prints_what_the_plan_says(rpc_
         assert span_problem(lane, alone_run.lines).startswith(SPAN_FAILED)
     finally:
         for w in running:
-            w.stop_all()
+            asyncio.run(w.stop_all())

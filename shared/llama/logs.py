@@ -44,6 +44,9 @@ _OOM = re.compile(
     r"Cannot allocate memory|Thread creation failed",
     re.I,
 )
+# The line after which a lane's log keeps no debug line (launcher_agent/logpump.py): everything
+# the agent reads is printed before it, and from then on debug lines carry the requests' prompts.
+LOADED_FOR_GOOD = r"(?:main|llama_server): model loaded"
 _UNSUPPORTED = re.compile(
     r"Unsupported cache type|invalid argument|unknown value for|requires flash_attn|does not divide|"
     r"V cache quantization requires|expected value for argument"

@@ -1,0 +1,358 @@
+"""What an agent's children get and leave behind: an allow-listed environment, and logs that are
+bounded (rotated by size, adopted from their tail) and hold no prompt.
+
+Fast tier: the allow-list, the log writer (launcher_agent/logpump.py) as a process, the reader
+following a rotation, adoption, and a planner + agent + fake llama-server over real NATS. The
+real binaries (llama-server, ggml-rpc-server; slow by their fixtures) show the environment of
+what actually runs, and `lanes up` with the real llama-server shows no prompt on disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import msgspec
+import psutil
+import pytest
+from fixtures_bus import agent_config, client, fake_binary, free_port_base, host_status, lane_of, services
+from waiting import eventually, eventually_blocking
+
+from launcher_agent.child_env import allowed, child_environment
+from launcher_agent.process import TAIL_BYTES, LaneProcess, LogLimits, pump_argv
+from shared.llama.logs import LOADED_FOR_GOOD
+from shared.messages import FleetConfig, HostPlan, LaneSpec
+
+SECRET = "LANES_TEST_SECRET_TOKEN"
+NAMED = "MY_LANE_SETTING"
+MIB = 2**20
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+# ------------------------------------------------------------------ the allow-list
+
+
+def test_children_get_the_runtime_variables_and_what_the_operator_names_only():
+    env = {
+        "PATH": "/usr/bin", "HOME": "/home/x", "LANG": "C.UTF-8", "LC_ALL": "C", "TZ": "UTC", "TMPDIR": "/tmp",
+        "LD_LIBRARY_PATH": "/opt/lib", "CUDA_VISIBLE_DEVICES": "0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "HIP_VISIBLE_DEVICES": "1", "ROCR_VISIBLE_DEVICES": "1", "HSA_OVERRIDE_GFX_VERSION": "10.3.0",
+        "GGML_VK_VISIBLE_DEVICES": "0", "VK_ICD_FILENAMES": "/x.json", "ONEAPI_DEVICE_SELECTOR": "level_zero:0",
+        "SYCL_CACHE_PERSISTENT": "1", "ZE_AFFINITY_MASK": "0", "GGML_METAL_PATH_RESOURCES": "/m",
+        # never
+        "LANES_GATEWAY_API_KEYS": "k1", "LANES_NATS_PASSWORD": "pw", "LLAMA_ARG_HOST": "0.0.0.0",
+        "AWS_SECRET_ACCESS_KEY": "s", "HF_TOKEN": "hf", "NATS_URL": "nats://x", "OPENAI_API_KEY": "o",
+        "CUDA_TOKEN": "looks like a credential", "GGML_API_KEY": "so does this", NAMED: "v",
+    }  # fmt: skip
+    out = child_environment(env)
+    never = {"LANES_GATEWAY_API_KEYS", "LANES_NATS_PASSWORD", "LLAMA_ARG_HOST", "AWS_SECRET_ACCESS_KEY", "HF_TOKEN",
+             "NATS_URL", "OPENAI_API_KEY", "CUDA_TOKEN", "GGML_API_KEY", NAMED}  # fmt: skip
+    assert set(out) == set(env) - never
+    named = child_environment(env, [NAMED, "HF_TOKEN", "LANES_NATS_PASSWORD", "LLAMA_ARG_HOST"])
+    assert set(named) == set(out) | {NAMED, "HF_TOKEN"}  # LANES_* and LLAMA_ARG_* not even when named
+    assert not allowed("LANES_X", ["LANES_X"]) and allowed("HF_TOKEN", ["HF_TOKEN"])
+
+
+def test_lane_env_refuses_the_agents_own_variables():
+    from lanes.cli import build_parser
+
+    args = build_parser().parse_args(["agent", "--lane-env", "HF_HOME", "--lane-env", "X1"])
+    assert args.lane_env == ["HF_HOME", "X1"]
+    for bad in ("LANES_NATS_PASSWORD", "LLAMA_ARG_PORT", "A=B", "1X"):
+        out = subprocess.run([sys.executable, "-m", "lanes.cli", "agent", "--lane-env", bad], capture_output=True,
+                             text=True, timeout=30)  # fmt: skip
+        assert out.returncode == 2 and "--lane-env" in out.stderr, (bad, out.stderr)
+
+
+# ------------------------------------------------------------------ the log writer
+
+
+def _pump(tmp: Path, data: bytes, max_bytes: int, files: int, quiet_after: str | None = None) -> Path:
+    log = tmp / "lane.log"
+    out = subprocess.run(pump_argv(log, LogLimits(max_bytes, files), quiet_after), input=data, timeout=60)
+    assert out.returncode == 0
+    return log
+
+
+def test_the_log_rotates_by_size_keeps_its_files_and_splits_no_line(tmp_path):
+    lines = [f"line {i:06d} {'x' * (i % 50)}" for i in range(20000)]
+    log = _pump(tmp_path, "".join(f"{line}\n" for line in lines).encode(), 64 * 1024, 3)
+    files = sorted(tmp_path.glob("lane.log*"))
+    assert [f.name for f in files] == ["lane.log", "lane.log.1", "lane.log.2"]
+    for f in files:  # at most one read (64 KiB) past the limit
+        assert f.stat().st_size <= 2 * 64 * 1024
+    kept = (log.with_name("lane.log.2").read_text() + log.with_name("lane.log.1").read_text() + log.read_text())
+    kept_lines = kept.splitlines()
+    assert kept.endswith("\n") and kept_lines == lines[-len(kept_lines) :]  # the newest, whole and in order
+    assert len(kept_lines) < len(lines)
+    # appended, not truncated: a second run adds to the current file
+    before = log.stat().st_size
+    _pump(tmp_path, b"one more\n", 64 * 1024, 3)
+    assert log.stat().st_size == before + len(b"one more\n")
+
+
+def test_a_log_that_cannot_be_written_loses_lines_never_the_lane(tmp_path):
+    """The writer reads its input to the end all the same: a lane never meets a closed pipe."""
+    gone = tmp_path / "gone" / "lane.log"
+    out = subprocess.run(pump_argv(gone, LogLimits()), input=b"x" * 10 * MIB, timeout=60)
+    assert out.returncode == 0 and not gone.exists()
+    one = tmp_path / "one.log"  # one file kept: it starts over at the limit
+    assert subprocess.run(pump_argv(one, LogLimits(64 * 1024, 1)), input=b"line\n" * 40000, timeout=60).returncode == 0
+    assert one.stat().st_size < 64 * 1024 and not one.with_name("one.log.1").exists()
+
+
+def test_after_the_model_loaded_no_debug_line_is_written_but_a_crash_report_is(tmp_path):
+    stamp = "0.00.100.000"
+    text = "\n".join([
+        f"{stamp} D llama_kv_cache: size = 8.00 MiB",  # a load-time debug line: kept
+        f"{stamp} I main: model loaded",
+        f"{stamp} I srv  log_server_r: request: POST /v1/chat/completions 127.0.0.1 200",
+        f"{stamp} D srv  params_from_: formatted_chat: '<|user|>",
+        "SECRET-PROMPT continues here",
+        "'",
+        f"{stamp} D slot update_slots: id  0 | task 0 | prompt token   1:   1234 'SECRET-PROMPT'",
+        "/src/ggml.c:123: GGML_ASSERT(x) failed",
+        f"{stamp} I slot      release: id  0 | task 0 | stop processing",
+        "a continuation of an info line",
+    ]) + "\n"  # fmt: skip
+    log = _pump(tmp_path, text.encode(), 16 * MIB, 3, LOADED_FOR_GOOD)
+    written = log.read_text()
+    assert "SECRET-PROMPT" not in written
+    assert written.splitlines() == [
+        f"{stamp} D llama_kv_cache: size = 8.00 MiB", f"{stamp} I main: model loaded",
+        f"{stamp} I srv  log_server_r: request: POST /v1/chat/completions 127.0.0.1 200",
+        "/src/ggml.c:123: GGML_ASSERT(x) failed",
+        f"{stamp} I slot      release: id  0 | task 0 | stop processing", "a continuation of an info line",
+    ]  # fmt: skip
+    assert "SECRET-PROMPT" in _pump(tmp_path / "..", text.encode(), 16 * MIB, 3).read_text()  # unfiltered: there
+
+
+def _spec(**kw) -> LaneSpec:
+    return LaneSpec(lane_id="m-0", model="m", model_path="/m.gguf", alias="m", port=1, ctx_total=512, ctx_per_slot=512,
+                    parallel=1, **kw)  # fmt: skip
+
+
+def test_the_reader_follows_a_rotation_and_starts_at_this_runs_lines(tmp_path):
+    log = tmp_path / "lane.log"
+    log.write_text("an older run's line: failed to allocate\n")
+    spec = _spec()
+    lane = LaneProcess(spec, "llama-server", log)
+    lane._follow(tail=0)  # as start() does: the file's earlier runs are not this one's
+    with open(log, "ab") as f:
+        f.write(b"first\nsecond, half")
+    lane.read_log()
+    assert list(lane.tail) == ["first"]
+    with open(log, "ab") as f:
+        f.write(b" done\n")
+    lane.read_log()
+    assert list(lane.tail) == ["first", "second, half done"]
+    # the writer rotates: the rest of the old file is read, then the new one from its start
+    with open(log, "ab") as f:
+        f.write(b"last of the old file\n")
+    os.replace(log, log.with_name("lane.log.1"))
+    log.write_text("first of the new file\n")
+    lane.tail.clear()
+    for _ in range(3):
+        lane.read_log()
+    assert list(lane.tail) == ["last of the old file", "first of the new file"]
+
+
+def test_an_adopted_lane_reads_its_log_from_the_tail_and_its_load_facts_from_the_state_file(tmp_path):
+    spec = _spec(args=("--port", "1"))
+    kv = ("llama_kv_cache: size =    8.00 MiB (  4096 cells,   8 layers,  1/1 seqs),"
+          " K (f16):    4.00 MiB, V (f16):    4.00 MiB")
+    log = tmp_path / "lane.log"
+    with open(log, "w") as f:
+        f.write(kv + "\n")  # far before the tail: never read again
+        f.write("filler line\n" * (4 * TAIL_BYTES // 12))
+        f.write("the last line\n")
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *spec.args])
+    try:
+        eventually_blocking(lambda: psutil.Process(proc.pid).cmdline()[-2:] == list(spec.args), timeout=10,
+                            what="the child's exec")  # fmt: skip
+        bare = LaneProcess.adopt(spec, "llama-server", log, proc.pid)
+        assert bare.tail[-1] == "the last line" and bare.kv_bytes() is None  # the KV line is not in the tail
+        assert bare._log.tell() <= log.stat().st_size and log.stat().st_size - TAIL_BYTES <= bare._log.tell() - 1
+        adopted = LaneProcess.adopt(spec, "llama-server", log, proc.pid, facts=[kv])
+        assert adopted.kv_bytes() == 8 * MIB and adopted.facts() == [kv]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+# ------------------------------------------------------------------ an agent's lanes (fake llama-server)
+
+
+def _kill_under(folder: Path) -> None:
+    """What a failed run left: any process whose command line names a path under `folder`."""
+    for p in psutil.process_iter(["cmdline"]):
+        if p.pid != os.getpid() and any(str(folder) in c for c in p.info["cmdline"] or []):
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+
+
+def _all_files(root: Path, skip: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file() and skip not in p.parents]
+
+
+def _chat(url: str, marker: str, model: str, timeout: float = 120) -> dict:
+    body = json.dumps({"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": f"Say {marker}."}]})
+    req = urllib.request.Request(f"{url}/v1/chat/completions", data=body.encode(),
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+async def test_lanes_get_no_secret_and_their_logs_no_prompt(nats_server, tmp_path, models, monkeypatch):
+    monkeypatch.setenv(SECRET, "s3cr3t")
+    monkeypatch.setenv("LANES_GATEWAY_API_KEYS", "k1")
+    monkeypatch.setenv(NAMED, "given")
+    cfg = agent_config(tmp_path, "alpha", models, fake_binary(tmp_path / "bin"), max_ram=2**30, lane_env=(NAMED,))
+    marker = f"marker-{uuid.uuid4().hex}"
+    async with services(nats_server.url) as s, client(nats_server.url) as nc:
+        s.start_planner()
+        s.start_agent(cfg)
+
+        async def healthy():
+            lane = lane_of(await host_status(nc, "alpha"), "llama8-0")
+            return lane if lane and lane.state == "healthy" else None
+
+        lane = await eventually(healthy, what="the lane healthy")
+        env = _environ(lane.pid)
+        assert SECRET not in env and "LANES_GATEWAY_API_KEYS" not in env and "s3cr3t" not in Path(
+            f"/proc/{lane.pid}/environ").read_text(errors="replace")  # fmt: skip
+        assert env[NAMED] == "given" and env["PATH"] == os.environ["PATH"]
+        await asyncio.to_thread(_chat, f"http://127.0.0.1:{lane.port}", marker, "llama8")
+    # stopped: the lane's writer has written all it was given
+    log = cfg.data_dir / "lanes" / "llama8-0.log"
+    assert log.exists() and "main: model loaded" in log.read_text()
+    holding = [p for p in _all_files(tmp_path, models) if marker.encode() in p.read_bytes()]
+    assert holding == []
+
+
+def test_the_fake_prints_the_prompt_at_debug_level(tmp_path, models):
+    """The check above can fail: unfiltered, the fake's output holds the marker."""
+    binary = fake_binary(tmp_path / "bin", {"FAKE_LLAMA_LOAD_SECONDS": "0"})
+    port = free_port_base(1)
+    out = open(tmp_path / "raw.log", "wb")
+    proc = subprocess.Popen([binary, "-m", str(models / "llama8.gguf"), "--port", str(port), "-c", "1024", "-np", "1"],
+                            stdout=out, stderr=out)  # fmt: skip
+    out.close()
+    def asked() -> bool:
+        try:
+            _chat(f"http://127.0.0.1:{port}", "marker-raw", "llama8", timeout=2)
+        except urllib.error.HTTPError:  # answered, if only with "loading"
+            pass
+        return True
+
+    try:
+        eventually_blocking(asked, what="an answer")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert "marker-raw" in (tmp_path / "raw.log").read_text()
+
+
+def test_the_fleet_config_carries_the_log_limits_into_each_plan():
+    from planner_svc.planner import plan
+    from shared.messages import HostReport, ServerCaps
+
+    report = HostReport(host_id="h", cpu_cores=2, ram_total=8 * 2**30, ram_available=8 * 2**30, server=ServerCaps())
+    (host,) = plan([report], FleetConfig(lane_log_max_bytes=MIB, lane_log_files=5)).hosts
+    assert (host.lane_log_max_bytes, host.lane_log_files) == (MIB, 5)
+    assert (HostPlan(host_id="h").lane_log_max_bytes, HostPlan(host_id="h").lane_log_files) == (16 * MIB, 3)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert({"lane_log_files": 0}, FleetConfig)
+
+
+# ------------------------------------------------------------------ the real binaries (slow)
+
+
+async def test_real_llama_server_lanes_get_no_secret(nats_server, tmp_path, models, llama_server, monkeypatch):
+    monkeypatch.setenv(SECRET, "s3cr3t")
+    monkeypatch.setenv(NAMED, "given")
+    cfg = agent_config(tmp_path, "real", models, llama_server, max_ram=2**30, lane_env=(NAMED,))
+    async with services(nats_server.url) as s, client(nats_server.url) as nc:
+        s.start_planner()
+        s.start_agent(cfg)
+
+        async def healthy():
+            lane = lane_of(await host_status(nc, "real"), "llama8-0")
+            assert lane is None or lane.state not in ("failed", "mismatch"), lane
+            return lane if lane and lane.state == "healthy" else None
+
+        lane = await eventually(healthy, timeout=120, what="the real lane healthy")
+        assert Path(psutil.Process(lane.pid).exe()).name.startswith("llama-server")
+        env = _environ(lane.pid)
+        assert SECRET not in env and "s3cr3t" not in Path(f"/proc/{lane.pid}/environ").read_text(errors="replace")
+        assert env[NAMED] == "given"
+        assert lane.kv_bytes is not None  # its load-time lines were read through the log writer
+
+
+def test_real_ggml_rpc_servers_get_no_secret(tmp_path, rpc_bin, monkeypatch):
+    from launcher_agent.rpc_worker import RpcWorkers, WorkerSettings
+    from shared.messages import RpcWorkerSpec
+
+    monkeypatch.setenv(SECRET, "s3cr3t")
+    monkeypatch.setenv(NAMED, "given")
+    port = free_port_base(1)
+    settings = WorkerSettings(str(rpc_bin / "ggml-rpc-server"), "127.0.0.1", port, 1, tmp_path / "rpc-cache",
+                              env_names=(NAMED,))  # fmt: skip
+    workers = RpcWorkers(settings, tmp_path / "rpc-workers.json")
+    spec = RpcWorkerSpec(lane_id="m-0", serving_host="h", bind="127.0.0.1", port=port)
+    asyncio.run(workers.apply([spec], now=0))
+    try:
+        pid = workers.procs[port].pid
+        assert Path(psutil.Process(pid).exe()).name == "ggml-rpc-server"
+        env = _environ(pid)
+        assert SECRET not in env and "s3cr3t" not in Path(f"/proc/{pid}/environ").read_text(errors="replace")
+        assert env[NAMED] == "given" and env["LLAMA_CACHE"] == str(tmp_path / "rpc-cache")
+    finally:
+        asyncio.run(workers.stop_all())
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_lanes_up_with_the_real_binary_writes_no_prompt_anywhere(tmp_path, models, llama_server):
+    """A chat through the gateway with a unique marker: at the defaults, no file the agent, planner
+    or gateway writes (their own output included) holds it."""
+    marker = f"marker-{uuid.uuid4().hex}"
+    data, out_file = tmp_path / "data", tmp_path / "up.out"
+    out = open(out_file, "wb")
+    up = subprocess.Popen([sys.executable, "-m", "lanes.cli", "up", "--models", str(models), "--data", str(data),
+                           "--llama-server", llama_server, "--nats-port", "0", "--gateway-port", "0",
+                           "--host-id", "local", "--max-ram", "1GiB", "--port-base", str(free_port_base())],
+                          stdout=out, stderr=out, stdin=subprocess.DEVNULL)  # fmt: skip
+    out.close()
+    try:
+        url = eventually_blocking(lambda: re.search(r"gateway: (http://\S+)", out_file.read_text()).group(1),
+                                  what="the gateway's address")  # fmt: skip
+        answer = eventually_blocking(lambda: _chat(url, marker, "llama8", timeout=60), timeout=180,
+                                     what="an answer through the gateway")  # fmt: skip
+        assert answer["choices"]
+        up.send_signal(signal.SIGINT)
+        assert up.wait(60) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait(10)
+        _kill_under(tmp_path)
+    written = _all_files(tmp_path, models)
+    assert any(p.name == "llama8-0.log" for p in written) and out_file in written
+    assert re.search(LOADED_FOR_GOOD, (data / "agent" / "lanes" / "llama8-0.log").read_text())
+    assert [p for p in written if marker.encode() in p.read_bytes()] == []
