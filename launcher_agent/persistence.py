@@ -19,6 +19,9 @@ class Saved(msgspec.Struct):
     plan: HostPlan | None = None
     pids: dict[str, int] = {}
     started: dict[str, float] = {}  # each pid's start time: a reused pid is not adopted
+    # Each running lane's argv tail as launched; a record without it (an older agent's) has the
+    # launched argv in its plan's `args`. What a lane runs is its spec's lane key, not this.
+    argv: dict[str, list[str]] = {}
     feedback: list[LaneFeedback] = []  # what the plan got wrong, until it expires
 
 
@@ -30,7 +33,9 @@ class StateFile:
     def save(self, plan: HostPlan | None, lanes: Mapping[str, Lane], feedback: list[LaneFeedback] = ()) -> None:
         running = {k: v.process for k, v in lanes.items() if v.process and v.process.pid}
         started = {k: t for k, p in running.items() if (t := p.started_at()) is not None}
-        saved = Saved(plan=plan, pids={k: p.pid for k, p in running.items()}, started=started, feedback=list(feedback))
+        argv = {k: list(p.args) for k, p in running.items()}
+        saved = Saved(plan=plan, pids={k: p.pid for k, p in running.items()}, started=started, argv=argv,
+                      feedback=list(feedback))  # fmt: skip
         data = msgspec.json.encode(saved)
         if data == self._written:
             return

@@ -13,6 +13,7 @@ import asyncio
 import os
 import signal
 from collections import deque
+from collections.abc import Sequence
 from pathlib import Path
 
 import psutil
@@ -38,9 +39,10 @@ def lane_environment() -> dict[str, str]:
 
 
 class LaneProcess:
-    def __init__(self, spec: LaneSpec, binary: str, log_path: Path) -> None:
+    def __init__(self, spec: LaneSpec, binary: str, log_path: Path, args: Sequence[str]) -> None:
         self.spec = spec
         self.binary = binary
+        self.args = tuple(args)  # the argv tail, rendered from the spec by the agent that launched it
         self.log_path = log_path
         self.proc: asyncio.subprocess.Process | None = None
         self.adopted: psutil.Process | None = None
@@ -51,7 +53,7 @@ class LaneProcess:
 
     @property
     def argv(self) -> list[str]:
-        return [self.binary, *self.spec.args]
+        return [self.binary, *self.args]
 
     async def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -68,21 +70,22 @@ class LaneProcess:
 
     @classmethod
     def adopt(
-        cls, spec: LaneSpec, binary: str, log_path: Path, pid: int, started: float | None = None
+        cls, spec: LaneSpec, args: Sequence[str], binary: str, log_path: Path, pid: int, started: float | None = None
     ) -> LaneProcess | None:
-        """Take over a lane a previous agent started, if it is still that very process: same
-        flags and, when recorded, the same start time (a reused pid has another)."""
+        """Take over a lane a previous agent started, if it is still that very process: the
+        flags it was launched with (`args`, as recorded) and, when recorded, the same start
+        time (a reused pid has another)."""
         try:
             p = psutil.Process(pid)
-            # Compare the flags, not argv[0]: a wrapper script may exec the real binary.
-            args = list(spec.args)
-            if p.cmdline()[-len(args) :] != args or p.status() == psutil.STATUS_ZOMBIE:
+            # The process's own flags, not argv[0]: a wrapper script may exec the real binary.
+            launched = list(args)
+            if not launched or p.cmdline()[-len(launched) :] != launched or p.status() == psutil.STATUS_ZOMBIE:
                 return None
             if started is not None and abs(p.create_time() - started) > START_TIME_SLACK:
                 return None
         except (psutil.Error, OSError):
             return None
-        lane = cls(spec, binary, log_path)
+        lane = cls(spec, binary, log_path, launched)
         lane.adopted = p
         lane.read_log()
         return lane
@@ -205,8 +208,8 @@ class DryRunLane(LaneProcess):
     drives hundreds of real agents with it.
     """
 
-    def __init__(self, spec: LaneSpec, binary: str, log_path: Path) -> None:
-        super().__init__(spec, binary, log_path)
+    def __init__(self, spec: LaneSpec, binary: str, log_path: Path, args: Sequence[str]) -> None:
+        super().__init__(spec, binary, log_path, args)
         self._stopped = False
 
     async def start(self) -> None:
