@@ -75,7 +75,7 @@ def test_a_change_that_broke_a_lane_halts_the_rollout():
     assert decide([a, b2], {"a": Observed(a, "healthy"), "b": Observed(b, "healthy")}, now=0, hold_changes=True) == []
 
 
-def _respelled(args: tuple[str, ...]) -> tuple[str, ...]:
+def respelled(args: tuple[str, ...]) -> tuple[str, ...]:
     """Another renderer's argv for the same spec: flags in reverse order, two spelled short."""
     groups: list[list[str]] = []
     for tok in args:
@@ -90,7 +90,7 @@ def _respelled(args: tuple[str, ...]) -> tuple[str, ...]:
 def test_two_renderers_of_one_spec_restart_nothing():
     a, b = spec("a", 8080, threads=4, cpus=(0, 1, 2, 3)), spec("b", 8081, cache_type_k="q8_0")
     ours = [with_args(a), with_args(b)]
-    theirs = [with_args(s, _respelled(lane_args(s, CAPS))) for s in (a, b)]
+    theirs = [with_args(s, respelled(lane_args(s, CAPS))) for s in (a, b)]
     assert [s.args for s in theirs] != [s.args for s in ours]  # the argv differ
     observed = {s.lane_id: Observed(s, "healthy", last_good_key=lane_key(s)) for s in theirs}
     assert decide(ours, observed, now=0) == []
