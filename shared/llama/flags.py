@@ -24,7 +24,8 @@ from shared.messages import LaneSpec, ServerCaps
 
 DEFAULT_N_BATCH = 2048  # llama-server's; the ubatch is clamped to it
 DEFAULT_CACHE_TYPE = "f16"  # what llama-server uses for K and V when no --cache-type flag is passed
-# Flags that carry no lane meaning: each side may render its own.
+# Flags that carry no lane meaning (the agent's own, such as log settings): an older planner's
+# args may lack them or render them otherwise. A flag the agent adds for itself belongs here.
 _NO_MEANING = {"--verbosity"}
 
 
