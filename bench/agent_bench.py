@@ -58,6 +58,7 @@ from launcher_agent.lane_http import http_get  # noqa: E402
 from launcher_agent.probe import find_llama_server  # noqa: E402
 from launcher_agent.process import lane_environment  # noqa: E402
 from shared import subjects  # noqa: E402
+from shared.lane_key import lane_key  # noqa: E402
 from shared.messages import (  # noqa: E402
     ConfigSet,
     Demand,
@@ -236,8 +237,9 @@ class Bus:
         await self.nc.close()
 
 
-def lane_argv(status: HostStatus) -> dict[str, tuple[str, ...]]:
-    return {lane.lane_id: tuple(lane.argv) for lane in status.lanes}
+def lane_keys(status: HostStatus) -> dict[str, str]:
+    """What each lane runs (shared.lane_key), as its agent says."""
+    return {lane.lane_id: lane.lane_key for lane in status.lanes}
 
 
 def check_not_failed(bus: Bus) -> None:
@@ -266,7 +268,7 @@ class Change:
 
 async def change_config(bus: Bus, changes: dict, timeout: float) -> Change:
     before = bus.status[-1][1]
-    old = lane_argv(before)
+    old = lane_keys(before)
     old_pids = {lane.lane_id: lane.pid for lane in before.lanes if lane.pid}
     si, pi, ei = len(bus.status), len(bus.plans), len(bus.events)
     exits: dict[str, float] = {}
@@ -314,7 +316,7 @@ async def change_config(bus: Bus, changes: dict, timeout: float) -> Change:
 
         def find_plan():
             for t, p in bus.plans[pi:]:
-                target = {s.lane_id: (p_binary(before), *s.args) for s in p.lanes}
+                target = {s.lane_id: lane_key(s) for s in p.lanes}
                 if set(target) == set(old) and all(target[k] != old[k] for k in old):
                     return t, target
             return None
@@ -328,12 +330,12 @@ async def change_config(bus: Bus, changes: dict, timeout: float) -> Change:
                     if (
                         lane.lane_id not in seen
                         and lane.state == "healthy"
-                        and tuple(lane.argv) == target[lane.lane_id]
+                        and lane.lane_key == target[lane.lane_id]
                     ):
                         seen[lane.lane_id] = t
             return seen if len(seen) == len(target) else None
 
-        status_t = await bus.wait(find_all, timeout, "every lane healthy with its new argv",
+        status_t = await bus.wait(find_all, timeout, "every lane healthy with its new spec",
                                   on_idle=lambda: check_not_failed(bus))  # fmt: skip
         await asyncio.wait_for(poller, 15)
         await asyncio.wait_for(health_poller, 15)
@@ -341,12 +343,12 @@ async def change_config(bus: Bus, changes: dict, timeout: float) -> Change:
         poller.cancel()
         health_poller.cancel()
     c = Change(request=t0 - sent, plan=t_plan - t0)
-    for lane_id, argv in target.items():
+    for lane_id in target:
         started = healthy = None
         for t, ev in bus.events[ei:]:
             if ev.lane_id != lane_id:
                 continue
-            if ev.event == "started" and started is None and ev.detail == " ".join(argv):
+            if ev.event == "started" and started is None and ev.pid not in old_pids.values():
                 started = t
             elif ev.event == "healthy" and started is not None and healthy is None:
                 healthy = t
@@ -360,10 +362,6 @@ async def change_config(bus: Bus, changes: dict, timeout: float) -> Change:
     c.first_healthy = min(v["status"] for v in c.per_lane.values())
     c.all_healthy = max(v["status"] for v in c.per_lane.values())
     return c
-
-
-def p_binary(status: HostStatus) -> str:
-    return status.lanes[0].argv[0]
 
 
 def by_hand(argv: tuple[str, ...], port: int, log_path: Path) -> tuple[float, float]:
@@ -582,10 +580,10 @@ def _steady(bus: Bus, n_lanes: int):
     plan = bus.plans[-1][1] if bus.plans else None
     if plan is None or len(plan.lanes) != n_lanes or not bus.status:
         return None
-    want = {s.lane_id: tuple(s.args) for s in plan.lanes}
+    want = {s.lane_id: lane_key(s) for s in plan.lanes}
     t, st = bus.status[-1]
     if len(st.lanes) == n_lanes and all(
-        lane.state == "healthy" and want.get(lane.lane_id) == tuple(lane.argv[1:]) for lane in st.lanes
+        lane.state == "healthy" and want.get(lane.lane_id) == lane.lane_key for lane in st.lanes
     ):
         return t, st
     return None

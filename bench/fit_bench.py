@@ -33,6 +33,7 @@ from measure import load_and_stop  # noqa: E402
 from launcher_agent.probe import probe  # noqa: E402
 from planner_svc.planner import plan  # noqa: E402
 from shared.gguf_facts import read_model_facts  # noqa: E402
+from shared.llama.flags import lane_args  # noqa: E402
 from shared.llama.logs import MIB, parse_buffers  # noqa: E402
 from shared.messages import Demand, FleetConfig, GpuInfo, HostReport, Persona  # noqa: E402
 
@@ -85,7 +86,7 @@ def lanes_choice(server: str, model: Path, facts, endpoints, names, budgets_mib,
         return {"error": [u.reason for u in fleet.hosts[0].unplaced]}
     s = lanes[0]
     return {"ctx": s.ctx_total, "ngl": s.n_gpu_layers, "split": list(s.tensor_split),
-            "devices": list(s.gpu_devices), "args": list(s.args)}  # fmt: skip
+            "devices": list(s.gpu_devices), "args": list(lane_args(s, caps))}  # fmt: skip
 
 
 def with_ctx(args: list[str], ctx: int) -> list[str]:

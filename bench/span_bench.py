@@ -32,6 +32,7 @@ from launcher_agent.probe import probe  # noqa: E402
 from launcher_agent.rpc_worker import RpcWorkers, WorkerSettings  # noqa: E402
 from planner_svc.planner import plan  # noqa: E402
 from shared.gguf_facts import read_model_facts  # noqa: E402
+from shared.llama.flags import lane_args  # noqa: E402
 from shared.llama.logs import is_buffer_line, parse_buffers  # noqa: E402
 from shared.llama.printed import compare  # noqa: E402
 from shared.messages import FleetConfig, HostReport, RpcWorkerOffer  # noqa: E402
@@ -161,21 +162,21 @@ def main() -> int:
                 deadline = time.monotonic() + 20
                 while socket.socket().connect_ex(("127.0.0.1", base)) != 0 and time.monotonic() < deadline:
                     time.sleep(0.05)
-            proc, lines, cold = _start_lane(str(bin_dir / "llama-server"), list(lane.args))
+            proc, lines, cold = _start_lane(str(bin_dir / "llama-server"), list(lane_args(lane, caps)))
             try:
                 measured = _measure(proc.port, args.runs)
             finally:
                 _stop(proc)
             warm = None
             if workers:  # again: the workers load the tensors from their local cache
-                proc, _, warm = _start_lane(str(bin_dir / "llama-server"), list(lane.args))
+                proc, _, warm = _start_lane(str(bin_dir / "llama-server"), list(lane_args(lane, caps)))
                 _stop(proc)
             checks = compare(lane.memory.devices, parse_buffers(lines))
             results["setups"][name] = {
                 "workers": [{"host_id": w.host_id, "layers": next(d.layers for d in lane.memory.devices
                                                                    if d.index == w.index)} for w in lane.workers],
                 "window": lane.ctx_per_slot,
-                "args": list(lane.args),
+                "args": list(lane_args(lane, caps)),
                 "start_s_cold_cache": round(cold, 2),
                 "start_s_warm_cache": round(warm, 2) if warm is not None else None,
                 **measured,

@@ -15,6 +15,7 @@ import msgspec
 from gateway.admission import LaneCounts
 from gateway.fleet import FleetView, LaneKey, LaneRoute
 from gateway.waking import catalogue
+from shared.lane_key import lane_key
 from shared.llama.flags import effective_cache_type
 from shared.messages import FleetConfig, HostReport, LaneEvent, LaneSpec, LaneStatus
 
@@ -79,7 +80,7 @@ def _host(view: FleetView, host: str, config: FleetConfig, routes: Mapping[LaneK
 
 def _lane(spec: LaneSpec, lane: LaneStatus | None, route: LaneRoute | None, busy: int, rate: float) -> dict:
     state = lane.state if lane else "pending"
-    if state == "healthy" and lane.argv and tuple(lane.argv[1:]) != spec.args:
+    if state == "healthy" and lane.lane_key and lane.lane_key != lane_key(spec):
         state = "updating"  # still serving the previous spec while the rollout reaches it
     if route is not None and route.draining:
         state = "draining"

@@ -13,7 +13,7 @@ from lanes.tables import gib, mib, parse_size, table
 from launcher_agent.probe import ProbeError, probe
 from planner_svc.planner import plan
 from shared.gguf_facts import ModelError, read_model_facts
-from shared.llama.flags import cache_pair, needs_flash_attn
+from shared.llama.flags import cache_pair, lane_args, needs_flash_attn
 from shared.llama.flash_attn import resolve_flash_attn
 from shared.memory import BLOCK_BYTES, MemoryModelError
 from shared.messages import Demand, FleetConfig, HostReport, NGpuLayers, ServerCaps
@@ -196,11 +196,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(msgspec.json.encode(fleet).decode())
         return 0
-    print(render_plan(fleet))
+    print(render_plan(fleet, reports))
     return 0
 
 
-def render_plan(fleet) -> str:
+def render_plan(fleet, reports) -> str:
+    """The plan as a table, each lane with its reasons and the argv its host's agent renders."""
+    caps = {r.host_id: r.server for r in reports}
     out = []
     for host in fleet.hosts:
         out.append(f"host {host.host_id}  plan r{host.plan_revision}  budget ram {gib(host.budget_ram)}"
@@ -230,7 +232,7 @@ def render_plan(fleet) -> str:
             for w in s.workers:  # a span lane: layers on other hosts' ggml-rpc-servers
                 out.append(f"    worker {w.host_id} at {w.endpoint} ({w.device}): model {mib(w.model_bytes)}, kv"
                            f" {mib(w.kv_bytes)}, compute {mib(w.compute_bytes)}, reserved {gib(w.reserved_bytes)}")
-            out.append("    llama-server " + " ".join(s.args))
+            out.append("    llama-server " + " ".join(lane_args(s, caps[host.host_id])))
         for w in host.rpc_workers:
             out.append(f"  ggml-rpc-server on {w.bind}:{w.port} for {w.serving_host}'s {w.lane_id}:"
                        f" {gib(w.reserved_bytes)} reserved")

@@ -16,6 +16,7 @@ import msgspec
 import structlog
 
 from launcher_agent.lane import Lane
+from shared.lane_key import lane_key
 from shared.messages import LaneFeedback
 
 log = structlog.get_logger("lanes.agent")
@@ -87,7 +88,7 @@ class Feedback:
 
     def failure(self, lane: Lane, kind: str, detail: str) -> None:
         s = lane.spec
-        changed = lane.last_good is not None and lane.last_good.args != s.args
+        changed = lane.last_good is not None and lane_key(lane.last_good) != lane_key(s)
         self._note(
             LaneFeedback(
                 last_good=lane.last_good if changed else None,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from launcher_agent.reconcile import MAX_FAILURES, backoff
+from shared.lane_key import lane_key
 from shared.llama.logs import classify_failure
 from shared.messages import LaneSpec
 
@@ -38,7 +39,7 @@ class LaneHealth:
 
     @property
     def broken_by_change(self) -> bool:
-        return self.last_good is not None and self.last_good.args != self.spec.args
+        return self.last_good is not None and lane_key(self.last_good) != lane_key(self.spec)
 
 
 @dataclass(frozen=True)

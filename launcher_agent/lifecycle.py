@@ -16,6 +16,8 @@ from launcher_agent.lane_http import port_taken
 from launcher_agent.persistence import Saved
 from launcher_agent.process import DryRunLane, LaneProcess, LogLimits
 from launcher_agent.reconcile import Action, Restart, Start, Stop
+from shared.lane_key import lane_key
+from shared.llama.flags import lane_args
 from shared.messages import LaneSpec
 
 log = structlog.get_logger("lanes.agent")
@@ -44,15 +46,16 @@ class Lifecycle:
                 await self.start(action.spec, plan_revision)
 
     async def start(self, spec: LaneSpec, plan_revision: int, previous: Lane | None = None) -> None:
-        process = (DryRunLane if self.cfg.dry_run else LaneProcess)(
-            spec, self.cfg.binary, self._log_path(spec.lane_id), env_names=self.cfg.lane_env, log_limits=self.log_limits
-        )
+        args = lane_args(spec, self.cfg.caps)  # the one rendering of a lane's argv, by the agent that runs it
+        kind = DryRunLane if self.cfg.dry_run else LaneProcess
+        process = kind(spec, self.cfg.binary, self._log_path(spec.lane_id), args, env_names=self.cfg.lane_env,
+                       log_limits=self.log_limits)  # fmt: skip
         lane = Lane(spec=spec, process=process, plan_revision=plan_revision)
         if previous is not None:
             lane.last_good = previous.last_good
-            if previous.spec.args == spec.args:
+            if lane_key(previous.spec) == lane_key(spec):
                 lane.failures, lane.restarts = previous.failures, previous.restarts + 1
-            elif previous.last_good is not None and previous.last_good.args == spec.args:
+            elif previous.last_good is not None and lane_key(previous.last_good) == lane_key(spec):
                 await self.emit(lane, "rolled_back", "back to the spec it last ran healthy with")
         if not self.cfg.dry_run and await asyncio.to_thread(port_taken, spec.bind, spec.port):
             # Another program holds the port: fed back, and the planner moves the lane.
@@ -91,13 +94,17 @@ class Lifecycle:
         await asyncio.gather(*(self.stop(lane_id, "agent shutting down") for lane_id in list(self.lanes)))
 
     def adopt(self, saved: Saved) -> None:
-        """Take over the lanes a previous agent left running, if they still are those processes."""
+        """Take over the lanes a previous agent left running, if they still are those processes.
+
+        Each keeps its saved spec, so reconcile compares lane keys and restarts none whose
+        spec the plan still asks for, however this agent version would spell its argv."""
         specs = {s.lane_id: s for s in (saved.plan.lanes if saved.plan else ())}
         for lane_id, pid in saved.pids.items():
             spec = specs.get(lane_id)
             if spec is None or self.cfg.dry_run:
                 continue
-            proc = LaneProcess.adopt(spec, self.cfg.binary, self._log_path(lane_id), pid, saved.started.get(lane_id),
+            args = saved.argv.get(lane_id) or spec.args  # an older agent's record: its plan holds them
+            proc = LaneProcess.adopt(spec, args, self.cfg.binary, self._log_path(lane_id), pid, saved.started.get(lane_id),
                                      facts=saved.facts.get(lane_id, ()), env_names=self.cfg.lane_env,
                                      log_limits=self.log_limits)  # fmt: skip
             if proc is not None:

@@ -19,6 +19,9 @@ class Saved(msgspec.Struct):
     plan: HostPlan | None = None
     pids: dict[str, int] = {}
     started: dict[str, float] = {}  # each pid's start time: a reused pid is not adopted
+    # Each running lane's argv tail as launched; a record without it (an older agent's) has the
+    # launched argv in its plan's `args`. What a lane runs is its spec's lane key, not this.
+    argv: dict[str, list[str]] = {}
     feedback: list[LaneFeedback] = []  # what the plan got wrong, until it expires
     # Each lane's KV size and buffer lines: an adopted lane's log is read from its tail only.
     facts: dict[str, list[str]] = {}
@@ -33,8 +36,9 @@ class StateFile:
         running = {k: v.process for k, v in lanes.items() if v.process and v.process.pid}
         started = {k: t for k, p in running.items() if (t := p.started_at()) is not None}
         facts = {k: f for k, p in running.items() if (f := p.facts())}
-        saved = Saved(plan=plan, pids={k: p.pid for k, p in running.items()}, started=started, feedback=list(feedback),
-                      facts=facts)  # fmt: skip
+        argv = {k: list(p.args) for k, p in running.items()}
+        saved = Saved(plan=plan, pids={k: p.pid for k, p in running.items()}, started=started, argv=argv,
+                      feedback=list(feedback), facts=facts)  # fmt: skip
         data = msgspec.json.encode(saved)
         if data == self._written:
             return

@@ -18,7 +18,7 @@ import os
 import signal
 import sys
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,10 +66,11 @@ def pump_argv(log_path: Path, limits: LogLimits, quiet_after: str | None = None)
 
 
 class LaneProcess:
-    def __init__(self, spec: LaneSpec, binary: str, log_path: Path, env_names: Iterable[str] = (),
+    def __init__(self, spec: LaneSpec, binary: str, log_path: Path, args: Sequence[str], env_names: Iterable[str] = (),
                  log_limits: LogLimits = LogLimits()) -> None:  # fmt: skip
         self.spec = spec
         self.binary = binary
+        self.args = tuple(args)  # the argv tail, rendered from the spec by the agent that launched it
         self.log_path = log_path
         self.env_names = tuple(env_names)  # the operator's --lane-env names
         self.log_limits = log_limits
@@ -84,7 +85,7 @@ class LaneProcess:
 
     @property
     def argv(self) -> list[str]:
-        return [self.binary, *self.spec.args]
+        return [self.binary, *self.args]
 
     async def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -117,24 +118,24 @@ class LaneProcess:
 
     @classmethod
     def adopt(
-        cls, spec: LaneSpec, binary: str, log_path: Path, pid: int, started: float | None = None,
+        cls, spec: LaneSpec, args: Sequence[str], binary: str, log_path: Path, pid: int, started: float | None = None,
         facts: Iterable[str] = (), **kw,
     ) -> LaneProcess | None:
-        """Take over a lane a previous agent started, if it is still that very process: same
-        flags and, when recorded, the same start time (a reused pid has another). Its log is
-        read from its last TAIL_BYTES; `facts` are the KV and buffer lines it printed at load,
-        as the previous agent saved them."""
+        """Take over a lane a previous agent started, if it is still that very process: the
+        flags it was launched with (`args`, as recorded) and, when recorded, the same start
+        time (a reused pid has another). Its log is read from its last TAIL_BYTES; `facts` are
+        the KV and buffer lines it printed at load, as the previous agent saved them."""
         try:
             p = psutil.Process(pid)
-            # Compare the flags, not argv[0]: a wrapper script may exec the real binary.
-            args = list(spec.args)
-            if p.cmdline()[-len(args) :] != args or p.status() == psutil.STATUS_ZOMBIE:
+            # The process's own flags, not argv[0]: a wrapper script may exec the real binary.
+            launched = list(args)
+            if not launched or p.cmdline()[-len(launched) :] != launched or p.status() == psutil.STATUS_ZOMBIE:
                 return None
             if started is not None and abs(p.create_time() - started) > START_TIME_SLACK:
                 return None
         except (psutil.Error, OSError):
             return None
-        lane = cls(spec, binary, log_path, **kw)
+        lane = cls(spec, binary, log_path, launched, **kw)
         lane.adopted = p
         lane._take_lines(facts)
         lane._follow(tail=TAIL_BYTES)
@@ -325,8 +326,8 @@ class DryRunLane(LaneProcess):
     drives hundreds of real agents with it.
     """
 
-    def __init__(self, spec: LaneSpec, binary: str, log_path: Path, **kw) -> None:
-        super().__init__(spec, binary, log_path, **kw)
+    def __init__(self, spec: LaneSpec, binary: str, log_path: Path, args: Sequence[str], **kw) -> None:
+        super().__init__(spec, binary, log_path, args, **kw)
         self._stopped = False
 
     async def start(self) -> None:

@@ -15,7 +15,8 @@ from pathlib import Path, PurePosixPath
 import msgspec
 
 from shared import subjects
-from shared.llama.flags import args_problem, lane_args, needs_flash_attn
+from shared.lane_key import lane_key
+from shared.llama.flags import args_problem, needs_flash_attn
 from shared.messages import HostPlan, LaneSpec, LaneState, ServerCaps, schema_problem
 
 MAX_FAILURES = 5
@@ -76,7 +77,7 @@ def validate_plan(
                 return f"{where}: cache type {t} is not supported by this llama-server"
         if needs_flash_attn(spec.cache_type_v) and spec.flash_attn != "on":
             return f"{where}: quantized V cache without flash attention on would be refused"
-        if (problem := args_problem(spec, caps)) is not None:
+        if spec.args and (problem := args_problem(spec, caps)) is not None:  # an older planner's args
             return f"{where}: args disagree with the lane spec: {problem}"
     return None
 
@@ -100,11 +101,12 @@ def in_model_folders(path: str, model_dirs: Sequence[str]) -> bool:
     return False
 
 
-def as_rendered(plan: HostPlan, caps: ServerCaps) -> HostPlan:
-    """The plan with each lane's args as this agent renders them: what it launches."""
-    return msgspec.structs.replace(
-        plan, lanes=tuple(msgspec.structs.replace(s, args=lane_args(s, caps)) for s in plan.lanes)
-    )
+def typed_only(plan: HostPlan) -> HostPlan:
+    """The plan as the agent keeps it: the typed specs. An older planner's `args`, checked by
+    meaning in validate_plan, are dropped; the agent renders argv itself when it launches a lane."""
+    if not any(s.args for s in plan.lanes):
+        return plan
+    return msgspec.structs.replace(plan, lanes=tuple(msgspec.structs.replace(s, args=()) for s in plan.lanes))
 
 
 # ------------------------------------------------------------------ what runs
@@ -116,15 +118,15 @@ class Observed:
     state: LaneState
     failures: int = 0
     retry_at: float = 0.0  # when a crashed lane may start again
-    last_good_args: tuple[str, ...] | None = None  # args it last ran healthy with
+    last_good_key: str | None = None  # lane key of the spec it last ran healthy with
 
     @property
     def broken_by_change(self) -> bool:
         """Down with a spec other than the one it last ran healthy with."""
         return (
             self.state in ("crashed", "failed")
-            and self.last_good_args is not None
-            and self.last_good_args != self.spec.args
+            and self.last_good_key is not None
+            and self.last_good_key != lane_key(self.spec)
         )
 
 
@@ -183,7 +185,7 @@ def decide(
         obs = observed.get(spec.lane_id)
         if obs is None:
             continue
-        if obs.spec.args != spec.args:
+        if lane_key(obs.spec) != lane_key(spec):
             if obs.state in ("crashed", "failed", "mismatch", "unresponsive"):
                 restarts.append(Restart(spec, "spec changed (lane was down)"))
             elif budget > 0:

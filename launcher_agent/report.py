@@ -53,6 +53,7 @@ def host_report(
         port_count=cfg.port_count,
         lane_bind=cfg.bind,
         agent_version=VERSION,
+        renders_argv=True,
         report_interval=cfg.report_interval,
         cpu_physical=cpus.physical,
         cpu_performance=cpus.performance,

@@ -26,7 +26,8 @@ from launcher_agent.lane import Emit, Lane, no_event
 from launcher_agent.lifecycle import Lifecycle
 from launcher_agent.persistence import StateFile
 from launcher_agent.process import LogLimits
-from launcher_agent.reconcile import Observed, as_rendered, decide, validate_plan
+from launcher_agent.reconcile import Observed, decide, typed_only, validate_plan
+from shared.lane_key import lane_key
 from shared.llama.endpoints import WILDCARD_BINDS
 from shared.messages import HostPlan, HostStatus, LaneStatus
 from shared.span_check import span_problem
@@ -77,7 +78,7 @@ class Supervisor:
         )
         if reason:
             return reason
-        plan = as_rendered(plan, self.cfg.caps)  # launched as this agent renders the spec
+        plan = typed_only(plan)  # launched as this agent renders the spec (lifecycle.start)
         if plan == self.plan:
             return None
         log.info("plan applied", plan_revision=plan.plan_revision, lanes=[s.lane_id for s in plan.lanes])
@@ -143,7 +144,7 @@ class Supervisor:
     def observed(self) -> dict[str, Observed]:
         return {
             lane_id: Observed(
-                lane.spec, lane.state, lane.failures, lane.retry_at, lane.last_good.args if lane.last_good else None
+                lane.spec, lane.state, lane.failures, lane.retry_at, lane_key(lane.last_good) if lane.last_good else None
             )
             for lane_id, lane in self.lanes.items()
         }
@@ -235,6 +236,7 @@ class Supervisor:
                     if p and lane.state in ("crashed", "failed", "mismatch")
                     else (),
                     argv=tuple(p.argv) if p else (),
+                    lane_key=lane_key(lane.spec),
                     failure=lane.failure,
                     devices=p.printed_devices() if p else (),
                     draining=lane.draining,

@@ -149,6 +149,8 @@ def _host_plan(
         busy = {fb.port: fb.detail for fb in feedback if fb.kind == "port_busy" and fb.port}
         specs, no_port = _assign_ports(report, [_spec(report, config, lane) for lane in lanes], prev, busy)
         specs = with_threads(report, config, specs, prev)
+        if not report.renders_argv:  # an agent too old to render argv itself reads it from the plan
+            specs = [msgspec.structs.replace(s, args=lane_args(s, report.server)) for s in specs]
         reasons = list(reasons) + [
             f"port {port} is given to no lane: taken by another program on this host" for port in sorted(busy)
         ]
@@ -285,8 +287,7 @@ def _assign_ports(
                 dropped.append(spec)
                 continue
             taken.add(port)
-        spec = msgspec.structs.replace(spec, port=port)
-        out.append(msgspec.structs.replace(spec, args=lane_args(spec, report.server)))
+        out.append(msgspec.structs.replace(spec, port=port))
     return out, dropped
 
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from shared.llama.flags import lane_args
-from shared.messages import FleetConfig, HostPlan, HostReport, LaneSpec, ServerCaps
+from shared.lane_key import lane_key
+from shared.messages import FleetConfig, HostPlan, HostReport, LaneSpec
 
 GPU_LANE_THREADS = 2  # a GPU lane's CPU side (sampling, the input layer); 1 on small hosts
 SMALL_HOST_CORES = 8
@@ -195,7 +195,7 @@ def cpu_ranges(cpus: Sequence[int]) -> str:
 def with_threads(
     report: HostReport, config: FleetConfig, specs: Sequence[LaneSpec], prev: HostPlan | None
 ) -> list[LaneSpec]:
-    """The host's lane specs with their threads, pinned CPUs and poll level decided (args rendered).
+    """The host's lane specs with their threads, pinned CPUs and poll level decided.
 
     An agent that reported no core count is too old to render the flags: its plan stays as
     it was (no new reason either, so upgrading the planner bumps no plan revision)."""
@@ -205,10 +205,9 @@ def with_threads(
     caps = report.server
     if config.threads == 0:
         why = "threads: llama-server's default (every core): threads 0 in the fleet config"
-        specs = [msgspec.structs.replace(s, reasons=(*s.reasons, why)) for s in specs]
-        return [msgspec.structs.replace(s, args=lane_args(s, caps)) for s in specs]
+        return [msgspec.structs.replace(s, reasons=(*s.reasons, why)) for s in specs]
     before = {s.lane_id: s for s in prev.lanes} if prev else {}
-    needs = [_need(s, before.get(s.lane_id), caps) for s in specs]
+    needs = [_need(s, before.get(s.lane_id)) for s in specs]
     pinning = config.cpu_pinning and caps.has_cpu_range
     shares = split_threads(needs, cores, fixed=config.threads, min_gain=config.threads_min_gain, pinning=pinning)
     poll = config.poll if caps.has_poll else None
@@ -220,14 +219,13 @@ def with_threads(
             reasons.append("not pinned: this host's llama-server has no --cpu-range")
         if config.poll is not None:
             reasons.append(f"poll {config.poll} from fleet config" if poll is not None else "no --poll in this build")
-        s = msgspec.structs.replace(
+        out.append(msgspec.structs.replace(
             s, threads=share.threads, threads_batch=share.threads, cpus=share.cpus, poll=poll, reasons=tuple(reasons)
-        )
-        out.append(msgspec.structs.replace(s, args=lane_args(s, caps)))
+        ))  # fmt: skip
     return out
 
 
-def _need(spec: LaneSpec, before: LaneSpec | None, caps: ServerCaps) -> ThreadNeed:
+def _need(spec: LaneSpec, before: LaneSpec | None) -> ThreadNeed:
     cpu = [d for d in spec.memory.devices if d.index < 0]
     on_gpu = bool(spec.gpu_devices) and (all(d.layers == 0 for d in cpu) if spec.memory.devices else True)
     work = sum(d.model_bytes for d in cpu) if spec.memory.devices else spec.memory.weights_bytes
@@ -237,6 +235,6 @@ def _need(spec: LaneSpec, before: LaneSpec | None, caps: ServerCaps) -> ThreadNe
         same = msgspec.structs.replace(
             spec, threads=before.threads, threads_batch=before.threads_batch, cpus=before.cpus
         )
-        if lane_args(same, caps) == tuple(before.args):
+        if lane_key(same) == lane_key(before):
             previous = before.threads
     return ThreadNeed(spec.lane_id, on_gpu, work * spec.parallel, previous, before.cpus if previous else ())

@@ -191,6 +191,9 @@ class HostReport(_Msg, tag="host_report", kw_only=True):
     # Address lanes listen on: 127.0.0.1 keeps them local, 0.0.0.0 serves the network.
     lane_bind: str = "127.0.0.1"
     agent_version: str = ""
+    # The agent renders each lane's argv from the typed spec itself (False: an older agent,
+    # whose plans the planner still renders `args` into).
+    renders_argv: bool = False
     # Seconds between this agent's reports: the planner calls the host lost after a few missed.
     report_interval: Annotated[float, msgspec.Meta(gt=0)] = 30.0
     # Physical cores (the logical count where the platform does not tell); None: an agent too
@@ -395,7 +398,9 @@ class RpcWorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class LaneSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """One llama-server instance, with every flag decided. `args` is the exact argv tail."""
+    """One llama-server instance, with every flag decided in typed fields: the contract between
+    planner and agent. The agent renders argv from it (shared.llama.flags.lane_args); a lane is
+    known by shared.lane_key of it."""
 
     lane_id: Name
     model: Name
@@ -427,6 +432,8 @@ class LaneSpec(msgspec.Struct, frozen=True, kw_only=True):
     threads_batch: Annotated[int, msgspec.Meta(ge=1)] | None = None
     cpus: tuple[CpuId, ...] = ()  # CPU ids its threads are pinned to (--cpu-range / --cpu-mask)
     poll: Annotated[int, msgspec.Meta(ge=0, le=100)] | None = None
+    # The argv tail, rendered into plans only for agents too old to render it (and by older
+    # planners); an agent that renders checks it by meaning and launches its own rendering.
     args: tuple[str, ...] = ()
     reasons: tuple[str, ...] = ()
     # The layout the device fields above were rendered from (None: an older planner wrote the spec).
@@ -496,6 +503,9 @@ class LaneStatus(msgspec.Struct, frozen=True, kw_only=True):
     last_error: str = ""
     stderr_tail: tuple[str, ...] = ()
     argv: tuple[str, ...] = ()
+    # shared.lane_key of the spec it runs: a dashboard tells a lane still on its previous spec
+    # from argv the agent merely spells differently ("": an agent too old to say).
+    lane_key: str = ""
     failure: FailureKind | None = None
     # Per device, the buffers llama-server printed (-lv 4 lines); the plan's spec.memory.devices
     # holds the predicted ones. Empty until the lane has loaded.

@@ -150,7 +150,7 @@ def test_the_reader_follows_a_rotation_and_starts_at_this_runs_lines(tmp_path):
     log = tmp_path / "lane.log"
     log.write_text("an older run's line: failed to allocate\n")
     spec = _spec()
-    lane = LaneProcess(spec, "llama-server", log)
+    lane = LaneProcess(spec, "llama-server", log, ())
     lane._follow(tail=0)  # as start() does: the file's earlier runs are not this one's
     with open(log, "ab") as f:
         f.write(b"first\nsecond, half")
@@ -172,7 +172,8 @@ def test_the_reader_follows_a_rotation_and_starts_at_this_runs_lines(tmp_path):
 
 
 def test_an_adopted_lane_reads_its_log_from_the_tail_and_its_load_facts_from_the_state_file(tmp_path):
-    spec = _spec(args=("--port", "1"))
+    spec = _spec()
+    args = ("--port", "1")
     kv = ("llama_kv_cache: size =    8.00 MiB (  4096 cells,   8 layers,  1/1 seqs),"
           " K (f16):    4.00 MiB, V (f16):    4.00 MiB")
     log = tmp_path / "lane.log"
@@ -180,14 +181,14 @@ def test_an_adopted_lane_reads_its_log_from_the_tail_and_its_load_facts_from_the
         f.write(kv + "\n")  # far before the tail: never read again
         f.write("filler line\n" * (4 * TAIL_BYTES // 12))
         f.write("the last line\n")
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *spec.args])
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *args])
     try:
-        eventually_blocking(lambda: psutil.Process(proc.pid).cmdline()[-2:] == list(spec.args), timeout=10,
+        eventually_blocking(lambda: psutil.Process(proc.pid).cmdline()[-2:] == list(args), timeout=10,
                             what="the child's exec")  # fmt: skip
-        bare = LaneProcess.adopt(spec, "llama-server", log, proc.pid)
+        bare = LaneProcess.adopt(spec, args, "llama-server", log, proc.pid)
         assert bare.tail[-1] == "the last line" and bare.kv_bytes() is None  # the KV line is not in the tail
         assert bare._log.tell() <= log.stat().st_size and log.stat().st_size - TAIL_BYTES <= bare._log.tell() - 1
-        adopted = LaneProcess.adopt(spec, "llama-server", log, proc.pid, facts=[kv])
+        adopted = LaneProcess.adopt(spec, args, "llama-server", log, proc.pid, facts=[kv])
         assert adopted.kv_bytes() == 8 * MIB and adopted.facts() == [kv]
     finally:
         proc.kill()

@@ -13,7 +13,7 @@ from shared.messages import LaneSpec
 
 SPEC = LaneSpec(lane_id="a", model="m", model_path="/m.gguf", alias="m", port=8080, ctx_total=4096,
                 ctx_per_slot=2048, parallel=2, args=("--ctx-size", "4096"))  # fmt: skip
-OLD = msgspec.structs.replace(SPEC, args=("--ctx-size", "2048"))
+OLD = msgspec.structs.replace(SPEC, ctx_total=2048, args=("--ctx-size", "2048"))  # what it ran before the change
 RULES = Rules(backoff_base=1.0, probe_interval=5.0, probe_failures=3)
 
 

@@ -19,6 +19,7 @@ from launcher_agent.process import LaneProcess
 from launcher_agent.report import host_report
 from launcher_agent.supervisor import Supervisor
 from planner_svc.planner import plan
+from shared.llama.flags import lane_args
 from shared.messages import FleetConfig
 
 
@@ -46,25 +47,51 @@ async def test_a_pid_is_on_disk_as_soon_as_its_lane_starts(cfg):
         saved = _saved(cfg)
         assert saved.pids == {spec.lane_id: lane.process.pid}
         assert saved.started[spec.lane_id] == pytest.approx(psutil.Process(lane.process.pid).create_time())
+        assert saved.argv == {spec.lane_id: list(lane_args(spec, cfg.caps))}
     finally:
         await sup.stop_all()
     assert _saved(cfg).pids == {}
 
 
+async def test_a_record_an_older_agent_wrote_is_adopted_and_restarts_nothing(cfg):
+    """Older agents kept the launched argv in the saved plan's args and no argv map."""
+    sup = Supervisor(cfg)
+    assert sup.accept_plan(_plan(cfg)) is None
+    spec = sup.plan.lanes[0]
+    await sup.procs.start(spec, sup.plan.plan_revision)
+    pid = sup.lanes[spec.lane_id].process.pid
+    later = Supervisor(cfg)
+    try:
+        old = msgspec.to_builtins(_saved(cfg))
+        del old["argv"]
+        old["plan"]["lanes"][0]["args"] = list(lane_args(spec, cfg.caps))
+        (cfg.data_dir / "agent-state.json").write_bytes(msgspec.json.encode(old))
+        later.load_saved()
+        assert later.lanes[spec.lane_id].process.pid == pid  # adopted
+        assert later.accept_plan(_plan(cfg)) is None  # the planner's plan: typed, no args
+        await later.reconcile(now=0.0)
+        assert later.lanes[spec.lane_id].process.pid == pid  # nothing restarted
+        assert _saved(cfg).argv == {spec.lane_id: list(lane_args(spec, cfg.caps))}  # rewritten in the new form
+    finally:
+        await later.stop_all()
+        await sup.stop_all()
+
+
 def test_adoption_refuses_a_reused_pid(tmp_path, cfg):
     spec = _plan(cfg).lanes[0]
+    args = lane_args(spec, cfg.caps)  # as the agent launched it (the state file records them)
     # A process whose command line ends with the lane's flags, as a lane's would.
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *spec.args])
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *args])
     try:
         # Until the child has exec'd, its command line is still pytest's (seen under load).
-        eventually_blocking(lambda: psutil.Process(proc.pid).cmdline()[-1:] == [spec.args[-1]], timeout=10,
+        eventually_blocking(lambda: psutil.Process(proc.pid).cmdline()[-1:] == [args[-1]], timeout=10,
                             what="the child's exec")  # fmt: skip
         started = psutil.Process(proc.pid).create_time()
         log = tmp_path / "lane.log"
-        assert LaneProcess.adopt(spec, cfg.binary, log, proc.pid, started) is not None
-        assert LaneProcess.adopt(spec, cfg.binary, log, proc.pid, started - 30.0) is None  # same pid, other process
-        other = msgspec.structs.replace(spec, args=(*spec.args[:-1], "3"))
-        assert LaneProcess.adopt(other, cfg.binary, log, proc.pid, started) is None  # other flags
+        assert LaneProcess.adopt(spec, args, cfg.binary, log, proc.pid, started) is not None
+        assert LaneProcess.adopt(spec, args, cfg.binary, log, proc.pid, started - 30.0) is None  # same pid, other process
+        assert LaneProcess.adopt(spec, (*args[:-1], "3"), cfg.binary, log, proc.pid, started) is None  # other flags
+        assert LaneProcess.adopt(spec, (), cfg.binary, log, proc.pid, started) is None  # nothing recorded
     finally:
         proc.kill()
         proc.wait()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import msgspec
 from test_planner import GIB, host, llama_1b, llama_8b
 
 from gateway.admission import LaneCounts
 from gateway.dashboard_model import EventFeed, dashboard_snapshot
 from gateway.fleet import FleetView
 from planner_svc.planner import plan
+from shared.lane_key import lane_key
 from shared.messages import FleetConfig, HostStatus, LaneEvent, LaneStatus, encode
 
 
@@ -60,11 +62,13 @@ def test_lane_rows_follow_status_traffic_and_config() -> None:
                 state="healthy",
                 kv_bytes=spec.memory.kv_bytes,
                 rss_bytes=GIB,
-                argv=("llama-server", *spec.args),
+                argv=("llama-server", "--its", "--own-spelling"),  # not compared: the lane key is
+                lane_key=lane_key(spec),
             ),
         ),  # fmt: skip
     )
-    old = HostStatus(host_id="h1", lanes=(LaneStatus(lane_id=spec.lane_id, state="healthy",
+    before = lane_key(msgspec.structs.replace(spec, ctx_total=512))
+    old = HostStatus(host_id="h1", lanes=(LaneStatus(lane_id=spec.lane_id, state="healthy", lane_key=before,
                                                      argv=("llama-server", "--ctx-size", "512")),))  # fmt: skip
     assert view.apply_entry("status.h1", encode(old)) is None
     row = next(lane for lane in snapshot(view)["hosts"][0]["lanes"] if lane["lane_id"] == spec.lane_id)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import openai
-from fixtures_bus import agent_config, client, fleet_status, services
+from fixtures_bus import agent_config, client, fleet_status, host_status, services
 from tinymodels import write_llama
 from waiting import eventually
 from test_real_llama import _planner_with
@@ -40,7 +40,9 @@ async def test_embeddings_through_the_gateway(nats_server, tmp_path, llama_serve
             await eventually(lambda: gw.view.routable("embedder") and gw.view.routable("chat"), timeout=90,
                              what="both lanes routable")  # fmt: skip
             specs = {spec.model: spec for spec in (await fleet_status(nc)).plans[0].lanes}
-            assert "--embeddings" in specs["embedder"].args and "--embeddings" not in specs["chat"].args
+            assert specs["embedder"].embeddings and not specs["chat"].embeddings
+            running = {lane.lane_id: lane.argv for lane in (await host_status(nc, "emb")).lanes}  # as the agent renders
+            assert "--embeddings" in running["embedder-0"] and "--embeddings" not in running["chat-0"]
             ai = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=30)
             listed = {m.id: m for m in (await ai.models.list()).data}
             assert listed["embedder"].embeddings is True and listed["chat"].embeddings is False

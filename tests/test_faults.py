@@ -15,11 +15,15 @@ import msgspec
 import psutil
 import pytest
 from fixtures_bus import agent_config, client, fake_binary, host_status, lane_of, services
+from test_reconcile import respelled
 from waiting import eventually
 
+from launcher_agent import lifecycle
 from shared import subjects
 from shared.bus import kv_bucket
-from shared.messages import HostPlan
+from shared.lane_key import lane_key
+from shared.llama.flags import lane_args
+from shared.messages import ConfigSet, HostPlan, LaneEvent, encode
 
 HOSTS = ("h1", "h2")
 
@@ -56,7 +60,7 @@ async def invariants(nc, tmp_path, plan_revisions: dict[str, int]) -> dict[str, 
             status = await host_status(nc, host)
             for spec in plan.lanes:
                 lane = lane_of(status, spec.lane_id)
-                if lane is None or lane.state != "healthy" or lane.port != spec.port or list(lane.argv)[1:] != list(spec.args):
+                if lane is None or lane.state != "healthy" or lane.port != spec.port or lane.lane_key != lane_key(spec):
                     return None
         return revisions
 
@@ -111,6 +115,54 @@ async def test_fleet_survives_one_fault_after_another(nats_server, tmp_path, fle
                 lambda: _restarted(nc, "h2", "llama8-0", victim.pid), what="killed lane restarted"
             )
             revs = await invariants(nc, tmp_path, revs)
+
+
+async def test_an_agent_upgraded_to_another_renderer_adopts_every_lane_and_restarts_none(
+    nats_server, tmp_path, fleet_dirs, monkeypatch
+):
+    """The new agent version spells argv otherwise (flags reversed, some short): its lanes are
+    known by their lane key, so it adopts them all, restarts none, and takes the next plan as is."""
+    cfg = agent_config(tmp_path, "h1", fleet_dirs["h1"], fake_binary(tmp_path / "bin"))
+    events: list[LaneEvent] = []
+    async with services(nats_server.url) as s, client(nats_server.url) as nc:
+        s.start_planner()
+        s.start_agent(cfg)
+        first = await eventually(lambda: _all_healthy(nc, "h1", 2), what="both lanes healthy")
+        await s.kill("h1")
+
+        async def on_event(msg):
+            events.append(msgspec.json.decode(msg.data, type=LaneEvent))
+
+        await nc.subscribe(subjects.ALL_EVENTS, cb=on_event)
+        monkeypatch.setattr(lifecycle, "lane_args", lambda spec, caps: respelled(lane_args(spec, caps)))
+        s.start_agent(cfg)  # the "new version"
+        reply = await nc.request(subjects.CONFIG_SET, encode(ConfigSet(changes={"drain_timeout": 12})), timeout=5)
+        assert "Nats-Service-Error" not in (reply.headers or {})
+        kv = await kv_bucket(nc)
+
+        async def next_plan_applied():
+            plan = msgspec.json.decode((await kv.get(subjects.plan_key("h1"))).value, type=HostPlan)
+            status = await host_status(nc, "h1")
+            new = plan.drain_timeout == 12 and status.plan_revision == plan.plan_revision
+            return status if new and status.agent_session != first.agent_session and _healthy(status, 2) else None
+
+        after = await eventually(next_plan_applied, what="the new agent applied the next plan")
+        assert {(x.lane_id, x.pid, x.restarts) for x in after.lanes} == {(x.lane_id, x.pid, 0) for x in first.lanes}
+        assert [e.event for e in events if e.event in ("started", "stopped", "crashed")] == []
+        # The new version does render its own way: a lane it starts from now on runs its spelling.
+        victim = after.lanes[0]
+        os.kill(victim.pid, signal.SIGKILL)
+        again = await eventually(lambda: _restarted(nc, "h1", victim.lane_id, victim.pid), what="lane restarted")
+        assert "-c" in again.argv and "--ctx-size" not in again.argv and again.lane_key == victim.lane_key
+
+
+async def _all_healthy(nc, host, n):
+    status = await host_status(nc, host)
+    return status if _healthy(status, n) else None
+
+
+def _healthy(status, n) -> bool:
+    return status is not None and len(status.lanes) == n and all(x.state == "healthy" for x in status.lanes)
 
 
 async def _restarted(nc, host, lane_id, old_pid):

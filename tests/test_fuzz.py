@@ -876,13 +876,14 @@ def test_rejected_plan_does_not_steer_the_next_plan(fresh):
     current = decodes(fresh.plan_entry.value, HostPlan)
     spec = current.lanes[0]
     port = fresh.cfg.port_base + (spec.port - fresh.cfg.port_base + 5) % fresh.cfg.port_count
-    hostile = msgspec.structs.replace(current, plan_revision=current.plan_revision + 50,
-                                      lanes=(msgspec.structs.replace(spec, port=port),))  # fmt: skip
+    # As an older planner would write it, with argv rendered, but its args still say the old port.
+    moved = msgspec.structs.replace(spec, port=port, args=lane_args(spec, fresh.cfg.caps))
+    hostile = msgspec.structs.replace(current, plan_revision=current.plan_revision + 50, lanes=(moved,))
     # Held lease: the planner stands by, so its rewrite cannot overtake the hostile plan
     # before the agent has read it (the agent reads its key's latest value).
     fresh.run(fresh.hold_lease())
     try:
-        fresh.run(fresh.kv.put(subjects.plan_key(HOST), encode(hostile)))  # its args still say the old port
+        fresh.run(fresh.kv.put(subjects.plan_key(HOST), encode(hostile)))
         fresh.run(eventually(lambda: fresh.rejected, what="hostile plan rejected"))
     finally:
         fresh.run(fresh.release_lease())

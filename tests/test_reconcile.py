@@ -15,6 +15,7 @@ from launcher_agent.reconcile import (
     decide,
     validate_plan,
 )
+from shared.lane_key import lane_key
 from shared.llama.flags import lane_args
 from shared.messages import HostPlan, LaneSpec, ServerCaps
 
@@ -22,14 +23,18 @@ CAPS = ServerCaps()
 
 
 def spec(lane_id: str, port: int, model_path: str = "/models/m.gguf", **kw) -> LaneSpec:
-    s = LaneSpec(lane_id=lane_id, model="m", model_path=model_path, alias="m", port=port, ctx_total=4096,
-                 ctx_per_slot=4096, parallel=1, **kw)  # fmt: skip
-    return msgspec.structs.replace(s, args=lane_args(s, CAPS))
+    """A lane spec as the planner writes it: typed fields, no argv."""
+    return LaneSpec(lane_id=lane_id, model="m", model_path=model_path, alias="m", port=port, ctx_total=4096,
+                    ctx_per_slot=4096, parallel=1, **kw)  # fmt: skip
 
 
 def changed(s: LaneSpec, **kw) -> LaneSpec:
-    new = msgspec.structs.replace(s, **kw)
-    return msgspec.structs.replace(new, args=lane_args(new, CAPS))
+    return msgspec.structs.replace(s, **kw)
+
+
+def with_args(s: LaneSpec, args=None) -> LaneSpec:
+    """The spec as an older planner wrote it: its argv rendered into `args`."""
+    return msgspec.structs.replace(s, args=lane_args(s, CAPS) if args is None else tuple(args))
 
 
 # ------------------------------------------------------------------ decide
@@ -62,12 +67,36 @@ def test_changed_lanes_restart_one_at_a_time():
 def test_a_change_that_broke_a_lane_halts_the_rollout():
     a, b = spec("a", 8080), spec("b", 8081)
     a2, b2 = changed(a, cache_type_k="q4_0"), changed(b, cache_type_k="q4_0")
-    broken = Observed(a2, "failed", failures=1, last_good_args=a.args)
-    observed = {"a": broken, "b": Observed(b, "healthy", last_good_args=b.args)}
+    broken = Observed(a2, "failed", failures=1, last_good_key=lane_key(a))
+    observed = {"a": broken, "b": Observed(b, "healthy", last_good_key=lane_key(b))}
     assert decide([a2, b2], observed, now=0) == []  # b keeps serving its old spec
     # The planner reverts a: the broken lane takes the reverted spec at once; b still waits.
     assert decide([a, b2], observed, now=0) == [Restart(a, "spec changed (lane was down)")]
     assert decide([a, b2], {"a": Observed(a, "healthy"), "b": Observed(b, "healthy")}, now=0, hold_changes=True) == []
+
+
+def respelled(args: tuple[str, ...]) -> tuple[str, ...]:
+    """Another renderer's argv for the same spec: flags in reverse order, two spelled short."""
+    groups: list[list[str]] = []
+    for tok in args:
+        if tok.startswith("-") and not tok.lstrip("-").isdigit():
+            groups.append([tok])
+        else:
+            groups[-1].append(tok)
+    short = {"--ctx-size": "-c", "--parallel": "-np"}
+    return tuple(t for g in reversed(groups) for t in [short.get(g[0], g[0]), *g[1:]])
+
+
+def test_two_renderers_of_one_spec_restart_nothing():
+    a, b = spec("a", 8080, threads=4, cpus=(0, 1, 2, 3)), spec("b", 8081, cache_type_k="q8_0")
+    ours = [with_args(a), with_args(b)]
+    theirs = [with_args(s, respelled(lane_args(s, CAPS))) for s in (a, b)]
+    assert [s.args for s in theirs] != [s.args for s in ours]  # the argv differ
+    observed = {s.lane_id: Observed(s, "healthy", last_good_key=lane_key(s)) for s in theirs}
+    assert decide(ours, observed, now=0) == []
+    assert decide([a, b], observed, now=0) == []  # a plan without args, lanes run by a renderer that wrote some
+    # The same comparison sees a change of what runs.
+    assert decide([changed(a, ctx_total=8192), b], observed, now=0) == [Restart(changed(a, ctx_total=8192), "spec changed")]
 
 
 def test_crashed_lane_restarts_after_backoff_and_stops_after_max_failures():
@@ -131,8 +160,8 @@ def test_valid_plan_passes():
         (lambda s: {"lanes": (changed(s, port=22),)}, "outside 8080..8089"),
         (lambda s: {"lanes": (s, changed(s, lane_id="b"))}, "used twice"),
         (lambda s: {"lanes": (s, changed(s, port=8081))}, "duplicate lane id"),
-        (lambda s: {"lanes": (msgspec.structs.replace(s, args=(*s.args, "--rpc", "x:1")),)}, "args disagree"),
-        (lambda s: {"lanes": (msgspec.structs.replace(s, ctx_total=8192),)}, "args disagree"),
+        (lambda s: {"lanes": (with_args(s, (*lane_args(s, CAPS), "--rpc", "x:1")),)}, "args disagree"),
+        (lambda s: {"lanes": (msgspec.structs.replace(with_args(s), ctx_total=8192),)}, "args disagree"),
         (lambda s: {"lanes": (changed(s, cache_type_v="q4_0", flash_attn="off"),)}, "without flash attention"),
         (lambda s: {"lanes": (changed(s, model_path="/models/gone.gguf"),)}, "does not exist"),
         (lambda s: {"lanes": (changed(s, model_path="/models/" + "a" * 300),)}, "unusable model path"),

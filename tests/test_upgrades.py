@@ -54,14 +54,17 @@ def _as_previous_schema(p: HostPlan) -> bytes:
     return msgspec.json.encode(raw)
 
 
-def test_a_plan_in_the_previous_schema_is_accepted_and_launched_as_rendered(folder, tmp_path):
+async def test_a_plan_in_the_previous_schema_is_accepted_and_launched_as_rendered(folder, tmp_path):
     old = msgspec.json.decode(_as_previous_schema(_plan(folder)), type=HostPlan)
-    assert old.schema == SCHEMA_VERSION - 1
+    assert old.schema == SCHEMA_VERSION - 1 and old.lanes[0].args  # an older planner rendered argv
     assert _check(old, folder) is None
     sup = Supervisor(AgentConfig(host_id="h1", model_dirs=[str(folder)], binary="llama-server", caps=CAPS,
-                                 data_dir=tmp_path / "agent"))  # fmt: skip
+                                 data_dir=tmp_path / "agent", dry_run=True))  # fmt: skip
     assert sup.accept_plan(old) is None
-    assert sup.plan is not None and sup.plan.lanes[0].args == lane_args(old.lanes[0], CAPS)
+    assert sup.plan is not None and sup.plan.lanes[0] == msgspec.structs.replace(old.lanes[0], args=())  # typed only
+    await sup.reconcile(now=0.0)
+    assert sup.lanes[old.lanes[0].lane_id].process.argv == ["llama-server", *lane_args(old.lanes[0], CAPS)]
+    await sup.stop_all()
 
 
 def test_args_are_checked_by_meaning_not_bytes(folder):

@@ -1,9 +1,12 @@
 """llama-server's flags: the argv tail of a lane, what a binary accepts, and the rules its flags obey.
 
-The planner renders `args` into the plan; the agent launches its own rendering of the
-spec and checks the plan's args by meaning: the same flags with the same values, in
-any order. A plan from a planner one version apart (a flag added, the order changed)
-is accepted; a flag this agent cannot render, or a value the spec contradicts, is not.
+`lane_args` is the one renderer: the agent renders each lane's argv from the typed spec
+and its own binary's capabilities when it launches it; the planner renders only to show a
+plan (and, for an agent too old to render, into the plan's `args`). A plan from an older
+planner still carries `args`: the agent checks them by meaning (the same flags with the
+same values, in any order; a flag this agent cannot render, or a value the spec
+contradicts, is refused) and launches its own rendering. Lanes are compared by
+shared.lane_key, never by argv.
 
 What a binary accepts is decided from its own --help and --version text (running it
 is launcher_agent.probe's job): the flag forms and the KV layout are read from what
@@ -20,7 +23,8 @@ from shared.messages import LaneSpec, ServerCaps
 
 DEFAULT_N_BATCH = 2048  # llama-server's; the ubatch is clamped to it
 DEFAULT_CACHE_TYPE = "f16"  # what llama-server uses for K and V when no --cache-type flag is passed
-# Flags that carry no lane meaning: each side may render its own.
+# Flags that carry no lane meaning (the agent's own, such as log settings): an older planner's
+# args may lack them or render them otherwise. A flag the agent adds for itself belongs here.
 _NO_MEANING = {"--verbosity"}
 
 
