@@ -31,7 +31,10 @@ async def connect(
     """Connect and keep reconnecting forever: a service outlives NATS restarts."""
 
     async def error_cb(exc: Exception) -> None:
-        log.warning("nats error", error=str(exc))
+        if isinstance(exc, (nats.errors.Error, OSError, asyncio.TimeoutError)):
+            log.warning("nats error", error=str(exc) or type(exc).__name__)
+        else:  # a subscription callback raised: nats-py hands it here, and it must not vanish
+            log.error("nats callback failed", error=str(exc) or type(exc).__name__, exc_info=exc)
 
     async def reconnected_cb() -> None:
         log.info("nats reconnected")
@@ -201,10 +204,24 @@ def quietly(step: Callable[[], Awaitable[object]], timeout: float = 2.0) -> Call
 
 
 async def run_until(stop: asyncio.Event, tasks: list[asyncio.Task]) -> None:
-    """Wait for `stop`, then cancel the tasks. Cancelled from outside, the tasks go too."""
+    """Wait for `stop`, then cancel the tasks. Cancelled from outside, the tasks go too.
+
+    A task that fails first (a supervised loop that gave up, shared.supervise) ends the wait:
+    the others are cancelled and its exception is raised, so the service exits non-zero."""
+    stopping = asyncio.ensure_future(stop.wait())
     try:
-        await stop.wait()
+        pending = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending | {stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if stopping in done:
+                return
+            pending.discard(stopping)
+            for t in done:
+                if not t.cancelled() and t.exception() is not None:
+                    raise t.exception()
+        await stopping
     finally:
+        stopping.cancel()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
