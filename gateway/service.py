@@ -144,7 +144,8 @@ async def _bus_side(gw: Gateway, servers: str, auth: NatsAuth, stop: asyncio.Eve
 
     while not stop.is_set():
         try:
-            nc = await connect(servers, name="lanes-gateway", auth=auth, on_reconnect=on_reconnect)
+            nc = await connect(servers, name="lanes-gateway", auth=auth, on_reconnect=on_reconnect,
+                               inbox_prefix=subjects.gateway_inbox(gw.gateway_id))  # fmt: skip
             break
         except Exception as exc:
             log.warning("nats not reachable; retrying", error=str(exc) or type(exc).__name__)
@@ -180,6 +181,9 @@ async def run_gateway(
 ) -> None:
     """Serve until `stop` is set. Pass a Gateway to reach its view and app (tests, dashboard)."""
     gw = gateway or Gateway(settings)
+    if auth.user and not gw.settings.gateway_id:
+        # Its NATS user is its identity: auth.conf lets user G publish activity on lanes.activity.G only.
+        gw.gateway_id = subjects.host_token(auth.user)
     # On stop: no new connections, and requests in flight get SHUTDOWN_GRACE seconds to finish.
     runner = web.AppRunner(gw.app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE)
     await runner.setup()

@@ -78,6 +78,7 @@ def gateway_settings(args: argparse.Namespace) -> GatewaySettings:
         admin_key=getattr(args, "admin_key", None) or None,
         load_timeout=getattr(args, "load_timeout", base.load_timeout),
         affinity=not getattr(args, "no_affinity", False),
+        gateway_id=getattr(args, "gateway_id", None) or base.gateway_id,
     )
 
 
