@@ -590,7 +590,12 @@ def _spec_variants(fleet) -> list[dict]:
                          ("port", 9), ("port", spec["port"] + 1), ("ctx_total", spec["ctx_total"] * 2),
                          ("cache_type_v", "q4_0"), ("cache_type_k", "q4_1"), ("flash_attn", "off"),
                          ("args", [*spec["args"], "--rpc", "evil:1"]), ("args", []), ("args", spec["args"][:-2]),
-                         ("lane_id", "../x"), ("alias", "other")]:  # fmt: skip
+                         ("lane_id", "../x"), ("alias", "other"),
+                         # --rpc and --device: shape, count, ports, duplicates (decode or validate_plan)
+                         ("rpc_servers", ["evil:0"]), ("rpc_servers", ["evil:70000"]), ("rpc_servers", ["a:1", "a:1"]),
+                         ("rpc_servers", ["a b:1"]), ("rpc_servers", ["a:1,b:2"]), ("rpc_servers", [f"h{i}:1" for i in range(65)]),
+                         ("device_names", ["CUDA0,CUDA1"]), ("device_names", ["CUDA0"]), ("device_names", ["x" * 200]),
+                         ("device_names", ["--help"])]:  # fmt: skip
         variants.append(dict(good, plan_revision=good["plan_revision"] + 1, lanes=[dict(spec, **{field: value})]))
     variants.append(dict(good, host_id="host2", plan_revision=good["plan_revision"] + 1))
     variants.append(dict(good, plan_revision=good["plan_revision"] + 1, lanes=[spec, dict(spec, lane_id="llama8-1")]))
@@ -704,6 +709,8 @@ def test_fuzz_plans(fleet):
     assert all(r.host_id == HOST and r.reason for r in new)
     assert any(r.reason.startswith("malformed plan") for r in new)
     assert any("args disagree" in r.reason for r in new)
+    assert any("rpc_servers" in r.reason or "rpc server" in r.reason for r in new)
+    assert any("device_names" in r.reason or "device" in r.reason for r in new)
     assert fleet.dropped(subjects.plan_key(HOST)) > dropped_before
     fleet.assert_untouched()
 
@@ -768,10 +775,14 @@ def _fuzz_demand_messages(fleet, data):
         subject = subjects.wake_subject(name)
     else:
         gateway = data.draw(st.sampled_from(["g1", "g2"]))
-        value = data.draw(payloads(GatewayActivity, [dict(_ACTIVITY, gateway=gateway)]))
+        # Past its bounds: an interval that would hold a model busy for long, counts, names.
+        doc = data.draw(st.sampled_from([_ACTIVITY, dict(_ACTIVITY, interval=3600.0), dict(_ACTIVITY, interval=1e300),
+                                         dict(_ACTIVITY, models=[dict(_ACTIVITY["models"][0], in_flight=10**7)])]))
+        value = data.draw(payloads(GatewayActivity, [dict(doc, gateway=gateway)]))
         msg = decodes(value, GatewayActivity)
-        valid = msg is not None and subjects.activity_subject(msg.gateway) == subjects.activity_subject(gateway)
-        subject = subjects.activity_subject(gateway)
+        sender = data.draw(st.sampled_from([gateway, gateway, "g3"]))  # g3: reporting under another's name
+        valid = msg is not None and subjects.activity_subject(msg.gateway) == subjects.activity_subject(sender)
+        subject = subjects.activity_subject(sender)
     fleet.sent_demand += 1
     fleet.bad_demand += not valid
     fleet.run(fleet.nc.publish(subject, value))
@@ -792,6 +803,27 @@ def test_fuzz_wakes_and_activity(fleet):
         return sum(1 for e in list(fleet.logs) if e.get("event") in events) - before >= fleet.bad_demand
 
     fleet.run(eventually(all_dropped, timeout=20, what="every malformed wake and activity dropped"))
+    fleet.assert_untouched()
+
+
+def test_activity_out_of_range_or_under_another_name_is_dropped_with_its_reason(fleet):
+    """One report must not pin a model busy (a long interval, a huge count) nor speak for another gateway."""
+    model = _ACTIVITY["models"][0]
+    bad = [
+        (subjects.activity_subject("g1"), dict(_ACTIVITY, interval=3600.0), "$.interval"),
+        (subjects.activity_subject("g1"), dict(_ACTIVITY, models=[dict(model, queued=10**7)]), "$.models[0].queued"),
+        (subjects.activity_subject("g1"), dict(_ACTIVITY, models=[dict(model, wait_s=1e6)]), "$.models[0].wait_s"),
+        (subjects.activity_subject("g2"), _ACTIVITY, "does not match"),  # g1's report on g2's subject
+    ]
+    before = len(list(fleet.logs))
+
+    def drops():
+        return [e for e in list(fleet.logs)[before:] if e.get("event") == "dropped malformed activity"]
+
+    for subject, doc, _ in bad:
+        fleet.run(fleet.nc.publish(subject, _dumps(doc)))
+    fleet.run(eventually(lambda: len(drops()) >= len(bad), timeout=10, what="every bad activity report dropped"))
+    assert [why in drop["reason"] for (_, _, why), drop in zip(bad, drops())] == [True] * len(bad), drops()
     fleet.assert_untouched()
 
 
