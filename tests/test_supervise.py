@@ -16,6 +16,7 @@ from waiting import eventually
 
 from gateway.service import Gateway, run_gateway
 from gateway.settings import GatewaySettings
+from lanes import online
 from lanes.cli import main
 from launcher_agent.service import Agent, run_agent
 from planner_svc.service import run_planner
@@ -30,6 +31,13 @@ FAST = RestartPolicy(base=0.01, cap=0.05, max_failures=3, window=60.0)
 @pytest.fixture
 def fast_restarts(monkeypatch):
     monkeypatch.setattr(supervise, "DEFAULT_POLICY", FAST)
+
+
+@pytest.fixture
+def cli_in_process(monkeypatch):
+    """The CLI run in this process: its logging setup would cache structlog's loggers for the
+    rest of the session (then capture_logs sees nothing), so it is left out."""
+    monkeypatch.setattr(online, "setup_logging", lambda *a, **k: None)
 
 
 # ---------------------------------------------------------------- the decision
@@ -203,11 +211,32 @@ async def test_planner_liveness_loop_restarts_after_a_failure(nats_server, monke
     await _restarted_once(planner, stop, calls, port, ("planner", "liveness"), ("planner", "replan"))
 
 
-def test_planner_that_keeps_failing_exits_non_zero(nats_server, monkeypatch, fast_restarts):
+def test_planner_that_keeps_failing_exits_non_zero(nats_server, monkeypatch, fast_restarts, cli_in_process):
     calls: list = []
     _fail_first(monkeypatch, PlannerState, "check_liveness", calls, times=10**9)
     assert main(["planner", "--nats", nats_server.url]) == 1
     assert len(calls) == FAST.max_failures
+
+
+def test_lanes_up_whose_planner_keeps_failing_stops_everything_and_exits_non_zero(tmp_path, monkeypatch,
+                                                                                 fast_restarts, cli_in_process):  # fmt: skip
+    calls: list = []
+    _fail_first(monkeypatch, PlannerState, "check_liveness", calls, times=10**9)
+    models = tmp_path / "models"
+    models.mkdir()
+    argv = ["up", "--models", str(models), "--data", str(tmp_path / "data"), "--llama-server",
+            fake_binary(tmp_path / "bin"), "--nats-port", "0", "--gateway-port", "0", "--host-id", "local",
+            "--port-base", str(free_port_base())]  # fmt: skip
+    assert main(argv) == 1  # the agent and the gateway were stopped too, or this would not return
+    assert len(calls) == FAST.max_failures
+
+
+async def test_agent_that_keeps_failing_ends_its_run(nats_server, tmp_path, monkeypatch, fast_restarts):
+    calls: list = []
+    _fail_first(monkeypatch, Agent, "publish_report", calls, times=10**9)
+    cfg = agent_config(tmp_path, "h1", tmp_path, fake_binary(tmp_path / "bin"), report_interval=0.05)
+    with pytest.raises(LoopGaveUp, match="agent loop 'report'"):
+        await asyncio.wait_for(run_agent(cfg, nats_server.url, asyncio.Event()), 30)
 
 
 async def test_agent_report_loop_restarts_after_a_failure(nats_server, tmp_path, monkeypatch, fast_restarts):
