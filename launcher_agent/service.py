@@ -28,7 +28,7 @@ from launcher_agent.report import VERSION, host_report
 from launcher_agent.rpc_worker import RpcWorkers, WorkerSettings
 from launcher_agent.supervisor import Supervisor
 from shared import subjects
-from shared.bus import NatsAuth, connect, follow_key, kv_bucket, quietly, run_until
+from shared.bus import NatsAuth, connect, follow_key, kv_bucket, logged_endpoint, quietly, run_until
 from shared.gguf_facts import FactsCache
 from shared.messages import HostPlan, HostReport, LaneEvent, PlanRejected, encode
 from shared.metrics_http import serve_metrics
@@ -202,12 +202,10 @@ async def _serve_bus(agent: Agent, stop: asyncio.Event) -> None:
             await req.respond(encode(agent.report()))
 
         where = subjects.agent_group(agent.host)
-        await group.add_endpoint(
-            name="status", subject=subjects.endpoint_tail(subjects.agent_status(agent.host), where), handler=status_handler
-        )
-        await group.add_endpoint(
-            name="info", subject=subjects.endpoint_tail(subjects.agent_info(agent.host), where), handler=info_handler
-        )
+        for name, subject, handler in (("status", subjects.agent_status(agent.host), status_handler),
+                                       ("info", subjects.agent_info(agent.host), info_handler)):  # fmt: skip
+            await group.add_endpoint(name=name, subject=subjects.endpoint_tail(subject, where),
+                                     handler=logged_endpoint(handler, name))  # fmt: skip
         await agent.publish_report()
         await follow_key(
             agent.nc,

@@ -28,7 +28,7 @@ from planner_svc.lease import DEFAULT_TTL, Lease
 from planner_svc.metrics import PlannerMetrics
 from planner_svc.state import PlannerState, config_problem, explain_lines, merged_config
 from shared import subjects
-from shared.bus import NatsAuth, connect, kv_bucket, quietly, run_until, watch_forever
+from shared.bus import NatsAuth, connect, kv_bucket, logged_endpoint, quietly, run_until, watch_forever
 from shared.llama.flags import cache_pair
 from shared.messages import (
     ConfigSet,
@@ -356,7 +356,7 @@ class PlannerService:
             ("info", subjects.PLANNER_INFO, self._info),
         ):
             tail = subjects.endpoint_tail(subject, subjects.PLANNER_GROUP)
-            await group.add_endpoint(name=name, subject=tail, handler=handler)
+            await group.add_endpoint(name=name, subject=tail, handler=logged_endpoint(handler, name))
 
 
 async def run_planner(

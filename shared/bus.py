@@ -10,6 +10,7 @@ import structlog
 from nats.aio.client import Client
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
+from nats.micro.request import Request, ServiceError
 
 from shared.nats_auth import NatsAuth, add_auth_arguments, auth_from_args  # noqa: F401  (re-exported)
 from shared.subjects import BUCKET, kv_subject
@@ -185,6 +186,22 @@ async def follow_key(
             await asyncio.wait_for(sub.unsubscribe(), 2)
         except Exception:
             pass
+
+
+def logged_endpoint(handler: Callable[[Request], Awaitable[None]], name: str) -> Callable[[Request], Awaitable[None]]:
+    """A micro endpoint's handler whose unexpected failure is logged with its traceback (nats-py
+    answers the requester 500 and logs nothing); a ServiceError is an answer, not a failure."""
+
+    async def run(req: Request) -> None:
+        try:
+            await handler(req)
+        except ServiceError:
+            raise
+        except Exception:
+            log.exception("endpoint failed", endpoint=name)
+            raise
+
+    return run
 
 
 def quietly(step: Callable[[], Awaitable[object]], timeout: float = 2.0) -> Callable[[], Awaitable[None]]:

@@ -19,9 +19,9 @@ from gateway.settings import GatewaySettings
 from lanes import online
 from lanes.cli import main
 from launcher_agent.service import Agent, run_agent
-from planner_svc.service import run_planner
+from planner_svc.service import PlannerService, run_planner
 from planner_svc.state import PlannerState
-from shared import supervise
+from shared import subjects, supervise
 from shared.bus import connect
 from shared.supervise import LoopGaveUp, Loops, RestartPolicy, after_failure
 
@@ -296,3 +296,25 @@ async def test_a_subscription_callback_that_raises_is_logged(nats_server):
         assert failed[0]["error"] == "handler broke" and isinstance(failed[0]["exc_info"], ValueError)
     finally:
         await nc.close()
+
+
+async def test_an_endpoint_that_raises_is_logged_and_answered_500(nats_server, monkeypatch):
+    async def broken(self, req):
+        raise ValueError("info broke")
+
+    monkeypatch.setattr(PlannerService, "_info", broken)
+    stop = asyncio.Event()
+    with structlog.testing.capture_logs() as logs:
+        planner = asyncio.create_task(run_planner(nats_server.url, stop))
+        try:
+            nc = await connect(nats_server.url, name="test", retry_forever=False)
+            try:
+                reply = await eventually(lambda: nc.request(subjects.PLANNER_INFO, b"", timeout=1), what="an answer")
+            finally:
+                await nc.close()
+        finally:
+            stop.set()
+            await asyncio.wait_for(planner, 30)
+    assert reply.headers["Nats-Service-Error-Code"] == "500"
+    failed = [e for e in logs if e["event"] == "endpoint failed"]
+    assert [e["endpoint"] for e in failed] == ["info"] and failed[0]["exc_info"] is True
