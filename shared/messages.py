@@ -44,7 +44,8 @@ Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]  # a duration or age (a
 Label = Annotated[str, msgspec.Meta(max_length=256)]  # versions, backends, ids, addresses
 Text = Annotated[str, msgspec.Meta(max_length=65536)]  # a reason, an error, a log line, a path, an argument
 # llama-server's name for a device (--device): CUDA0, ROCm1, Vulkan0, MTL0, SYCL0, RPC0, RPC0[host:port].
-DeviceName = Annotated[str, msgspec.Meta(max_length=128, pattern=r"^[A-Za-z][A-Za-z0-9_-]*(\[[A-Za-z0-9._:\[\]-]+\])?$")]
+_DEVICE = r"[A-Za-z][A-Za-z0-9_-]*(\[[A-Za-z0-9._:\[\]-]+\])?"
+DeviceName = Annotated[str, msgspec.Meta(max_length=128, pattern=f"^{_DEVICE}$")]
 # A ggml-rpc-server endpoint (--rpc): host:port, the host a name, an IPv4 address or [IPv6].
 _ENDPOINT = r"([A-Za-z0-9][A-Za-z0-9._-]{0,252}|\[[0-9A-Fa-f:.]{2,45}\]):[0-9]{1,5}"
 RpcEndpoint = Annotated[str, msgspec.Meta(pattern=f"^{_ENDPOINT}$")]
@@ -94,7 +95,9 @@ class ServerCaps(msgspec.Struct, frozen=True, kw_only=True):
     build: Int32 | None = None
     version: Label = ""
     flash_attn_form: FlashAttnForm = "value"
-    cache_types: Annotated[tuple[CacheType, ...], FEW] = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+    cache_types: Annotated[tuple[CacheType, ...], FEW] = (
+        "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1",
+    )  # fmt: skip
     has_fit: bool = True
     has_kv_unified: bool = True
     has_swa_full: bool = True
@@ -311,7 +314,8 @@ class LaneFeedback(msgspec.Struct, frozen=True, kw_only=True):
     actual_bytes: Bytes = 0
     detail: Text = ""
     port: PortOrNone = 0  # port_busy: the port another program holds
-    noted_at: Annotated[float, msgspec.Meta(ge=0.0, le=1e11)] = 0.0  # Unix time the agent noted it; it expires after the agent's feedback TTL
+    # Unix time the agent noted it; it expires after the agent's feedback TTL
+    noted_at: Annotated[float, msgspec.Meta(ge=0.0, le=1e11)] = 0.0
     # The spec this lane last ran healthy with, when the failing one was a change to it:
     # the planner reverts to it rather than guessing a correction.
     last_good: LaneSpec | None = None
@@ -422,11 +426,13 @@ class LaneSpec(msgspec.Struct, frozen=True, kw_only=True):
     # Indices into the host's reported gpus the lane is pinned to (--device), in order;
     # with more than one, tensor_split gives each its share of the layers (-ts).
     gpu_devices: Annotated[tuple[GpuIndex, ...], FEW] = ()
-    device_names: Annotated[tuple[DeviceName, ...], FEW] = ()  # llama-server's names for them (--device), when the host reported them
+    # llama-server's names for them (--device), when the host reported them
+    device_names: Annotated[tuple[DeviceName, ...], FEW] = ()
     tensor_split: Annotated[tuple[Bytes, ...], FEW] = ()
     split_mode: Literal["layer", "none"] | None = None
     main_gpu: GpuIndex | None = None
-    rpc_servers: Annotated[tuple[RpcEndpoint, ...], FEW] = ()  # --rpc, for hosts whose GPU-type devices are ggml-rpc-servers
+    # --rpc, for hosts whose GPU-type devices are ggml-rpc-servers
+    rpc_servers: Annotated[tuple[RpcEndpoint, ...], FEW] = ()
     cache_type_k: CacheType | None = None
     cache_type_v: CacheType | None = None
     flash_attn: FlashAttn | None = None
@@ -436,7 +442,8 @@ class LaneSpec(msgspec.Struct, frozen=True, kw_only=True):
     # CPU threads (--threads, --threads-batch); None: llama-server's default (every core).
     threads: Annotated[int, msgspec.Meta(ge=1, le=65536)] | None = None
     threads_batch: Annotated[int, msgspec.Meta(ge=1, le=65536)] | None = None
-    cpus: Annotated[tuple[CpuId, ...], msgspec.Meta(max_length=65536)] = ()  # CPU ids its threads are pinned to (--cpu-range / --cpu-mask)
+    # CPU ids its threads are pinned to (--cpu-range / --cpu-mask)
+    cpus: Annotated[tuple[CpuId, ...], msgspec.Meta(max_length=65536)] = ()
     poll: Annotated[int, msgspec.Meta(ge=0, le=100)] | None = None
     args: Annotated[tuple[Text, ...], LINES] = ()
     reasons: Annotated[tuple[Text, ...], LINES] = ()
@@ -678,7 +685,8 @@ class ModelStates(_Msg, tag="model_states", kw_only=True):
     """KV key `models`, put by the active planner when it changes."""
 
     models: Annotated[tuple[ModelState, ...], MANY] = ()
-    evictions: Annotated[dict[Label, Annotated[int, msgspec.Meta(ge=0, le=2**53)]], FEW] = {}  # reason -> lanes this planner evicted (idle, wake)
+    # reason -> lanes this planner evicted (idle, wake)
+    evictions: Annotated[dict[Label, Annotated[int, msgspec.Meta(ge=0, le=2**53)]], FEW] = {}
 
 
 class PlannerLease(_Msg, tag="planner_lease", kw_only=True):
