@@ -1,6 +1,6 @@
 """Hypothesis fuzzing of everything the planner and the agent consume, over a real nats-server.
 
-One planner and one agent (host1, the fake llama-server) run for the whole module in
+One planner, one agent (host1, the fake llama-server) and one gateway run for the whole module in
 an event loop on a background thread. Each fuzz test is synchronous and runs a
 synchronous @given function that hands every example to that loop
 (asyncio.run_coroutine_threadsafe), so all examples hit the same live services, then
@@ -39,6 +39,8 @@ from waiting import eventually
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from gateway.service import Gateway, run_gateway
+from gateway.settings import GatewaySettings
 from launcher_agent.reconcile import validate_plan
 from launcher_agent.service import run_agent
 from launcher_agent.supervisor import model_file_exists
@@ -308,6 +310,8 @@ class Fleet:
         self.stop_event = asyncio.Event()
         self.planner = asyncio.create_task(run_planner(self.url, self.stop_event))
         self.agent = asyncio.create_task(run_agent(self.cfg, self.url, self.stop_event))
+        self.gateway = Gateway(GatewaySettings(port=0))  # it reads the same KV entries the planner does
+        self.gateway_task = asyncio.create_task(run_gateway(self.url, self.stop_event, gateway=self.gateway))
         self.nc = await connect(self.url, name="fuzz-client", retry_forever=False)
 
         async def on_rejected(msg):
@@ -316,6 +320,7 @@ class Fleet:
         await self.nc.subscribe(subjects.rejected_subject(HOST), cb=on_rejected)
         self.kv = await eventually(lambda: kv_bucket(self.nc), what="lanes bucket")
         self.lane = await eventually(self.healthy_lane, timeout=40, what="lane healthy")
+        await eventually(lambda: self.gateway.view.routable("llama8"), timeout=20, what="the gateway routes the lane")
         self.report = json.loads((await self.kv.get(subjects.report_key(HOST))).value)
         self.status = json.loads((await self.kv.get(subjects.status_key(HOST))).value)
         self.plan_entry = await self.kv.get(subjects.plan_key(HOST))
@@ -344,7 +349,7 @@ class Fleet:
 
     async def shutdown(self) -> None:
         self.stop_event.set()
-        await asyncio.wait_for(asyncio.gather(self.planner, self.agent, return_exceptions=True), 30)
+        await asyncio.wait_for(asyncio.gather(self.planner, self.agent, self.gateway_task, return_exceptions=True), 30)
         await self.nc.close()
 
     def close(self) -> None:
@@ -370,9 +375,12 @@ class Fleet:
         return sum(1 for e in list(self.logs) if e.get("event") == DROPPED and (key is None or e.get("key") == key))
 
     def assert_untouched(self) -> None:
-        """Both services run, the lane is the same process, and no other lane process exists."""
+        """The services run, the lane is the same process, no other lane process exists, and the
+        gateway still routes to the lane."""
         assert not self.planner.done(), self.planner
         assert not self.agent.done(), self.agent
+        assert not self.gateway_task.done(), self.gateway_task
+        assert self.gateway.view.routable("llama8"), "the gateway lost the lane"
         lane = self.run(self.healthy_lane())
         assert lane is not None, "the lane is no longer healthy"
         assert lane.pid == self.lane.pid and lane.argv == self.lane.argv
@@ -549,6 +557,7 @@ def test_fuzz_planner_kv_entries(fleet):
     benchmark_target(*PLANNER_KEYS)
     fleet.expected_drops = {}
     before_total = fleet.dropped()
+    gateway_before = fleet.gateway.view.bad_entries
     before: dict[str, int] = {}
     for e in list(fleet.logs):
         if e.get("event") == DROPPED:
@@ -563,6 +572,10 @@ def test_fuzz_planner_kv_entries(fleet):
 
     fleet.run(eventually(all_dropped, timeout=20, what="the planner dropped every malformed entry"))
     assert fleet.dropped() - before_total >= sum(expected.values())
+    # The gateway drops the same entries (all but the demand, which it does not read) and keeps its view.
+    for_gateway = sum(n for k, n in expected.items() if k != subjects.DEMAND_KEY)
+    fleet.run(eventually(lambda: fleet.gateway.view.bad_entries - gateway_before >= for_gateway, timeout=20,
+                         what=f"the gateway dropped {for_gateway} malformed entries"))  # fmt: skip
     fleet.assert_untouched()
     # Malformed plan entries were overwritten: the key holds the planner's own plan again,
     # asking for exactly the lane it asked for before the fuzz.
