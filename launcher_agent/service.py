@@ -144,7 +144,11 @@ class Agent:
             return
         try:
             report = await asyncio.get_running_loop().run_in_executor(None, self.report)
-            await self.kv.put(subjects.report_key(self.host), encode(report))
+            data = encode(report)
+            msgspec.json.decode(data, type=HostReport)  # its bounds: the planner would drop it, unseen here
+            await self.kv.put(subjects.report_key(self.host), data)
+        except msgspec.ValidationError as exc:
+            log.error("report out of range; not published (check this agent's options)", reason=str(exc))
         except Exception as exc:
             log.info("report not published", error=str(exc) or type(exc).__name__)
 

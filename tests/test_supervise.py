@@ -1,5 +1,7 @@
-"""Supervised loops (shared/supervise.py): the restart decision alone, then the planner, the
-agent and the gateway over a real nats-server with a failure injected into one of their loops."""
+"""No failure in silence: supervised loops (shared/supervise.py), the restart decision alone, then
+the planner, the agent and the gateway over a real nats-server with a failure injected into one
+of their loops; a raising subscription callback or endpoint; an agent whose own report is out of
+the bus's bounds."""
 
 from __future__ import annotations
 
@@ -318,3 +320,20 @@ async def test_an_endpoint_that_raises_is_logged_and_answered_500(nats_server, m
     assert reply.headers["Nats-Service-Error-Code"] == "500"
     failed = [e for e in logs if e["event"] == "endpoint failed"]
     assert [e["endpoint"] for e in failed] == ["info"] and failed[0]["exc_info"] is True
+
+
+async def test_an_agent_whose_report_is_out_of_range_says_so(nats_server, tmp_path):
+    """Its own options put the report past a bound (a report interval over a day): the planner
+    would drop it, so the agent logs why instead of publishing it."""
+    cfg = agent_config(tmp_path, "h1", tmp_path, fake_binary(tmp_path / "bin"), report_interval=100_000.0)
+    stop = asyncio.Event()
+    with structlog.testing.capture_logs() as logs:
+        tasks = [asyncio.create_task(run_planner(nats_server.url, stop)),
+                 asyncio.create_task(run_agent(cfg, nats_server.url, stop))]  # fmt: skip
+        try:
+            found = await eventually(lambda: [e for e in logs if e["event"].startswith("report out of range")],
+                                     what="the agent's log line")  # fmt: skip
+        finally:
+            stop.set()
+            await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    assert "report_interval" in found[0]["reason"]
