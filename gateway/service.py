@@ -25,13 +25,14 @@ from gateway import waking
 from gateway.admission import Admission
 from gateway.dashboard import DashboardHub, add_dashboard
 from gateway.fleet import FleetView, LaneRoute
-from gateway.http import build_app
+from gateway.http import METRICS, build_app
 from gateway.lane_load import poll_forever
 from gateway.settings import GatewaySettings
 from shared import subjects
 from shared.messages import GatewayActivity, ModelWake, encode
 from shared.bus import NatsAuth, connect, kv_bucket, quietly, run_until, watch_forever
 from shared.llama.endpoints import connect_host
+from shared.supervise import Loops
 
 log = structlog.get_logger("lanes.gateway")
 
@@ -51,6 +52,7 @@ class Gateway:
     nc: object | None = None  # the NATS connection once made (the dashboard's admin changes use it)
     waker: waking.Waker = field(init=False)  # requests held while their model loads
     gateway_id: str = ""
+    loops: Loops = field(default_factory=lambda: Loops("gateway"))  # its supervised loops (shared.supervise)
 
     def __post_init__(self) -> None:
         self.admission = Admission(self.view, max_queue=self.settings.queue_depth, max_wait=self.settings.queue_wait,
@@ -60,6 +62,7 @@ class Gateway:
             self.settings.gateway_id or f"{socket.gethostname().split('.')[0]}-{os.getpid()}-{id(self) % 10000}"
         )
         self.app = build_app(self.view, self.settings, admission=self.admission, waker=self.waker)
+        self.app[METRICS].registry.register(self.loops)
         self.dashboard = DashboardHub(self.view, self.admission.counts)
         add_dashboard(self.app, self.dashboard, nc_getter=lambda: self.nc, admin_key=self.settings.admin_key)
 
@@ -110,10 +113,7 @@ class Gateway:
 async def _probe_loop(gw: Gateway, stop: asyncio.Event) -> None:
     async with aiohttp.ClientSession() as session:
         while not stop.is_set():
-            try:
-                await gw.probe_once(session)
-            except Exception:
-                log.exception("lane probe failed")
+            await gw.probe_once(session)  # a failure ends the loop: its supervisor logs, counts, restarts it
             try:
                 await asyncio.wait_for(stop.wait(), gw.settings.probe_interval)
             except asyncio.TimeoutError:
@@ -124,14 +124,12 @@ async def _demand_loop(gw: Gateway, stop: asyncio.Event) -> None:
     """Repeat wakes for held requests, and tell the planner what each model is doing."""
     next_activity = 0.0
     while not stop.is_set():
-        try:
-            for name in gw.waker.wanted():
-                await gw.waker.wake(name)
-            if time.monotonic() >= next_activity:
-                await gw.publish_activity()
-                next_activity = time.monotonic() + gw.settings.activity_interval
-        except Exception:
-            log.exception("demand report failed")
+        # A failure ends the loop: its supervisor (shared.supervise) logs, counts and restarts it.
+        for name in gw.waker.wanted():
+            await gw.waker.wake(name)
+        if time.monotonic() >= next_activity:
+            await gw.publish_activity()
+            next_activity = time.monotonic() + gw.settings.activity_interval
         try:
             await asyncio.wait_for(stop.wait(), min(gw.settings.wake_repeat, gw.settings.activity_interval))
         except asyncio.TimeoutError:
@@ -146,7 +144,8 @@ async def _bus_side(gw: Gateway, servers: str, auth: NatsAuth, stop: asyncio.Eve
 
     while not stop.is_set():
         try:
-            nc = await connect(servers, name="lanes-gateway", auth=auth, on_reconnect=on_reconnect)
+            nc = await connect(servers, name="lanes-gateway", auth=auth, on_reconnect=on_reconnect,
+                               inbox_prefix=subjects.gateway_inbox(gw.gateway_id))  # fmt: skip
             break
         except Exception as exc:
             log.warning("nats not reachable; retrying", error=str(exc) or type(exc).__name__)
@@ -169,18 +168,8 @@ async def _bus_side(gw: Gateway, servers: str, auth: NatsAuth, stop: asyncio.Eve
             await asyncio.sleep(1.0)
     else:
         return
-    await watch_forever(kv, WATCHED_KEYS, gw.on_entry, resync=resync, stop=stop, on_caught_up=gw.on_caught_up)
-
-
-async def _logged(step, what: str) -> None:
-    """A background task that fails says so in the log instead of vanishing."""
-    try:
-        await step
-    except asyncio.CancelledError:
-        raise
-    except Exception:
-        log.exception("gateway task failed", task=what)
-        raise
+    await gw.loops.run("watch", lambda: watch_forever(kv, WATCHED_KEYS, gw.on_entry, resync=resync, stop=stop,
+                                                      on_caught_up=gw.on_caught_up), stop)  # fmt: skip
 
 
 async def run_gateway(
@@ -192,6 +181,9 @@ async def run_gateway(
 ) -> None:
     """Serve until `stop` is set. Pass a Gateway to reach its view and app (tests, dashboard)."""
     gw = gateway or Gateway(settings)
+    if auth.user and not gw.settings.gateway_id:
+        # Its NATS user is its identity: auth.conf lets user G publish activity on lanes.activity.G only.
+        gw.gateway_id = subjects.host_token(auth.user)
     # On stop: no new connections, and requests in flight get SHUTDOWN_GRACE seconds to finish.
     runner = web.AppRunner(gw.app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE)
     await runner.setup()
@@ -203,13 +195,14 @@ async def run_gateway(
     log.info("gateway serving", url=gw.url)
     try:
         async with AsyncExitStack() as stack:
+            loops = gw.loops
             tasks = [
-                asyncio.create_task(_logged(_bus_side(gw, servers, auth, stop, stack), "bus side")),
-                asyncio.create_task(_probe_loop(gw, stop)),
-                asyncio.create_task(_logged(_demand_loop(gw, stop), "demand loop")),
-                asyncio.create_task(_logged(poll_forever(gw.admission, gw.settings.slots_interval,
-                                                         gw.settings.probe_timeout, stop), "slots poll")),  # fmt: skip
-                asyncio.create_task(gw.dashboard.run(stop)),
+                asyncio.create_task(_bus_side(gw, servers, auth, stop, stack)),  # its "watch" part is supervised
+                loops.task("probe", lambda: _probe_loop(gw, stop), stop),
+                loops.task("demand", lambda: _demand_loop(gw, stop), stop),
+                loops.task("slots", lambda: poll_forever(gw.admission, gw.settings.slots_interval,
+                                                         gw.settings.probe_timeout, stop), stop),  # fmt: skip
+                loops.task("dashboard", lambda: gw.dashboard.run(stop), stop),
             ]
             await run_until(stop, tasks)
     finally:

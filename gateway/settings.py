@@ -28,7 +28,9 @@ class GatewaySettings:
     # held while it loads, before 503 with Retry-After; None: the planner's predicted load time
     # plus a margin (waking.load_bound), 120 s where nothing is predicted.
     load_timeout: float | None = None
-    gateway_id: str = ""  # names this gateway's activity reports; empty: host name and pid
+    # Names this gateway's activity reports (subject lanes.activity.<id>) and its NATS inbox prefix;
+    # empty: its NATS user where it has one, else host name and pid.
+    gateway_id: str = ""
     activity_interval: float = 2.0  # seconds between activity reports to the planner
     wake_repeat: float = 1.0  # seconds between repeated wakes while requests are held
 

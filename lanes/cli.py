@@ -96,6 +96,9 @@ def _add_gateway_options(p: argparse.ArgumentParser) -> None:
         "comma separated); none: no key needed",
     )  # fmt: skip
     p.add_argument("--api-key-file", help="file with one accepted key per line")
+    p.add_argument("--gateway-id", default=os.environ.get("LANES_GATEWAY_ID"),
+                   help="names this gateway's activity reports to the planner (env LANES_GATEWAY_ID); "
+                   "default: its NATS --user, else host name and pid")  # fmt: skip
     _add_admin_key(p)
     p.add_argument("--max-body", type=parse_size, default=d.max_body_bytes, help="largest request body, e.g. 16MiB")
     p.add_argument("--queue-depth", type=_positive, default=d.queue_depth, help="requests that may wait per model")

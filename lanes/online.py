@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import os
 import signal
+import sys
 from pathlib import Path
 
 import msgspec
@@ -36,6 +37,7 @@ from shared.messages import (
     encode,
 )
 from shared.natsserver import NatsServer, NatsServerError
+from shared.supervise import LoopGaveUp
 
 log = structlog.get_logger("lanes.up")
 
@@ -76,11 +78,20 @@ def gateway_settings(args: argparse.Namespace) -> GatewaySettings:
         admin_key=getattr(args, "admin_key", None) or None,
         load_timeout=getattr(args, "load_timeout", base.load_timeout),
         affinity=not getattr(args, "no_affinity", False),
+        gateway_id=getattr(args, "gateway_id", None) or base.gateway_id,
     )
 
 
 async def run(args: argparse.Namespace) -> int:
     setup_logging("info" if args.command in ("up", "planner", "agent", "gateway") else "error")
+    try:
+        return await _run(args)
+    except LoopGaveUp as exc:  # exit 1: systemd or compose restarts the service whole
+        print(f"lanes {args.command}: {exc}; exiting", file=sys.stderr, flush=True)
+        return 1
+
+
+async def _run(args: argparse.Namespace) -> int:
     if args.command == "up":
         return await cmd_up(args)
     auth = auth_from_args(args)
@@ -131,7 +142,19 @@ async def cmd_up(args: argparse.Namespace) -> int:
         print(_first_request(gateway.url, cfg.model_dirs), flush=True)
         print("  Ctrl-C stops everything, lanes included", flush=True)
         guard = asyncio.create_task(supervise_nats(server, stop))
-        await asyncio.gather(run_planner(server.url, stop), run_agent(cfg, server.url, stop), serving, guard)
+
+        async def stopping_all(service) -> None:  # a service that fails stops the others, lanes included
+            try:
+                await service
+            finally:
+                stop.set()
+
+        done = await asyncio.gather(stopping_all(run_planner(server.url, stop)),
+                                    stopping_all(run_agent(cfg, server.url, stop)), stopping_all(serving), guard,
+                                    return_exceptions=True)  # fmt: skip
+        for result in done:
+            if isinstance(result, BaseException):
+                raise result
         if guard.result():  # everything has stopped, lanes included: now say why
             raise UserError(guard.result())
     finally:

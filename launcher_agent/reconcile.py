@@ -77,8 +77,27 @@ def validate_plan(
                 return f"{where}: cache type {t} is not supported by this llama-server"
         if needs_flash_attn(spec.cache_type_v) and spec.flash_attn != "on":
             return f"{where}: quantized V cache without flash attention on would be refused"
+        if (problem := devices_problem(spec)) is not None:
+            return f"{where}: {problem}"
         if spec.args and (problem := args_problem(spec, caps)) is not None:  # an older planner's args
             return f"{where}: args disagree with the lane spec: {problem}"
+    return None
+
+
+def devices_problem(spec: LaneSpec) -> str | None:
+    """Why a lane's --rpc and --device values must not be launched, or None. Their shape
+    (host:port, a device name, how many) is checked when the plan is decoded (shared.messages)."""
+    ports = [int(endpoint.rsplit(":", 1)[1]) for endpoint in spec.rpc_servers]
+    if any(not 1 <= port <= 65535 for port in ports):
+        return f"rpc server port outside 1..65535 in {list(spec.rpc_servers)}"
+    if len(set(spec.rpc_servers)) != len(spec.rpc_servers):
+        return f"rpc server named twice in {list(spec.rpc_servers)}"
+    if missing := [w.endpoint for w in spec.workers if w.endpoint not in spec.rpc_servers]:
+        return f"span workers {missing} are not among its rpc servers"
+    if len(set(spec.device_names)) != len(spec.device_names):
+        return f"device named twice in {list(spec.device_names)}"
+    if spec.device_names and len(spec.device_names) != len(spec.gpu_devices):
+        return f"{len(spec.device_names)} device names for {len(spec.gpu_devices)} devices"
     return None
 
 

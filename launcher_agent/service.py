@@ -31,10 +31,11 @@ from launcher_agent.report import VERSION, host_report
 from launcher_agent.rpc_worker import RpcWorkers, WorkerSettings
 from launcher_agent.supervisor import Supervisor
 from shared import subjects
-from shared.bus import NatsAuth, connect, follow_key, kv_bucket, quietly, run_until
+from shared.bus import NatsAuth, connect, follow_key, kv_bucket, logged_endpoint, quietly, run_until
 from shared.gguf_facts import FactsCache
 from shared.messages import HostPlan, HostReport, LaneEvent, PlanRejected, encode
 from shared.metrics_http import serve_metrics
+from shared.supervise import Loops
 
 log = structlog.get_logger("lanes.agent")
 STARTING_TICK = 0.02
@@ -57,6 +58,7 @@ class Agent:
     _reporting: threading.Lock = field(default_factory=threading.Lock)  # one report (GGUF scan) at a time
 
     workers: RpcWorkers | None = None  # ggml-rpc-servers for other hosts' span lanes (--rpc-worker)
+    loops: Loops = field(default_factory=lambda: Loops("agent"))  # its supervised loops (shared.supervise)
 
     def __post_init__(self) -> None:
         self.sup = Supervisor(self.cfg, emit=self._event)
@@ -152,7 +154,11 @@ class Agent:
             return
         try:
             report = await self.report()
-            await self.kv.put(subjects.report_key(self.host), encode(report))
+            data = encode(report)
+            msgspec.json.decode(data, type=HostReport)  # its bounds: the planner would drop it, unseen here
+            await self.kv.put(subjects.report_key(self.host), data)
+        except msgspec.ValidationError as exc:
+            log.error("report out of range; not published (check this agent's options)", reason=str(exc))
         except Exception as exc:
             log.info("report not published", error=str(exc) or type(exc).__name__)
 
@@ -181,6 +187,11 @@ async def _nats_side(agent: Agent, servers: str, auth: NatsAuth, stop: asyncio.E
     if stop.is_set():
         return
     stack.push_async_callback(quietly(agent.nc.close))
+    await agent.loops.run("bus", lambda: _serve_bus(agent, stop), stop)
+
+
+async def _serve_bus(agent: Agent, stop: asyncio.Event) -> None:
+    """The bucket, the micro endpoints and the plan watch on the connection made (restartable)."""
     while not stop.is_set():
         try:
             agent.kv = await kv_bucket(agent.nc)
@@ -195,32 +206,32 @@ async def _nats_side(agent: Agent, servers: str, auth: NatsAuth, stop: asyncio.E
         description=f"lanes launcher agent on {agent.cfg.host_id}",
         metadata={"host": agent.cfg.host_id},
     )
-    stack.push_async_callback(quietly(svc.stop))
-    group = svc.add_group(name=subjects.agent_group(agent.host))
+    try:
+        group = svc.add_group(name=subjects.agent_group(agent.host))
 
-    async def status_handler(req: Request) -> None:
-        await req.respond(encode(agent.sup.status(nats_connected=True)))
+        async def status_handler(req: Request) -> None:
+            await req.respond(encode(agent.sup.status(nats_connected=True)))
 
-    async def info_handler(req: Request) -> None:
-        await req.respond(encode(await agent.report()))
+        async def info_handler(req: Request) -> None:
+            await req.respond(encode(await agent.report()))
 
-    where = subjects.agent_group(agent.host)
-    await group.add_endpoint(
-        name="status", subject=subjects.endpoint_tail(subjects.agent_status(agent.host), where), handler=status_handler
-    )
-    await group.add_endpoint(
-        name="info", subject=subjects.endpoint_tail(subjects.agent_info(agent.host), where), handler=info_handler
-    )
-    await agent.publish_report()
-    await follow_key(
-        agent.nc,
-        agent.kv,
-        subjects.plan_key(agent.host),
-        agent.on_plan,
-        resync=agent.resync,
-        stop=stop,
-        every=agent.cfg.report_interval,
-    )
+        where = subjects.agent_group(agent.host)
+        for name, subject, handler in (("status", subjects.agent_status(agent.host), status_handler),
+                                       ("info", subjects.agent_info(agent.host), info_handler)):  # fmt: skip
+            await group.add_endpoint(name=name, subject=subjects.endpoint_tail(subject, where),
+                                     handler=logged_endpoint(handler, name))  # fmt: skip
+        await agent.publish_report()
+        await follow_key(
+            agent.nc,
+            agent.kv,
+            subjects.plan_key(agent.host),
+            agent.on_plan,
+            resync=agent.resync,
+            stop=stop,
+            every=agent.cfg.report_interval,
+        )
+    finally:
+        await quietly(svc.stop)()
 
 
 async def _report_loop(agent: Agent, stop: asyncio.Event) -> None:
@@ -236,15 +247,13 @@ async def _control_loop(agent: Agent, stop: asyncio.Event) -> None:
     while not stop.is_set():
         agent.sup.wake.clear()  # before the pass: a wake-up set during it starts the next at once
         now = time.monotonic()
-        try:
-            await agent.sup.supervise(now)
-            await agent.publish_status()  # a lane that came up is told before the next one restarts
-            await agent.sup.reconcile(now)
-            if agent.workers is not None and agent.sup.plan is not None:
-                await agent.workers.apply(agent.sup.plan.rpc_workers, now)
-            await agent.publish_status()
-        except Exception:
-            log.exception("control loop error")
+        # A pass that raises ends the loop: its supervisor (shared.supervise) logs, counts and restarts it.
+        await agent.sup.supervise(now)
+        await agent.publish_status()  # a lane that came up is told before the next one restarts
+        await agent.sup.reconcile(now)
+        if agent.workers is not None and agent.sup.plan is not None:
+            await agent.workers.apply(agent.sup.plan.rpc_workers, now)
+        await agent.publish_status()
         # A lane coming up is polled often, so it is reported healthy soon after it is.
         tick = STARTING_TICK if agent.sup.starting() else agent.cfg.tick
         try:
@@ -259,16 +268,18 @@ async def run_agent(cfg: AgentConfig, servers: str, stop: asyncio.Event, auth: N
     if agent.workers is not None:
         agent.workers.adopt()
     async with AsyncExitStack() as stack:
+        loops = agent.loops
         tasks = [
-            asyncio.create_task(_control_loop(agent, stop)),
-            asyncio.create_task(_nats_side(agent, servers, auth, stop, stack)),
-            asyncio.create_task(_report_loop(agent, stop)),
+            loops.task("control", lambda: _control_loop(agent, stop), stop),
+            asyncio.create_task(_nats_side(agent, servers, auth, stop, stack)),  # its "bus" part is supervised
+            loops.task("report", lambda: _report_loop(agent, stop), stop),
         ]
         if cfg.metrics_port is not None:
             metrics = AgentMetrics(agent.sup)
-            serving = serve_metrics(metrics.registry, cfg.metrics_host, cfg.metrics_port, stop,
-                                    before_scrape=metrics.refresh)  # fmt: skip
-            tasks.append(asyncio.create_task(serving))
+            metrics.registry.register(loops)
+            serving = lambda: serve_metrics(metrics.registry, cfg.metrics_host, cfg.metrics_port, stop,  # noqa: E731
+                                            before_scrape=metrics.refresh)  # fmt: skip
+            tasks.append(loops.task("metrics", serving, stop))
         log.info("agent running", host=cfg.host_id, binary=cfg.binary, models=cfg.model_dirs)
         # Cancelled from outside (like a SIGKILL), this leaves the lanes running for adoption.
         await run_until(stop, tasks)

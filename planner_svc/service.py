@@ -28,7 +28,7 @@ from planner_svc.lease import DEFAULT_TTL, Lease
 from planner_svc.metrics import PlannerMetrics
 from planner_svc.state import PlannerState, config_problem, explain_lines, merged_config
 from shared import subjects
-from shared.bus import NatsAuth, connect, kv_bucket, quietly, run_until, watch_forever
+from shared.bus import NatsAuth, connect, kv_bucket, logged_endpoint, quietly, run_until, watch_forever
 from shared.llama.flags import cache_pair
 from shared.messages import (
     ConfigSet,
@@ -44,6 +44,7 @@ from shared.messages import (
     encode,
 )
 from shared.metrics_http import serve_metrics
+from shared.supervise import Loops
 from shared.version import VERSION
 
 log = structlog.get_logger("lanes.planner")
@@ -85,7 +86,9 @@ class PlannerService:
         self.lease.on_holder = lambda holder: setattr(self.state, "leader", holder)
         self.replans = 0
         self._models_written: bytes | None = None
+        self.loops = Loops("planner")
         self.metrics = PlannerMetrics(self)
+        self.metrics.registry.register(self.loops)
 
     async def _on_lease(self, active: bool) -> None:
         self.state.following = not active
@@ -357,7 +360,7 @@ class PlannerService:
             ("info", subjects.PLANNER_INFO, self._info),
         ):
             tail = subjects.endpoint_tail(subject, subjects.PLANNER_GROUP)
-            await group.add_endpoint(name=name, subject=tail, handler=handler)
+            await group.add_endpoint(name=name, subject=tail, handler=logged_endpoint(handler, name))
 
 
 async def run_planner(
@@ -388,22 +391,16 @@ async def run_planner(
         for subject, handler in ((subjects.ALL_WAKES, service._on_wake), (subjects.ALL_ACTIVITY, service._on_activity)):
             sub = await nc.subscribe(subject, cb=handler)
             stack.push_async_callback(quietly(sub.unsubscribe))
+        loops = service.loops
         tasks = [
-            asyncio.create_task(
-                watch_forever(
-                    kv,
-                    ">",
-                    service._on_entry,
-                    resync=service.resync,
-                    stop=stop,
-                    on_caught_up=service._on_caught_up,
-                )
-            ),
-            asyncio.create_task(service.replan_loop(stop)),
-            asyncio.create_task(service.liveness_loop(stop)),
-            asyncio.create_task(service.lease.run(stop)),
+            loops.task("watch", lambda: watch_forever(kv, ">", service._on_entry, resync=service.resync, stop=stop,
+                                                      on_caught_up=service._on_caught_up), stop),  # fmt: skip
+            loops.task("replan", lambda: service.replan_loop(stop), stop),
+            loops.task("liveness", lambda: service.liveness_loop(stop), stop),
+            loops.task("lease", lambda: service.lease.run(stop), stop),
         ]
         if metrics_port is not None:
-            tasks.append(asyncio.create_task(serve_metrics(service.metrics.registry, metrics_host, metrics_port, stop)))
+            serving = lambda: serve_metrics(service.metrics.registry, metrics_host, metrics_port, stop)  # noqa: E731
+            tasks.append(loops.task("metrics", serving, stop))
         log.info("planner running", nats=servers, planner_id=service.id)
         await run_until(stop, tasks)

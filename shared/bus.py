@@ -10,6 +10,7 @@ import structlog
 from nats.aio.client import Client
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
+from nats.micro.request import Request, ServiceError
 
 from shared.nats_auth import NatsAuth, add_auth_arguments, auth_from_args  # noqa: F401  (re-exported)
 from shared.subjects import BUCKET, kv_subject
@@ -31,7 +32,10 @@ async def connect(
     """Connect and keep reconnecting forever: a service outlives NATS restarts."""
 
     async def error_cb(exc: Exception) -> None:
-        log.warning("nats error", error=str(exc))
+        if isinstance(exc, (nats.errors.Error, OSError, asyncio.TimeoutError)):
+            log.warning("nats error", error=str(exc) or type(exc).__name__)
+        else:  # a subscription callback raised: nats-py hands it here, and it must not vanish
+            log.error("nats callback failed", error=str(exc) or type(exc).__name__, exc_info=exc)
 
     async def reconnected_cb() -> None:
         log.info("nats reconnected")
@@ -184,6 +188,22 @@ async def follow_key(
             pass
 
 
+def logged_endpoint(handler: Callable[[Request], Awaitable[None]], name: str) -> Callable[[Request], Awaitable[None]]:
+    """A micro endpoint's handler whose unexpected failure is logged with its traceback (nats-py
+    answers the requester 500 and logs nothing); a ServiceError is an answer, not a failure."""
+
+    async def run(req: Request) -> None:
+        try:
+            await handler(req)
+        except ServiceError:
+            raise
+        except Exception:
+            log.exception("endpoint failed", endpoint=name)
+            raise
+
+    return run
+
+
 def quietly(step: Callable[[], Awaitable[object]], timeout: float = 2.0) -> Callable[[], Awaitable[None]]:
     """A shutdown step that may neither hang nor fail the exit: NATS may be gone by then."""
 
@@ -201,10 +221,24 @@ def quietly(step: Callable[[], Awaitable[object]], timeout: float = 2.0) -> Call
 
 
 async def run_until(stop: asyncio.Event, tasks: list[asyncio.Task]) -> None:
-    """Wait for `stop`, then cancel the tasks. Cancelled from outside, the tasks go too."""
+    """Wait for `stop`, then cancel the tasks. Cancelled from outside, the tasks go too.
+
+    A task that fails first (a supervised loop that gave up, shared.supervise) ends the wait:
+    the others are cancelled and its exception is raised, so the service exits non-zero."""
+    stopping = asyncio.ensure_future(stop.wait())
     try:
-        await stop.wait()
+        pending = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending | {stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if stopping in done:
+                return
+            pending.discard(stopping)
+            for t in done:
+                if not t.cancelled() and t.exception() is not None:
+                    raise t.exception()
+        await stopping
     finally:
+        stopping.cancel()
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

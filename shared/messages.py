@@ -27,18 +27,39 @@ FailureKind = Literal["oom", "unsupported", "over_plan", "crash_loop", "port_bus
 HostState = Literal["live", "lost"]
 # Layers a lane offloads: a count, or every block and the output layer. The wire's
 # LaneSpec.n_gpu_layers stays the int -ngl gets (shared.memory.placement.ngl_count).
-NGpuLayers = Annotated[int, msgspec.Meta(ge=0)] | Literal["all"]
+NGpuLayers = Annotated[int, msgspec.Meta(ge=0, le=65536)] | Literal["all"]
 LayoutKind = Literal["gpu", "split", "partial", "cpu"]
 
+# Every field of every message has a range (bus input is bounded): a value outside it fails the
+# decode, and the reader logs the reason and drops the message.
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
-Bytes = Annotated[int, msgspec.Meta(ge=0)]
+PortOrNone = Annotated[int, msgspec.Meta(ge=0, le=65535)]  # 0: none
+Bytes = Annotated[int, msgspec.Meta(ge=0, le=2**60)]  # up to 1 EiB
+Int32 = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]  # model dimensions, token counts (llama.cpp's int32)
+Count = Annotated[int, msgspec.Meta(ge=0, le=1_000_000)]  # restarts, requests, experts
+Revision = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
+Pid = Annotated[int, msgspec.Meta(ge=1, le=2**31 - 1)]
+GpuIndex = Annotated[int, msgspec.Meta(ge=0, le=1023)]  # a GPU among the host's reported ones
+Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]  # a duration or age (about 31 years)
+Label = Annotated[str, msgspec.Meta(max_length=256)]  # versions, backends, ids, addresses
+Text = Annotated[str, msgspec.Meta(max_length=65536)]  # a reason, an error, a log line, a path, an argument
+# llama-server's name for a device (--device): CUDA0, ROCm1, Vulkan0, MTL0, SYCL0, RPC0, RPC0[host:port].
+_DEVICE = r"[A-Za-z][A-Za-z0-9_-]*(\[[A-Za-z0-9._:\[\]-]+\])?"
+DeviceName = Annotated[str, msgspec.Meta(max_length=128, pattern=f"^{_DEVICE}$")]
+# A ggml-rpc-server endpoint (--rpc): host:port, the host a name, an IPv4 address or [IPv6].
+_ENDPOINT = r"([A-Za-z0-9][A-Za-z0-9._-]{0,252}|\[[0-9A-Fa-f:.]{2,45}\]):[0-9]{1,5}"
+RpcEndpoint = Annotated[str, msgspec.Meta(pattern=f"^{_ENDPOINT}$")]
+# Tuple lengths: devices of a host or a lane, lines of text, things of a fleet.
+FEW = msgspec.Meta(max_length=64)
+LINES = msgspec.Meta(max_length=4096)
+MANY = msgspec.Meta(max_length=100_000)
 # A CPU as the kernel numbers it; the bound keeps a hostile plan from rendering a huge --cpu-mask.
 CpuId = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
-    schema: int = SCHEMA_VERSION
+    schema: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = SCHEMA_VERSION
 
 
 def schema_problem(msg: _Msg) -> str | None:
@@ -52,12 +73,12 @@ def schema_problem(msg: _Msg) -> str | None:
 
 
 class GpuInfo(msgspec.Struct, frozen=True, kw_only=True):
-    name: str
+    name: Label
     vram_total: Bytes
     vram_free: Bytes
-    backend: str = "cuda"  # cuda | metal | rpc | vulkan | rocm
+    backend: Label = "cuda"  # cuda | metal | rpc | vulkan | rocm
     # llama-server's name for it (--device): CUDA0, MTL0, RPC0[127.0.0.1:50052]; "" if unknown.
-    device: str = ""
+    device: Label = ""
     # VRAM this host's own lanes hold on this GPU now: the planner may hand it out again.
     lanes_vram: Bytes = 0
     # Unified memory (Apple Silicon): vram_total is Metal's working-set limit, carved out of RAM.
@@ -65,16 +86,18 @@ class GpuInfo(msgspec.Struct, frozen=True, kw_only=True):
     # The last GPU query failed (NVML error): these figures are the last good ones, not zero.
     stale: bool = False
     # An RPC device (ggml-rpc-server): its host:port, passed to llama-server as --rpc.
-    endpoint: str = ""
+    endpoint: Annotated[str, msgspec.Meta(pattern=f"^({_ENDPOINT})?$")] = ""
 
 
 class ServerCaps(msgspec.Struct, frozen=True, kw_only=True):
     """What one llama-server binary accepts, read from its own --help/--version."""
 
-    build: int | None = None
-    version: str = ""
+    build: Int32 | None = None
+    version: Label = ""
     flash_attn_form: FlashAttnForm = "value"
-    cache_types: tuple[CacheType, ...] = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+    cache_types: Annotated[tuple[CacheType, ...], FEW] = (
+        "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1",
+    )  # fmt: skip
     has_fit: bool = True
     has_kv_unified: bool = True
     has_swa_full: bool = True
@@ -106,103 +129,103 @@ class LayerWeights(msgspec.Struct, frozen=True, array_like=True):
     copy those into a CPU_REPACK buffer instead of mapping them.
     """
 
-    layer: int
-    bytes: int  # each tensor padded to 32 bytes (CPU and RPC buffers)
-    cuda_bytes: int  # as CUDA allocates: a quantized tensor gets one row padded to 512 values, 128-byte alignment
-    first: int
-    end: int
-    repack: tuple[tuple[str, int, int], ...] = ()
+    layer: Annotated[int, msgspec.Meta(ge=-1, le=65536)]
+    bytes: Bytes  # each tensor padded to 32 bytes (CPU and RPC buffers)
+    cuda_bytes: Bytes  # as CUDA allocates: a quantized tensor gets one row padded to 512 values, 128-byte alignment
+    first: Bytes
+    end: Bytes
+    repack: Annotated[tuple[tuple[Label, Int32, Bytes], ...], FEW] = ()
     # File ranges by repack key: (ggml type, rows multiple, first, end); ("", 0, ...) for tensors no
     # CPU repacks. A CPU maps only the range of what it does not repack (empty: from an older lanes).
-    spans: tuple[tuple[str, int, int, int], ...] = ()
+    spans: Annotated[tuple[tuple[Label, Int32, Bytes, Bytes], ...], FEW] = ()
 
 
 class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
     """What the memory model needs from a GGUF file; per-layer lists have n_layer entries."""
 
-    path: str
+    path: Text
     name: Name
-    architecture: str
-    n_layer: int
-    n_embd: int
-    n_head: int
-    n_head_kv: tuple[int, ...]
-    head_dim_k: int
-    head_dim_v: int
-    n_ctx_train: int
-    n_vocab: int = 0
-    n_ff: int = 0
-    n_swa: int = 0
-    swa_layers: tuple[bool, ...] = ()
+    architecture: Label
+    n_layer: Annotated[int, msgspec.Meta(ge=0, le=65536)]
+    n_embd: Int32
+    n_head: Int32
+    n_head_kv: Annotated[tuple[Int32, ...], msgspec.Meta(max_length=65536)]
+    head_dim_k: Int32
+    head_dim_v: Int32
+    n_ctx_train: Int32
+    n_vocab: Int32 = 0
+    n_ff: Int32 = 0
+    n_swa: Int32 = 0
+    swa_layers: Annotated[tuple[bool, ...], msgspec.Meta(max_length=65536)] = ()
     is_mla: bool = False
-    recurrent_layers: tuple[bool, ...] = ()
-    recurrent_bytes_per_seq: int = 0
+    recurrent_layers: Annotated[tuple[bool, ...], msgspec.Meta(max_length=65536)] = ()
+    recurrent_bytes_per_seq: Bytes = 0
     weight_bytes: Bytes = 0
     file_bytes: Bytes = 0
     # Per-layer weights for placing the model over devices (empty: facts from an older agent).
-    layer_weights: tuple[LayerWeights, ...] = ()
+    layer_weights: Annotated[tuple[LayerWeights, ...], msgspec.Meta(max_length=65538)] = ()
     # No output.weight: llama.cpp uses a duplicate of token_embd on the output layer's device.
     tied_output_bytes: Bytes = 0
     tied_output_cuda_bytes: Bytes = 0
-    file_mtime_ns: int = 0
+    file_mtime_ns: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] = 0
     # Mixture of Experts: routed experts per layer, how many each token uses, their FFN width,
     # and the shared expert's (0: none). `expert_weights` holds, per block, its expert tensors
     # (the ones --n-cpu-moe and -ot exps=CPU move: blk.N.ffn_{gate,up,down,gate_up}_exps),
     # already counted in that block's layer_weights entry.
-    n_expert: int = 0
-    n_expert_used: int = 0
-    n_ff_exp: int = 0
-    n_ff_shexp: int = 0
-    expert_weights: tuple[LayerWeights, ...] = ()
+    n_expert: Count = 0
+    n_expert_used: Count = 0
+    n_ff_exp: Int32 = 0
+    n_ff_shexp: Int32 = 0
+    expert_weights: Annotated[tuple[LayerWeights, ...], msgspec.Meta(max_length=65538)] = ()
     # The file carries tokenizer.chat_template (False: llama-server would fall back to ChatML).
     has_chat_template: bool = True
     # {arch}.pooling_type as llama.cpp names it (mean, cls, last, rank); "" when the file declares
     # none: a model that declares one is an embedding model and its lanes serve embeddings.
-    pooling: str = ""
+    pooling: Label = ""
 
 
 class RpcWorkerOffer(msgspec.Struct, frozen=True, kw_only=True):
     """A host whose agent was started with --rpc-worker: it may run ggml-rpc-server for a span
     lane of another host, bound to `address` (the operator's --advertise) on a port of its range."""
 
-    address: str
+    address: Label
     port_base: Port = 50052
     port_count: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 4
     # The device it offers, as ggml-rpc-server exposes it: "CPU" (its RAM) on a CPU-only host.
-    device: str = "CPU"
+    device: Label = "CPU"
 
 
 class HostReport(_Msg, tag="host_report", kw_only=True):
     host_id: Name
-    cpu_cores: int  # logical CPUs
+    cpu_cores: Annotated[int, msgspec.Meta(ge=1, le=65536)]  # logical CPUs
     ram_total: Bytes
     ram_available: Bytes
     # Memory the host's own lanes hold now: the planner may hand it out again.
     lanes_rss: Bytes = 0
     lanes_vram: Bytes = 0
-    gpus: tuple[GpuInfo, ...] = ()
+    gpus: Annotated[tuple[GpuInfo, ...], FEW] = ()
     # Matrix weight types this host's CPU backend repacks into CPU_REPACK, as "TYPE:rows"
     # (rows: the multiple the row count must have). None: unknown, assume x86 AVX2's set.
-    cpu_repack: tuple[str, ...] | None = None
+    cpu_repack: Annotated[tuple[Label, ...], FEW] | None = None
     server: ServerCaps | None = None
-    models: tuple[ModelFacts, ...] = ()
+    models: Annotated[tuple[ModelFacts, ...], MANY] = ()
     port_base: Port = 8080
     port_count: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 16
     # Address lanes listen on: 127.0.0.1 keeps them local, 0.0.0.0 serves the network.
-    lane_bind: str = "127.0.0.1"
-    agent_version: str = ""
+    lane_bind: Label = "127.0.0.1"
+    agent_version: Label = ""
     # The agent renders each lane's argv from the typed spec itself (False: an older agent,
     # whose plans the planner still renders `args` into).
     renders_argv: bool = False
     # Seconds between this agent's reports: the planner calls the host lost after a few missed.
-    report_interval: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    report_interval: Annotated[float, msgspec.Meta(gt=0, le=86400.0)] = 30.0
     # Physical cores (the logical count where the platform does not tell); None: an agent too
     # old to render thread flags, whose lanes keep llama-server's default threads.
-    cpu_physical: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    cpu_physical: Annotated[int, msgspec.Meta(ge=1, le=65536)] | None = None
     # Performance cores of a hybrid CPU (P/E cores), where the host tells them apart.
-    cpu_performance: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    cpu_performance: Annotated[int, msgspec.Meta(ge=1, le=65536)] | None = None
     # Logical CPU ids to pin lanes to, one per core this agent may use, performance cores first.
-    cpu_ids: tuple[CpuId, ...] = ()
+    cpu_ids: Annotated[tuple[CpuId, ...], msgspec.Meta(max_length=65536)] = ()
     # Set when the agent runs with --rpc-worker: it may lend its memory to another host's lane.
     rpc_worker: RpcWorkerOffer | None = None
     # Memory its ggml-rpc-servers hold now (like lanes_rss: the planner may hand it out again).
@@ -234,7 +257,7 @@ class FleetConfig(_Msg, tag="fleet_config", forbid_unknown_fields=True, kw_only=
     # Seconds an agent waits for a draining lane's requests in flight before it restarts it.
     drain_timeout: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 30.0
     # Seconds of silence (no report or status) after which a host is lost; unset: 3 report intervals.
-    host_lost_after: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    host_lost_after: Annotated[float, msgspec.Meta(gt=0, le=86400.0)] | None = None
     # CPU threads per lane (--threads and --threads-batch); None: planned from the host's cores;
     # 0: no thread flags at all (llama-server's default: every core for each lane).
     threads: Annotated[int, msgspec.Meta(ge=0, le=1024)] | None = None
@@ -246,7 +269,7 @@ class FleetConfig(_Msg, tag="fleet_config", forbid_unknown_fields=True, kw_only=
     poll: Annotated[int, msgspec.Meta(ge=0, le=100)] | None = None
     # Models on demand: seconds with no request after which a model's lanes unload (a
     # persona's idle_ttl overrides it); 0: never, lanes stay loaded as planned.
-    idle_ttl: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    idle_ttl: Annotated[float, msgspec.Meta(ge=0.0, le=31_536_000.0)] = 0.0
     # A lane loaded less than this many seconds ago is never evicted to make room (anti-thrash).
     min_residency: Annotated[float, msgspec.Meta(ge=0.0, le=86400.0)] = 30.0
     # Scaling by demand (personas with max_lanes): a lane is added when a gateway reports a queue
@@ -259,7 +282,7 @@ class FleetConfig(_Msg, tag="fleet_config", forbid_unknown_fields=True, kw_only=
     lane_log_max_bytes: LogBytes = LANE_LOG_MAX_BYTES
     lane_log_files: LogFiles = LANE_LOG_FILES
     # Counts config changes (1, 2, 3 ...); the planner sets it on each `config set`.
-    revision: Annotated[int, msgspec.Meta(ge=0)] = 0
+    revision: Revision = 0
 
 
 class Persona(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -271,11 +294,11 @@ class Persona(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     lanes: Annotated[int, msgspec.Meta(ge=0, le=10000)] | None = None
     parallel: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1
     kv_unified: bool = False
-    ctx_min: Annotated[int, msgspec.Meta(ge=256)] = 2048
-    ctx_max: Annotated[int, msgspec.Meta(ge=256)] | None = None
-    priority: int = 0
+    ctx_min: Annotated[int, msgspec.Meta(ge=256, le=2**31 - 1)] = 2048
+    ctx_max: Annotated[int, msgspec.Meta(ge=256, le=2**31 - 1)] | None = None
+    priority: Annotated[int, msgspec.Meta(ge=-1_000_000, le=1_000_000)] = 0
     # Seconds with no request before this model's lanes unload; None: the fleet's idle_ttl; 0: never.
-    idle_ttl: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
+    idle_ttl: Annotated[float, msgspec.Meta(ge=0.0, le=31_536_000.0)] | None = None
     # Lanes that are never unloaded or evicted (pinned); the model is loaded even before any request.
     min_lanes: Annotated[int, msgspec.Meta(ge=0, le=10000)] = 0
     # Lanes the planner may grow this model to while its queue wait stays above the fleet's
@@ -287,7 +310,7 @@ class Persona(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 
 
 class Demand(_Msg, tag="demand", forbid_unknown_fields=True, kw_only=True):
-    personas: tuple[Persona, ...] = ()
+    personas: Annotated[tuple[Persona, ...], msgspec.Meta(max_length=10_000)] = ()
 
 
 class LaneFeedback(msgspec.Struct, frozen=True, kw_only=True):
@@ -298,12 +321,13 @@ class LaneFeedback(msgspec.Struct, frozen=True, kw_only=True):
     kind: FailureKind
     cache_type_k: CacheType | None = None
     cache_type_v: CacheType | None = None
-    ctx_total: int = 0
+    ctx_total: Int32 = 0
     planned_bytes: Bytes = 0
     actual_bytes: Bytes = 0
-    detail: str = ""
-    port: int = 0  # port_busy: the port another program holds
-    noted_at: float = 0.0  # Unix time the agent noted it; it expires after the agent's feedback TTL
+    detail: Text = ""
+    port: PortOrNone = 0  # port_busy: the port another program holds
+    # Unix time the agent noted it; it expires after the agent's feedback TTL
+    noted_at: Annotated[float, msgspec.Meta(ge=0.0, le=1e11)] = 0.0
     # The spec this lane last ran healthy with, when the failing one was a change to it:
     # the planner reverts to it rather than guessing a correction.
     last_good: LaneSpec | None = None
@@ -315,18 +339,18 @@ class LaneFeedback(msgspec.Struct, frozen=True, kw_only=True):
 class DeviceMemory(msgspec.Struct, frozen=True, kw_only=True):
     """One device's share of a lane: each buffer llama-server allocates there (-lv 4 lines)."""
 
-    device: str  # "CPU" (host RAM) or "GPU0", "GPU1" ... in llama-server's device order for the lane
+    device: Label  # "CPU" (host RAM) or "GPU0", "GPU1" ... in llama-server's device order for the lane
     model_bytes: Bytes = 0
     kv_bytes: Bytes = 0
     compute_bytes: Bytes = 0
     output_bytes: Bytes = 0
     recurrent_bytes: Bytes = 0
-    layers: int = 0  # layers (blocks and output) assigned here
+    layers: Annotated[int, msgspec.Meta(ge=0, le=65538)] = 0  # layers (blocks and output) assigned here
     prompt_cache_bytes: Bytes = 0  # llama-server's host-RAM prompt cache (--cache-ram), at its limit
     # The lane's device: -1 host RAM, k the k-th GPU-type device in llama-server's order for the
     # lane (LaneSpec.gpu_devices[k] on the host). Read this, never the name.
-    index: int = -1
-    backend: str = ""  # "cpu" for host RAM; cuda, rocm, metal, rpc, vulkan; "" not known
+    index: Annotated[int, msgspec.Meta(ge=-1, le=1023)] = -1
+    backend: Label = ""  # "cpu" for host RAM; cuda, rocm, metal, rpc, vulkan; "" not known
 
     def __post_init__(self) -> None:
         # Written by an older lanes (no index, no backend): the name is all there is.
@@ -348,16 +372,16 @@ class MemoryBreakdown(msgspec.Struct, frozen=True, kw_only=True):
     kv_bytes: Bytes = 0
     kv_k_bytes: Bytes = 0
     kv_v_bytes: Bytes = 0
-    kv_cells: int = 0
-    kv_streams: int = 1
-    swa_cells: int = 0
+    kv_cells: Int32 = 0
+    kv_streams: Annotated[int, msgspec.Meta(ge=0, le=65536)] = 1
+    swa_cells: Int32 = 0
     recurrent_bytes: Bytes = 0
     compute_bytes: Bytes = 0
     overhead_bytes: Bytes = 0
     prompt_cache_bytes: Bytes = 0  # --cache-ram, in host RAM
     total_bytes: Bytes = 0
     # Per device (CPU first); the totals above are their sums plus the process overhead.
-    devices: tuple[DeviceMemory, ...] = ()
+    devices: Annotated[tuple[DeviceMemory, ...], FEW] = ()
 
 
 class LaneLayout(msgspec.Struct, frozen=True):
@@ -365,20 +389,20 @@ class LaneLayout(msgspec.Struct, frozen=True):
     whole, split over several, partial offload, or the CPU. A replan starts from it."""
 
     kind: LayoutKind = "cpu"
-    gpus: tuple[int, ...] = ()  # host GPU indices, llama-server order
-    shares: tuple[int, ...] = ()  # tensor split (MiB of free VRAM) when more than one GPU
+    gpus: Annotated[tuple[GpuIndex, ...], FEW] = ()  # host GPU indices, llama-server order
+    shares: Annotated[tuple[Bytes, ...], FEW] = ()  # tensor split (MiB of free VRAM) when more than one GPU
     n_gpu_layers: NGpuLayers = 0
     # Every layer on the GPUs, but the expert tensors of the first n_cpu_moe blocks in RAM.
-    n_cpu_moe: Annotated[int, msgspec.Meta(ge=0)] = 0
+    n_cpu_moe: Annotated[int, msgspec.Meta(ge=0, le=65536)] = 0
 
 
 class SpanWorker(msgspec.Struct, frozen=True, kw_only=True):
     """One worker of a span lane: the host whose ggml-rpc-server holds some of its layers."""
 
     host_id: Name
-    endpoint: str  # host:port the serving llama-server reaches it on (--rpc)
-    device: str = "CPU"  # the worker's device ggml-rpc-server exposes
-    index: int = 0  # the lane's device index (DeviceMemory.index, RPC<index> to llama-server)
+    endpoint: RpcEndpoint  # host:port the serving llama-server reaches it on (--rpc)
+    device: Label = "CPU"  # the worker's device ggml-rpc-server exposes
+    index: GpuIndex = 0  # the lane's device index (DeviceMemory.index, RPC<index> to llama-server)
     model_bytes: Bytes = 0
     kv_bytes: Bytes = 0
     compute_bytes: Bytes = 0
@@ -391,9 +415,9 @@ class RpcWorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     lane_id: Name
     serving_host: Name
-    bind: str
+    bind: Label
     port: Port
-    device: str = "CPU"
+    device: Label = "CPU"
     reserved_bytes: Bytes = 0
 
 
@@ -404,23 +428,25 @@ class LaneSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     lane_id: Name
     model: Name
-    model_path: str
+    model_path: Text
     alias: Name
     port: Port
-    bind: str = "127.0.0.1"
-    ctx_total: Annotated[int, msgspec.Meta(ge=256)]
-    ctx_per_slot: int
+    bind: Label = "127.0.0.1"
+    ctx_total: Annotated[int, msgspec.Meta(ge=256, le=2**31 - 1)]
+    ctx_per_slot: Int32
     parallel: Annotated[int, msgspec.Meta(ge=1, le=256)]
     kv_unified: bool = False
-    n_gpu_layers: Annotated[int, msgspec.Meta(ge=0)] = 0
+    n_gpu_layers: Annotated[int, msgspec.Meta(ge=0, le=65536)] = 0
     # Indices into the host's reported gpus the lane is pinned to (--device), in order;
     # with more than one, tensor_split gives each its share of the layers (-ts).
-    gpu_devices: tuple[int, ...] = ()
-    device_names: tuple[str, ...] = ()  # llama-server's names for them (--device), when the host reported them
-    tensor_split: tuple[int, ...] = ()
+    gpu_devices: Annotated[tuple[GpuIndex, ...], FEW] = ()
+    # llama-server's names for them (--device), when the host reported them
+    device_names: Annotated[tuple[DeviceName, ...], FEW] = ()
+    tensor_split: Annotated[tuple[Bytes, ...], FEW] = ()
     split_mode: Literal["layer", "none"] | None = None
-    main_gpu: int | None = None
-    rpc_servers: tuple[str, ...] = ()  # --rpc, for hosts whose GPU-type devices are ggml-rpc-servers
+    main_gpu: GpuIndex | None = None
+    # --rpc, for hosts whose GPU-type devices are ggml-rpc-servers
+    rpc_servers: Annotated[tuple[RpcEndpoint, ...], FEW] = ()
     cache_type_k: CacheType | None = None
     cache_type_v: CacheType | None = None
     flash_attn: FlashAttn | None = None
@@ -428,61 +454,62 @@ class LaneSpec(msgspec.Struct, frozen=True, kw_only=True):
     n_ubatch: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 512
     memory: MemoryBreakdown = MemoryBreakdown()
     # CPU threads (--threads, --threads-batch); None: llama-server's default (every core).
-    threads: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    threads_batch: Annotated[int, msgspec.Meta(ge=1)] | None = None
-    cpus: tuple[CpuId, ...] = ()  # CPU ids its threads are pinned to (--cpu-range / --cpu-mask)
+    threads: Annotated[int, msgspec.Meta(ge=1, le=65536)] | None = None
+    threads_batch: Annotated[int, msgspec.Meta(ge=1, le=65536)] | None = None
+    # CPU ids its threads are pinned to (--cpu-range / --cpu-mask)
+    cpus: Annotated[tuple[CpuId, ...], msgspec.Meta(max_length=65536)] = ()
     poll: Annotated[int, msgspec.Meta(ge=0, le=100)] | None = None
     # The argv tail, rendered into plans only for agents too old to render it (and by older
     # planners); an agent that renders checks it by meaning and launches its own rendering.
-    args: tuple[str, ...] = ()
-    reasons: tuple[str, ...] = ()
+    args: Annotated[tuple[Text, ...], LINES] = ()
+    reasons: Annotated[tuple[Text, ...], LINES] = ()
     # The layout the device fields above were rendered from (None: an older planner wrote the spec).
     layout: LaneLayout | None = None
     # --n-cpu-moe: the expert tensors of the first N blocks stay in RAM (0: none).
-    n_cpu_moe: Annotated[int, msgspec.Meta(ge=0)] = 0
+    n_cpu_moe: Annotated[int, msgspec.Meta(ge=0, le=65536)] = 0
     # --chat-template NAME: one of llama-server's built-in templates, for a file without its own.
     chat_template: Name | None = None
     # --cache-ram in MiB: the host-RAM prompt cache the plan counts (0: off); None: an older planner's
     # spec, without the flag (llama-server's own default, 8192, uncounted).
-    cache_ram_mib: Annotated[int, msgspec.Meta(ge=0)] | None = None
+    cache_ram_mib: Annotated[int, msgspec.Meta(ge=0, le=2**40)] | None = None
     embeddings: bool = False  # --embeddings: the lane serves /v1/embeddings only
     pooling: Literal["mean", "cls", "last", "rank"] | None = None  # --pooling, for a model that declares none
     # A span lane: its layers also lie on these workers' ggml-rpc-servers (rpc_servers, in order).
-    workers: tuple[SpanWorker, ...] = ()
+    workers: Annotated[tuple[SpanWorker, ...], FEW] = ()
 
 
 class Unplaced(msgspec.Struct, frozen=True, kw_only=True):
-    model: str
-    reason: str
+    model: Label
+    reason: Text
 
 
 class HostPlan(_Msg, tag="host_plan", kw_only=True):
     host_id: Name
-    plan_revision: int = 0
-    config_revision: int = 0
+    plan_revision: Revision = 0
+    config_revision: Revision = 0
     budget_ram: Bytes = 0
     budget_gpu: Bytes = 0
     # Per GPU (index into the host report's gpus): what lanes may use there.
-    budget_gpus: tuple[int, ...] = ()
+    budget_gpus: Annotated[tuple[Bytes, ...], FEW] = ()
     # Rollout pace: how many serving lanes the agent may restart at once for a change.
     max_restarts: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 1
     # Seconds the agent waits for a draining lane's requests before it restarts or stops it.
     drain_timeout: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 30.0
-    lanes: tuple[LaneSpec, ...] = ()
-    unplaced: tuple[Unplaced, ...] = ()
-    reasons: tuple[str, ...] = ()
+    lanes: Annotated[tuple[LaneSpec, ...], msgspec.Meta(max_length=1000)] = ()  # at most a host's ports
+    unplaced: Annotated[tuple[Unplaced, ...], MANY] = ()
+    reasons: Annotated[tuple[Text, ...], MANY] = ()
     # The planner that wrote it (its lease holder id): a stand-by adopts only the active one's plans.
-    planned_by: str = ""
+    planned_by: Label = ""
     # ggml-rpc-servers this host runs for span lanes of other hosts (agents with --rpc-worker).
-    rpc_workers: tuple[RpcWorkerSpec, ...] = ()
+    rpc_workers: Annotated[tuple[RpcWorkerSpec, ...], msgspec.Meta(max_length=1000)] = ()
     # Run time only (a change restarts no lane; lanes started after it follow it): log rotation.
     lane_log_max_bytes: LogBytes = LANE_LOG_MAX_BYTES
     lane_log_files: LogFiles = LANE_LOG_FILES
 
 
 class FleetPlan(_Msg, tag="fleet_plan", kw_only=True):
-    hosts: tuple[HostPlan, ...] = ()
-    unplaced: tuple[Unplaced, ...] = ()
+    hosts: Annotated[tuple[HostPlan, ...], MANY] = ()
+    unplaced: Annotated[tuple[Unplaced, ...], MANY] = ()
 
 
 # ---------------------------------------------------------------- what runs
@@ -491,30 +518,30 @@ class FleetPlan(_Msg, tag="fleet_plan", kw_only=True):
 class LaneStatus(msgspec.Struct, frozen=True, kw_only=True):
     lane_id: Name
     state: LaneState
-    port: int = 0
-    pid: int | None = None
-    plan_revision: int = 0
-    ctx_total: int = 0
+    port: PortOrNone = 0
+    pid: Pid | None = None
+    plan_revision: Revision = 0
+    ctx_total: Int32 = 0
     planned_bytes: Bytes = 0
     planned_kv_bytes: Bytes = 0
     kv_bytes: Bytes | None = None
     rss_bytes: Bytes | None = None
-    restarts: int = 0
-    last_error: str = ""
-    stderr_tail: tuple[str, ...] = ()
-    argv: tuple[str, ...] = ()
+    restarts: Count = 0
+    last_error: Text = ""
+    stderr_tail: Annotated[tuple[Text, ...], LINES] = ()
+    argv: Annotated[tuple[Text, ...], LINES] = ()
     # shared.lane_key of the spec it runs: a dashboard tells a lane still on its previous spec
     # from argv the agent merely spells differently ("": an agent too old to say).
-    lane_key: str = ""
+    lane_key: Annotated[str, msgspec.Meta(max_length=64)] = ""
     failure: FailureKind | None = None
     # Per device, the buffers llama-server printed (-lv 4 lines); the plan's spec.memory.devices
     # holds the predicted ones. Empty until the lane has loaded.
-    devices: tuple[DeviceMemory, ...] = ()
+    devices: Annotated[tuple[DeviceMemory, ...], FEW] = ()
     # Set while the agent waits for in-flight requests before a restart or stop:
     # gateways send a draining lane nothing new.
     draining: bool = False
     # Seconds from its process's start to its first healthy answer (None: not loaded yet, or adopted).
-    load_seconds: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
+    load_seconds: Seconds | None = None
 
 
 class RpcWorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -523,25 +550,25 @@ class RpcWorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
     lane_id: Name
     serving_host: Name
     port: Port
-    pid: int | None = None
+    pid: Pid | None = None
     running: bool = False
-    restarts: int = 0
+    restarts: Count = 0
 
 
 class HostStatus(_Msg, tag="host_status", kw_only=True):
     host_id: Name
-    plan_revision: int = 0
-    lanes: tuple[LaneStatus, ...] = ()
-    feedback: tuple[LaneFeedback, ...] = ()
+    plan_revision: Revision = 0
+    lanes: Annotated[tuple[LaneStatus, ...], msgspec.Meta(max_length=1000)] = ()
+    feedback: Annotated[tuple[LaneFeedback, ...], msgspec.Meta(max_length=10_000)] = ()
     nats_connected: bool = True
     # Set when a change broke a lane: the agent rolls no further lanes to this config revision.
-    rollout_halted: str = ""
+    rollout_halted: Text = ""
     # Changes each time the agent starts: tells a fresh status from one a dead agent left.
-    agent_session: str = ""
+    agent_session: Label = ""
     # Where gateways reach this host's lanes (the bind address, or the agent's --advertise).
-    address: str = ""
+    address: Label = ""
     # The ggml-rpc-servers this host runs for span lanes of other hosts (an agent with --rpc-worker).
-    rpc_workers: tuple[RpcWorkerStatus, ...] = ()
+    rpc_workers: Annotated[tuple[RpcWorkerStatus, ...], msgspec.Meta(max_length=1000)] = ()
 
 
 class LaneEvent(_Msg, tag="lane_event", kw_only=True):
@@ -551,15 +578,15 @@ class LaneEvent(_Msg, tag="lane_event", kw_only=True):
         "started", "healthy", "unresponsive", "crashed", "stopped", "failed", "mismatch", "rejected", "rolled_back",
         "draining",
     ]
-    detail: str = ""
-    pid: int | None = None
+    detail: Text = ""
+    pid: Pid | None = None
 
 
 class PlanRejected(_Msg, tag="plan_rejected", kw_only=True):
     host_id: Name
-    plan_revision: int = 0
-    reason: str
-    applied_revision: int = 0  # the plan revision the agent runs: a replacement must be newer
+    plan_revision: Revision = 0
+    reason: Text
+    applied_revision: Revision = 0  # the plan revision the agent runs: a replacement must be newer
 
 
 # ---------------------------------------------------------------- request/reply
@@ -568,7 +595,14 @@ class PlanRejected(_Msg, tag="plan_rejected", kw_only=True):
 class ConfigSet(_Msg, tag="config_set", kw_only=True):
     """Partial update: only the named fields change."""
 
-    changes: dict[str, str | int | float | bool | None]
+    changes: Annotated[
+        dict[
+            Annotated[str, msgspec.Meta(max_length=64)],
+            Label | Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+            | Annotated[float, msgspec.Meta(ge=-1e18, le=1e18)] | bool | None,
+        ],
+        msgspec.Meta(max_length=64),
+    ]
 
 
 class HostQuery(_Msg, tag="host_query", kw_only=True):
@@ -576,7 +610,7 @@ class HostQuery(_Msg, tag="host_query", kw_only=True):
 
 
 class ErrorReply(_Msg, tag="error", kw_only=True):
-    error: str
+    error: Text
 
 
 class HostLiveness(msgspec.Struct, frozen=True, kw_only=True):
@@ -584,32 +618,33 @@ class HostLiveness(msgspec.Struct, frozen=True, kw_only=True):
 
     host_id: Name
     state: HostState = "live"
-    seen_ago_s: float = 0.0
-    rejected: str = ""  # the agent's reason for refusing its latest plan, if it did
+    seen_ago_s: Seconds = 0.0
+    rejected: Text = ""  # the agent's reason for refusing its latest plan, if it did
 
 
 class FleetHosts(_Msg, tag="fleet_hosts", kw_only=True):
     """KV key `hosts`: every host's liveness, put by the active planner when a state changes
     (seen_ago_s is 0 there: the key changes with states, not with time)."""
 
-    hosts: tuple[HostLiveness, ...] = ()
+    hosts: Annotated[tuple[HostLiveness, ...], MANY] = ()
 
 
 class FleetStatus(_Msg, tag="fleet_status", kw_only=True):
-    config_revision: int = 0  # counts config changes, as FleetConfig.revision
+    config_revision: Revision = 0  # counts config changes, as FleetConfig.revision
     config: FleetConfig = FleetConfig()
-    reports: tuple[HostReport, ...] = ()
-    plans: tuple[HostPlan, ...] = ()
-    statuses: tuple[HostStatus, ...] = ()
-    hosts: tuple[HostLiveness, ...] = ()
-    planner_id: str = ""  # the planner that answered
+    reports: Annotated[tuple[HostReport, ...], MANY] = ()
+    plans: Annotated[tuple[HostPlan, ...], MANY] = ()
+    statuses: Annotated[tuple[HostStatus, ...], MANY] = ()
+    hosts: Annotated[tuple[HostLiveness, ...], MANY] = ()
+    planner_id: Label = ""  # the planner that answered
     planner_active: bool = True  # False: a stand-by answered (it plans nothing)
-    models: tuple[ModelState, ...] = ()  # every servable model and whether it is loaded
+    models: Annotated[tuple[ModelState, ...], MANY] = ()  # every servable model and whether it is loaded
 
 
 # ---------------------------------------------------------------- models on demand
 
 ModelLoad = Literal["loaded", "unloaded", "waking", "failed"]
+MAX_ACTIVITY_INTERVAL = 60.0  # seconds: the longest a gateway may say its next activity report is away
 
 
 class ModelWake(_Msg, tag="model_wake", kw_only=True):
@@ -619,28 +654,30 @@ class ModelWake(_Msg, tag="model_wake", kw_only=True):
     any number of requests and gateways asking is one load."""
 
     name: Name  # the persona's name: its alias, or the model's name (what lanes' specs call alias)
-    gateway: str = ""  # who asks (logs only)
+    gateway: Label = ""  # who asks (logs only)
 
 
 class ModelActivity(msgspec.Struct, frozen=True, kw_only=True):
     """One model's requests as one gateway sees them (probes and scrapes never count)."""
 
     name: Name  # the persona's name, as ModelWake
-    in_flight: Annotated[int, msgspec.Meta(ge=0)] = 0
-    queued: Annotated[int, msgspec.Meta(ge=0)] = 0  # waiting for a slot or held while it loads
-    idle_s: Annotated[float, msgspec.Meta(ge=0.0)] | None = None  # seconds since its last request; None: none yet
+    in_flight: Count = 0
+    queued: Count = 0  # waiting for a slot or held while it loads
+    idle_s: Seconds | None = None  # seconds since its last request; None: none yet
     # The longest wait for a slot in the last interval (requests still queued at their age so
     # far); the planner adds lanes on it (planner_svc/scaling.py). 0 from older gateways.
-    wait_s: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    wait_s: Annotated[float, msgspec.Meta(ge=0.0, le=86400.0)] = 0.0
 
 
 class GatewayActivity(_Msg, tag="gateway_activity", kw_only=True):
     """Subject lanes.activity.<gateway>, every few seconds: what each model is doing. Times are
     relative (idle_s), so no clocks are compared across machines."""
 
-    gateway: Name
-    interval: Annotated[float, msgspec.Meta(gt=0)] = 2.0  # seconds until the next one
-    models: tuple[ModelActivity, ...] = ()
+    gateway: Name  # must match the subject's gateway (the planner drops it otherwise)
+    # Seconds until the next one; its activity counts for a few intervals, so the bound keeps one
+    # report from holding a model busy for long.
+    interval: Annotated[float, msgspec.Meta(gt=0, le=MAX_ACTIVITY_INTERVAL)] = 2.0
+    models: Annotated[tuple[ModelActivity, ...], msgspec.Meta(max_length=10_000)] = ()
 
 
 class ModelState(msgspec.Struct, frozen=True, kw_only=True):
@@ -651,17 +688,17 @@ class ModelState(msgspec.Struct, frozen=True, kw_only=True):
     name: Name  # what clients ask for: the persona's alias, or the model's name
     model: Name  # the model's name (file stem)
     state: ModelLoad = "unloaded"
-    hosts: tuple[str, ...] = ()  # where its lanes are planned
-    holders: tuple[str, ...] = ()  # hosts that hold its file
-    reason: str = ""
+    hosts: Annotated[tuple[Label, ...], MANY] = ()  # where its lanes are planned
+    holders: Annotated[tuple[Label, ...], MANY] = ()  # hosts that hold its file
+    reason: Text = ""
     file_bytes: Bytes = 0
     # Loaded on request only (it was unloaded once, or no persona names the file): a planner
     # taking over reads it, so a failover does not bring back what was evicted.
     on_demand: bool = False
     # Cold start: predicted from the file's size and the read rate its best holder has shown
     # (planner_svc/coldstart.py), and the last measured load of one of its lanes.
-    predicted_load_s: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
-    measured_load_s: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
+    predicted_load_s: Seconds | None = None
+    measured_load_s: Seconds | None = None
     # Its lanes serve /v1/embeddings only (the persona asks, or the file declares a pooling type).
     embeddings: bool = False
 
@@ -669,8 +706,9 @@ class ModelState(msgspec.Struct, frozen=True, kw_only=True):
 class ModelStates(_Msg, tag="model_states", kw_only=True):
     """KV key `models`, put by the active planner when it changes."""
 
-    models: tuple[ModelState, ...] = ()
-    evictions: dict[str, int] = {}  # reason -> lanes this planner evicted (idle, wake)
+    models: Annotated[tuple[ModelState, ...], MANY] = ()
+    # reason -> lanes this planner evicted (idle, wake)
+    evictions: Annotated[dict[Label, Annotated[int, msgspec.Meta(ge=0, le=2**53)]], FEW] = {}
 
 
 class PlannerLease(_Msg, tag="planner_lease", kw_only=True):
@@ -679,8 +717,8 @@ class PlannerLease(_Msg, tag="planner_lease", kw_only=True):
     A stand-by takes over once the entry has not changed for `ttl` seconds on its own clock.
     """
 
-    holder: str
-    ttl: Annotated[float, msgspec.Meta(gt=0)] = 5.0
+    holder: Label
+    ttl: Annotated[float, msgspec.Meta(gt=0, le=3600.0)] = 5.0
 
 
 WIRE_TYPES: tuple[type, ...] = (

@@ -78,7 +78,9 @@ def wake_subject(model: str) -> str:
 
 
 def activity_subject(gateway: str) -> str:
-    """A gateway's per-model requests in flight, queued and idle time."""
+    """A gateway's per-model requests in flight, queued and idle time. The subject names the
+    gateway: the planner drops a report whose `gateway` differs, and where NATS auth is on,
+    a gateway's user may publish on its own subject only (docker/nats/auth.conf)."""
     return f"{PREFIX}.activity.{host_token(gateway)}"
 
 
@@ -116,6 +118,11 @@ def agent_info(host_id: str) -> str:
 def agent_inbox(host_id: str) -> str:
     """The inbox prefix of an agent's connection: its replies, and no one else's."""
     return f"_INBOX_{host_token(host_id)}"
+
+
+def gateway_inbox(gateway: str) -> str:
+    """The inbox prefix of a gateway's connection (its id, which is its NATS user where auth is on)."""
+    return agent_inbox(gateway)
 
 
 def endpoint_tail(subject: str, group: str) -> str:

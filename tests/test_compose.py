@@ -425,6 +425,28 @@ def test_planner_can_write_plans_and_read_everything():
         assert any(_intersects(s, target) for s in subscribe), f"planner cannot subscribe {target}"
 
 
+def test_gateway_reads_and_reports_only_as_itself():
+    perms = _block(_users(AUTH_CONF.read_text())["gateway"], "permissions")
+    assert perms is not None
+    publish, subscribe = _allowed(perms, "publish"), _allowed(perms, "subscribe")
+    kv = subjects.kv_subject
+    for target in [subjects.activity_subject("gateway"), subjects.wake_subject("llama8"),
+                   f"$JS.API.DIRECT.GET.KV_lanes.{kv(subjects.plan_key('host1'))}",
+                   "$JS.API.CONSUMER.CREATE.KV_lanes.c.$KV.lanes.>"]:  # fmt: skip
+        assert any(_intersects(p, target) for p in publish), f"gateway cannot publish {target}"
+    for target in [subjects.activity_subject("gateway2"), "$JS.API.CONSUMER.DELETE.KV_lanes.c",
+                   kv(subjects.plan_key("host1")), kv(subjects.CONFIG_KEY), subjects.CONFIG_SET, "_INBOX.x.y",
+                   "$JS.API.STREAM.PURGE.KV_lanes", "$JS.API.STREAM.MSG.DELETE.KV_lanes"]:  # fmt: skip
+        hits = [p for p in publish if _intersects(p, target)]
+        assert not hits, f"gateway may publish to {target} through {hits}"
+    inbox = subjects.gateway_inbox("gateway")
+    for target in [f"{inbox}.abc.def", kv(subjects.plan_key("host1")), subjects.ALL_EVENTS]:
+        assert any(_intersects(s, target) for s in subscribe), f"gateway cannot subscribe {target}"
+    for target in ["_INBOX.abc.def", f"{subjects.agent_inbox('host1')}.abc.def", subjects.ALL_ACTIVITY]:
+        hits = [s for s in subscribe if _intersects(s, target)]
+        assert not hits, f"gateway may subscribe to {target} through {hits}"
+
+
 def test_subject_intersection_helper():
     assert _intersects("$KV.lanes.>", "$KV.lanes.plan.*")
     assert _intersects("$KV.lanes.*.host1", "$KV.lanes.plan.*")

@@ -1,6 +1,6 @@
 """Hypothesis fuzzing of everything the planner and the agent consume, over a real nats-server.
 
-One planner and one agent (host1, the fake llama-server) run for the whole module in
+One planner, one agent (host1, the fake llama-server) and one gateway run for the whole module in
 an event loop on a background thread. Each fuzz test is synchronous and runs a
 synchronous @given function that hands every example to that loop
 (asyncio.run_coroutine_threadsafe), so all examples hit the same live services, then
@@ -39,6 +39,8 @@ from waiting import eventually
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from gateway.service import Gateway, run_gateway
+from gateway.settings import GatewaySettings
 from launcher_agent.reconcile import validate_plan
 from launcher_agent.service import run_agent
 from launcher_agent.supervisor import model_file_exists
@@ -308,6 +310,8 @@ class Fleet:
         self.stop_event = asyncio.Event()
         self.planner = asyncio.create_task(run_planner(self.url, self.stop_event))
         self.agent = asyncio.create_task(run_agent(self.cfg, self.url, self.stop_event))
+        self.gateway = Gateway(GatewaySettings(port=0))  # it reads the same KV entries the planner does
+        self.gateway_task = asyncio.create_task(run_gateway(self.url, self.stop_event, gateway=self.gateway))
         self.nc = await connect(self.url, name="fuzz-client", retry_forever=False)
 
         async def on_rejected(msg):
@@ -316,6 +320,7 @@ class Fleet:
         await self.nc.subscribe(subjects.rejected_subject(HOST), cb=on_rejected)
         self.kv = await eventually(lambda: kv_bucket(self.nc), what="lanes bucket")
         self.lane = await eventually(self.healthy_lane, timeout=40, what="lane healthy")
+        await eventually(lambda: self.gateway.view.routable("llama8"), timeout=20, what="the gateway routes the lane")
         self.report = json.loads((await self.kv.get(subjects.report_key(HOST))).value)
         self.status = json.loads((await self.kv.get(subjects.status_key(HOST))).value)
         self.plan_entry = await self.kv.get(subjects.plan_key(HOST))
@@ -344,7 +349,7 @@ class Fleet:
 
     async def shutdown(self) -> None:
         self.stop_event.set()
-        await asyncio.wait_for(asyncio.gather(self.planner, self.agent, return_exceptions=True), 30)
+        await asyncio.wait_for(asyncio.gather(self.planner, self.agent, self.gateway_task, return_exceptions=True), 30)
         await self.nc.close()
 
     def close(self) -> None:
@@ -370,9 +375,12 @@ class Fleet:
         return sum(1 for e in list(self.logs) if e.get("event") == DROPPED and (key is None or e.get("key") == key))
 
     def assert_untouched(self) -> None:
-        """Both services run, the lane is the same process, and no other lane process exists."""
+        """The services run, the lane is the same process, no other lane process exists, and the
+        gateway still routes to the lane."""
         assert not self.planner.done(), self.planner
         assert not self.agent.done(), self.agent
+        assert not self.gateway_task.done(), self.gateway_task
+        assert self.gateway.view.routable("llama8"), "the gateway lost the lane"
         lane = self.run(self.healthy_lane())
         assert lane is not None, "the lane is no longer healthy"
         assert lane.pid == self.lane.pid and lane.argv == self.lane.argv
@@ -549,6 +557,7 @@ def test_fuzz_planner_kv_entries(fleet):
     benchmark_target(*PLANNER_KEYS)
     fleet.expected_drops = {}
     before_total = fleet.dropped()
+    gateway_before = fleet.gateway.view.bad_entries
     before: dict[str, int] = {}
     for e in list(fleet.logs):
         if e.get("event") == DROPPED:
@@ -563,6 +572,10 @@ def test_fuzz_planner_kv_entries(fleet):
 
     fleet.run(eventually(all_dropped, timeout=20, what="the planner dropped every malformed entry"))
     assert fleet.dropped() - before_total >= sum(expected.values())
+    # The gateway drops the same entries (all but the demand, which it does not read) and keeps its view.
+    for_gateway = sum(n for k, n in expected.items() if k != subjects.DEMAND_KEY)
+    fleet.run(eventually(lambda: fleet.gateway.view.bad_entries - gateway_before >= for_gateway, timeout=20,
+                         what=f"the gateway dropped {for_gateway} malformed entries"))  # fmt: skip
     fleet.assert_untouched()
     # Malformed plan entries were overwritten: the key holds the planner's own plan again,
     # asking for exactly the lane it asked for before the fuzz.
@@ -590,7 +603,12 @@ def _spec_variants(fleet) -> list[dict]:
                          ("port", 9), ("port", spec["port"] + 1), ("ctx_total", spec["ctx_total"] * 2),
                          ("cache_type_v", "q4_0"), ("cache_type_k", "q4_1"), ("flash_attn", "off"),
                          ("args", [*spec["args"], "--rpc", "evil:1"]), ("args", []), ("args", spec["args"][:-2]),
-                         ("lane_id", "../x"), ("alias", "other")]:  # fmt: skip
+                         ("lane_id", "../x"), ("alias", "other"),
+                         # --rpc and --device: shape, count, ports, duplicates (decode or validate_plan)
+                         ("rpc_servers", ["evil:0"]), ("rpc_servers", ["evil:70000"]), ("rpc_servers", ["a:1", "a:1"]),
+                         ("rpc_servers", ["a b:1"]), ("rpc_servers", ["a:1,b:2"]), ("rpc_servers", [f"h{i}:1" for i in range(65)]),
+                         ("device_names", ["CUDA0,CUDA1"]), ("device_names", ["CUDA0"]), ("device_names", ["x" * 200]),
+                         ("device_names", ["--help"])]:  # fmt: skip
         variants.append(dict(good, plan_revision=good["plan_revision"] + 1, lanes=[dict(spec, **{field: value})]))
     variants.append(dict(good, host_id="host2", plan_revision=good["plan_revision"] + 1))
     variants.append(dict(good, plan_revision=good["plan_revision"] + 1, lanes=[spec, dict(spec, lane_id="llama8-1")]))
@@ -704,6 +722,8 @@ def test_fuzz_plans(fleet):
     assert all(r.host_id == HOST and r.reason for r in new)
     assert any(r.reason.startswith("malformed plan") for r in new)
     assert any("args disagree" in r.reason for r in new)
+    assert any("rpc_servers" in r.reason or "rpc server" in r.reason for r in new)
+    assert any("device_names" in r.reason or "device" in r.reason for r in new)
     assert fleet.dropped(subjects.plan_key(HOST)) > dropped_before
     fleet.assert_untouched()
 
@@ -768,10 +788,14 @@ def _fuzz_demand_messages(fleet, data):
         subject = subjects.wake_subject(name)
     else:
         gateway = data.draw(st.sampled_from(["g1", "g2"]))
-        value = data.draw(payloads(GatewayActivity, [dict(_ACTIVITY, gateway=gateway)]))
+        # Past its bounds: an interval that would hold a model busy for long, counts, names.
+        doc = data.draw(st.sampled_from([_ACTIVITY, dict(_ACTIVITY, interval=3600.0), dict(_ACTIVITY, interval=1e300),
+                                         dict(_ACTIVITY, models=[dict(_ACTIVITY["models"][0], in_flight=10**7)])]))
+        value = data.draw(payloads(GatewayActivity, [dict(doc, gateway=gateway)]))
         msg = decodes(value, GatewayActivity)
-        valid = msg is not None and subjects.activity_subject(msg.gateway) == subjects.activity_subject(gateway)
-        subject = subjects.activity_subject(gateway)
+        sender = data.draw(st.sampled_from([gateway, gateway, "g3"]))  # g3: reporting under another's name
+        valid = msg is not None and subjects.activity_subject(msg.gateway) == subjects.activity_subject(sender)
+        subject = subjects.activity_subject(sender)
     fleet.sent_demand += 1
     fleet.bad_demand += not valid
     fleet.run(fleet.nc.publish(subject, value))
@@ -792,6 +816,27 @@ def test_fuzz_wakes_and_activity(fleet):
         return sum(1 for e in list(fleet.logs) if e.get("event") in events) - before >= fleet.bad_demand
 
     fleet.run(eventually(all_dropped, timeout=20, what="every malformed wake and activity dropped"))
+    fleet.assert_untouched()
+
+
+def test_activity_out_of_range_or_under_another_name_is_dropped_with_its_reason(fleet):
+    """One report must not pin a model busy (a long interval, a huge count) nor speak for another gateway."""
+    model = _ACTIVITY["models"][0]
+    bad = [
+        (subjects.activity_subject("g1"), dict(_ACTIVITY, interval=3600.0), "$.interval"),
+        (subjects.activity_subject("g1"), dict(_ACTIVITY, models=[dict(model, queued=10**7)]), "$.models[0].queued"),
+        (subjects.activity_subject("g1"), dict(_ACTIVITY, models=[dict(model, wait_s=1e6)]), "$.models[0].wait_s"),
+        (subjects.activity_subject("g2"), _ACTIVITY, "does not match"),  # g1's report on g2's subject
+    ]
+    before = len(list(fleet.logs))
+
+    def drops():
+        return [e for e in list(fleet.logs)[before:] if e.get("event") == "dropped malformed activity"]
+
+    for subject, doc, _ in bad:
+        fleet.run(fleet.nc.publish(subject, _dumps(doc)))
+    fleet.run(eventually(lambda: len(drops()) >= len(bad), timeout=10, what="every bad activity report dropped"))
+    assert [why in drop["reason"] for (_, _, why), drop in zip(bad, drops())] == [True] * len(bad), drops()
     fleet.assert_untouched()
 
 

@@ -47,7 +47,8 @@ async def test_gateway_user_reads_plans_status_reports_config_and_writes_nothing
         assert "host1" in gw.view.reports and gw.view.config is not None
 
         # ---- it writes nothing: every put and every request to the planner is refused
-        nc = await _connect(auth_server.url, gateway_auth, errors)
+        assert gw.gateway_id == "gateway"  # its NATS user: the one id it may report activity under
+        nc = await _connect(auth_server.url, gateway_auth, errors, inbox_prefix=subjects.gateway_inbox("gateway"))
         kv = await nc.jetstream(timeout=1.0).key_value(subjects.BUCKET)
         assert (await kv.get(subjects.plan_key("host1"))).value  # reading a key is allowed
         status_key = subjects.status_key("host1")
@@ -64,12 +65,22 @@ async def test_gateway_user_reads_plans_status_reports_config_and_writes_nothing
         await nc.flush()
         for subject in (subjects.CONFIG_SET, subjects.event_subject("host1", "llama8-0", "crashed")):
             await eventually(lambda: any(f'publish to "{subject}"' in e for e in errors), timeout=5, what=subject)
-        # Models on demand: it may ask the planner to load a model and report its activity, nothing more.
-        await nc.publish(subjects.wake_subject("llama8"), encode(ModelWake(name="llama8", gateway="test")))
-        await nc.publish(subjects.activity_subject("test"), encode(GatewayActivity(gateway="test")))
+        # Models on demand: it may ask the planner to load a model and report its own activity, nothing more.
+        await nc.publish(subjects.wake_subject("llama8"), encode(ModelWake(name="llama8", gateway="gateway")))
+        await nc.publish(subjects.activity_subject("gateway"), encode(GatewayActivity(gateway="gateway")))
         await nc.flush()
         await asyncio.sleep(0.3)
         assert not [e for e in errors if "lanes.wake" in e or "lanes.activity" in e], errors
+        # ... not as another gateway, not deleting a consumer (the planner's watch), not reading others' replies
+        other = subjects.activity_subject("gateway2")
+        await nc.publish(other, encode(GatewayActivity(gateway="gateway2")))
+        await nc.publish("$JS.API.CONSUMER.DELETE.KV_lanes.any", b"")
+        await nc.flush()
+        for subject in (other, "$js.api.consumer.delete.kv_lanes.any"):
+            await eventually(lambda: any(f'publish to "{subject}"' in e for e in errors), timeout=5, what=subject)
+        await nc.subscribe("_INBOX.>")
+        await eventually(lambda: any('subscription to "_inbox.>"' in e for e in errors), timeout=5,
+                         what="_INBOX.> refused")  # fmt: skip
         # The refused config change did not happen, and the lane is still there and routable.
         assert gw.view.config.kv_cache_type is None
         await asyncio.sleep(0.5)

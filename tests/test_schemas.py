@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import msgspec
+import msgspec.inspect
 
 from shared.messages import WIRE_TYPES, FleetConfig, HostReport
 from shared.schemas import DEFAULT_FOLDER, render_schemas, write_schemas
@@ -60,3 +61,35 @@ def test_write_schemas_removes_stale_files(tmp_path):
     assert (tmp_path / "notes.txt").exists()
     for path in written:
         assert path.read_bytes() == render_schemas()[path.name]
+
+
+def _unbounded(info, path: str, seen: set) -> list[str]:
+    """Fields of a msgspec type with no range: numbers without an upper bound, strings without a
+    length (or a pattern that bounds it), tuples and dicts without a count."""
+    if isinstance(info, msgspec.inspect.StructType):
+        if info.cls in seen:
+            return []
+        seen.add(info.cls)
+        return [p for f in info.fields for p in _unbounded(f.type, f"{path}.{f.name}", seen)]
+    if isinstance(info, msgspec.inspect.UnionType):
+        return [p for t in info.types for p in _unbounded(t, path, seen)]
+    if isinstance(info, msgspec.inspect.TupleType):
+        return [p for t in info.item_types for p in _unbounded(t, f"{path}()", seen)]
+    if isinstance(info, msgspec.inspect.VarTupleType):
+        return ([path] if info.max_length is None else []) + _unbounded(info.item_type, f"{path}[]", seen)
+    if isinstance(info, msgspec.inspect.DictType):
+        keys, values = _unbounded(info.key_type, f"{path}{{key}}", seen), _unbounded(info.value_type, f"{path}{{}}", seen)
+        return ([path] if info.max_length is None else []) + keys + values
+    if isinstance(info, (msgspec.inspect.IntType, msgspec.inspect.FloatType)):
+        low, high = (info.ge, info.gt), (info.le, info.lt)
+        return [] if any(v is not None for v in low) and any(v is not None for v in high) else [path]
+    if isinstance(info, msgspec.inspect.StrType):
+        return [] if info.max_length is not None or info.pattern else [path]
+    return []
+
+
+def test_every_field_of_every_wire_message_has_a_range():
+    """Bus input is bounded: one message cannot carry a huge count, interval, size or name."""
+    seen: set = set()
+    unbounded = [p for kind in WIRE_TYPES for p in _unbounded(msgspec.inspect.type_info(kind), kind.__name__, seen)]
+    assert not unbounded, unbounded

@@ -1,0 +1,105 @@
+"""Supervised loops: no long-running task of the planner, agent or gateway dies in silence.
+
+A loop that raises (or returns while its service still runs) is logged with its
+traceback, counted in `lanes_loop_restarts_total{service,loop}` and started again after
+an exponential backoff. One that keeps failing (RestartPolicy: max_failures within
+`window` seconds) raises LoopGaveUp out of the service's run, and the process exits
+non-zero so its own supervisor (systemd, compose) restarts it whole. A clean stop
+cancels the loops and counts nothing.
+
+The decision is pure (`after_failure`); `Loops.run` only applies it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import structlog
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+log = structlog.get_logger("lanes.loops")
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    base: float = 0.5  # seconds before the first restart; doubles with each failure in the window
+    cap: float = 30.0  # the backoff never exceeds this
+    max_failures: int = 5  # this many failures within `window` seconds: give up, the service exits
+    window: float = 300.0
+
+
+DEFAULT_POLICY = RestartPolicy()  # the one place the defaults live (tests swap it for a faster one)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    failures: tuple[float, ...]  # failure times still inside the window, this one last
+    delay: float  # seconds to wait before the restart
+    give_up: bool
+
+
+def after_failure(failures: tuple[float, ...], now: float, policy: RestartPolicy) -> Verdict:
+    """What to do after a loop failed at `now`, given its earlier failure times."""
+    recent = tuple(t for t in failures if now - t < policy.window) + (now,)
+    delay = min(policy.cap, policy.base * 2 ** (len(recent) - 1))
+    return Verdict(recent, delay, len(recent) >= policy.max_failures)
+
+
+class LoopGaveUp(RuntimeError):
+    """A supervised loop kept failing: the service stops and its process exits non-zero."""
+
+
+class Loops(Collector):
+    """The supervised loops of one service and how often each was restarted; register it
+    on the service's Prometheus registry for `lanes_loop_restarts_total`."""
+
+    def __init__(self, service: str, policy: RestartPolicy | None = None) -> None:
+        self.service = service
+        self.policy = policy or DEFAULT_POLICY
+        self.restarts: dict[str, int] = {}
+
+    def task(self, name: str, start: Callable[[], Awaitable[object]], stop: asyncio.Event) -> asyncio.Task:
+        return asyncio.create_task(self.run(name, start, stop), name=f"{self.service}:{name}")
+
+    async def run(self, name: str, start: Callable[[], Awaitable[object]], stop: asyncio.Event) -> None:
+        """Run `start()` until `stop`; restart it when it fails, give up when it keeps failing."""
+        self.restarts.setdefault(name, 0)
+        failures: tuple[float, ...] = ()
+        while True:
+            try:
+                await start()
+                if stop.is_set():
+                    return
+                log.error("loop ended while its service runs", service=self.service, loop=name)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                if stop.is_set():
+                    log.info("loop failed while stopping", service=self.service, loop=name, exc_info=True)
+                    return
+                log.exception("loop failed", service=self.service, loop=name)
+            verdict = after_failure(failures, time.monotonic(), self.policy)
+            failures = verdict.failures
+            if verdict.give_up:
+                why = f"{self.service} loop {name!r} failed {len(failures)} times within {self.policy.window:g} s"
+                log.error("loop keeps failing; the service exits", service=self.service, loop=name, reason=why)
+                raise LoopGaveUp(why)
+            self.restarts[name] += 1
+            log.warning("loop restarts", service=self.service, loop=name, after_s=verdict.delay,
+                        failures=len(failures))  # fmt: skip
+            try:
+                await asyncio.wait_for(stop.wait(), verdict.delay)
+                return
+            except TimeoutError:
+                pass
+
+    def collect(self):
+        restarts = CounterMetricFamily("lanes_loop_restarts", "Restarts of a service's loop after it failed",
+                                       labels=["service", "loop"])  # fmt: skip
+        for name, n in sorted(self.restarts.items()):
+            restarts.add_metric([self.service, name], n)
+        yield restarts
