@@ -81,7 +81,7 @@ def lane_id_for(model: str, index: int) -> str:
     return f"{model[:120]}-{index}"  # a Name holds 128 characters
 
 
-@dataclass
+@dataclass(slots=True)
 class _Lane:
     host_id: str
     persona: Persona
@@ -283,7 +283,7 @@ def plan(
             continue
         wanted = len(holders) if persona.lanes is None else persona.lanes
         for i in range(wanted):
-            candidates = holders if persona.lanes is not None else [holders.pop(0)]
+            candidates = holders if persona.lanes is not None else [holders[i]]
             placed, why = _place(persona, candidates, config, lanes, remaining, previous, feedback)
             if not placed:
                 target = candidates[0][0].host_id if len(candidates) == 1 else None
@@ -354,7 +354,14 @@ def _choose_layout(lane_at, report, remaining, config, prev_layout) -> tuple[Lay
     """The first layout that fits at the floor window: the previous one if it still does
     (steady inputs never alternate layouts), else the fastest."""
 
+    seen: dict[Layout, dict[Resource, int]] = {}
+
     def cost(layout: Layout) -> dict[Resource, int]:
+        if layout not in seen:
+            seen[layout] = layout_cost(layout)
+        return dict(seen[layout])
+
+    def layout_cost(layout: Layout) -> dict[Resource, int]:
         lane = lane_at(layout)
         floor_cost = _cost(lane, lane.floor, report, config.n_ubatch)
         # The layout is chosen with f16 costs, so the cache type only moves the window.
