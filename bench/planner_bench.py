@@ -1,20 +1,27 @@
-"""How long one full replan takes as the fleet grows (the planner replans on every change).
+"""How long one full replan takes as the fleet grows (the planner replans on every change),
+one host's change at the largest size, and the published plans' fan-out to as many agents.
 
 Run from the repository root:  .venv/bin/python bench/planner_bench.py [--out bench/planner_results.md]
 
-Each fleet size is planned 5 times; the median is reported, with the time per lane and
-the ratio to the smallest fleet measured in the same run (the machine is shared and noisy:
-compare ratios, not absolute times, across runs).
+Each fleet size is planned 5 times; the median is reported (wall and CPU time: on a shared
+machine the CPU time is the planner's own work), with the time per lane and the ratio to the
+smallest fleet measured in the same run (compare ratios, not absolute times, across runs).
+The fan-out writes every host's plan into the KV bucket of one nats-server as the planner
+service does (compare-and-set, WRITE_CONCURRENCY at a time) while simulated agents, a
+subscription on each host's plan key as shared.bus.follow_key makes, spread over a few
+connections, wait for theirs; then each agent reads its plan back with a direct get.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime as dt
 import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import tracemalloc
 from pathlib import Path
@@ -25,13 +32,20 @@ sys.path.insert(0, str(ROOT))
 import msgspec  # noqa: E402
 
 from planner_svc.planner import plan  # noqa: E402
+from planner_svc.service import WRITE_CONCURRENCY  # noqa: E402
 from planner_svc.state import PlannerState  # noqa: E402
 from shared import subjects  # noqa: E402
-from shared.messages import FleetConfig, HostReport, ModelFacts, ServerCaps, encode  # noqa: E402
+from shared.bus import connect, kv_bucket  # noqa: E402
+from shared.messages import (  # noqa: E402
+    FleetConfig, FleetHosts, HostLiveness, HostReport, ModelFacts, ServerCaps, encode,
+)  # fmt: skip
+from shared.natsserver import NatsServer  # noqa: E402
+from shared.subjects import kv_subject  # noqa: E402
 
 GIB = 2**30
-SIZES = (10, 100, 1000, 5000)
+SIZES = (10, 100, 1000, 5000, 10000)
 RUNS = 5
+AGENT_CONNECTIONS = 8  # the simulated agents' subscriptions are spread over this many connections
 
 
 def facts(name: str, layers: int, kv: int, weights: int, swa: int = 0) -> ModelFacts:
@@ -82,6 +96,78 @@ def per_event_cost(n: int) -> float:
     return statistics.median(times)
 
 
+async def fanout(n: int, connections: int = AGENT_CONNECTIONS) -> dict[str, float]:
+    """Seconds from the first plan write to every simulated agent notified, and to every agent
+    having read its plan back (direct get); sizes of what the bucket holds."""
+    plans = plan(fleet(n), FleetConfig(kv_cache_type="q8_0")).hosts
+    with tempfile.TemporaryDirectory() as folder:
+        server = NatsServer(folder).start()
+        try:
+            return await _fanout(server.url, plans, connections)
+        finally:
+            server.stop()
+
+
+async def _fanout(url: str, plans, connections: int) -> dict[str, float]:
+    planner = await connect(url, name="bench-planner")
+    agents = [await connect(url, name=f"bench-agents-{k}") for k in range(connections)]
+    try:
+        kv = await kv_bucket(planner, create=True)
+        agent_kvs = [await kv_bucket(nc) for nc in agents]
+        values = {p.host_id: encode(p) for p in plans}
+        heard: dict[str, float] = {}
+        everyone = asyncio.Event()
+
+        def on_plan(host: str):
+            async def cb(msg) -> None:
+                heard.setdefault(host, time.perf_counter())
+                if len(heard) == len(values):
+                    everyone.set()
+
+            return cb
+
+        for k, host in enumerate(values):
+            await agents[k % connections].subscribe(kv_subject(subjects.plan_key(host)), cb=on_plan(host))
+        for nc in agents:
+            await nc.flush()
+        limit = asyncio.Semaphore(WRITE_CONCURRENCY)
+
+        async def write(host: str, data: bytes) -> None:
+            async with limit:
+                await kv.create(subjects.plan_key(host), data)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(write(h, v) for h, v in values.items()))
+        written = time.perf_counter()
+        await asyncio.wait_for(everyone.wait(), 120)
+        notified = max(heard.values())
+        read_limit = asyncio.Semaphore(WRITE_CONCURRENCY)
+
+        async def read(k: int, host: str) -> None:
+            async with read_limit:
+                entry = await agent_kvs[k % connections].get(subjects.plan_key(host))
+                assert entry.value == values[host]
+
+        await asyncio.gather(*(read(k, h) for k, h in enumerate(values)))
+        read_back = time.perf_counter()
+        sizes = sorted(len(v) for v in values.values())
+        liveness = FleetHosts(hosts=tuple(HostLiveness(host_id=h) for h in values))
+        return {
+            "hosts": len(values),
+            "written": written - started,
+            "notified": notified - started,
+            "read_back": read_back - started,
+            "plan_bytes_median": statistics.median(sizes),
+            "plan_bytes_max": sizes[-1],
+            "plans_bytes": sum(sizes),
+            "hosts_key_bytes": len(encode(liveness)),
+            "max_payload": planner.max_payload,
+        }
+    finally:
+        for nc in (planner, *agents):
+            await nc.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=str(ROOT / "bench" / "planner_results.md"))
@@ -92,25 +178,32 @@ def main() -> None:
     rows = []
     for n in sizes:
         reports = fleet(n)
-        times, lanes = [], 0
+        times, cpu, lanes = [], [], 0
         for _ in range(RUNS):
-            started = time.perf_counter()
+            started, started_cpu = time.perf_counter(), time.process_time()
             result = plan(reports, config)
             times.append(time.perf_counter() - started)
+            cpu.append(time.process_time() - started_cpu)
             lanes = sum(len(h.lanes) for h in result.hosts)
         tracemalloc.start()
         plan(reports, config)
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
-        rows.append((n, lanes, statistics.median(times), peak))
+        rows.append((n, lanes, statistics.median(times), statistics.median(cpu), peak))
         print(
-            f"{n:5d} hosts {lanes:6d} lanes: median {statistics.median(times) * 1000:8.1f} ms, peak {peak / 2**20:.1f} MiB"
+            f"{n:5d} hosts {lanes:6d} lanes: median {statistics.median(times) * 1000:8.1f} ms"
+            f" (CPU {statistics.median(cpu) * 1000:.1f} ms), peak {peak / 2**20:.1f} MiB"
         )
-    event_hosts = 100 if args.small else 1000
+    event_hosts = sizes[-1]
     event = per_event_cost(event_hosts)
-    full = next(t for n, _, t, _ in rows if n == event_hosts)
+    full = rows[-1][2]
     print(
         f"one report changed in {event_hosts} hosts: {event * 1000:.2f} ms ({full / event:.0f}x less than a full replan)"
+    )
+    fan = asyncio.run(fanout(event_hosts))
+    print(
+        f"fan-out to {event_hosts} agents: written {fan['written'] * 1000:.0f} ms, all notified"
+        f" {fan['notified'] * 1000:.0f} ms, all read back {fan['read_back'] * 1000:.0f} ms"
     )
     base = rows[0][2] / rows[0][1]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
@@ -121,14 +214,16 @@ def main() -> None:
         f"- lanes commit: {commit.strip()}",
         "- Command: `.venv/bin/python bench/planner_bench.py`",
         f"- Each host: 64 GiB RAM, 36-44 GiB free, three models (8B, 14B, a 12B with sliding window); "
-        f"kv_cache_type=q8_0. Median of {RUNS} runs.",
+        f"kv_cache_type=q8_0. Median of {RUNS} runs (the first, with the planner's memory-model caches cold, "
+        "is among them).",
         "",
-        "| hosts | lanes | median ms | ms per lane | per-lane ratio to the smallest fleet | peak MiB (tracemalloc) |",
-        "|---|---|---|---|---|---|",
+        "| hosts | lanes | median ms | CPU ms | ms per lane | per-lane ratio to the smallest fleet | peak MiB (tracemalloc) |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for n, lanes, t, peak in rows:
+    for n, lanes, t, c, peak in rows:
         lines.append(
-            f"| {n} | {lanes} | {t * 1000:.1f} | {t * 1000 / lanes:.3f} | {t / lanes / base:.2f} | {peak / 2**20:.1f} |"
+            f"| {n} | {lanes} | {t * 1000:.1f} | {c * 1000:.1f} | {t * 1000 / lanes:.3f} | {t / lanes / base:.2f}"
+            f" | {peak / 2**20:.1f} |"
         )
     lines += [
         "",
@@ -138,6 +233,23 @@ def main() -> None:
         "",
         "The planner runs off the event loop (a thread) and waits at least as long as the last",
         "replan took before the next, so a large fleet replans at most every other such interval.",
+        "",
+        f"## Fan-out of the published plans to {fan['hosts']} agents (one nats-server)",
+        "",
+        f"Every host's plan written to the KV bucket ({WRITE_CONCURRENCY} compare-and-set writes in flight, as the",
+        f"planner service writes them); {fan['hosts']} simulated agents, one subscription on its plan key each",
+        f"(shared.bus.follow_key), over {AGENT_CONNECTIONS} connections, all in this one process.",
+        "",
+        "| step | from the first write |",
+        "|---|---|",
+        f"| every plan written (acknowledged) | {fan['written'] * 1000:.0f} ms |",
+        f"| every agent notified | {fan['notified'] * 1000:.0f} ms |",
+        f"| every agent read its plan back (direct get) | {fan['read_back'] * 1000:.0f} ms |",
+        "",
+        f"A host plan is {fan['plan_bytes_median'] / 1024:.1f} KiB (median; largest {fan['plan_bytes_max'] / 1024:.1f} KiB);",
+        f"all {fan['hosts']} plans {fan['plans_bytes'] / 2**20:.1f} MiB per revision. The `hosts` key (every host's",
+        f"liveness in one value) is {fan['hosts_key_bytes'] / 1024:.0f} KiB against the server's max payload of",
+        f"{fan['max_payload'] / 2**20:.0f} MiB.",
     ]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")
