@@ -84,7 +84,7 @@ def per_event_cost(n: int) -> float:
     for i, report in enumerate(fleet(n)):
         state.apply(subjects.report_key(report.host_id), encode(report), i + 1)
     state.caught_up = True
-    state.planning_job()()  # the first replan covers every host
+    state.plans.update(state.planning_job()())  # the first replan covers every host
     times = []
     for k in range(RUNS):
         changed = msgspec.structs.replace(fleet(1)[0], ram_available=(30 + k) * GIB)
@@ -93,6 +93,7 @@ def per_event_cost(n: int) -> float:
         planned = state.planning_job()()
         times.append(time.perf_counter() - started)
         assert list(planned) == [subjects.host_token(changed.host_id)]
+        state.plans.update(planned)  # as the service keeps what it wrote
     return statistics.median(times)
 
 
