@@ -14,7 +14,7 @@ import msgspec
 import structlog
 
 from planner_svc.demand import DemandState, model_states, plan_on_demand, servable
-from shared import subjects
+from shared import defaults, subjects
 from shared.llama.printed import device_lines
 from shared.messages import (
     ConfigSet,
@@ -193,7 +193,7 @@ class PlannerState:
         if self.config.host_lost_after:
             return self.config.host_lost_after
         report = self.reports.get(host)
-        return LOST_AFTER_INTERVALS * (report.report_interval if report else 30.0)
+        return LOST_AFTER_INTERVALS * (report.report_interval if report else defaults.REPORT_INTERVAL)
 
     def check_liveness(self) -> bool:
         """Mark hosts silent for too long as lost. True when that calls for a replan."""

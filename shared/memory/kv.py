@@ -12,6 +12,7 @@ import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from shared import defaults
 from shared.messages import KvLayout, ModelFacts
 
 CTX_PAD = 256
@@ -29,7 +30,7 @@ BLOCK_BYTES: dict[str, int] = {
     "iq4_nl": 18,
 }
 QUANTIZED = frozenset(t for t in BLOCK_BYTES if t not in {"f32", "f16", "bf16"})
-DEFAULT_N_UBATCH = 512
+DEFAULT_N_UBATCH = defaults.N_UBATCH
 MIB = 1024 * 1024
 
 
