@@ -153,7 +153,8 @@ class _CostKeys:
     window: the window search asks for thousands of them per replan (bench/planner_bench.py)."""
 
     def __init__(self) -> None:
-        self.numbers: dict[tuple, int] = {}
+        self.numbers: dict[object, int] = {}
+        self.by_id: dict[int, tuple[object, int]] = {}
         self.counter = itertools.count()  # never reused, even after a clear: a lane may hold an old one
 
     def key(self, lane: _Lane, report: HostReport, n_ubatch: int) -> int:
@@ -164,16 +165,29 @@ class _CostKeys:
         # Every input of shape() and flash_attn_for, cheaper to hash than the shape it gives.
         flags = lane.flags
         inputs = (
-            lane.facts, lane.layout, lane.persona.parallel, lane.persona.kv_unified, flags.cache_type_k,
-            flags.cache_type_v, flags.flash_attn, report.server, devices, report.cpu_repack, lane.factor, n_ubatch,
-            lane.cache_ram,
+            self.number(lane.facts), lane.layout, lane.persona.parallel, lane.persona.kv_unified, flags.cache_type_k,
+            flags.cache_type_v, flags.flash_attn, self.number(report.server), devices, report.cpu_repack, lane.factor,
+            n_ubatch, lane.cache_ram,
         )  # fmt: skip
-        number = self.numbers.get(inputs)
+        number = self.number(inputs, by_id=False)
+        lane.cost_key = (report, n_ubatch, lane.cache_ram, number)
+        return number
+
+    def number(self, value, by_id: bool = True) -> int:
+        """value's number; the same object's is found by its id (model facts and binary caps are
+        large to hash, and every lane of a host shares its report's)."""
+        if by_id:
+            seen = self.by_id.get(id(value))
+            if seen is not None and seen[0] is value:
+                return seen[1]
+        number = self.numbers.get(value)
         if number is None:
             if len(self.numbers) >= _MEMO_MAX:
                 self.numbers.clear()
-            number = self.numbers[inputs] = next(self.counter)
-        lane.cost_key = (report, n_ubatch, lane.cache_ram, number)
+                self.by_id.clear()
+            number = self.numbers[value] = next(self.counter)
+        if by_id:
+            self.by_id[id(value)] = (value, number)  # holds value: its id is not reused meanwhile
         return number
 
 
@@ -415,9 +429,13 @@ def _place(persona, candidates_, config, lanes, remaining, previous, feedback) -
                 continue
             factor, factor_reasons = correction(fb)
 
+        built: dict[tuple[Layout, bool], _Lane] = {}  # one lane per layout: its cost key is reused
+
         def lane_at(layout: Layout, f16: bool = False) -> _Lane:
-            f = Flags(None, None, None, ()) if f16 else flags
-            return _Lane(host, persona, facts, index, f, layout, floor, ceiling, factor)
+            if (layout, f16) not in built:
+                f = Flags(None, None, None, ()) if f16 else flags
+                built[layout, f16] = _Lane(host, persona, facts, index, f, layout, floor, ceiling, factor)
+            return built[layout, f16]
 
         try:
             chosen = _choose_layout(lane_at, report, remaining[host], config, _previous_layout(previous.get(host), lane_id))
