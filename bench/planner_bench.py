@@ -37,7 +37,7 @@ from planner_svc.state import PlannerState  # noqa: E402
 from shared import subjects  # noqa: E402
 from shared.bus import connect, kv_bucket  # noqa: E402
 from shared.messages import (  # noqa: E402
-    FleetConfig, FleetHosts, HostLiveness, HostReport, ModelFacts, ServerCaps, encode,
+    FleetConfig, FleetHosts, FleetStatus, HostReport, ModelFacts, ModelStates, ServerCaps, encode,
 )  # fmt: skip
 from shared.natsserver import NatsServer  # noqa: E402
 from shared.subjects import kv_subject  # noqa: E402
@@ -63,13 +63,14 @@ MODELS = (
 )
 
 
-def fleet(n: int) -> list[HostReport]:
+def fleet(n: int, distinct: bool = False) -> list[HostReport]:
+    """`distinct`: every host a different free RAM (no two budgets alike), not nine figures."""
     return [
         HostReport(
             host_id=f"host-{i:05d}",
             cpu_cores=16,
             ram_total=64 * GIB,
-            ram_available=(36 + i % 9) * GIB,
+            ram_available=36 * GIB + i * 2**20 if distinct else (36 + i % 9) * GIB,
             server=ServerCaps(),
             models=MODELS,
         )  # fmt: skip
@@ -100,13 +101,32 @@ def per_event_cost(n: int) -> float:
 async def fanout(n: int, connections: int = AGENT_CONNECTIONS) -> dict[str, float]:
     """Seconds from the first plan write to every simulated agent notified, and to every agent
     having read its plan back (direct get); sizes of what the bucket holds."""
-    plans = plan(fleet(n), FleetConfig(kv_cache_type="q8_0")).hosts
+    reports = fleet(n)
+    plans = plan(reports, FleetConfig(kv_cache_type="q8_0")).hosts
     with tempfile.TemporaryDirectory() as folder:
         server = NatsServer(folder).start()
         try:
-            return await _fanout(server.url, plans, connections)
+            figures = await _fanout(server.url, plans, connections)
         finally:
             server.stop()
+    return figures | whole_fleet_values(reports, plans)
+
+
+def whole_fleet_values(reports, plans) -> dict[str, int]:
+    """Bytes of the values that hold every host at once: the `hosts` and `models` keys and the
+    planner's fleet.status reply (lanes status)."""
+    state = PlannerState()
+    for i, report in enumerate(reports):
+        state.apply(subjects.report_key(report.host_id), encode(report), i + 1)
+    state.plans.update({subjects.host_token(p.host_id): p for p in plans})
+    models = state.model_states().models
+    status = FleetStatus(reports=tuple(reports), plans=tuple(plans), hosts=state.liveness(), models=models)
+    return {
+        "hosts_key_bytes": len(encode(FleetHosts(hosts=state.liveness()))),
+        "models_key_bytes": len(encode(ModelStates(models=models))),
+        "status_bytes": len(encode(status)),
+        "report_bytes": len(encode(reports[0])),
+    }
 
 
 async def _fanout(url: str, plans, connections: int) -> dict[str, float]:
@@ -152,7 +172,6 @@ async def _fanout(url: str, plans, connections: int) -> dict[str, float]:
         await asyncio.gather(*(read(k, h) for k, h in enumerate(values)))
         read_back = time.perf_counter()
         sizes = sorted(len(v) for v in values.values())
-        liveness = FleetHosts(hosts=tuple(HostLiveness(host_id=h) for h in values))
         return {
             "hosts": len(values),
             "written": written - started,
@@ -161,7 +180,6 @@ async def _fanout(url: str, plans, connections: int) -> dict[str, float]:
             "plan_bytes_median": statistics.median(sizes),
             "plan_bytes_max": sizes[-1],
             "plans_bytes": sum(sizes),
-            "hosts_key_bytes": len(encode(liveness)),
             "max_payload": planner.max_payload,
         }
     finally:
@@ -195,6 +213,14 @@ def main() -> None:
             f"{n:5d} hosts {lanes:6d} lanes: median {statistics.median(times) * 1000:8.1f} ms"
             f" (CPU {statistics.median(cpu) * 1000:.1f} ms), peak {peak / 2**20:.1f} MiB"
         )
+    reports = fleet(sizes[-1], distinct=True)
+    distinct = []
+    for _ in range(RUNS):
+        started, started_cpu = time.perf_counter(), time.process_time()
+        plan(reports, config)
+        distinct.append((time.perf_counter() - started, time.process_time() - started_cpu))
+    distinct_wall, distinct_cpu = (statistics.median(x) for x in zip(*distinct))
+    print(f"{sizes[-1]} hosts, each a different free RAM: median {distinct_wall * 1000:.1f} ms (CPU {distinct_cpu * 1000:.1f} ms)")
     event_hosts = sizes[-1]
     event = per_event_cost(event_hosts)
     full = rows[-1][2]
@@ -228,6 +254,9 @@ def main() -> None:
         )
     lines += [
         "",
+        f"The same {sizes[-1]} hosts with every host's free RAM different (36 GiB + i MiB: no two budgets alike,",
+        f"so no window search is shared): median {distinct_wall * 1000:.1f} ms, CPU {distinct_cpu * 1000:.1f} ms.",
+        "",
         f"One host's report changing in a fleet of {event_hosts}: {event * 1000:.2f} ms (median of {RUNS}) from the",
         f"KV entry to that host's new plan, {full / event:.0f}x less than a full replan: only the changed host is",
         "replanned unless the config or demand changed, or the demand spreads a persona's lanes over hosts.",
@@ -248,9 +277,11 @@ def main() -> None:
         f"| every agent read its plan back (direct get) | {fan['read_back'] * 1000:.0f} ms |",
         "",
         f"A host plan is {fan['plan_bytes_median'] / 1024:.1f} KiB (median; largest {fan['plan_bytes_max'] / 1024:.1f} KiB);",
-        f"all {fan['hosts']} plans {fan['plans_bytes'] / 2**20:.1f} MiB per revision. The `hosts` key (every host's",
-        f"liveness in one value) is {fan['hosts_key_bytes'] / 1024:.0f} KiB against the server's max payload of",
-        f"{fan['max_payload'] / 2**20:.0f} MiB.",
+        f"all {fan['hosts']} plans {fan['plans_bytes'] / 2**20:.1f} MiB per revision; a host report"
+        f" {fan['report_bytes'] / 1024:.1f} KiB (these facts carry no per-layer weights, real ones do).",
+        f"Values that hold every host at once, against the server's max payload of {fan['max_payload'] / 2**20:.0f} MiB:",
+        f"the `hosts` key {fan['hosts_key_bytes'] / 1024:.0f} KiB, the `models` key {fan['models_key_bytes'] / 1024:.0f} KiB,",
+        f"the planner's fleet.status reply (`lanes status`) {fan['status_bytes'] / 2**20:.1f} MiB.",
     ]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")
