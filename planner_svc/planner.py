@@ -138,13 +138,14 @@ class _Lane:
         return memory
 
 
-def _cost(lane: _Lane, window: int, report: HostReport, n_ubatch: int) -> dict[Resource, int]:
+def _cost(lane: _Lane, window: int, report: HostReport, n_ubatch: int) -> Mapping[Resource, int]:
+    """Bytes per resource (layouts.cost_vector), shared with every lane of the same key: read it, never change it."""
     key = (_COST_KEYS.key(lane, report, n_ubatch), window)
     cost = _COSTS.get(key)
     if cost is None:
         memory = lane.memory(window, report, n_ubatch)
         cost = _remember(_COSTS, key, cost_vector(memory, lane.layout, report, lane.factor))
-    return dict(cost)
+    return cost
 
 
 class _CostKeys:
@@ -373,7 +374,7 @@ def _choose_layout(lane_at, report, remaining, config, prev_layout) -> tuple[Lay
     def cost(layout: Layout) -> dict[Resource, int]:
         if layout not in seen:
             seen[layout] = layout_cost(layout)
-        return dict(seen[layout])
+        return seen[layout]
 
     def layout_cost(layout: Layout) -> dict[Resource, int]:
         lane = lane_at(layout)
