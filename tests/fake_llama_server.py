@@ -731,9 +731,6 @@ def recorded_figures(key: str, argv: list[str], model_path: str) -> dict | None:
     table = json.loads(FIGURES.read_text()) if FIGURES.exists() else {}
     if key in table:
         return table[key]
-    derived = _other_context(table, key)
-    if derived is not None:
-        return derived
     record_to = os.environ.get("FAKE_LLAMA_RECORD_TO")
     if record_to:
         with open(record_to, "a") as f:
@@ -741,50 +738,6 @@ def recorded_figures(key: str, argv: list[str], model_path: str) -> dict | None:
         return None
     _fail_load(model_path, f"fake llama-server: no figures recorded from the real llama-server for {key}; "
                "run tests/record_llama_figures.py (see its docstring)")
-
-
-def _shape(key: str) -> tuple[str, dict[str, str]]:
-    head, *parts = key.split("|")
-    shape = dict(part.split("=", 1) for part in parts)
-    return head, shape
-
-
-def _other_context(table: dict, key: str) -> dict | None:
-    """The recorded figures of the same shape at another context, moved to this one.
-
-    The planner's windows follow each host's free memory, so tests meet contexts nobody
-    recorded. A KV cache is exactly cells x a per-cell size, both printed by the real
-    binary: the recorded per-cell sizes are kept and only the cell count is redone, by
-    llama-server's own rule (context padded to 256; per stream without a unified cache).
-    A sliding-window cache keeps its recorded size once it was capped below the full
-    cache. The compute buffer is the nearest recorded one (it is only printed).
-    """
-    head, shape = _shape(key)
-    ctx, slots, unified = int(shape["ctx"]), int(shape["slots"]), shape["kv_unified"] == "True"
-    same = []
-    for other, fig in table.items():
-        o_head, o_shape = _shape(other)
-        if o_head == head and "error" not in fig and {k: v for k, v in o_shape.items() if k != "ctx"} == {
-            k: v for k, v in shape.items() if k != "ctx"
-        }:
-            same.append((abs(int(o_shape["ctx"]) - ctx), fig))
-    if not same:
-        return None
-    _, fig = min(same, key=lambda item: item[0])
-    streams = 1 if unified else slots
-    cells = -(-(-(-ctx // streams)) // 256) * 256 if not unified else -(-ctx // 256) * 256
-    groups = []
-    full = max(g["cells"] for g in fig["kv"])
-    for g in fig["kv"]:
-        if g["swa"]:
-            if g["cells"] >= full:
-                return None  # its cap is not known from this record
-            new = min(cells, g["cells"])
-        else:
-            new = cells
-        ratio = new / g["cells"]
-        groups.append(dict(g, cells=new, k_mib=round(g["k_mib"] * ratio, 2), v_mib=round(g["v_mib"] * ratio, 2)))
-    return {"n_ctx": cells * streams, "n_ctx_seq": cells, "kv": groups, "compute_mib": fig["compute_mib"]}
 
 
 def _computed_figures(model_path: str, *, swa_full: bool, **shape) -> dict:

@@ -327,3 +327,14 @@ def test_reads_the_model_without_lanes_code(models):
     text = "\n".join(lines)
     assert "main: model loaded" in text, text
     assert "(  4096 cells,   1 layers,  2/2 seqs)" in text and "print_info: arch             = gemma3" in text
+
+
+def test_refuses_a_context_it_has_no_figures_for(models, fakes):
+    """The same shape as a recorded one at another context: refused, not worked out from the record."""
+    port = free_port()
+    fake = fakes("-m", str(models["llama"]), "--port", str(port), "--ctx-size", "30720", "--parallel", "1",
+                 "-ctk", "q8_0", "-ctv", "q8_0", "--flash-attn", "on", "-fit", "off", "--verbosity", "4",
+                 env={"FAKE_LLAMA_RECORD_TO": ""})  # not recording (which serves the memory model's figures)
+    assert fake.wait() == 1
+    assert "no figures recorded from the real llama-server" in fake.text and "ctx=30720" in fake.text
+    assert "llama_kv_cache: size =" not in fake.text
