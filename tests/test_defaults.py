@@ -12,6 +12,7 @@ import pytest
 
 from gateway.admission import Admission
 from gateway.settings import GatewaySettings
+from gateway.waking import Waker
 from lanes.cli import DEFAULT_NATS, build_parser
 from lanes.tables import parse_size
 from launcher_agent.config import AgentConfig
@@ -68,6 +69,7 @@ FIELDS = [
     (GatewaySettings, "queue_wait", d.QUEUE_WAIT),
     (Admission, "max_queue", d.QUEUE_DEPTH),
     (Admission, "max_wait", d.QUEUE_WAIT),
+    (Waker, "max_held", d.QUEUE_DEPTH),
 ]
 
 # README table rows: (first-column name, the default)
