@@ -154,7 +154,7 @@ def layout_memory(facts: ModelFacts, layout: Layout, report: HostReport, base: L
     return _layout_memory(facts, layout, _backends(layout, report), _ngl_rule(report), report.cpu_repack, base)
 
 
-@functools.lru_cache(maxsize=1 << 16)
+@functools.lru_cache(maxsize=1 << 13)
 def _layout_memory(
     facts: ModelFacts, layout: Layout, backends: tuple[str, ...], rule: NglRule, cpu_repack, base: LaneShape
 ) -> MemoryBreakdown:

@@ -199,7 +199,7 @@ def _remember(memo: dict, key, value):
     return value
 
 
-_MEMO_MAX = 1 << 18
+_MEMO_MAX = 1 << 15  # entries per memo: a few MiB of figures; cleared whole when full
 _COSTS: dict[tuple[int, int], dict[Resource, int]] = {}
 _MEMORY: dict[tuple[int, int], MemoryBreakdown] = {}
 _GROWN: dict[tuple, list[int]] = {}
