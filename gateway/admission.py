@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from gateway import affinity
 from gateway.affinity import AffinityIndex, Fingerprint, LaneLoad
 from gateway.fleet import FleetView, LaneKey, LaneRoute
+from shared import defaults
 
 
 class AdmissionError(Exception):
@@ -105,8 +106,8 @@ class _Waiter:
 @dataclass
 class Admission:
     view: FleetView
-    max_queue: int = 64  # waiting requests per requested model name
-    max_wait: float = 30.0  # seconds a request may wait for a slot
+    max_queue: int = defaults.QUEUE_DEPTH  # waiting requests per requested model name
+    max_wait: float = defaults.QUEUE_WAIT  # seconds a request may wait for a slot
     counts: LaneCounts = field(default_factory=LaneCounts)
     index: AffinityIndex = field(default_factory=AffinityIndex)
     use_affinity: bool = True  # False: most free slots only (the benchmark's baseline)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import hmac
 from dataclasses import dataclass
 
-DEFAULT_PORT = 8000
+from shared import defaults
+
+DEFAULT_PORT = defaults.GATEWAY_PORT
 
 
 @dataclass(frozen=True)
@@ -14,8 +16,8 @@ class GatewaySettings:
     port: int = DEFAULT_PORT  # 0 picks a free port (tests)
     api_keys: tuple[str, ...] = ()  # empty: no key needed
     max_body_bytes: int = 16 * 2**20
-    queue_depth: int = 64  # waiting requests per model before 503
-    queue_wait: float = 30.0  # seconds a request waits for a slot before 503
+    queue_depth: int = defaults.QUEUE_DEPTH  # waiting requests per model before 503
+    queue_wait: float = defaults.QUEUE_WAIT  # seconds a request waits for a slot before 503
     request_timeout: float = 600.0  # whole request, lane answer included
     connect_timeout: float = 3.0  # reaching a lane; past it the request goes to another lane
     probe_interval: float = 1.0  # seconds between the gateway's own /health checks of each lane

@@ -21,7 +21,7 @@ from typing import Literal
 
 from gateway.admission import LaneCounts
 from gateway.fleet import FleetView, LaneRoute
-from shared import subjects
+from shared import defaults, subjects
 from shared.messages import ModelActivity
 
 Load = Literal["ready", "loading", "unloaded", "failed", "unknown"]
@@ -190,7 +190,7 @@ class HeldFull(Exception):
 @dataclass
 class Waker:
     view: FleetView
-    max_held: int = 64  # held requests per model
+    max_held: int = defaults.QUEUE_DEPTH  # held requests per model (the gateway passes its --queue-depth)
     publish: Callable[[str], Awaitable[None]] | None = None  # sends one wake (set by the bus side)
     on_cold_start: Callable[[str, float], None] | None = None  # (model, seconds from first hold to ready)
     clock: Callable[[], float] = time.monotonic

@@ -8,6 +8,7 @@ from pathlib import Path
 from lanes.errors import UserError
 from launcher_agent.config import AgentConfig, default_host_id
 from launcher_agent.probe import ProbeError, find_llama_server, probe
+from shared import defaults
 
 
 def agent_config(args: argparse.Namespace, data_dir: Path) -> AgentConfig:
@@ -33,14 +34,14 @@ def agent_config(args: argparse.Namespace, data_dir: Path) -> AgentConfig:
         caps=caps,
         data_dir=data_dir,
         port_base=args.port_base,
-        port_count=getattr(args, "port_count", 16),
+        port_count=getattr(args, "port_count", defaults.LANE_PORT_COUNT),
         bind=getattr(args, "bind", "127.0.0.1"),
-        report_interval=getattr(args, "report_interval", 30.0),
+        report_interval=getattr(args, "report_interval", defaults.REPORT_INTERVAL),
         tick=getattr(args, "tick", 0.5),
         max_ram=getattr(args, "max_ram", None),
         dry_run=getattr(args, "dry_run", False),
-        probe_interval=getattr(args, "probe_interval", 5.0),
-        probe_failures=getattr(args, "probe_failures", 3),
+        probe_interval=getattr(args, "probe_interval", defaults.PROBE_INTERVAL),
+        probe_failures=getattr(args, "probe_failures", defaults.PROBE_FAILURES),
         rpc_servers=tuple(e for e in (getattr(args, "rpc", None) or "").split(",") if e),
         advertise=getattr(args, "advertise", None) or "",
         metrics_port=getattr(args, "metrics_port", None),

@@ -9,9 +9,11 @@ import sys
 
 from lanes.errors import UserError
 from lanes.tables import parse_size
+from shared import defaults
 from shared.memory import BLOCK_BYTES
 
-DEFAULT_NATS = "nats://127.0.0.1:4222"
+DEFAULT_NATS = f"nats://127.0.0.1:{defaults.NATS_PORT}"
+_DEFAULT = " (default %(default)s)"  # the value shared/defaults.py gives, as --help shows it
 
 
 def _int_at_least(minimum: int, why: str):
@@ -58,7 +60,8 @@ def _add_rpc_worker(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rpc-worker", action="store_true",
                    help="offer this host as a worker for lanes across hosts: run ggml-rpc-server when a plan asks "
                         "(no authentication: bound only to --advertise; trusted networks only)")  # fmt: skip
-    p.add_argument("--rpc-worker-ports", default="50052:4", help="first port and count for ggml-rpc-server (PORT:COUNT)")
+    p.add_argument("--rpc-worker-ports", default=f"{defaults.RPC_WORKER_PORT_BASE}:{defaults.RPC_WORKER_PORT_COUNT}",
+                   help="first port and count for ggml-rpc-server (PORT:COUNT)" + _DEFAULT)  # fmt: skip
     p.add_argument("--rpc-server", help="ggml-rpc-server binary (default: beside --llama-server, or the RPC build)")
 
 
@@ -90,7 +93,7 @@ def _add_gateway_options(p: argparse.ArgumentParser) -> None:
 
     d = GatewaySettings()
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on" + _DEFAULT)
     p.add_argument(
         "--api-key", action="append", default=[], help="accepted bearer key (repeatable; env LANES_GATEWAY_API_KEYS, "
         "comma separated); none: no key needed",
@@ -101,8 +104,8 @@ def _add_gateway_options(p: argparse.ArgumentParser) -> None:
                    "default: its NATS --user, else host name and pid")  # fmt: skip
     _add_admin_key(p)
     p.add_argument("--max-body", type=parse_size, default=d.max_body_bytes, help="largest request body, e.g. 16MiB")
-    p.add_argument("--queue-depth", type=_positive, default=d.queue_depth, help="requests that may wait per model")
-    p.add_argument("--queue-wait", type=float, default=d.queue_wait, help="seconds a request waits for a slot")
+    p.add_argument("--queue-depth", type=_positive, default=d.queue_depth, help="requests that may wait per model" + _DEFAULT)
+    p.add_argument("--queue-wait", type=float, default=d.queue_wait, help="seconds a request waits for a slot" + _DEFAULT)
     p.add_argument("--request-timeout", type=float, default=d.request_timeout, help="seconds per request, in all")
     p.add_argument("--connect-timeout", type=float, default=d.connect_timeout, help="seconds to reach a lane")
     p.add_argument("--no-affinity", action="store_true",
@@ -134,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-type-k", type=_cache_type, default="f16")
     p.add_argument("--cache-type-v", type=_cache_type, default="f16")
     p.add_argument("--flash-attn", choices=["on", "off", "auto"], default="auto")
-    p.add_argument("--ubatch", "--ubatch-size", "-ub", dest="ubatch", type=_positive, default=512)
+    p.add_argument("--ubatch", "--ubatch-size", "-ub", dest="ubatch", type=_positive, default=defaults.N_UBATCH,
+                   help="llama-server's --ubatch-size" + _DEFAULT)  # fmt: skip
     p.add_argument("--cache-ram", type=int, default=8192,
                    help="prompt cache limit in MiB (llama-server --cache-ram; its default 8192; 0 off)")  # fmt: skip
     p.add_argument("--llama-server", help="follow this binary's KV layout, cache types and devices")
@@ -166,8 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model folder (repeatable; a --rpc-worker may hold none)")  # fmt: skip
     p.add_argument("--llama-server", help="llama-server binary (default: $LLAMA_SERVER_BIN, PATH)")
     p.add_argument("--host-id", default=None)
-    p.add_argument("--port-base", type=int, default=8080)
-    p.add_argument("--port-count", type=int, default=16)
+    p.add_argument("--port-base", type=int, default=defaults.LANE_PORT_BASE, help="first port of the lanes" + _DEFAULT)
+    p.add_argument("--port-count", type=int, default=defaults.LANE_PORT_COUNT, help="ports the lanes may use" + _DEFAULT)
     p.add_argument("--bind", default="127.0.0.1")
     p.add_argument("--max-ram", type=parse_size, help="RAM lanes may plan for on this host, e.g. 8GiB")
     p.add_argument("--rpc", help="ggml-rpc-server endpoints (host:port,...) lanes may use as GPU-type devices")
@@ -180,12 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--data", default="./lanes-data", help="state folder (JetStream, logs)")
     p.add_argument("--llama-server", help="llama-server binary (default: $LLAMA_SERVER_BIN, PATH)")
-    p.add_argument("--nats-port", type=int, default=4222)
-    p.add_argument("--port-base", type=int, default=8080)
+    p.add_argument("--nats-port", type=int, default=defaults.NATS_PORT, help="the embedded nats-server's port" + _DEFAULT)
+    p.add_argument("--port-base", type=int, default=defaults.LANE_PORT_BASE, help="first port of the lanes" + _DEFAULT)
     p.add_argument("--host-id", default=None)
     p.add_argument("--max-ram", type=parse_size, help="RAM lanes may plan for on this host, e.g. 8GiB")
     p.add_argument("--rpc", help="ggml-rpc-server endpoints (host:port,...) lanes may use as GPU-type devices")
-    p.add_argument("--gateway-port", type=int, default=8000, help="port of the OpenAI-compatible gateway (0: any free)")
+    p.add_argument("--gateway-port", type=int, default=defaults.GATEWAY_PORT,
+                   help="port of the OpenAI-compatible gateway (0: any free)" + _DEFAULT)  # fmt: skip
     _add_lane_env(p)
     _add_load_timeout(p)
     _add_admin_key(p)
@@ -193,8 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("planner", help="run the planner service")
     _add_connection(p)
     p.add_argument("--kv-replicas", type=_positive, default=1, help="replicas of the lanes KV bucket (3 on a cluster)")
-    p.add_argument("--lease-ttl", type=float, default=5.0,
-                   help="seconds a stand-by planner waits on a silent active one before it takes over")  # fmt: skip
+    p.add_argument("--lease-ttl", type=float, default=defaults.LEASE_TTL,
+                   help="seconds a stand-by planner waits on a silent active one before it takes over" + _DEFAULT)  # fmt: skip
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (default: off)")
 
     p = sub.add_parser("agent", help="run the launcher agent for this host")
@@ -203,21 +208,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model folder (repeatable; a --rpc-worker may hold none)")  # fmt: skip
     p.add_argument("--llama-server", help="llama-server binary (default: $LLAMA_SERVER_BIN, PATH)")
     p.add_argument("--host-id", default=None, help="default: the machine's host name")
-    p.add_argument("--port-base", type=int, default=8080)
-    p.add_argument("--port-count", type=int, default=16)
+    p.add_argument("--port-base", type=int, default=defaults.LANE_PORT_BASE, help="first port of the lanes" + _DEFAULT)
+    p.add_argument("--port-count", type=int, default=defaults.LANE_PORT_COUNT, help="ports the lanes may use" + _DEFAULT)
     p.add_argument("--bind", default="127.0.0.1", help="address lanes listen on")
     p.add_argument("--advertise", help="address gateways reach the lanes at (needed with --bind 0.0.0.0 "
                    "unless the host id resolves); default: the bind address")  # fmt: skip
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (default: off)")
-    p.add_argument("--report-interval", type=float, default=30.0)
+    p.add_argument("--report-interval", type=float, default=defaults.REPORT_INTERVAL,
+                   help="seconds between host reports" + _DEFAULT)  # fmt: skip
     p.add_argument("--tick", type=float, default=0.5, help="seconds between control passes while no lane is starting")
     p.add_argument("--max-ram", type=parse_size, help="RAM lanes may plan for on this host, e.g. 8GiB")
     p.add_argument("--rpc", help="ggml-rpc-server endpoints (host:port,...) lanes may use as GPU-type devices")
     p.add_argument("--data", default=None, help="agent state folder (default ~/.lanes/agent)")
     p.add_argument("--dry-run", action="store_true", help="log each lane's argv instead of launching it")
-    p.add_argument("--probe-interval", type=float, default=5.0, help="seconds between /health probes of a serving lane")
-    p.add_argument("--probe-failures", type=_positive, default=3,
-                   help="missed probes in a row that make a lane unresponsive (then it is restarted)")  # fmt: skip
+    p.add_argument("--probe-interval", type=float, default=defaults.PROBE_INTERVAL,
+                   help="seconds between /health probes of a serving lane" + _DEFAULT)  # fmt: skip
+    p.add_argument("--probe-failures", type=_positive, default=defaults.PROBE_FAILURES,
+                   help="missed probes in a row that make a lane unresponsive (then it is restarted)" + _DEFAULT)  # fmt: skip
     _add_lane_env(p)
     _add_rpc_worker(p)
 

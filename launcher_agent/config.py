@@ -6,7 +6,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared import subjects
+from shared import defaults, subjects
 from shared.messages import ServerCaps
 
 
@@ -17,18 +17,18 @@ class AgentConfig:
     binary: str
     caps: ServerCaps
     data_dir: Path
-    port_base: int = 8080
-    port_count: int = 16
+    port_base: int = defaults.LANE_PORT_BASE
+    port_count: int = defaults.LANE_PORT_COUNT
     bind: str = "127.0.0.1"
-    report_interval: float = 30.0
+    report_interval: float = defaults.REPORT_INTERVAL
     tick: float = 0.5
     max_ram: int | None = None  # an operator's cap on what lanes may plan for here
     backoff_base: float = 1.0
     dry_run: bool = False  # log the argv of each lane instead of launching it
     # Serving lanes are probed (GET /health, which never wakes a sleeping model) this often;
     # after probe_failures missed probes in a row the lane is unresponsive, then restarted.
-    probe_interval: float = 5.0
-    probe_failures: int = 3
+    probe_interval: float = defaults.PROBE_INTERVAL
+    probe_failures: int = defaults.PROBE_FAILURES
     probe_timeout: float = 2.0
     feedback_ttl: float = 6 * 3600.0  # seconds an out-of-memory cap or a busy port is remembered
     # ggml-rpc-server endpoints this host's lanes may use as GPU-type devices (--rpc), in order.
@@ -40,8 +40,8 @@ class AgentConfig:
     # --rpc-worker: this host may run ggml-rpc-server for span lanes of other hosts, bound to
     # `advertise` on a port of rpc_worker_port_base.. (rpc_worker_port_count ports).
     rpc_worker: bool = False
-    rpc_worker_port_base: int = 50052
-    rpc_worker_port_count: int = 4
+    rpc_worker_port_base: int = defaults.RPC_WORKER_PORT_BASE
+    rpc_worker_port_count: int = defaults.RPC_WORKER_PORT_COUNT
     rpc_server_binary: str = ""
     # Variables of the agent's environment its lanes and ggml-rpc-servers also get (--lane-env),
     # beyond the allow-list of launcher_agent/child_env.py.

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from launcher_agent.reconcile import MAX_FAILURES, backoff
+from shared import defaults
 from shared.lane_key import lane_key
 from shared.llama.logs import classify_failure
 from shared.messages import LaneSpec
@@ -45,8 +46,8 @@ class LaneHealth:
 @dataclass(frozen=True)
 class Rules:
     backoff_base: float = 1.0
-    probe_interval: float = 5.0
-    probe_failures: int = 3
+    probe_interval: float = defaults.PROBE_INTERVAL
+    probe_failures: int = defaults.PROBE_FAILURES
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,14 @@ def _choose_layout(lane_at, report, remaining, config, prev_layout) -> tuple[Lay
     """The first layout that fits at the floor window: the previous one if it still does
     (steady inputs never alternate layouts), else the fastest."""
 
+    seen: dict[Layout, dict[Resource, int]] = {}
+
     def cost(layout: Layout) -> dict[Resource, int]:
+        if layout not in seen:
+            seen[layout] = layout_cost(layout)
+        return seen[layout]
+
+    def layout_cost(layout: Layout) -> dict[Resource, int]:
         lane = lane_at(layout)
         floor_cost = _cost(lane, lane.floor, report, config.n_ubatch)
         # The layout is chosen with f16 costs, so the cache type only moves the window.
@@ -111,9 +118,13 @@ def _place(persona, candidates_, config, lanes, remaining, previous, feedback) -
                 continue
             factor, factor_reasons = correction(fb)
 
+        built: dict[tuple[Layout, bool], _Lane] = {}  # one lane per layout: its cost key is reused
+
         def lane_at(layout: Layout, f16: bool = False) -> _Lane:
-            f = Flags(None, None, None, ()) if f16 else flags
-            return _Lane(host, persona, facts, index, f, layout, floor, ceiling, factor)
+            if (layout, f16) not in built:
+                f = Flags(None, None, None, ()) if f16 else flags
+                built[layout, f16] = _Lane(host, persona, facts, index, f, layout, floor, ceiling, factor)
+            return built[layout, f16]
 
         try:
             chosen = _choose_layout(lane_at, report, remaining[host], config, _previous_layout(previous.get(host), lane_id))

@@ -5,6 +5,8 @@ prompt cache from the RAM the lanes leave). Pure; planner_svc/planner.py drives 
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -32,7 +34,7 @@ def lane_id_for(model: str, index: int) -> str:
     return f"{model[:120]}-{index}"  # a Name holds 128 characters
 
 
-@dataclass
+@dataclass(slots=True)
 class _Lane:
     host_id: str
     persona: Persona
@@ -49,6 +51,8 @@ class _Lane:
     # A span lane (one lane across hosts): its workers and the serving host's view of them.
     span: spans.Span | None = None
     span_workers: tuple[SpanWorker, ...] = ()
+    # (report, n_ubatch, cache_ram, number) of the last _CostKeys.key of this lane
+    cost_key: tuple | None = field(default=None, repr=False, compare=False)
 
     @property
     def lane_id(self) -> str:
@@ -61,10 +65,12 @@ class _Lane:
     def total_ctx(self, window: int) -> int:
         return window * self.persona.parallel
 
-    def memory(self, window: int, report: HostReport, n_ubatch: int) -> MemoryBreakdown:
+    def shape(self, report: HostReport, n_ubatch: int) -> LaneShape:
+        """What the lane's memory depends on besides its window, the model and the layout
+        (ctx 0: memory() sets it from the window)."""
         caps = report.server
-        base = LaneShape(
-            ctx=self.total_ctx(window),
+        return LaneShape(
+            ctx=0,
             parallel=self.persona.parallel,
             kv_unified=self.persona.kv_unified,
             type_k=effective_cache_type(self.flags.cache_type_k),
@@ -75,11 +81,82 @@ class _Lane:
             n_ubatch=n_ubatch,
             cache_ram=self.cache_ram,
         )
-        return layout_memory(self.facts, self.layout, report, base)
+
+    def memory(self, window: int, report: HostReport, n_ubatch: int) -> MemoryBreakdown:
+        key = (_COST_KEYS.key(self, report, n_ubatch), window)
+        memory = _MEMORY.get(key)
+        if memory is None:
+            base = dataclasses.replace(self.shape(report, n_ubatch), ctx=self.total_ctx(window))
+            memory = _remember(_MEMORY, key, layout_memory(self.facts, self.layout, report, base))
+        return memory
 
 
-def _cost(lane: _Lane, window: int, report: HostReport, n_ubatch: int) -> dict[Resource, int]:
-    return cost_vector(lane.memory(window, report, n_ubatch), lane.layout, report, lane.factor)
+def _cost(lane: _Lane, window: int, report: HostReport, n_ubatch: int) -> Mapping[Resource, int]:
+    """Bytes per resource (layouts.cost_vector), shared with every lane of the same key: read it, never change it."""
+    key = (_COST_KEYS.key(lane, report, n_ubatch), window)
+    cost = _COSTS.get(key)
+    if cost is None:
+        memory = lane.memory(window, report, n_ubatch)
+        cost = _remember(_COSTS, key, cost_vector(memory, lane.layout, report, lane.factor))
+    return cost
+
+
+class _CostKeys:
+    """A small number for everything a lane's memory and cost depend on besides its window, so
+    lanes of the same model, flags and layout on hosts of the same hardware share one figure per
+    window: the window search asks for thousands of them per replan (bench/planner_bench.py)."""
+
+    def __init__(self) -> None:
+        self.numbers: dict[object, int] = {}
+        self.by_id: dict[int, tuple[object, int]] = {}
+        self.counter = itertools.count()  # never reused, even after a clear: a lane may hold an old one
+
+    def key(self, lane: _Lane, report: HostReport, n_ubatch: int) -> int:
+        last = lane.cost_key
+        if last is not None and last[0] is report and last[1] == n_ubatch and last[2] == lane.cache_ram:
+            return last[3]
+        devices = tuple((report.gpus[g].backend, report.gpus[g].unified) for g in lane.layout.gpus)
+        # Every input of shape() and flash_attn_for, cheaper to hash than the shape it gives.
+        flags = lane.flags
+        inputs = (
+            self.number(lane.facts), lane.layout, lane.persona.parallel, lane.persona.kv_unified, flags.cache_type_k,
+            flags.cache_type_v, flags.flash_attn, self.number(report.server), devices, report.cpu_repack, lane.factor,
+            n_ubatch, lane.cache_ram,
+        )  # fmt: skip
+        number = self.number(inputs, by_id=False)
+        lane.cost_key = (report, n_ubatch, lane.cache_ram, number)
+        return number
+
+    def number(self, value, by_id: bool = True) -> int:
+        """value's number; the same object's is found by its id (model facts and binary caps are
+        large to hash, and every lane of a host shares its report's)."""
+        if by_id:
+            seen = self.by_id.get(id(value))
+            if seen is not None and seen[0] is value:
+                return seen[1]
+        number = self.numbers.get(value)
+        if number is None:
+            if len(self.numbers) >= _MEMO_MAX:
+                self.numbers.clear()
+                self.by_id.clear()
+            number = self.numbers[value] = next(self.counter)
+        if by_id:
+            self.by_id[id(value)] = (value, number)  # holds value: its id is not reused meanwhile
+        return number
+
+
+def _remember(memo: dict, key, value):
+    if len(memo) >= _MEMO_MAX:
+        memo.clear()
+    memo[key] = value
+    return value
+
+
+_MEMO_MAX = 1 << 15  # entries per memo: a few MiB of figures; cleared whole when full
+_COSTS: dict[tuple[int, int], Mapping[Resource, int]] = {}
+_MEMORY: dict[tuple[int, int], MemoryBreakdown] = {}
+_GROWN: dict[tuple, list[int]] = {}
+_COST_KEYS = _CostKeys()
 
 
 def _sum_costs(costs) -> dict[Resource, int]:
@@ -110,6 +187,19 @@ def _grow(lanes: list[_Lane], budget: Mapping[Resource, int], cost: Callable[[_L
 
     for lane, w in zip(lanes, windows(largest(fits, 0, _T_SCALE))):
         lane.window = w
+
+
+def _grow_memo(lanes: list[_Lane], budget: Mapping[Resource, int], cost, keys: list[int]) -> None:
+    """_grow, remembered: hosts with the same lanes (cost keys, floors, ceilings) and budgets get
+    the same windows, so a fleet of alike hosts searches once per kind of host."""
+    key = (tuple(zip(keys, [lane.floor for lane in lanes], [lane.ceiling for lane in lanes])),
+           tuple(sorted(budget.items())))  # fmt: skip
+    windows = _GROWN.get(key)
+    if windows is None:
+        _grow(lanes, budget, cost)
+        windows = _remember(_GROWN, key, [lane.window for lane in lanes])
+    for lane, window in zip(lanes, windows):
+        lane.window = window
 
 
 def _keep_stable(

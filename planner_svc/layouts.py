@@ -107,10 +107,11 @@ def pins_for(layout: Layout, report: HostReport) -> DevicePins:
 
 def with_layers(facts: ModelFacts) -> ModelFacts:
     """Facts from an agent too old to send per-layer weights: spread the weights evenly."""
-    if facts.layer_weights:
-        return facts
-    import msgspec
+    return facts if facts.layer_weights else _spread_layers(facts)
 
+
+@functools.lru_cache(maxsize=256)
+def _spread_layers(facts: ModelFacts) -> ModelFacts:
     embd = min(facts.weight_bytes // 4, facts.n_vocab * facts.n_embd)
     blocks = max(0, facts.weight_bytes - 2 * embd)
     per = blocks // max(1, facts.n_layer)
@@ -124,9 +125,19 @@ def with_layers(facts: ModelFacts) -> ModelFacts:
 
 def layout_placement(n_layer: int, layout: Layout, report: HostReport) -> Placement:
     """The layout's layers on the host's devices, as llama-server will place them."""
+    return _layout_placement(n_layer, layout, _backends(layout, report), _ngl_rule(report))
+
+
+def _backends(layout: Layout, report: HostReport) -> tuple[str, ...]:
+    return tuple(report.gpus[g].backend for g in layout.gpus)
+
+
+def _ngl_rule(report: HostReport) -> NglRule:
+    return report.server.ngl_rule if report.server else "output_first"
+
+
+def _layout_placement(n_layer: int, layout: Layout, backends: tuple[str, ...], rule: NglRule) -> Placement:
     shares = tuple(float(s) for s in layout.shares) if len(layout.gpus) > 1 and layout.shares else ()
-    backends = tuple(report.gpus[g].backend for g in layout.gpus)
-    rule = report.server.ngl_rule if report.server else "output_first"
     return _placed(n_layer, layout.n_gpu_layers, shares or (1.0,) * len(backends), backends, rule)
 
 
@@ -136,12 +147,22 @@ def _placed(n_layer: int, n_gpu_layers: NGpuLayers, shares, backends, rule: NglR
 
 
 def layout_memory(facts: ModelFacts, layout: Layout, report: HostReport, base: LaneShape) -> MemoryBreakdown:
-    """`base` gives the lane's KV and compute shape; the layout places its layers (and experts)."""
-    placement = layout_placement(facts.n_layer, layout, report)
+    """`base` gives the lane's KV and compute shape; the layout places its layers (and experts).
+    Of the host's report only its devices' backends, -ngl rule and CPU repack count, so hosts
+    with the same hardware and models share one answer (the planner sizes a lane thousands of
+    times a replan: a fleet of identical hosts computes each shape once)."""
+    return _layout_memory(facts, layout, _backends(layout, report), _ngl_rule(report), report.cpu_repack, base)
+
+
+@functools.lru_cache(maxsize=1 << 13)
+def _layout_memory(
+    facts: ModelFacts, layout: Layout, backends: tuple[str, ...], rule: NglRule, cpu_repack, base: LaneShape
+) -> MemoryBreakdown:
+    placement = _layout_placement(facts.n_layer, layout, backends, rule)
     if layout.n_cpu_moe:
         placement = with_cpu_experts(placement, cpu_expert_blocks(facts, layout.n_cpu_moe))
         base = dataclasses.replace(base, n_cpu_moe=layout.n_cpu_moe)
-    return lane_memory(with_layers(facts), base, report.cpu_repack, placement=placement)
+    return lane_memory(with_layers(facts), base, cpu_repack, placement=placement)
 
 
 def cost_vector(memory: MemoryBreakdown, layout: Layout, report: HostReport, factor: float = 1.0) -> dict[Resource, int]:

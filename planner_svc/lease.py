@@ -17,11 +17,11 @@ import structlog
 from nats.js.errors import KeyNotFoundError, KeyValueError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
-from shared import subjects
+from shared import defaults, subjects
 from shared.messages import PlannerLease, encode
 
 log = structlog.get_logger("lanes.planner")
-DEFAULT_TTL = 5.0
+DEFAULT_TTL = defaults.LEASE_TTL
 
 
 @dataclass

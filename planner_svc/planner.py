@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 import msgspec
 
 from planner_svc.lane_placing import _place
-from planner_svc.lane_windows import _cost, _grow, _keep_stable, _Lane, _n_gpu_layers, _prompt_caches, lane_id_for
+from planner_svc.lane_windows import _COST_KEYS, _cost, _grow_memo, _keep_stable, _Lane, _n_gpu_layers, _prompt_caches, lane_id_for
 from planner_svc.layouts import CPU_RESOURCE, Resource, pins_for
 from planner_svc.policy import chat_template_for, host_budgets
 from planner_svc.prompt_cache import MIB
@@ -78,7 +78,7 @@ def plan(
             continue
         wanted = len(holders) if persona.lanes is None else persona.lanes
         for i in range(wanted):
-            candidates = holders if persona.lanes is not None else [holders.pop(0)]
+            candidates = holders if persona.lanes is not None else [holders[i]]
             placed, why = _place(persona, candidates, config, lanes, remaining, previous, feedback)
             if not placed:
                 target = candidates[0][0].host_id if len(candidates) == 1 else None
@@ -142,7 +142,7 @@ def _host_plan(
         def cost(lane: _Lane, window: int) -> dict[Resource, int]:
             return _cost(lane, window, report, config.n_ubatch)
 
-        _grow(single, grow_budget, cost)
+        _grow_memo(single, grow_budget, cost, [_COST_KEYS.key(lane, report, config.n_ubatch) for lane in single])
         _keep_stable(single, grow_budget, cost, prev, config, report.server.has_kv_unified)
         # A span lane's cache stays 0: its host's RAM went to the lanes and what it lends.
         _prompt_caches(single, grow_budget, cost, prev, config, report.server.has_cache_ram)

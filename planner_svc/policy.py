@@ -4,6 +4,7 @@ window bounds, and the corrections the hosts' feedback calls for. Pure functions
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -70,8 +71,16 @@ def decide_flags(
     config: FleetConfig, report: HostReport, facts: ModelFacts, feedback: Sequence[LaneFeedback] = ()
 ) -> Flags:
     """Cache types and flash attention for one lane, with every safety rule applied."""
-    caps = report.server
-    assert caps is not None
+    assert report.server is not None
+    return _decide_flags(config, report.server, facts.is_mla, facts.head_dim_k, facts.head_dim_v, tuple(feedback))
+
+
+@functools.lru_cache(maxsize=4096)
+def _decide_flags(
+    config: FleetConfig, caps: ServerCaps, is_mla: bool, head_dim_k: int, head_dim_v: int,
+    feedback: tuple[LaneFeedback, ...],
+) -> Flags:
+    """decide_flags over what it reads (the planner asks it twice per lane and host)."""
     reasons: list[str] = []
     k = config.kv_cache_type_k or config.kv_cache_type
     v = config.kv_cache_type_v or config.kv_cache_type
@@ -90,11 +99,11 @@ def decide_flags(
             reasons.append(f"f16 {name} cache: this host's llama-server does not list {value}")
     k = k if k in caps.cache_types else None
     v = v if v in caps.cache_types else None
-    if facts.is_mla and v is not None and v != k:
+    if is_mla and v is not None and v != k:
         reasons.append(f"V cache type follows K ({effective_cache_type(k)}): MLA models need matching types")
         v = k
     quantized = {t for t in (k, v) if t in QUANTIZED}
-    if quantized and (facts.head_dim_k % 32 or facts.head_dim_v % 32):
+    if quantized and (head_dim_k % 32 or head_dim_v % 32):
         reasons.append("f16 cache: head dimension is not a multiple of the 32-value quantization block")
         k = v = None
         quantized = set()

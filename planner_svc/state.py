@@ -20,7 +20,7 @@ import structlog
 
 from planner_svc.demand import DemandState, Outcome, demand_due, engaged, model_states, plan_on_demand, rescaled
 from planner_svc.scaling import Change
-from shared import subjects
+from shared import defaults, subjects
 from shared.llama.printed import device_lines
 from shared.messages import (
     ConfigSet,
@@ -64,6 +64,7 @@ class PlannerState:
         self._config_raw: bytes | None = None
         self.demand: Demand | None = None
         self.reports: dict[str, HostReport] = {}
+        self.rpc_hosts: set[str] = set()  # hosts whose report offers an RPC worker
         self.statuses: dict[str, HostStatus] = {}
         # The planner's own previous plan per host (adopted from the start-up snapshot, or written).
         self.plans: dict[str, HostPlan] = {}
@@ -142,6 +143,8 @@ class PlannerState:
                 self.replan_all = True
             elif kind == "report":
                 self._put(self.reports, host, value, HostReport)
+                offers = host in self.reports and self.reports[host].rpc_worker is not None
+                (self.rpc_hosts.add if offers else self.rpc_hosts.discard)(host)
                 self._heard_from(host, value)
                 self.replan_hosts.add(host)
             elif kind == "status":
@@ -197,7 +200,7 @@ class PlannerState:
         if self.config.host_lost_after:
             return self.config.host_lost_after
         report = self.reports.get(host)
-        return LOST_AFTER_INTERVALS * (report.report_interval if report else 30.0)
+        return LOST_AFTER_INTERVALS * (report.report_interval if report else defaults.REPORT_INTERVAL)
 
     def check_liveness(self) -> bool:
         """Mark hosts silent for too long as lost. True when that calls for a replan."""
@@ -285,24 +288,30 @@ class PlannerState:
         fleet_wide = self.demand is not None and any(p.lanes is not None for p in self.demand.personas)
         fleet_wide = fleet_wide or self.demand_engaged()
         # A span lane (one lane across hosts) ties its serving host's plan to its workers' plans.
-        fleet_wide = fleet_wide or any(r.rpc_worker is not None for r in self.reports.values())
+        fleet_wide = fleet_wide or bool(self.rpc_hosts)
         # A lost host's plan is left as it is; its fleet-wide lanes are placed on the live ones.
         if self.replan_all or fleet_wide:
             reports = [r for h, r in self.reports.items() if h not in self.lost]
         else:
             reports = [self.reports[h] for h in sorted(self.replan_hosts) if h in self.reports and h not in self.lost]
         self.replan_all, self.replan_hosts = False, set()
-        feedback = {subjects.host_token(s.host_id): s.feedback for s in self.statuses.values()}
         # A newer revision seen on the key (a foreign write the agent may have applied) is
         # passed over, so the plan that replaces it is not refused as older.
         wanted = {subjects.host_token(r.host_id) for r in reports}
+        # A few hosts in a large fleet: look them up rather than walk every plan (bench/planner_bench.py).
+        plans = self.plans
+        if len(wanted) < len(plans):
+            plans = {h: plans[h] for h in sorted(wanted) if h in plans}
         previous = {
             p.host_id: msgspec.structs.replace(p, plan_revision=max(p.plan_revision, self.plan_seen.get(host, 0)))
-            for host, p in self.plans.items()
+            for host, p in plans.items()
             if host in wanted
         }
         config, demand, config_revision, me = self.config, self.demand, self.config_revision, self.planner_id
-        per_host = {r.host_id: feedback.get(subjects.host_token(r.host_id), ()) for r in reports}
+        statuses = self.statuses
+        per_host = {
+            r.host_id: s.feedback if (s := statuses.get(subjects.host_token(r.host_id))) else () for r in reports
+        }
         now = self.clock()
         demand_state = self.demand_state.expire(now)  # a value: the watch folds new events into the next one
 

@@ -12,6 +12,7 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 from nats.micro.request import Request, ServiceError
 
+from shared import defaults
 from shared.nats_auth import NatsAuth, add_auth_arguments, auth_from_args  # noqa: F401  (re-exported)
 from shared.subjects import BUCKET, kv_subject
 
@@ -132,7 +133,7 @@ async def follow_key(
     *,
     resync: asyncio.Event,
     stop: asyncio.Event,
-    every: float = 30.0,
+    every: float = defaults.KEY_REREAD,
 ) -> None:
     """Follow one KV key with no JetStream consumer: a plain subscription on the key's
     subject says when it is written, and a direct get reads what the bucket holds then

@@ -11,6 +11,8 @@ from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
+from shared import defaults
+
 SCHEMA_VERSION = 2
 # A reader accepts messages one schema version older or newer than its own (rolling upgrades).
 SCHEMA_SKEW = 1
@@ -189,8 +191,8 @@ class RpcWorkerOffer(msgspec.Struct, frozen=True, kw_only=True):
     lane of another host, bound to `address` (the operator's --advertise) on a port of its range."""
 
     address: Label
-    port_base: Port = 50052
-    port_count: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 4
+    port_base: Port = defaults.RPC_WORKER_PORT_BASE
+    port_count: Annotated[int, msgspec.Meta(ge=1, le=1000)] = defaults.RPC_WORKER_PORT_COUNT
     # The device it offers, as ggml-rpc-server exposes it: "CPU" (its RAM) on a CPU-only host.
     device: Label = "CPU"
 
@@ -209,8 +211,8 @@ class HostReport(_Msg, tag="host_report", kw_only=True):
     cpu_repack: Annotated[tuple[Label, ...], FEW] | None = None
     server: ServerCaps | None = None
     models: Annotated[tuple[ModelFacts, ...], MANY] = ()
-    port_base: Port = 8080
-    port_count: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 16
+    port_base: Port = defaults.LANE_PORT_BASE
+    port_count: Annotated[int, msgspec.Meta(ge=1, le=1000)] = defaults.LANE_PORT_COUNT
     # Address lanes listen on: 127.0.0.1 keeps them local, 0.0.0.0 serves the network.
     lane_bind: Label = "127.0.0.1"
     agent_version: Label = ""
@@ -218,7 +220,7 @@ class HostReport(_Msg, tag="host_report", kw_only=True):
     # whose plans the planner still renders `args` into).
     renders_argv: bool = False
     # Seconds between this agent's reports: the planner calls the host lost after a few missed.
-    report_interval: Annotated[float, msgspec.Meta(gt=0, le=86400.0)] = 30.0
+    report_interval: Annotated[float, msgspec.Meta(gt=0, le=86400.0)] = defaults.REPORT_INTERVAL
     # Physical cores (the logical count where the platform does not tell); None: an agent too
     # old to render thread flags, whose lanes keep llama-server's default threads.
     cpu_physical: Annotated[int, msgspec.Meta(ge=1, le=65536)] | None = None
@@ -248,14 +250,14 @@ class FleetConfig(_Msg, tag="fleet_config", forbid_unknown_fields=True, kw_only=
     kv_cache_type_k: CacheType | None = None
     kv_cache_type_v: CacheType | None = None
     flash_attn: FlashAttn | None = None
-    headroom_bytes: Bytes = 512 * 1024 * 1024
+    headroom_bytes: Bytes = defaults.HEADROOM_BYTES
     headroom_fraction: Annotated[float, msgspec.Meta(ge=0.0, le=0.9)] = 0.05
     min_gain_fraction: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.10
-    n_ubatch: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 512
+    n_ubatch: Annotated[int, msgspec.Meta(ge=1, le=65536)] = defaults.N_UBATCH
     use_gpu: bool = True
     max_restarts_per_host: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 1
     # Seconds an agent waits for a draining lane's requests in flight before it restarts it.
-    drain_timeout: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 30.0
+    drain_timeout: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = defaults.DRAIN_TIMEOUT
     # Seconds of silence (no report or status) after which a host is lost; unset: 3 report intervals.
     host_lost_after: Annotated[float, msgspec.Meta(gt=0, le=86400.0)] | None = None
     # CPU threads per lane (--threads and --threads-batch); None: planned from the host's cores;
@@ -451,7 +453,7 @@ class LaneSpec(msgspec.Struct, frozen=True, kw_only=True):
     cache_type_v: CacheType | None = None
     flash_attn: FlashAttn | None = None
     fit_off: bool = False
-    n_ubatch: Annotated[int, msgspec.Meta(ge=1, le=65536)] = 512
+    n_ubatch: Annotated[int, msgspec.Meta(ge=1, le=65536)] = defaults.N_UBATCH
     memory: MemoryBreakdown = MemoryBreakdown()
     # CPU threads (--threads, --threads-batch); None: llama-server's default (every core).
     threads: Annotated[int, msgspec.Meta(ge=1, le=65536)] | None = None
@@ -494,7 +496,7 @@ class HostPlan(_Msg, tag="host_plan", kw_only=True):
     # Rollout pace: how many serving lanes the agent may restart at once for a change.
     max_restarts: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 1
     # Seconds the agent waits for a draining lane's requests before it restarts or stops it.
-    drain_timeout: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 30.0
+    drain_timeout: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = defaults.DRAIN_TIMEOUT
     lanes: Annotated[tuple[LaneSpec, ...], msgspec.Meta(max_length=1000)] = ()  # at most a host's ports
     unplaced: Annotated[tuple[Unplaced, ...], MANY] = ()
     reasons: Annotated[tuple[Text, ...], MANY] = ()
@@ -718,7 +720,7 @@ class PlannerLease(_Msg, tag="planner_lease", kw_only=True):
     """
 
     holder: Label
-    ttl: Annotated[float, msgspec.Meta(gt=0, le=3600.0)] = 5.0
+    ttl: Annotated[float, msgspec.Meta(gt=0, le=3600.0)] = defaults.LEASE_TTL
 
 
 WIRE_TYPES: tuple[type, ...] = (

@@ -2,9 +2,9 @@
 """A small stand-in for llama.cpp's `llama-server` (build b11434) for fast agent tests.
 
 It takes the same argv as the real binary (see shared/llama/flags.py), refuses what the real
-one refuses with the same messages and exit codes, reads the GGUF with
-shared.gguf_facts, and serves /health, /props, /v1/models, /slots, /metrics. It does
-not run a model.
+one refuses with the same messages and exit codes, reads the GGUF's own metadata and tensor
+table with llama.cpp's gguf package (never through lanes' GGUF reader, which is under test),
+and serves /health, /props, /v1/models, /slots, /metrics. It does not run a model.
 
 The KV cache and compute buffer sizes it prints, and the context it serves, are
 figures RECORDED FROM THE REAL BINARY (tests/llama_figures.json, written by
@@ -56,8 +56,8 @@ _REPO = str(Path(__file__).resolve().parent.parent)
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)
 
-# shared.memory (msgspec) and shared.gguf_facts (gguf, numpy) are imported only once a
-# model is to be loaded, so --help, --version and argument errors work under any python3.
+# gguf (numpy) is imported only once a model is to be loaded, so --help, --version and argument
+# errors work under any python3. Nothing of lanes is imported outside recording mode.
 MIB = 1024 * 1024
 QUANTIZED = frozenset({"q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"})
 
@@ -684,21 +684,57 @@ class Server6(Server):
 
 
 FIGURES = Path(__file__).with_name("llama_figures.json")
-_SHAPE_FACTS = ("architecture", "n_layer", "n_embd", "n_head", "n_head_kv", "head_dim_k", "head_dim_v",
-                "n_ctx_train", "n_vocab", "n_ff", "n_swa", "swa_layers", "is_mla", "recurrent_layers",
-                "recurrent_bytes_per_seq", "weight_bytes")  # fmt: skip
-
-
-def figures_key(facts, **shape) -> str:
-    """One lane shape on one model, as the recorded table names it: the model by the facts
-    that size its buffers (not its path, name or file time)."""
+def model_facts(path: str) -> dict:
+    """What the fake needs of a model, read as the real binary reads it: the file's own metadata
+    keys and tensor table (llama.cpp's gguf package), no rule of lanes' in between. `key` names
+    the model in the recorded table by what sizes its buffers: its architecture's metadata and its
+    tensors' names, shapes and types (not its path, name or file time)."""
     import hashlib
 
-    import msgspec
+    from gguf import GGUFReader
 
-    model = {f: getattr(facts, f) for f in _SHAPE_FACTS}
-    digest = hashlib.sha256(msgspec.json.encode(model)).hexdigest()[:16]
-    return f"{facts.architecture}-{digest}|" + "|".join(f"{k}={shape[k]}" for k in sorted(shape))
+    reader = GGUFReader(path, "r")
+    fields = {name: field.contents() for name, field in reader.fields.items()}
+    arch = fields["general.architecture"]
+
+    def first(value):
+        return value[0] if isinstance(value, list) else value
+
+    def get(name: str, default=0):
+        value = fields.get(f"{arch}.{name}")
+        return default if value is None else value
+
+    n_embd, n_head = int(get("embedding_length")), int(first(get("attention.head_count")))
+    head_dim = n_embd // n_head if n_head else 0
+    tokens = fields.get("tokenizer.ggml.tokens")
+    tensors = sorted((t.name, [int(x) for x in t.shape], int(t.tensor_type)) for t in reader.tensors)
+    shape = {k: v for k, v in fields.items() if k.startswith(f"{arch}.")}
+    digest = hashlib.sha256(json.dumps([arch, shape, tensors], sort_keys=True, default=str).encode()).hexdigest()
+    return {
+        "key": f"{arch}-{digest[:16]}",
+        "architecture": arch,
+        "n_ctx_train": int(get("context_length")),
+        "n_embd": n_embd,
+        "n_layer": int(get("block_count")),
+        "n_head": n_head,
+        "n_head_kv": int(first(get("attention.head_count_kv", n_head))),
+        "n_swa": int(get("attention.sliding_window") or 0),
+        "n_vocab": len(tokens) if isinstance(tokens, list) else int(get("vocab_size")),
+        "head_dim_k": int(get("attention.key_length", head_dim)),
+        "head_dim_v": int(get("attention.value_length", head_dim)),
+        "weight_bytes": sum(int(t.n_bytes) for t in reader.tensors),
+        "n_params": sum(int(t.n_elements) for t in reader.tensors),
+    }
+
+
+def figures_key(model: dict, **shape) -> str:
+    """One lane shape on one model (model_facts), as the recorded table names it."""
+    return f"{model['key']}|" + "|".join(f"{k}={shape[k]}" for k in sorted(shape))
+
+
+def pad(n: int, to: int = 256) -> int:
+    """llama-server pads the context to a multiple of 256."""
+    return -(-n // to) * to
 
 
 def recorded_figures(key: str, argv: list[str], model_path: str) -> dict | None:
@@ -706,9 +742,6 @@ def recorded_figures(key: str, argv: list[str], model_path: str) -> dict | None:
     table = json.loads(FIGURES.read_text()) if FIGURES.exists() else {}
     if key in table:
         return table[key]
-    derived = _other_context(table, key)
-    if derived is not None:
-        return derived
     record_to = os.environ.get("FAKE_LLAMA_RECORD_TO")
     if record_to:
         with open(record_to, "a") as f:
@@ -718,55 +751,13 @@ def recorded_figures(key: str, argv: list[str], model_path: str) -> dict | None:
                "run tests/record_llama_figures.py (see its docstring)")
 
 
-def _shape(key: str) -> tuple[str, dict[str, str]]:
-    head, *parts = key.split("|")
-    shape = dict(part.split("=", 1) for part in parts)
-    return head, shape
-
-
-def _other_context(table: dict, key: str) -> dict | None:
-    """The recorded figures of the same shape at another context, moved to this one.
-
-    The planner's windows follow each host's free memory, so tests meet contexts nobody
-    recorded. A KV cache is exactly cells x a per-cell size, both printed by the real
-    binary: the recorded per-cell sizes are kept and only the cell count is redone, by
-    llama-server's own rule (context padded to 256; per stream without a unified cache).
-    A sliding-window cache keeps its recorded size once it was capped below the full
-    cache. The compute buffer is the nearest recorded one (it is only printed).
-    """
-    head, shape = _shape(key)
-    ctx, slots, unified = int(shape["ctx"]), int(shape["slots"]), shape["kv_unified"] == "True"
-    same = []
-    for other, fig in table.items():
-        o_head, o_shape = _shape(other)
-        if o_head == head and "error" not in fig and {k: v for k, v in o_shape.items() if k != "ctx"} == {
-            k: v for k, v in shape.items() if k != "ctx"
-        }:
-            same.append((abs(int(o_shape["ctx"]) - ctx), fig))
-    if not same:
-        return None
-    _, fig = min(same, key=lambda item: item[0])
-    streams = 1 if unified else slots
-    cells = -(-(-(-ctx // streams)) // 256) * 256 if not unified else -(-ctx // 256) * 256
-    groups = []
-    full = max(g["cells"] for g in fig["kv"])
-    for g in fig["kv"]:
-        if g["swa"]:
-            if g["cells"] >= full:
-                return None  # its cap is not known from this record
-            new = min(cells, g["cells"])
-        else:
-            new = cells
-        ratio = new / g["cells"]
-        groups.append(dict(g, cells=new, k_mib=round(g["k_mib"] * ratio, 2), v_mib=round(g["v_mib"] * ratio, 2)))
-    return {"n_ctx": cells * streams, "n_ctx_seq": cells, "kv": groups, "compute_mib": fig["compute_mib"]}
-
-
-def _computed_figures(facts, *, swa_full: bool, **shape) -> dict:
+def _computed_figures(model_path: str, *, swa_full: bool, **shape) -> dict:
     """Recording mode only: the memory model's figures (its KV caches and its CPU compute buffer,
     shared.memory), so a test run can reach every shape until the real binary's are recorded."""
+    from shared.gguf_facts import read_model_facts
     from shared.memory import LaneShape, kv_caches, kv_size, lane_memory
 
+    facts = read_model_facts(model_path)
     lane = LaneShape(**shape)
     kv = kv_size(facts, ctx=lane.ctx, parallel=lane.parallel, kv_unified=lane.kv_unified, type_k=lane.type_k,
                  type_v=lane.type_v, n_ubatch=lane.n_ubatch, swa_full=swa_full)  # fmt: skip
@@ -785,15 +776,6 @@ def _fail_load(model_path: str, *lines: str) -> None:
     log("E", f"srv    load_model: failed to load model, '{model_path}'")
     log("E", "main: exiting due to model loading error")
     die(1)
-
-
-def _n_params(path: str) -> int:
-    try:
-        from gguf import GGUFReader
-
-        return sum(int(t.n_elements) for t in GGUFReader(path, "r").tensors)
-    except Exception:
-        return 0
 
 
 def _on_signal(signum, frame) -> None:
@@ -859,11 +841,8 @@ def main(argv: list[str]) -> None:
 
     model_path = params["model"] or ""
     log("I", f"srv    load_model: loading model '{model_path}'")
-    from shared.gguf_facts import read_model_facts
-    from shared.memory import MemoryModelError, pad
-
     try:
-        facts = read_model_facts(model_path)
+        facts = model_facts(model_path)
     except Exception as exc:
         _fail_load(
             model_path,
@@ -875,29 +854,29 @@ def main(argv: list[str]) -> None:
     STATE.params = params
     STATE.model_path = model_path
     STATE.alias = params["alias"] or model_path
-    STATE.n_ctx_train = facts.n_ctx_train
-    STATE.n_vocab = facts.n_vocab
-    STATE.n_embd = facts.n_embd
-    STATE.size = facts.weight_bytes
-    STATE.n_params = _n_params(model_path)
+    STATE.n_ctx_train = facts["n_ctx_train"]
+    STATE.n_vocab = facts["n_vocab"]
+    STATE.n_embd = facts["n_embd"]
+    STATE.size = facts["weight_bytes"]
+    STATE.n_params = facts["n_params"]
     if v4:
         log("I", f"llama_model_loader: loaded meta data from {model_path} (version GGUF V3 (latest))")
-        log("I", f"print_info: arch             = {facts.architecture}")
-        log("I", f"print_info: n_ctx_train      = {facts.n_ctx_train}")
-        log("I", f"print_info: n_embd           = {facts.n_embd}")
-        log("I", f"print_info: n_layer          = {facts.n_layer}")
-        log("I", f"print_info: n_head           = {facts.n_head}")
-        log("I", f"print_info: n_head_kv        = {facts.n_head_kv[0] if facts.n_head_kv else 0}")
-        if facts.n_swa:
-            log("I", f"print_info: n_swa            = {facts.n_swa}")
-        log("I", f"load_tensors: {'CPU_Mapped':>12} model buffer size = {facts.weight_bytes / MIB:8.2f} MiB")
+        log("I", f"print_info: arch             = {facts['architecture']}")
+        log("I", f"print_info: n_ctx_train      = {facts['n_ctx_train']}")
+        log("I", f"print_info: n_embd           = {facts['n_embd']}")
+        log("I", f"print_info: n_layer          = {facts['n_layer']}")
+        log("I", f"print_info: n_head           = {facts['n_head']}")
+        log("I", f"print_info: n_head_kv        = {facts['n_head_kv']}")
+        if facts["n_swa"]:
+            log("I", f"print_info: n_swa            = {facts['n_swa']}")
+        log("I", f"load_tensors: {'CPU_Mapped':>12} model buffer size = {facts['weight_bytes'] / MIB:8.2f} MiB")
 
     delay = float(os.environ.get("FAKE_LLAMA_LOAD_SECONDS", "0.3") or 0)
     if delay > 0:
         time.sleep(delay)
 
     # --- context creation
-    ctx = params["ctx"] if params["ctx"] > 0 else facts.n_ctx_train
+    ctx = params["ctx"] if params["ctx"] > 0 else facts["n_ctx_train"]
     type_k, type_v = params["cache_type_k"], params["cache_type_v"]
     fa = params["flash_attn"]
     if type_v in QUANTIZED and fa != "on":
@@ -913,7 +892,7 @@ def main(argv: list[str]) -> None:
         fa = "on"  # the CPU backend supports flash attention: auto resolves to enabled
         if v4:
             log("I", "llama_context: flash_attn = auto -> enabled")
-    for name, t, hd in (("K", type_k, facts.head_dim_k), ("V", type_v, facts.head_dim_v)):
+    for name, t, hd in (("K", type_k, facts["head_dim_k"]), ("V", type_v, facts["head_dim_v"])):
         if t in QUANTIZED and hd % 32:
             _fail_load(model_path, f"llama_init_from_model: {name} cache type {t} with block size 32 does not "
                        f"divide n_embd_head_{name.lower()}={hd}",
@@ -925,10 +904,10 @@ def main(argv: list[str]) -> None:
     fig = recorded_figures(shape, argv, model_path)
     if fig is None:
         try:  # recording mode only: serve the model's figures until the real binary's are recorded
-            fig = _computed_figures(facts, ctx=pad(ctx), parallel=n_slots, kv_unified=kv_unified or OLD,
+            fig = _computed_figures(model_path, ctx=pad(ctx), parallel=n_slots, kv_unified=kv_unified or OLD,
                                     type_k=type_k, type_v=type_v, flash_attn=fa == "on", n_ubatch=params["n_ubatch"],
                                     swa_full=bool(params["swa_full"]) or OLD)  # fmt: skip
-        except MemoryModelError as exc:
+        except ValueError as exc:  # shared.memory's MemoryModelError
             _fail_load(model_path, f"llama_init_from_model: failed to initialize the context: {exc}",
                        f"common_init_from_params: failed to create context with model '{model_path}'")
     if fig.get("error"):  # the real binary refused this shape: say what it said
@@ -977,7 +956,7 @@ def main(argv: list[str]) -> None:
             log("I", f"llama_kv_cache: size = {k + v:7.2f} MiB ({g['cells']:6d} cells, {g['layers']:3d} layers, "
                 f"{g['seqs']}), K ({type_k}): {k:7.2f} MiB, V ({type_v}): {v:7.2f} MiB")
     if os.environ.get("FAKE_LLAMA_ALLOC", "") not in ("", "0"):
-        total = kv_total + facts.recurrent_bytes_per_seq * n_slots
+        total = kv_total
         if total > 0:
             buf = bytearray(total)
             buf[::4096] = b"\x01" * len(range(0, total, 4096))  # touch every page

@@ -90,13 +90,11 @@ def measure(binary: str, model: str, key: str, timeout: float = 120.0) -> dict:
 
 
 def _key(entry: dict) -> str:
-    from fake_llama_server import figures_key
-
-    from shared.gguf_facts import read_model_facts
+    from fake_llama_server import figures_key, model_facts
 
     shape = dict(part.split("=", 1) for part in entry["key"].split("|")[1:])
     typed = {k: (int(v) if v.isdigit() else v == "True" if v in ("True", "False") else v) for k, v in shape.items()}
-    return figures_key(read_model_facts(entry["model"]), **typed)
+    return figures_key(model_facts(entry["model"]), **typed)
 
 
 def main(paths: list[str]) -> int:

@@ -148,7 +148,7 @@ async def test_lanes_keep_serving_through_nats_restart_and_resync(nats_server, t
         async with client(nats_server.url) as nc:
             lane = await eventually(lambda: healthy("llama8-0")(nc, "gamma"), what="lane healthy")
         nats_server.stop()
-        await asyncio.sleep(1.5)
+        await asyncio.sleep(1.5)  # NATS gone for a while (nothing is to happen: no signal to wait on)
         with urllib.request.urlopen(f"http://127.0.0.1:{lane.port}/health", timeout=2) as r:
             assert r.status == 200  # lanes serve while NATS is gone
         nats_server.start()
@@ -314,7 +314,7 @@ async def test_rollout_halts_on_a_breaking_change_and_reverts_the_broken_lane(na
         status, lane, spec = await eventually(reverted, what="broken lane reverted, rollout halted")
         assert "Unsupported cache type: q4_0" in status.rollout_halted
         assert spec.cache_type_k is None and "--cache-type-k" not in lane.argv
-        await asyncio.sleep(1.5)
+        await asyncio.sleep(1.5)  # the halted rollout leaves this lane alone (nothing is to happen: no signal)
         untouched = lane_of(await host_status(nc, "iota"), "llama_gqa-0")
         assert untouched.pid == second.pid and "--cache-type-k" not in untouched.argv
         assert not [e for e in events[before_change:] if e["lane_id"] == "llama_gqa-0"]

@@ -5,7 +5,6 @@ and steady reports never move a lane."""
 
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 from fixtures_bus import agent_config, client, fleet_status, host_status, lane_of, services
@@ -14,6 +13,8 @@ from rpc_harness import rpc_servers
 from test_real_llama import _planner_with
 from tinymodels import write_llama
 
+from shared import subjects
+from shared.bus import kv_bucket
 from shared.llama.printed import COMPUTE_TOLERANCE
 from shared.messages import Demand, Persona
 
@@ -62,7 +63,13 @@ async def test_lanes_pinned_to_rpc_devices_print_what_was_planned(nats_server, t
                 return r if [g.lanes_vram for g in r.gpus] == [held[0], held[1]] else None
 
             report = await eventually(held_reported, timeout=30, interval=1.0, what="lanes_vram reported")
-            await asyncio.sleep(4)
+            kv = await kv_bucket(nc)
+            seen = (await kv.get(subjects.report_key("rpc"))).revision
+
+            async def reports_later() -> bool:  # each report is a chance to replan
+                return (await kv.get(subjects.report_key("rpc"))).revision >= seen + 3
+
+            await eventually(reports_later, timeout=30, what="three more reports")
             fleet = await fleet_status(nc)
             assert fleet.plans[0].plan_revision == revision, fleet.plans[0].lanes
 

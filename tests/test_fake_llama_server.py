@@ -302,3 +302,39 @@ def test_simulated_oom_and_crash(models):
                 env={"FAKE_LLAMA_CRASH_AFTER": "0.1"})
     assert crash.returncode == 139
     assert "main: model loaded" in crash.stderr and "Segmentation fault" in crash.stderr
+
+
+def test_reads_the_model_without_lanes_code(models):
+    """The fake is a stand-in for an outside program: it loads a model (its facts read from the
+    file by llama.cpp's gguf package, its figures from the recorded table) with every module of
+    lanes unimportable."""
+    port = free_port()
+    blocked = "import runpy, sys\nfor name in ('shared', 'launcher_agent', 'planner_svc', 'lanes', 'gateway'):\n" \
+              "    sys.modules[name] = None\nsys.argv = sys.argv[1:]\nrunpy.run_path(sys.argv[0], run_name='__main__')\n"
+    args = [str(FAKE), "-m", str(models["gemma3"]), "--port", str(port), "-c", "8192", "-np", "2", "-lv", "4"]
+    env = {**os.environ, "FAKE_LLAMA_LOAD_SECONDS": "0"}
+    proc = subprocess.Popen([sys.executable, "-c", blocked, *args], stderr=subprocess.PIPE, text=True, env=env)
+    lines = []
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line.rstrip("\n"))
+            if "main: model loaded" in line or "exiting" in line:
+                break
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    text = "\n".join(lines)
+    assert "main: model loaded" in text, text
+    assert "(  4096 cells,   1 layers,  2/2 seqs)" in text and "print_info: arch             = gemma3" in text
+
+
+def test_refuses_a_context_it_has_no_figures_for(models, fakes):
+    """The same shape as a recorded one at another context: refused, not worked out from the record."""
+    port = free_port()
+    fake = fakes("-m", str(models["llama"]), "--port", str(port), "--ctx-size", "30720", "--parallel", "1",
+                 "-ctk", "q8_0", "-ctv", "q8_0", "--flash-attn", "on", "-fit", "off", "--verbosity", "4",
+                 env={"FAKE_LLAMA_RECORD_TO": ""})  # not recording (which serves the memory model's figures)
+    assert fake.wait() == 1
+    assert "no figures recorded from the real llama-server" in fake.text and "ctx=30720" in fake.text
+    assert "llama_kv_cache: size =" not in fake.text

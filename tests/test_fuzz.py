@@ -934,6 +934,7 @@ def test_rejected_plan_does_not_steer_the_next_plan(fresh):
         fresh.run(fresh.release_lease())
     report = fresh.run(fresh.kv.get(subjects.report_key(HOST)))
     fresh.run(fresh.kv.put(subjects.report_key(HOST), report.value))  # any new report makes the planner replan
+    # The replan keeps the plan, and an unchanged plan is not written: no signal to wait on.
     fresh.run(asyncio.sleep(2.0))
     after = fresh.run(fresh.healthy_lane())
     assert after is not None and (after.port, after.pid) == (fresh.lane.port, fresh.lane.pid), (fresh.lane, after)

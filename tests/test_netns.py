@@ -324,10 +324,11 @@ async def test_agent_stops_promptly_while_cut_off(topo, tmp_path, tiny_models):
     topo.link("agent1", up=False)
     await asyncio.sleep(0.5)
     began = time.monotonic()
-    code = topo.stop("agent1", timeout=10)  # the grace docker stop and systemd give by default
+    # Within the grace docker stop and systemd give by default: past it, stop() kills (code -9).
+    code = topo.stop("agent1", timeout=10)
     took = time.monotonic() - began
     assert not psutil.pid_exists(lane.pid) or psutil.Process(lane.pid).status() == "zombie", "lane left running"
-    assert code == 0 and took < 10, f"agent exited {code} after {took:.1f}s\n{topo.logs()}"
+    assert code == 0, f"agent exited {code} after {took:.1f}s\n{topo.logs()}"
 
 
 GATEWAY_ROLES = ("nats", "planner", "agent1", "agent2", "gateway")

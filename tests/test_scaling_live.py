@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import time
 from contextlib import AsyncExitStack
 
 import aiohttp
@@ -17,6 +16,24 @@ from waiting import eventually
 
 from shared import subjects
 from shared.messages import ConfigSet, Demand, Persona, encode
+
+# Gateway activity reports the planner gets while the test checks that nothing changes: enough
+# for the scaling rule (scale_up_reports in a row) to have fired twice over had it been going to.
+CALM_REPORTS = 6
+
+
+class Reports:
+    """Counts the gateways' activity reports: the planner's scaling rule runs on each."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    async def heard(self, msg) -> None:
+        self.count += 1
+
+    async def pass_(self, n: int) -> None:
+        start = self.count
+        await eventually(lambda: self.count >= start + n, what=f"{n} more gateway activity reports")
 
 
 async def test_queued_load_adds_a_lane_and_it_goes_when_the_load_stops(tmp_path, tiny_models, nats_server):
@@ -38,9 +55,11 @@ async def test_queued_load_adds_a_lane_and_it_goes_when_the_load_stops(tmp_path,
         services.start_agent(agent_config(tmp_path, HOST, models, binary))
         gw = await stack.enter_async_context(gateway(nats_server.url))
         http = await stack.enter_async_context(aiohttp.ClientSession())
+        reports = Reports()
+        await nc.subscribe(subjects.ALL_ACTIVITY, cb=reports.heard)
         await eventually(lambda: gw.view.routable("chat"), timeout=60, what="chat's lane ready")
         assert len(gw.view.lanes_for("chat")) == 1
-        await asyncio.sleep(4.0)  # nothing queues: one lane stays
+        await reports.pass_(CALM_REPORTS)  # nothing queues: one lane stays
         assert _planned(await fleet_status(nc)) == {HOST: ["chat"]}
 
         # Four clients on one slot of one second each: waits of seconds, report after report.
@@ -53,11 +72,10 @@ async def test_queued_load_adds_a_lane_and_it_goes_when_the_load_stops(tmp_path,
                 results.append((status, lane))
 
         clients = [asyncio.create_task(client_loop()) for _ in range(4)]
-        started = time.monotonic()
         await eventually(lambda: len([x for x in gw.view.lanes_for("chat") if x.routable]) == 2, timeout=40,
                          what="a second lane for chat")  # fmt: skip
-        grew_after = time.monotonic() - started
-        await asyncio.sleep(3.0)  # both lanes serve
+        both = {f"{HOST}/a-0", f"{HOST}/a-1"}
+        await eventually(lambda: {lane for _, lane in results} >= both, timeout=40, what="both lanes serve")
         assert _planned(await fleet_status(nc)) == {HOST: ["chat", "chat"]}
         stop.set()
         await asyncio.wait_for(asyncio.gather(*clients), 30)
@@ -68,14 +86,14 @@ async def test_queued_load_adds_a_lane_and_it_goes_when_the_load_stops(tmp_path,
         stop = asyncio.Event()
         light = asyncio.create_task(client_loop())
         await eventually(lambda: len(gw.view.lanes_for("chat")) == 1, timeout=40, what="back to one lane")
-        await asyncio.sleep(2.0)
+        after = len(results)
+        await eventually(lambda: len(results) >= after + 2, timeout=40, what="the light client served on one lane")
         stop.set()
         await asyncio.wait_for(light, 30)
         assert len(results) > served + 3, results  # the light client was served all along
         assert [s for s, _ in results if s != 200] == [], results
-        assert {lane for _, lane in results[:served]} == {f"{HOST}/a-0", f"{HOST}/a-1"}  # both served
-        assert grew_after < 30
-        await asyncio.sleep(4.0)  # no flapping: it stays at one lane with no load
+        assert {lane for _, lane in results[:served]} == both  # both served
+        await reports.pass_(CALM_REPORTS)  # no flapping: it stays at one lane with no load
         assert _planned(await fleet_status(nc)) == {HOST: ["chat"]}
         # Counted in the models key, so gateways show lanes_evictions_total{reason="scaled_down"} too.
         await eventually(lambda: gw.view.catalogue.evictions == {"scaled_down": 1}, what="the removal counted")

@@ -23,6 +23,7 @@ Each per-device list has the host's RAM at index 0, then each GPU-type device of
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -123,6 +124,13 @@ def _mapped(groups: Sequence[LayerWeights], rule: dict[str, int]) -> int:
 
 def model_bytes(facts: ModelFacts, placement: Placement, cpu_repack: Sequence[str] | None = None) -> list[int]:
     """Weights per device."""
+    return list(_model_bytes(facts, placement, None if cpu_repack is None else tuple(cpu_repack)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _model_bytes(facts: ModelFacts, placement: Placement, cpu_repack: tuple[str, ...] | None) -> tuple[int, ...]:
+    """model_bytes, once per model, placement and CPU: it does not depend on the context, which
+    the planner's window search varies thousands of times a replan."""
     layers = _layers(facts)
     out = [0] * (1 + placement.n_devices)
     pinned = any(b in PINNED_HOST_BACKENDS for b in placement.backends)
@@ -151,7 +159,7 @@ def model_bytes(facts: ModelFacts, placement: Placement, cpu_repack: Sequence[st
         dev = placement.output_device
         pinned_dev = placement.backend(dev) in PINNED_HOST_BACKENDS
         out[1 + dev] += facts.tied_output_cuda_bytes if pinned_dev else facts.tied_output_bytes
-    return out
+    return tuple(out)
 
 
 def kv_bytes(kv: KvSize, placement: Placement, no_kv_offload: bool = False) -> list[int]:
@@ -207,6 +215,20 @@ def op_offload_bytes(facts: ModelFacts, placement: Placement, n_tokens: int) -> 
     return max((-(-groups[il].cuda_bytes // 3) for il in placement.cpu_experts if il in groups), default=0)
 
 
+@functools.lru_cache(maxsize=1024)
+def _kv_layers(facts: ModelFacts) -> frozenset[int]:
+    """The blocks with a KV cache (KV heads)."""
+    return frozenset(il for il in range(facts.n_layer) if facts.n_head_kv[il])
+
+
+@functools.lru_cache(maxsize=4096)
+def _cache_kinds(facts: ModelFacts, layers: tuple[int, ...]) -> frozenset[bool]:
+    """Which caches these layers use, as sliding-window flags (for a lane that has an SWA cache)."""
+    swa = tuple(facts.swa_layers) + (False,) * (facts.n_layer + 1)
+    kv_layers = _kv_layers(facts)
+    return frozenset(swa[il] for il in layers if il in kv_layers)
+
+
 def compute_bytes(facts: ModelFacts, placement: Placement, shape: LaneShape, kv: KvSize) -> list[int]:
     """The compute buffer ggml reserves per backend for the worst-case prompt-processing graph.
 
@@ -229,12 +251,13 @@ def compute_bytes(facts: ModelFacts, placement: Placement, shape: LaneShape, kv:
     # and the normed hidden state they are computed from (public CUDA logs, tests/cuda_logs.py).
     per_token_logits = reserves_logits_per_token(shape.llama_build)
     logits = facts.n_vocab * (n_tokens if per_token_logits else shape.parallel) * f32
-    swa = tuple(facts.swa_layers) + (False,) * (facts.n_layer + 1)
-    kv_layers = [il for il in range(facts.n_layer) if facts.n_head_kv[il]]
+    kv_layers = _kv_layers(facts)
 
     def attention(layers) -> tuple[int, int]:
         """(masks, scores) on a device holding these layers: one mask per kind of cache it uses."""
-        kinds = {bool(kv.swa_cells) and swa[il] for il in layers if il in kv_layers}
+        kinds = _cache_kinds(facts, tuple(layers))
+        if not kv.swa_cells:
+            kinds = {False} if kinds else set()
         masks = sum((kv.swa_cells if k else kv.cells) * n_tokens * mask_width for k in kinds)
         widest = max(((kv.swa_cells if k else kv.cells) for k in kinds), default=0)
         scores = 0 if shape.flash_attn else widest * n_tokens * facts.n_head * f32

@@ -12,6 +12,7 @@ import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from shared import defaults
 from shared.messages import KvLayout, ModelFacts
 
 CTX_PAD = 256
@@ -29,7 +30,7 @@ BLOCK_BYTES: dict[str, int] = {
     "iq4_nl": 18,
 }
 QUANTIZED = frozenset(t for t in BLOCK_BYTES if t not in {"f32", "f16", "bf16"})
-DEFAULT_N_UBATCH = 512
+DEFAULT_N_UBATCH = defaults.N_UBATCH
 MIB = 1024 * 1024
 
 
@@ -122,19 +123,28 @@ def layer_kv(
     facts: ModelFacts, *, cells: int, streams: int, swa_cells: int, type_k: str = "f16", type_v: str = "f16"
 ) -> tuple[LayerKv, ...]:
     """K and V bytes of each layer's cache: rows per cell x cells x streams."""
-    out = []
-    for rows in _rows_per_cell(facts, type_k, type_v):
+    kinds, of_layer = _layer_kinds(facts, type_k, type_v)
+    sized = []
+    for rows in kinds:  # a model's layers come in a few kinds: each is sized once
         if rows is None:
-            out.append(_NO_CACHE)
+            sized.append(_NO_CACHE)
             continue
         k_row, v_row, is_swa = rows
         in_swa = is_swa and swa_cells > 0
         n = (swa_cells if in_swa else cells) * streams
-        out.append(LayerKv(k_row * n, v_row * n, swa_cells if in_swa else cells, in_swa))
-    return tuple(out)
+        sized.append(LayerKv(k_row * n, v_row * n, swa_cells if in_swa else cells, in_swa))
+    return tuple(sized[kind] for kind in of_layer)
 
 
 _NO_CACHE = LayerKv(0, 0, 0, False)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_kinds(facts: ModelFacts, type_k: str, type_v: str) -> tuple[tuple, tuple[int, ...]]:
+    """The distinct rows per cell of the model's layers, and each layer's index among them."""
+    kinds: dict = {}
+    of_layer = tuple(kinds.setdefault(rows, len(kinds)) for rows in _rows_per_cell(facts, type_k, type_v))
+    return tuple(kinds), of_layer
 
 
 @functools.lru_cache(maxsize=4096)

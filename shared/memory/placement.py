@@ -18,6 +18,7 @@ one place "all" becomes a number (for load_tensors' formula and for the wire's i
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -55,13 +56,18 @@ class Placement:
         return sum(1 for d in self.layer_device if d != CPU)
 
     def layers_on(self, device: int) -> list[int]:
-        return [il for il, d in enumerate(self.layer_device) if d == device]
+        return list(_layers_on(self.layer_device, device))
 
     def backend(self, device: int) -> str:
         """The backend of a device index (CPU: "cpu"; "" when the caller gave none)."""
         if device == CPU:
             return "cpu"
         return self.backends[device] if device < len(self.backends) else ""
+
+
+@functools.lru_cache(maxsize=4096)
+def _layers_on(layer_device: tuple[int, ...], device: int) -> tuple[int, ...]:
+    return tuple(il for il, d in enumerate(layer_device) if d == device)
 
 
 def ngl_count(n_gpu_layers: NGpuLayers, n_layer: int) -> int:

@@ -1,0 +1,35 @@
+"""Every default two parts of lanes share, once, by concern: timing, ports, sizes.
+
+The CLI (lanes/cli.py), the services (agent, planner, gateway), the messages' field defaults
+(shared/messages.py) and README's tables all read these; tests/test_defaults.py checks that
+the CLI, the messages and README agree with them. Imports nothing of lanes.
+"""
+
+from __future__ import annotations
+
+MIB = 1024 * 1024
+
+# ------------------------------------------------------------------ timing (seconds)
+
+REPORT_INTERVAL = 30.0  # an agent's host report; a host is lost after 3 silent intervals
+PROBE_INTERVAL = 5.0  # an agent's /health probe of each serving lane
+PROBE_FAILURES = 3  # missed probes in a row that make a lane unresponsive
+LEASE_TTL = 5.0  # a stand-by planner takes over after the lease stood still this long
+KEY_REREAD = 30.0  # a followed KV key (an agent's plan) is read again this often, written or not
+DRAIN_TIMEOUT = 30.0  # a draining lane's requests in flight may finish within this
+QUEUE_WAIT = 30.0  # a gateway request waits this long for a slot (then 503)
+
+# ------------------------------------------------------------------ ports
+
+LANE_PORT_BASE = 8080  # an agent's lanes listen on LANE_PORT_BASE .. + LANE_PORT_COUNT - 1
+LANE_PORT_COUNT = 16
+RPC_WORKER_PORT_BASE = 50052  # ggml-rpc-server's own default port
+RPC_WORKER_PORT_COUNT = 4
+NATS_PORT = 4222  # `lanes up`'s embedded nats-server
+GATEWAY_PORT = 8000
+
+# ------------------------------------------------------------------ sizes
+
+N_UBATCH = 512  # llama-server's --ubatch-size default: the SWA cache and compute buffers follow it
+QUEUE_DEPTH = 64  # requests a gateway holds waiting per model (then 503)
+HEADROOM_BYTES = 512 * MIB  # memory the planner leaves free on every host, beyond headroom_fraction
