@@ -17,7 +17,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway import prompts, routing, usage, waking
+from gateway import access, prompts, routing, usage, waking
 from gateway.admission import Admission, AdmissionError, Lease
 from gateway.affinity import Fingerprint, fingerprint
 from gateway.fleet import FleetView
@@ -36,7 +36,6 @@ SESSION = web.AppKey("session", aiohttp.ClientSession)
 WAKER = web.AppKey("waker", waking.Waker)
 
 PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
-OPEN_PATHS = ("/health", "/ready", "/metrics")  # no API key: probes and scrapers
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                 405: "invalid_request_error", 413: "invalid_request_error"}  # fmt: skip
 
@@ -60,10 +59,8 @@ def _sse_error(end: GiveUp) -> bytes:
 @web.middleware
 async def _errors_and_keys(request: web.Request, handler):
     settings = request.app[SETTINGS]
-    if settings.api_keys and request.path not in OPEN_PATHS and request.path.startswith("/v1/"):
-        scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not settings.key_ok(presented.strip()):
-            return openai_error(401, "missing or invalid API key (Authorization: Bearer ...)", "invalid_api_key")
+    if settings.api_keys and access.needs_key(request.path) and not _key_presented(request, settings):
+        return openai_error(401, "missing or invalid API key (Authorization: Bearer ...)", "invalid_api_key")
     try:
         return await handler(request)
     except web.HTTPException as exc:
@@ -71,6 +68,16 @@ async def _errors_and_keys(request: web.Request, handler):
             raise
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status)
         return openai_error(exc.status, exc.reason if exc.status != 413 else exc.text or exc.reason, code)
+
+
+def _key_presented(request: web.Request, settings: GatewaySettings) -> bool:
+    """A valid bearer key, or (dashboard paths only) a valid session cookie (gateway/access.py)."""
+    scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and settings.key_ok(presented.strip()):
+        return True
+    token = request.cookies.get(access.COOKIE)
+    return bool(token) and access.cookie_may_open(request.path) and access.session_ok(
+        settings.api_keys, token, time.time())
 
 
 # ------------------------------------------------------------------ routes

@@ -44,6 +44,7 @@ def agent_config(args: argparse.Namespace, data_dir: Path) -> AgentConfig:
         rpc_servers=tuple(e for e in (getattr(args, "rpc", None) or "").split(",") if e),
         advertise=getattr(args, "advertise", None) or "",
         metrics_port=getattr(args, "metrics_port", None),
+        metrics_host=getattr(args, "metrics_bind", "127.0.0.1"),
         **worker,
     )
 

@@ -176,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lease-ttl", type=float, default=5.0,
                    help="seconds a stand-by planner waits on a silent active one before it takes over")  # fmt: skip
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (default: off)")
+    p.add_argument("--metrics-bind", default="127.0.0.1",
+                   help="address /metrics listens on (default 127.0.0.1; 0.0.0.0 for a scraper on another machine)")  # fmt: skip
 
     p = sub.add_parser("agent", help="run the launcher agent for this host")
     _add_connection(p)
@@ -189,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--advertise", help="address gateways reach the lanes at (needed with --bind 0.0.0.0 "
                    "unless the host id resolves); default: the bind address")  # fmt: skip
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (default: off)")
+    p.add_argument("--metrics-bind", default="127.0.0.1",
+                   help="address /metrics listens on (default 127.0.0.1; 0.0.0.0 for a scraper on another machine)")  # fmt: skip
     p.add_argument("--report-interval", type=float, default=30.0)
     p.add_argument("--tick", type=float, default=0.5, help="seconds between control passes while no lane is starting")
     p.add_argument("--max-ram", type=parse_size, help="RAM lanes may plan for on this host, e.g. 8GiB")

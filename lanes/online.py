@@ -87,7 +87,7 @@ async def run(args: argparse.Namespace) -> int:
     if args.command == "planner":
         await run_planner(
             args.nats, _stop_event(), auth, replicas=args.kv_replicas, lease_ttl=args.lease_ttl,
-            metrics_port=args.metrics_port,
+            metrics_port=args.metrics_port, metrics_host=args.metrics_bind,
         )  # fmt: skip
         return 0
     if args.command == "gateway":

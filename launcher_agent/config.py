@@ -36,7 +36,7 @@ class AgentConfig:
     # Where gateways reach this host's lanes; empty: the bind address (or, for 0.0.0.0, the host id).
     advertise: str = ""
     metrics_port: int | None = None  # serve /metrics on this port (0: any free); None: off
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str = "127.0.0.1"  # --metrics-bind: another address only when told
     # --rpc-worker: this host may run ggml-rpc-server for span lanes of other hosts, bound to
     # `advertise` on a port of rpc_worker_port_base.. (rpc_worker_port_count ports).
     rpc_worker: bool = False

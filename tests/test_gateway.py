@@ -36,6 +36,7 @@ ALIAS = "chat"
 HOST = "a"
 LANES = 2
 KEY = "sk-test-" + "0123456789abcdef"
+BEARER = {"Authorization": f"Bearer {KEY}"}
 MESSAGES = [{"role": "user", "content": "Count from one to ten."}]
 LONG = {"max_tokens": 1500, "extra_body": {"ignore_eos": True}}  # a stream that lasts seconds
 
@@ -226,7 +227,7 @@ async def test_requests_spread_by_free_slots_then_queue_then_overflow(fleet):
         assert time.perf_counter() - began < 0.5
         status, headers, body = await fifth  # no slot came free within queue_wait
         assert status == 503 and body["error"]["code"] == "queue_timeout" and "Retry-After" in headers
-        metrics = await (await http.get(gw.url + "/metrics")).text()
+        metrics = await (await http.get(gw.url + "/metrics", headers=BEARER)).text()
         assert 'lanes_gateway_requests_total{model="chat",status="503"} 2.0' in metrics
         assert 'lanes_lane_slots_busy{host="a",lane="' in metrics
         # A waiting request gets the first slot that frees.
@@ -251,7 +252,9 @@ async def test_metrics_after_traffic(fleet):
     async with gateway(fleet) as gw, aiohttp.ClientSession() as http:
         for _ in range(3):
             assert (await _chat(http, gw))[0] == 200
-        async with http.get(gw.url + "/metrics") as resp:  # open to scrapers, no key
+        async with http.get(gw.url + "/metrics") as resp:  # behind the key, as everything but the probes
+            assert resp.status == 401
+        async with http.get(gw.url + "/metrics", headers=BEARER) as resp:  # as Prometheus sends it
             assert resp.status == 200
             text = await resp.text()
         assert 'lanes_gateway_requests_total{model="chat",status="200"} 3.0' in text
@@ -301,7 +304,7 @@ async def test_a_conversation_comes_back_to_its_lane_and_its_prompt_is_cached(fl
         usage = next(c.usage for c in reversed(chunks) if c.usage)
         prompt_tokens += usage.prompt_tokens
         assert usage.prompt_tokens_details.cached_tokens > 0.8 * usage.prompt_tokens
-        text = await (await http.get(gw.url + "/metrics")).text()
+        text = await (await http.get(gw.url + "/metrics", headers=BEARER)).text()
     got = samples(text)
     lanes = {lane.lane_id for lane in gw.view.lanes_for(ALIAS)}
     counted = {lane: got.get(("lanes_gateway_prompt_tokens_total", frozenset({"model": ALIAS, "lane": f"{HOST}/{lane}"}.items())), 0)
@@ -349,7 +352,7 @@ async def test_slots_busy_with_other_clients_count_as_load(fleet):
         for _ in range(3):
             status, headers, _ = await _chat(http, gw)
             assert status == 200 and headers["X-Lanes-Lane"] != f"{lane.host_id}/{lane.lane_id}"
-        text = await (await http.get(gw.url + "/metrics")).text()
+        text = await (await http.get(gw.url + "/metrics", headers=BEARER)).text()
         assert f'lanes_lane_slots_busy_reported{{host="{HOST}",lane="{lane.lane_id}",model="{lane.model}"}} 2.0' in text
         for resp in direct:
             resp.close()
