@@ -132,8 +132,8 @@ def add_dashboard(app: web.Application, hub: DashboardHub, *, nc_getter, admin_k
                     await response.write(f"event: snapshot\ndata: {data}\n\n".encode())
                 except asyncio.TimeoutError:
                     await response.write(b": keep-alive\n\n")
-        except (ConnectionResetError, asyncio.CancelledError):
-            pass
+        except ConnectionResetError:
+            pass  # the page left (or, with handler cancellation, the handler is cancelled: finally)
         finally:
             hub.unsubscribe(queue)
         return response

@@ -126,6 +126,20 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
     label = model.name if model.state != "unknown" else "unknown"  # bounded labels: no client-chosen names
     if model.state != "unknown":
         app[WAKER].touch(name)  # a request: the idle clock restarts (probes and scrapes never come here)
+    try:
+        response = await _answer(request, model, name, payload, body, started, label)
+    except asyncio.CancelledError:  # the client hung up (handler cancellation): nginx's 499
+        metrics.requests.labels(label, "499").inc()
+        raise
+    metrics.requests.labels(label, str(response.status)).inc()
+    metrics.latency.labels(label).observe(time.perf_counter() - started)
+    return response
+
+
+async def _answer(
+    request: web.Request, model: waking.ModelView, name: str, payload: dict, body: bytes, started: float, label: str
+) -> web.StreamResponse:
+    app, view = request.app, request.app[VIEW]
     response = await _held(request, model) if model.state != "ready" else None
     if response is None:
         prompt = prompts.prompt_of(request.path, payload)
@@ -136,8 +150,6 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
             lanes = view.lanes_for(name)
             mark = fingerprint(lanes[0].model, prompt.text) if prompt is not None and lanes else None
             response = await _forward(request, name, body, started, label, mark, too_small)
-    metrics.requests.labels(label, str(response.status)).inc()
-    metrics.latency.labels(label).observe(time.perf_counter() - started)
     return response
 
 

@@ -193,7 +193,10 @@ async def run_gateway(
     """Serve until `stop` is set. Pass a Gateway to reach its view and app (tests, dashboard)."""
     gw = gateway or Gateway(settings)
     # On stop: no new connections, and requests in flight get SHUTDOWN_GRACE seconds to finish.
-    runner = web.AppRunner(gw.app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE)
+    # handler_cancellation: a client that hangs up cancels its handler, so it leaves the queue
+    # (admission), stops being held for a loading model (waking) and closes its connection to
+    # the lane, which then stops generating and frees the slot (gateway/http.py).
+    runner = web.AppRunner(gw.app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, gw.settings.host, gw.settings.port)
     await site.start()

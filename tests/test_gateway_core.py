@@ -219,7 +219,23 @@ async def test_metrics_read_the_load_from_the_admission():
     (await waiter).release()
     held[1].release()
     assert metrics.registry.get_sample_value("lanes_lane_slots_busy", labels) == 0
-    assert metrics.registry.get_sample_value("lanes_gateway_queue_depth", {"model": "gemma"}) is None
+    assert metrics.registry.get_sample_value("lanes_gateway_queue_depth", {"model": "gemma"}) == 0  # not gone
+
+
+async def test_a_waiter_whose_client_left_leaves_the_queue_and_is_no_demand():
+    view = fleet(("h1", 8080))
+    adm = Admission(view, max_wait=30)
+    held = [await adm.acquire("gemma"), await adm.acquire("gemma")]
+    waiters = [asyncio.create_task(adm.acquire("gemma")) for _ in range(3)]
+    await asyncio.sleep(0)
+    assert adm.counts.queued == {"gemma": 3}
+    for task in waiters:  # the clients hang up: aiohttp cancels their handlers
+        task.cancel()
+    await asyncio.gather(*waiters, return_exceptions=True)
+    assert adm.counts.queued == {} and adm.take_queue_waits(asyncio.get_running_loop().time()) == {}
+    held[0].release()
+    assert adm.counts.in_flight == {view.lanes()[0].key: 1}  # the freed slot went to nobody
+    held[1].release()
 
 
 def test_api_keys_are_checked_against_every_key():
