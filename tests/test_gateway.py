@@ -359,6 +359,70 @@ async def test_slots_busy_with_other_clients_count_as_load(fleet):
         await eventually(lambda: gw.admission.counts.reported.get(lane.key) == 0, timeout=10, what="slots freed")
 
 
+# ------------------------------------------------------------------ clients that leave
+
+
+async def _lane_slots(http: aiohttp.ClientSession, lane) -> list[dict]:
+    async with http.get(lane.url + "/slots") as resp:
+        return await resp.json()
+
+
+async def _all_idle(http: aiohttp.ClientSession, gw: Gateway) -> bool:
+    """Every slot of every lane idle, as the lanes' own /slots say."""
+    for lane in gw.view.lanes_for(ALIAS):
+        if any(slot["is_processing"] for slot in await _lane_slots(http, lane)):
+            return False
+    return True
+
+
+def _queue_depth(text: str) -> float:
+    return samples(text)[("lanes_gateway_queue_depth", frozenset({("model", ALIAS)}))]
+
+
+async def test_queued_clients_that_hang_up_leave_the_queue_at_once(fleet):
+    async with gateway(fleet, queue_depth=8, queue_wait=60.0) as gw, aiohttp.ClientSession() as http:
+        await eventually(lambda: _all_idle(http, gw), timeout=60, what="every slot idle")
+        streams = [await _open_stream(http, gw) for _ in range(LANES * 2)]  # every slot of the fleet
+        queued = [asyncio.create_task(_chat(http, gw)) for _ in range(4)]
+        await eventually(lambda: gw.admission.counts.queued.get(ALIAS) == 4, timeout=10, what="four queued")
+        metrics = await (await http.get(gw.url + "/metrics", headers=BEARER)).text()
+        assert _queue_depth(metrics) == 4
+        for task in queued:  # the clients hang up: their connections close
+            task.cancel()
+        await asyncio.gather(*queued, return_exceptions=True)
+
+        async def depth_zero() -> bool:
+            return _queue_depth(await (await http.get(gw.url + "/metrics", headers=BEARER)).text()) == 0
+
+        await eventually(depth_zero, timeout=1, what="queue depth 0 within 1 s")
+        assert gw.admission.take_queue_waits(asyncio.get_running_loop().time()) == {}  # no demand left behind
+        for resp in streams:
+            resp.close()
+        await eventually(lambda: not gw.admission.counts.in_flight, timeout=10, what="every slot given back")
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["plain", "streamed"])
+async def test_a_client_that_leaves_mid_answer_frees_the_lanes_slot(fleet, streamed):
+    async with gateway(fleet) as gw, aiohttp.ClientSession() as http:
+        await eventually(lambda: _all_idle(http, gw), timeout=60, what="every slot idle")
+        if streamed:
+            resp = await _open_stream(http, gw)  # its first chunk read: the lane is generating
+        else:  # a plain answer of 1500 tokens: nothing comes back until it is done
+            pending = asyncio.create_task(_chat(http, gw, max_tokens=1500, ignore_eos=True))
+        await eventually(lambda: _busy_lane(http, gw), timeout=30, what="a slot generating")
+        if streamed:
+            resp.close()
+        else:
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+        await eventually(lambda: _all_idle(http, gw), timeout=2, interval=0.1, what="the lane's slot idle within 2 s")
+        await eventually(lambda: not gw.admission.counts.in_flight, timeout=2, what="the lease given back")
+
+
+async def _busy_lane(http: aiohttp.ClientSession, gw: Gateway) -> bool:
+    return not await _all_idle(http, gw)
+
+
 # ------------------------------------------------------------------ failures
 
 
