@@ -26,7 +26,7 @@ from gateway.admission import Admission
 from gateway.dashboard import DashboardHub, add_dashboard
 from gateway.fleet import FleetView, LaneRoute
 from gateway.http import build_app
-from gateway.lane_load import poll_forever
+from gateway.lane_load import SlotsPoll
 from gateway.settings import GatewaySettings
 from shared import subjects
 from shared.messages import GatewayActivity, ModelWake, encode
@@ -50,6 +50,7 @@ class Gateway:
     dashboard: DashboardHub = field(init=False)
     nc: object | None = None  # the NATS connection once made (the dashboard's admin changes use it)
     waker: waking.Waker = field(init=False)  # requests held while their model loads
+    slots: SlotsPoll = field(init=False)  # each lane's /slots: its load, and whether its loop answers
     gateway_id: str = ""
 
     def __post_init__(self) -> None:
@@ -61,6 +62,7 @@ class Gateway:
         )
         self.app = build_app(self.view, self.settings, admission=self.admission, waker=self.waker)
         self.dashboard = DashboardHub(self.view, self.admission.counts)
+        self.slots = SlotsPoll(self.admission, self.settings.probe_timeout, self.settings.slots_stall_after)
         add_dashboard(self.app, self.dashboard, nc_getter=lambda: self.nc, admin_key=self.settings.admin_key)
 
     async def publish_wake(self, name: str) -> None:
@@ -210,8 +212,7 @@ async def run_gateway(
                 asyncio.create_task(_logged(_bus_side(gw, servers, auth, stop, stack), "bus side")),
                 asyncio.create_task(_probe_loop(gw, stop)),
                 asyncio.create_task(_logged(_demand_loop(gw, stop), "demand loop")),
-                asyncio.create_task(_logged(poll_forever(gw.admission, gw.settings.slots_interval,
-                                                         gw.settings.probe_timeout, stop), "slots poll")),  # fmt: skip
+                asyncio.create_task(_logged(gw.slots.forever(gw.settings.slots_interval, stop), "slots poll")),
                 asyncio.create_task(gw.dashboard.run(stop)),
             ]
             await run_until(stop, tasks)
