@@ -419,6 +419,17 @@ async def test_a_client_that_leaves_mid_answer_frees_the_lanes_slot(fleet, strea
         await eventually(lambda: not gw.admission.counts.in_flight, timeout=2, what="the lease given back")
 
 
+async def test_a_long_stream_past_the_request_timeout_leaves_its_lane_in_rotation(fleet):
+    """The request's own time ends a stream that still flows; that says nothing against the lane."""
+    async with gateway(fleet, request_timeout=4.0) as gw, aiohttp.ClientSession() as http:
+        resp = await _open_stream(http, gw)
+        lane = resp.headers["X-Lanes-Lane"]
+        body = await asyncio.wait_for(resp.read(), 30)
+        assert b"data: " in body and b"did not finish within the request timeout of 4 s" in body
+        assert not gw.view.unreachable and not gw.view.stalled
+        assert any(f"{r.host_id}/{r.lane_id}" == lane for r in gw.view.routable(ALIAS))
+
+
 async def _busy_lane(http: aiohttp.ClientSession, gw: Gateway) -> bool:
     return not await _all_idle(http, gw)
 

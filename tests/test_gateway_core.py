@@ -245,3 +245,30 @@ def test_api_keys_are_checked_against_every_key():
     assert settings.key_ok("sk-one") and settings.key_ok("sk-two")
     assert not settings.key_ok("sk-on") and not settings.key_ok("") and not settings.key_ok("sk-one ")
     assert not GatewaySettings().key_ok("anything")  # no keys configured: the middleware asks for none
+
+
+def test_a_slots_read_that_times_out_counts_against_the_lane_then_stalls_it():
+    from gateway.lane_load import judge
+
+    answered = judge(("busy", 1), 4, unanswered_since=None, now=10.0, stall_after=60)
+    assert (answered.reported, answered.unanswered_since, answered.stalled, answered.progressing) == (1, None, "", True)
+    first = judge(("timeout", 0), 4, unanswered_since=None, now=10.0, stall_after=60)
+    assert (first.reported, first.unanswered_since, first.stalled) == (4, 10.0, "")  # every slot busy, not free
+    later = judge(("timeout", 0), 4, unanswered_since=10.0, now=69.9, stall_after=60)
+    assert later.reported == 4 and later.unanswered_since == 10.0 and not later.stalled
+    stuck = judge(("timeout", 0), 4, unanswered_since=10.0, now=70.0, stall_after=60)
+    assert stuck.stalled.startswith("/slots unanswered for 60 s")
+    assert stuck.stalled == judge(("timeout", 0), 4, 10.0, now=99.0, stall_after=60).stalled  # one reason: no churn
+    unknown = judge(("unknown", 0), 4, unanswered_since=10.0, now=99.0, stall_after=60)  # --no-slots, an error
+    assert (unknown.reported, unknown.unanswered_since, unknown.stalled, unknown.progressing) == (None, None, "", False)
+
+
+def test_a_stalled_lane_leaves_rotation_until_its_slots_answer_not_its_health():
+    view = fleet(("h1", 8080))
+    (lane,) = view.lanes()
+    view.mark_stalled(lane.key, "lane h1/gemma-0 stalled: no first token within 30 s")
+    assert not view.lanes()[0].routable and "stalled" in view.lanes()[0].unreachable
+    view.mark_reachable(lane.key)  # its /health answered (the HTTP thread): not enough
+    assert not view.lanes()[0].routable
+    view.mark_progressing(lane.key)  # its /slots answered (the inference loop)
+    assert view.lanes()[0].routable
