@@ -35,6 +35,8 @@ class LaneHealth:
     last_good: LaneSpec | None = None
     next_probe: float = 0.0
     missed_probes: int = 0
+    loop_mark: tuple = ()  # (task, tokens decoded) of each busy slot, as last seen
+    stuck_since: float | None = None  # since when its inference loop has shown no progress
 
     @property
     def broken_by_change(self) -> bool:
@@ -46,6 +48,10 @@ class Rules:
     backoff_base: float = 1.0
     probe_interval: float = 5.0
     probe_failures: int = 3
+    # Seconds without progress of the inference loop (its /slots unanswered, or busy slots
+    # decoding no token) before the lane is stalled: above the longest batch the loop runs
+    # without answering (bench/RESULTS.md, "A busy loop").
+    stall_seconds: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,9 @@ class Probe:
     tail: tuple[str, ...] = ()
     ready: tuple[str, str] | None = None  # (loading | healthy | mismatch, detail), for a lane coming up
     alive: bool | None = None  # /health of a serving lane, when its probe was due
+    # /slots of a serving lane, asked with /health: (task, tokens decoded) of each busy slot;
+    # None: it did not answer in time; "unasked": not asked this tick.
+    loop: tuple | None | Literal["unasked"] = "unasked"
 
 
 # Feedback to note for the planner (launcher_agent.feedback).
@@ -103,7 +112,8 @@ def transition(health: LaneHealth, probe: Probe, *, now: float, rules: Rules = R
     if health.state in COMING_UP and probe.ready is not None:
         ready, detail = probe.ready
         if ready == "healthy":
-            up = replace(health, state="healthy", healthy_since=now, last_error="", last_good=health.spec)
+            up = replace(health, state="healthy", healthy_since=now, last_error="", last_good=health.spec,
+                         loop_mark=(), stuck_since=None)  # fmt: skip
             return Outcome(up, (("healthy", ""),), (CheckUse(),))
         if ready == "mismatch":
             return Outcome(replace(health, state="mismatch", last_error=detail), (("mismatch", detail),))
@@ -123,13 +133,34 @@ def _serving(health: LaneHealth, probe: Probe, now: float, rules: Rules) -> Outc
         return Outcome(health, feedback=(CheckUse(),))
     health = replace(health, next_probe=now + rules.probe_interval)
     if probe.alive:
-        return Outcome(replace(health, missed_probes=0), feedback=(CheckUse(),))
+        health = _loop_progress(replace(health, missed_probes=0), probe.loop, now)
+        if health.stuck_since is not None and now - health.stuck_since >= rules.stall_seconds:
+            why = (f"stalled: its inference loop made no progress for {now - health.stuck_since:.0f} s "
+                   f"({'/slots unanswered' if probe.loop is None else 'busy slots decoded no token'}; /health answers)")
+            down = replace(health, state="unresponsive", last_error=why)
+            return Outcome(down, (("unresponsive", why),), (CheckUse(),))
+        return Outcome(health, feedback=(CheckUse(),))
     missed = health.missed_probes + 1
     if missed < rules.probe_failures:
         return Outcome(replace(health, missed_probes=missed), feedback=(CheckUse(),))
     why = f"unresponsive: no answer to {missed} /health probes in a row"
     down = replace(health, missed_probes=missed, state="unresponsive", last_error=why)
     return Outcome(down, (("unresponsive", why),), (CheckUse(),))
+
+
+def _loop_progress(health: LaneHealth, loop: tuple | None | str, now: float) -> LaneHealth:
+    """Fold one /slots look into the lane's progress record.
+
+    Progress: the loop answered and is idle, or works on something new, or is still in a
+    prompt (no token decoded yet: it answered between two batches, so it turns). No progress:
+    /slots unanswered, or the same busy slots at the same token counts as last time.
+    """
+    if loop == "unasked":
+        return health
+    moving = loop is not None and (not loop or loop != health.loop_mark or any(n == 0 for _, n in loop))
+    if moving:
+        return replace(health, loop_mark=loop, stuck_since=None)
+    return replace(health, stuck_since=health.stuck_since if health.stuck_since is not None else now)
 
 
 def _exited(health: LaneHealth, probe: Probe, now: float, rules: Rules) -> Outcome:

@@ -54,7 +54,8 @@ class Supervisor:
     def __post_init__(self) -> None:
         self.drains = Drains(self.emit)
         self.procs = Lifecycle(self.cfg, self.emit, self.feedback, on_change=self._save)
-        self.rules = health.Rules(self.cfg.backoff_base, self.cfg.probe_interval, self.cfg.probe_failures)
+        self.rules = health.Rules(self.cfg.backoff_base, self.cfg.probe_interval, self.cfg.probe_failures,
+                                  self.cfg.stall_seconds)  # fmt: skip
         self.store = StateFile(self.cfg.data_dir / "agent-state.json")
 
     @property
@@ -109,7 +110,9 @@ class Supervisor:
         assert proc is not None
         ask = health.what_to_probe(health_of(lane), now) if proc.returncode is None else None
         ready = await proc.probe_health() if ask == "ready" else None
-        alive = await proc.alive(self.cfg.probe_timeout) if ask == "alive" else None
+        alive, loop = None, "unasked"
+        if ask == "alive":  # /health (its HTTP thread) and /slots (its inference loop) side by side
+            alive, loop = await asyncio.gather(proc.alive(self.cfg.probe_timeout), proc.loop_work(self.cfg.probe_timeout))
         proc.read_log()
         if ready is not None and ready[0] == "healthy" and lane.spec.workers:
             problem = span_problem(lane.spec, proc.buffer_lines)
@@ -117,7 +120,7 @@ class Supervisor:
                 log.warning("span lane failed its check", lane=lane.spec.lane_id, reason=problem)
                 self.feedback.failure(lane, "other", problem)
                 ready = ("mismatch", problem)
-        return health.Probe(proc.returncode, tuple(proc.tail), ready, alive)
+        return health.Probe(proc.returncode, tuple(proc.tail), ready, alive, loop)
 
     async def _apply(self, lane: Lane, outcome: health.Outcome, now: float = 0.0) -> None:
         for f in _HEALTH_FIELDS:

@@ -97,6 +97,58 @@ def test_missed_probes_make_a_lane_unresponsive_at_the_limit():
     assert out.events == (("unresponsive", why),) and not out.kill
 
 
+# ------------------------------------------------------------------ a stalled inference loop
+
+
+def looks(h: LaneHealth, *seen, start: float = 100.0, every: float = 5.0) -> list[Outcome]:
+    """Alive probes one interval apart, each with what /slots said (None: unanswered)."""
+    out = []
+    for i, loop in enumerate(seen):
+        out.append(step(h, Probe(alive=True, loop=loop), now=start + i * every))
+        h = out[-1].health
+    return out
+
+
+def test_a_loop_that_answers_between_prefill_batches_is_never_stalled():
+    # A long prompt: /slots sometimes unanswered (a batch in flight), tokens decoded still 0 when it answers.
+    outs = looks(lane("healthy"), *[None, ((7, 0),)] * 40)
+    assert all(o.health.state == "healthy" for o in outs)
+
+
+def test_a_generation_that_decodes_tokens_is_never_stalled():
+    outs = looks(lane("healthy"), *[((7, n),) for n in range(1, 60)])
+    assert all(o.health.state == "healthy" and o.health.stuck_since is None for o in outs)
+
+
+@pytest.mark.parametrize("stuck", [None, ((7, 12),)], ids=["slots-unanswered", "no-token"])
+def test_a_loop_without_progress_for_stall_seconds_makes_the_lane_unresponsive(stuck):
+    # 60 s (Rules' default stall_seconds) at one look per 5 s: the 13th look without progress is the limit.
+    outs = looks(lane("healthy"), ((7, 12),), *[stuck] * 13)
+    assert [o.health.state for o in outs[:-1]] == ["healthy"] * 13
+    last = outs[-1]
+    assert last.health.state == "unresponsive" and last.health.last_error.startswith("stalled: ")
+    assert last.events == (("unresponsive", last.health.last_error),)
+    what = "/slots unanswered" if stuck is None else "busy slots decoded no token"
+    assert what in last.health.last_error and "/health answers" in last.health.last_error
+    assert step(last.health) == Outcome(last.health, kill=True)  # then killed and restarted like a wedged lane
+
+
+def test_progress_resets_the_stall_clock_and_an_idle_loop_is_fine():
+    outs = looks(lane("healthy"), *[None] * 10, (), *[None] * 10, ((3, 0),), *[((3, 5),)] * 10)
+    assert all(o.health.state == "healthy" for o in outs)
+    assert looks(lane("healthy"), *[()] * 30)[-1].health.stuck_since is None
+    # A /health miss is the older rule's: /slots is not read into progress then.
+    h = lane("healthy", stuck_since=50.0)
+    assert step(h, Probe(alive=False, loop=None)).health.stuck_since == 50.0
+    # Not asked this tick: nothing changes.
+    assert step(h, Probe(alive=True)).health.stuck_since == 50.0
+
+
+def test_a_lane_healthy_again_starts_a_fresh_stall_clock():
+    out = step(lane("loading", stuck_since=1.0, loop_mark=((1, 1),)), Probe(ready=("healthy", "")))
+    assert (out.health.stuck_since, out.health.loop_mark) == (None, ())
+
+
 def test_an_unresponsive_lane_is_killed():
     h = lane("unresponsive", last_error="unresponsive: no answer")
     assert step(h) == Outcome(h, kill=True)

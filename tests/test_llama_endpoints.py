@@ -64,3 +64,13 @@ def test_metrics_that_are_not_exposition_text_raise():
     with pytest.raises(ValueError):
         endpoints.rename_llama_series("llamacpp:x{ 1", {"host": "h"})
     assert endpoints.rename_llama_series("# TYPE other gauge\nother 1\n", {"host": "h"}) == []
+
+
+def test_loop_work_reads_busy_slots_and_their_tokens():
+    slots = [{"id": 0, "id_task": 12, "is_processing": True, "next_token": [{"n_decoded": 40, "n_remain": 10}]},
+             {"id": 1, "id_task": -1, "is_processing": False, "next_token": [{"n_decoded": 0}]},
+             {"id": 2, "id_task": 9, "is_processing": True}]  # fmt: skip
+    assert endpoints.loop_work(200, slots) == ((9, 0), (12, 40))
+    assert endpoints.loop_work(0, None) is None  # unanswered: the loop did not come round
+    assert endpoints.loop_work(501, {"error": {}}) == ()  # --no-slots: nothing to read a stall from
+    assert endpoints.loop_work(200, [{"is_processing": False}]) == ()

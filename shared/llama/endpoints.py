@@ -65,6 +65,32 @@ def busy_slots(status: int, slots: object) -> int | None:
     return sum(1 for slot in slots if isinstance(slot, dict) and slot.get("is_processing"))
 
 
+LoopWork = tuple[tuple[int, int], ...]  # (task id, tokens decoded) of each slot processing a request
+
+
+def loop_work(status: int, slots: object) -> LoopWork | None:
+    """What /slots says the inference loop is doing; None when it did not answer.
+
+    llama-server answers /slots from its inference loop, between two batches (/health from
+    its HTTP thread), so an answer at all means the loop turns. A build that cannot say
+    (--no-slots, an error status) gives () like an idle one: no stall is read from it.
+    """
+    if status == 0:
+        return None
+    if status != 200 or not isinstance(slots, list):
+        return ()
+    work = []
+    for slot in slots:
+        if not isinstance(slot, dict) or not slot.get("is_processing"):
+            continue
+        nexts = slot.get("next_token")
+        first = nexts[0] if isinstance(nexts, list) and nexts and isinstance(nexts[0], dict) else {}
+        decoded = first.get("n_decoded", 0)
+        task = slot.get("id_task", -1)
+        work.append((task if isinstance(task, int) else -1, decoded if isinstance(decoded, int) else 0))
+    return tuple(sorted(work))
+
+
 def rename_llama_series(text: str, labels: dict[str, str]) -> list[Metric]:
     """/metrics text as `lanes_llama_*` families with our labels added.
 
