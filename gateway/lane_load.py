@@ -45,7 +45,7 @@ def judge(read: SlotsRead, parallel: int, unanswered_since: float | None, now: f
     if kind == "unknown":
         return Verdict(None, None)
     since = now if unanswered_since is None else unanswered_since
-    stalled = f"/slots unanswered for {stall_after:g} s or more (its inference loop)" if now - since >= stall_after else ""
+    stalled = f"stalled: /slots unanswered for {stall_after:g} s or more (its inference loop)" if now - since >= stall_after else ""
     return Verdict(parallel, since, stalled)
 
 

@@ -29,6 +29,11 @@ Behaviour knobs (environment):
   FAKE_LLAMA_OOM_ABOVE_CTX=N   fail to allocate the KV cache when the total context is > N
   FAKE_LLAMA_CRASH_AFTER=S     exit 139 ("Segmentation fault") S seconds after becoming healthy
   FAKE_LLAMA_CRASH_SIGNAL=1    with CRASH_AFTER: die of a real SIGSEGV instead of exit(139)
+  FAKE_LLAMA_STALL=1           the first completion stops the inference loop for good (a stuck
+                               decode): it never answers, its slot stays busy, and the endpoints
+                               the real binary answers from its loop (tests/llama_busy_loop.json,
+                               recorded by bench/busy_loop_probe.py: /slots, /metrics) answer
+                               nothing, while those of its HTTP thread (/health, /props) still do
   FAKE_LLAMA_LOG_PREFIX=0      drop the `0.00.153.786 I ` time/level prefix of log lines
                                (new builds print it; old builds never do)
   FAKE_LLAMA_RECORD_TO=FILE    (recording only) a shape with no record is appended to FILE
@@ -505,6 +510,8 @@ class Handler(BaseHTTPRequestHandler):
             self._send(503, _LOADING)
             return
         path = self.path.split("?", 1)[0]
+        if _LOOP_STOPPED.is_set() and path in _answered_by_loop():
+            threading.Event().wait()  # queued for a loop that never comes round: no answer, ever
         route = _GET_ROUTES if self.command in ("GET", "HEAD") else _POST_ROUTES
         fn = route.get(path)
         if fn is None:
@@ -624,13 +631,34 @@ def _reply_delay() -> None:
                 _PROCESSING[0] -= 1
 
 
+_LOOP_STOPPED = threading.Event()
+BUSY_LOOP = Path(__file__).with_name("llama_busy_loop.json")
+
+
+def _answered_by_loop() -> frozenset[str]:
+    """The endpoints the real binary answers from its inference loop, as recorded (never guessed)."""
+    return frozenset(json.loads(BUSY_LOOP.read_text())["answered_by_loop"])
+
+
+def _stall() -> None:
+    """FAKE_LLAMA_STALL: this request's decode never ends, and the loop with it."""
+    if os.environ.get("FAKE_LLAMA_STALL", "") in ("", "0"):
+        return
+    with _PROCESSING_LOCK:
+        _PROCESSING[0] += 1
+    _LOOP_STOPPED.set()
+    threading.Event().wait()
+
+
 def _completion():
+    _stall()
     _reply_delay()
     return 200, {"content": "fake", "stop": True, "tokens_predicted": 1, "tokens_evaluated": 1,
                  "model": STATE.alias}
 
 
 def _chat():
+    _stall()
     _reply_delay()
     return 200, {
         "id": "chatcmpl-fake",

@@ -257,7 +257,7 @@ def test_a_slots_read_that_times_out_counts_against_the_lane_then_stalls_it():
     later = judge(("timeout", 0), 4, unanswered_since=10.0, now=69.9, stall_after=60)
     assert later.reported == 4 and later.unanswered_since == 10.0 and not later.stalled
     stuck = judge(("timeout", 0), 4, unanswered_since=10.0, now=70.0, stall_after=60)
-    assert stuck.stalled.startswith("/slots unanswered for 60 s")
+    assert stuck.stalled.startswith("stalled: /slots unanswered for 60 s")
     assert stuck.stalled == judge(("timeout", 0), 4, 10.0, now=99.0, stall_after=60).stalled  # one reason: no churn
     unknown = judge(("unknown", 0), 4, unanswered_since=10.0, now=99.0, stall_after=60)  # --no-slots, an error
     assert (unknown.reported, unknown.unanswered_since, unknown.stalled, unknown.progressing) == (None, None, "", False)

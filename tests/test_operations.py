@@ -220,6 +220,70 @@ async def _plan_rev(nc, at_least: int = 1) -> bool:
     return "h1" in found and found["h1"].plan_revision >= at_least
 
 
+async def test_a_lane_whose_inference_loop_stalls_leaves_rotation_and_is_restarted(nats_server, tmp_path, models):
+    """The fake's recorded stall: a request that never finishes stops the loop; /health still answers
+    (llama-server's HTTP thread), /slots does not. The gateway takes the lane out of rotation
+    (its /slots unanswered), the agent reports it unresponsive and restarts it like a wedged lane."""
+    import aiohttp
+
+    from gateway.service import Gateway, run_gateway
+    from gateway.settings import GatewaySettings
+
+    binary = fake_binary(tmp_path / "bin", env={"FAKE_LLAMA_STALL": "1"})
+    cfg = agent_config(tmp_path, "h1", models, binary, probe_interval=0.3, probe_timeout=0.5, stall_seconds=2.0)
+    events: list[LaneEvent] = []
+
+    async def on_event(msg):
+        events.append(msgspec.json.decode(msg.data, type=LaneEvent))
+
+    gw = Gateway(GatewaySettings(port=0, slots_interval=0.2, probe_timeout=0.3, slots_stall_after=1.0))
+    stop = asyncio.Event()
+    async with client(nats_server.url) as nc, services(nats_server.url) as svc, aiohttp.ClientSession() as http:
+        await nc.subscribe(subjects.ALL_EVENTS, cb=on_event)
+        svc.start_planner()
+        svc.start_agent(cfg)
+        gateway = asyncio.create_task(run_gateway(nats_server.url, stop, gateway=gw))
+        try:
+
+            async def healthy():
+                lane = lane_of(await host_status(nc, "h1"), "llama8-0")
+                return lane if lane and lane.state == "healthy" else None
+
+            first = await eventually(healthy, timeout=40, what="lane healthy")
+            route = await eventually(lambda: next(iter(gw.view.routable("llama8")), None), timeout=20, what="routable")
+
+            async def never_answered() -> None:
+                try:
+                    await http.post(route.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+                except aiohttp.ClientError:
+                    pass  # its lane was killed and restarted
+
+            stuck = asyncio.create_task(never_answered())
+            # Out of the gateway's rotation while its /health still answers.
+            await eventually(lambda: not gw.view.routable("llama8"), timeout=10, what="out of rotation")
+            async with http.get(route.url + "/health") as resp:
+                assert resp.status == 200
+            assert gw.view.stalled.get(route.key, "").startswith("stalled: /slots unanswered") or (
+                gw.view.lanes()[0].state != "healthy")  # or its agent was quicker
+
+            async def restarted():
+                lane = lane_of(await host_status(nc, "h1"), "llama8-0")
+                assert lane is None or lane.state != "failed", f"the lane failed for good: {lane.last_error}"
+                return lane if lane and lane.state == "healthy" and lane.pid != first.pid else None
+
+            again = await eventually(restarted, timeout=30, what="the stalled lane restarted")
+            stuck.cancel()
+            seen = [(e.event, e.detail) for e in events if e.lane_id == "llama8-0" and e.pid == first.pid]
+            assert [e for e, _ in seen][-2:] == ["unresponsive", "crashed"], seen
+            assert seen[-2][1].startswith("stalled: ") and "/slots unanswered" in seen[-2][1]
+            assert again.restarts == 1 and not pid_alive(first.pid)
+            # Back in the gateway's rotation once its new process answers /slots.
+            await eventually(lambda: gw.view.routable("llama8"), timeout=20, what="back in rotation")
+        finally:
+            stop.set()
+            await asyncio.wait_for(gateway, 15)
+
+
 async def test_a_wedged_lane_is_marked_unresponsive_then_restarted_like_a_crash(nats_server, tmp_path, models):
     cfg = agent_config(tmp_path, "h1", models, fake_binary(tmp_path / "bin"), probe_interval=0.3, probe_failures=2,
                        probe_timeout=0.5)  # fmt: skip
