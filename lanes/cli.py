@@ -86,6 +86,12 @@ def _add_gateway_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue-wait", type=float, default=d.queue_wait, help="seconds a request waits for a slot")
     p.add_argument("--request-timeout", type=float, default=d.request_timeout, help="seconds per request, in all")
     p.add_argument("--connect-timeout", type=float, default=d.connect_timeout, help="seconds to reach a lane")
+    p.add_argument("--first-byte-timeout", type=float, default=d.first_byte_timeout,
+                   help="seconds a streamed answer may take to its first token before its lane counts as stalled "
+                   "(the request goes to another); default: from the prompt's size and the lane's measured "
+                   "prefill speed, at least 30 s")  # fmt: skip
+    p.add_argument("--stream-idle-timeout", type=float, default=d.stream_idle_timeout,
+                   help="seconds with no byte in the middle of a stream before its lane counts as stalled")
     p.add_argument("--no-affinity", action="store_true",
                    help="route by most free slots only, not to the lane holding the prompt's prefix")  # fmt: skip
     _add_load_timeout(p)
