@@ -70,3 +70,12 @@ def test_affinity_bench_small(tmp_path, llama_server):
     data = json.loads(out.with_suffix(".json").read_text())
     assert data["affinity"]["requests"] == data["most_free_slots"]["requests"] == 6
     assert "cached-token ratio, turns 2+" in out.read_text()
+
+
+def test_gateway_loop_lag_small(tmp_path):
+    out = tmp_path / "lag.json"
+    result = run("gateway_loop_lag.py", "--streams", "4", "--seconds", "3", "--tokens", "10", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    found = json.loads(out.read_text())
+    assert found["streams"] == 4 and found["failed"] == 0 and found["streams_done"] >= 4
+    assert found["loaded"]["samples"] > 0 and found["loaded"]["p99_ms"] >= found["loaded"]["p50_ms"]
