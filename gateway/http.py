@@ -139,7 +139,7 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
 
 
 async def _answer(
-    request: web.Request, model: waking.ModelView, name: str, payload: dict, body: bytes, started: float, label: str
+    request: web.Request, model: waking.ModelView, name: str, payload: object, body: bytes, started: float, label: str
 ) -> web.StreamResponse:
     app, view = request.app, request.app[VIEW]
     response = await _held(request, model) if model.state != "ready" else None
@@ -153,7 +153,8 @@ async def _answer(
             mark = fingerprint(lanes[0].model, prompt.text) if prompt is not None and lanes else None
             if tokens is None and prompt is not None and prompt.kind != "embedding":
                 tokens = prompt.token_bound()  # an upper bound: a first-byte timeout on the safe side
-            shape = Shape(label, mark, too_small, tokens, payload.get("stream") is True)
+            streamed = isinstance(payload, dict) and payload.get("stream") is True
+            shape = Shape(label, mark, too_small, tokens, streamed)
             response = await _forward(request, name, body, started, shape)
     return response
 
