@@ -220,23 +220,29 @@ async def _plan_rev(nc, at_least: int = 1) -> bool:
     return "h1" in found and found["h1"].plan_revision >= at_least
 
 
-async def test_a_lane_whose_inference_loop_stalls_leaves_rotation_and_is_restarted(nats_server, tmp_path, models):
+@pytest.mark.parametrize("noticed_by", ["first-byte", "slots"])
+async def test_a_lane_whose_inference_loop_stalls_leaves_rotation_and_is_restarted(nats_server, tmp_path, models,
+                                                                                   noticed_by):  # fmt: skip
     """The fake's recorded stall: a request that never finishes stops the loop; /health still answers
-    (llama-server's HTTP thread), /slots does not. The gateway takes the lane out of rotation
-    (its /slots unanswered), the agent reports it unresponsive and restarts it like a wedged lane."""
+    (llama-server's HTTP thread), /slots does not. The gateway takes the lane out of rotation (a
+    streamed request with no first token in time, or its /slots unanswered), the agent reports it
+    unresponsive and restarts it like a wedged lane, and it comes back once its /slots answers."""
     import aiohttp
 
     from gateway.service import Gateway, run_gateway
     from gateway.settings import GatewaySettings
 
     binary = fake_binary(tmp_path / "bin", env={"FAKE_LLAMA_STALL": "1"})
-    cfg = agent_config(tmp_path, "h1", models, binary, probe_interval=0.3, probe_timeout=0.5, stall_seconds=2.0)
+    # The agent is slower than the gateway here (stall_seconds), so the gateway's own notice is seen.
+    cfg = agent_config(tmp_path, "h1", models, binary, probe_interval=0.3, probe_timeout=0.5, stall_seconds=4.0)
     events: list[LaneEvent] = []
 
     async def on_event(msg):
         events.append(msgspec.json.decode(msg.data, type=LaneEvent))
 
-    gw = Gateway(GatewaySettings(port=0, slots_interval=0.2, probe_timeout=0.3, slots_stall_after=1.0))
+    first_byte = noticed_by == "first-byte"
+    gw = Gateway(GatewaySettings(port=0, slots_interval=0.2, probe_timeout=0.3, first_byte_timeout=1.0,
+                                 slots_stall_after=30.0 if first_byte else 1.0))  # fmt: skip
     stop = asyncio.Event()
     async with client(nats_server.url) as nc, services(nats_server.url) as svc, aiohttp.ClientSession() as http:
         await nc.subscribe(subjects.ALL_EVENTS, cb=on_event)
@@ -251,20 +257,27 @@ async def test_a_lane_whose_inference_loop_stalls_leaves_rotation_and_is_restart
 
             first = await eventually(healthy, timeout=40, what="lane healthy")
             route = await eventually(lambda: next(iter(gw.view.routable("llama8")), None), timeout=20, what="routable")
+            chat = {"model": "llama8", "messages": [{"role": "user", "content": "hi"}], "stream": first_byte}
 
             async def never_answered() -> None:
                 try:
-                    await http.post(route.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+                    await http.post(route.url + "/v1/chat/completions", json=chat)
                 except aiohttp.ClientError:
                     pass  # its lane was killed and restarted
 
-            stuck = asyncio.create_task(never_answered())
+            if first_byte:  # through the gateway: no first token within 1 s, and no other lane to try
+                async with http.post(gw.url + "/v1/chat/completions", json=chat) as resp:
+                    assert resp.status == 504 and resp.headers["Retry-After"]
+                    assert (await resp.json())["error"]["code"] == "lane_stalled"
+                expected = "stalled: no first token within 1 s"
+            else:  # straight to the lane, as another client would
+                stuck = asyncio.create_task(never_answered())
+                expected = "stalled: /slots unanswered for 1 s"
             # Out of the gateway's rotation while its /health still answers.
             await eventually(lambda: not gw.view.routable("llama8"), timeout=10, what="out of rotation")
             async with http.get(route.url + "/health") as resp:
                 assert resp.status == 200
-            assert gw.view.stalled.get(route.key, "").startswith("stalled: /slots unanswered") or (
-                gw.view.lanes()[0].state != "healthy")  # or its agent was quicker
+            assert expected in gw.view.stalled.get(route.key, ""), gw.view.stalled
 
             async def restarted():
                 lane = lane_of(await host_status(nc, "h1"), "llama8-0")
@@ -272,7 +285,8 @@ async def test_a_lane_whose_inference_loop_stalls_leaves_rotation_and_is_restart
                 return lane if lane and lane.state == "healthy" and lane.pid != first.pid else None
 
             again = await eventually(restarted, timeout=30, what="the stalled lane restarted")
-            stuck.cancel()
+            if not first_byte:
+                stuck.cancel()
             seen = [(e.event, e.detail) for e in events if e.lane_id == "llama8-0" and e.pid == first.pid]
             assert [e for e, _ in seen][-2:] == ["unresponsive", "crashed"], seen
             assert seen[-2][1].startswith("stalled: ") and "/slots unanswered" in seen[-2][1]
