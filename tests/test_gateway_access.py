@@ -126,3 +126,18 @@ async def test_the_config_change_takes_the_admin_key_not_an_api_key(served):
     async with aiohttp.ClientSession() as http:
         async with http.post(url + "/dashboard/api/config", json={}, headers={"Authorization": f"Bearer {KEY}"}) as resp:
             assert resp.status == 401 and "admin key" in (await resp.json())["error"]["message"]
+
+
+def test_planner_and_agent_metrics_listen_on_loopback_unless_told():
+    import inspect
+
+    from lanes.cli import build_parser
+    from launcher_agent.config import AgentConfig
+    from planner_svc.service import run_planner
+
+    parser = build_parser()
+    for command in (["planner"], ["agent"]):
+        assert parser.parse_args([*command, "--metrics-port", "9180"]).metrics_bind == "127.0.0.1"
+        assert parser.parse_args([*command, "--metrics-bind", "0.0.0.0"]).metrics_bind == "0.0.0.0"
+    assert inspect.signature(run_planner).parameters["metrics_host"].default == "127.0.0.1"
+    assert AgentConfig.__dataclass_fields__["metrics_host"].default == "127.0.0.1"
