@@ -144,8 +144,9 @@ def add_dashboard(app: web.Application, hub: DashboardHub, *, nc_getter, admin_k
         keys = request.app[SETTINGS].api_keys
         response = web.json_response({"expires_in": access.SESSION_SECONDS if keys else None})
         if keys:
-            response.set_cookie(access.COOKIE, access.session_token(keys, time.time()), max_age=access.SESSION_SECONDS,
-                                path=access.COOKIE_PATH, httponly=True, samesite="Strict", secure=request.secure)  # fmt: skip
+            token = access.session_token(keys, time.time())
+            response.set_cookie(access.COOKIE, token, max_age=access.SESSION_SECONDS, path=access.COOKIE_PATH,
+                                httponly=True, samesite="Strict", secure=request.secure)  # fmt: skip
         return response
 
     async def set_config(request: web.Request) -> web.Response:

@@ -210,7 +210,9 @@ class Shape:
     streamed: bool = False  # "stream": true: the first token's time is the first byte's
 
 
-async def _forward(request: web.Request, name: str, body: bytes, started: float, shape: Shape = Shape()) -> web.StreamResponse:
+async def _forward(
+    request: web.Request, name: str, body: bytes, started: float, shape: Shape = Shape()
+) -> web.StreamResponse:
     """Tries lanes until one answers or routing gives up; each failure goes into the history it decides on."""
     app = request.app
     view, admission, settings = app[VIEW], app[ADMISSION], app[SETTINGS]

@@ -45,7 +45,9 @@ def judge(read: SlotsRead, parallel: int, unanswered_since: float | None, now: f
     if kind == "unknown":
         return Verdict(None, None)
     since = now if unanswered_since is None else unanswered_since
-    stalled = f"stalled: /slots unanswered for {stall_after:g} s or more (its inference loop)" if now - since >= stall_after else ""
+    stalled = ""
+    if now - since >= stall_after:
+        stalled = f"stalled: /slots unanswered for {stall_after:g} s or more (its inference loop)"
     return Verdict(parallel, since, stalled)
 
 

@@ -112,7 +112,8 @@ class Supervisor:
         ready = await proc.probe_health() if ask == "ready" else None
         alive, loop = None, "unasked"
         if ask == "alive":  # /health (its HTTP thread) and /slots (its inference loop) side by side
-            alive, loop = await asyncio.gather(proc.alive(self.cfg.probe_timeout), proc.loop_work(self.cfg.probe_timeout))
+            timeout = self.cfg.probe_timeout
+            alive, loop = await asyncio.gather(proc.alive(timeout), proc.loop_work(timeout))
         proc.read_log()
         if ready is not None and ready[0] == "healthy" and lane.spec.workers:
             problem = span_problem(lane.spec, proc.buffer_lines)
