@@ -164,12 +164,28 @@ def _markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def fake_table(result: dict) -> dict:
+    """What tests/fake_llama_server.py repeats: which endpoints waited for the loop during the prefill
+    (their longest answer there at least 0.5 s and 5 times their longest idle one), with the figures."""
+    by_loop, by_thread = [], []
+    for path in ENDPOINTS:
+        row = result["endpoints"].get(path, {})
+        idle, prefill = row.get("idle", {}).get("max_s", 0), row.get("prefill", {}).get("max_s", 0)
+        (by_loop if prefill >= 0.5 and prefill >= 5 * idle else by_thread).append(path)
+    return {"answered_by_loop": by_loop, "answered_by_http_thread": by_thread,
+            "recorded": {k: result[k] for k in ("binary", "machine", "model", "prompt_tokens",
+                                                "prefill_tokens_per_second", "first_token_s")},
+            "longest_answer_during_prefill_s": {p: result["endpoints"].get(p, {}).get("prefill", {}).get("max_s")
+                                                for p in ENDPOINTS}}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt-tokens", type=int, default=6000)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "bench" / "busy_loop.json"))
     ap.add_argument("--llama-server")
+    ap.add_argument("--fake-table", help="also write what the fake repeats (tests/llama_busy_loop.json)")
     args = ap.parse_args()
     binary = args.llama_server or find_llama_server()
     if binary is None:
@@ -177,6 +193,8 @@ def main() -> None:
     model = ensure_demo_model(Path(tempfile.gettempdir()) / "lanes-demo-model")
     result = asyncio.run(measure(binary, model, args.prompt_tokens, args.threads))
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    if args.fake_table:
+        Path(args.fake_table).write_text(json.dumps(fake_table(result), indent=1) + "\n")
     print(_markdown(result))
 
 
