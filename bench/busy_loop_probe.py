@@ -62,12 +62,13 @@ async def _ask(http: aiohttp.ClientSession, url: str) -> tuple[float, int, objec
 async def measure(binary: str, model: Path, prompt_tokens: int, threads: int) -> dict:
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
-    ctx = prompt_tokens + 512
+    ctx = 2 * prompt_tokens + 1024  # room for the tokenizer's count, whatever the words become
     argv = [binary, "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-c", str(ctx), "-np", "1",
             "--slots", "--metrics", "-t", str(threads), "--no-webui"]  # fmt: skip
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     phase = "starting"
+    t0 = time.perf_counter()
     seen: dict[str, dict[str, list[float]]] = {}
     failed: dict[str, dict[str, int]] = {}
     slot_samples: list[dict] = []
@@ -93,7 +94,9 @@ async def measure(binary: str, model: Path, prompt_tokens: int, threads: int) ->
                     if path == "/slots" and isinstance(data, list) and data:
                         slot = data[0]
                         slot_samples.append({"phase": at, "took": round(took, 3), "is_processing": slot.get("is_processing"),
-                                             "id_task": slot.get("id_task"),
+                                             "id_task": slot.get("id_task"), "at": round(time.perf_counter() - t0, 2),
+                                             "n_prompt_tokens": slot.get("n_prompt_tokens"),
+                                             "n_prompt_tokens_processed": slot.get("n_prompt_tokens_processed"),
                                              "next_token": slot.get("next_token"),
                                              "keys": sorted(slot)})  # fmt: skip
                     await asyncio.sleep(0.1)
@@ -101,18 +104,25 @@ async def measure(binary: str, model: Path, prompt_tokens: int, threads: int) ->
             phase = "idle"
             pollers = [asyncio.create_task(poll(p)) for p in ENDPOINTS]
             await asyncio.sleep(2)
-            # A prompt of about `prompt_tokens` tokens: short distinct words (Gemma's tokenizer: ~1 token each).
-            words = " ".join(f"w{i % 997}" for i in range(prompt_tokens // 2))
+            # A prompt of about `prompt_tokens` tokens, as the lane's own tokenizer counts them.
+            words = " ".join(f"w{i % 997}" for i in range(prompt_tokens))
+            async with http.post(base + "/tokenize", json={"content": words}) as resp:
+                per_word = len((await resp.json())["tokens"]) / prompt_tokens
+            words = " ".join(f"w{i % 997}" for i in range(int(prompt_tokens / per_word)))
             body = {"messages": [{"role": "user", "content": words + "\nSay ok."}], "stream": True,
                     "max_tokens": 64, "ignore_eos": True, "timings_per_token": True}  # fmt: skip
             phase = "prefill"
             sent = time.perf_counter()
-            first = None
+            first = first_byte = None
             timings = None
             async with http.post(base + "/v1/chat/completions", json=body,
                                  timeout=aiohttp.ClientTimeout(total=1800)) as resp:  # fmt: skip
                 headers_after = time.perf_counter() - sent
+                if resp.status != 200:
+                    raise SystemExit(f"the lane answered {resp.status}: {(await resp.text())[:500]}")
                 async for line in resp.content:
+                    if first_byte is None and line.strip():
+                        first_byte = time.perf_counter() - sent
                     if line.startswith(b"data: ") and b"[DONE]" not in line:
                         chunk = json.loads(line[6:])
                         if first is None and chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
@@ -143,17 +153,26 @@ async def measure(binary: str, model: Path, prompt_tokens: int, threads: int) ->
         "n_batch": 2048,
         "headers_after_s": round(headers_after, 3),
         "first_token_s": round(first or 0, 3),
+        "first_body_byte_s": round(first_byte or 0, 3),
         "answer_s": round(done, 3),
         "endpoints": table,
         "slot_fields": slot_samples[-1]["keys"] if slot_samples else [],
-        "slot_samples": [s for s in slot_samples if s["phase"] in ("prefill", "generation")][:40],
+        "slot_samples": _spread([s for s in slot_samples if s["phase"] in ("prefill", "generation")], 40),
     }
+
+
+def _spread(items: list, n: int) -> list:
+    """n of the items, evenly spread from first to last."""
+    if len(items) <= n:
+        return items
+    return [items[round(i * (len(items) - 1) / (n - 1))] for i in range(n)]
 
 
 def _markdown(result: dict) -> str:
     lines = [f"llama-server {' '.join(result['binary'])}; {result['model']}; {result['machine']}; prompt "
              f"{result['prompt_tokens']} tokens at {result['prefill_tokens_per_second']} tok/s; "
-             f"stream headers after {result['headers_after_s']} s, first token after {result['first_token_s']} s",
+             f"stream headers after {result['headers_after_s']} s, first body byte after {result['first_body_byte_s']} s, "
+             f"first token after {result['first_token_s']} s",
              "", "| endpoint | idle: max s | prefill: max s (median) | generation: max s | failed |", "|---|---|---|---|---|"]
     for path in ENDPOINTS:
         row = result["endpoints"].get(path, {})
