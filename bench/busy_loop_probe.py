@@ -98,7 +98,8 @@ async def measure(binary: str, model: Path, prompt_tokens: int, threads: int) ->
                                              "n_prompt_tokens": slot.get("n_prompt_tokens"),
                                              "n_prompt_tokens_processed": slot.get("n_prompt_tokens_processed"),
                                              "next_token": slot.get("next_token"),
-                                             "keys": sorted(slot)})  # fmt: skip
+                                             "keys": sorted(slot),
+                                             "slot": {k: v for k, v in slot.items() if k != "params"}})  # fmt: skip
                     await asyncio.sleep(0.1)
 
             phase = "idle"
@@ -195,7 +196,10 @@ def fake_table(result: dict) -> dict:
             "recorded": {k: result[k] for k in ("binary", "machine", "model", "prompt_tokens",
                                                 "prefill_tokens_per_second", "first_token_s")},
             "longest_answer_during_prefill_s": {p: result["endpoints"].get(p, {}).get("prefill", {}).get("max_s")
-                                                for p in ENDPOINTS}}  # fmt: skip
+                                                for p in ENDPOINTS},
+            # A busy slot as /slots showed it mid-prefill, between two batches: what a stuck loop leaves.
+            "slot_during_prefill": next((s["slot"] for s in reversed(result["slot_samples"])
+                                         if s["phase"] == "prefill" and s.get("slot")), None)}  # fmt: skip
 
 
 def main() -> None:

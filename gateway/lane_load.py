@@ -6,11 +6,11 @@ admission counts the larger of its own requests in flight and the busy slots rea
 taken for free. A lane that cannot say (--no-slots, an error status) keeps only the
 gateway's own count.
 
-llama-server answers /slots from its inference loop, between two batches, while /health
-comes from its HTTP thread (bench/RESULTS.md, "A busy loop"). So a /slots read that times
-out counts against the lane: all its slots are taken as busy. One that stays unanswered
-for `stall_after` seconds takes the lane out of rotation as stalled (its /health still
-answers), until its /slots answers again.
+llama-server answers /slots within milliseconds even while its loop is deep in a long
+prefill (bench/RESULTS.md, "A busy loop"), so a /slots read that times out says the lane is
+in trouble, not free: it counts against the lane (all its slots taken as busy). One that
+stays unanswered for `stall_after` seconds takes the lane out of rotation as stalled (its
+/health may still answer), until its /slots answers again.
 """
 
 from __future__ import annotations

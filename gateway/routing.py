@@ -94,9 +94,9 @@ def unreachable_reason(attempt: Attempt) -> str:
 def stalled_reason(attempt: Attempt) -> str:
     """Why the lane is taken out of rotation until its /slots answers again; "" if it is not.
 
-    Its /health still answers (llama-server's HTTP thread serves it without the inference
-    loop: bench/RESULTS.md, "A busy loop"), so a stalled lane stays out until the loop
-    itself answers, not until the next /health probe.
+    Its /health still answers (llama-server's HTTP thread serves it whatever its inference
+    loop does), so a stalled lane stays out until its /slots answers again, not until the
+    next /health probe; its agent restarts it if its loop stays stuck (launcher_agent/health.py).
     """
     return describe(attempt) if attempt.failure is Failure.STALLED else ""
 

@@ -41,7 +41,7 @@ def agent_config(args: argparse.Namespace, data_dir: Path) -> AgentConfig:
         dry_run=getattr(args, "dry_run", False),
         probe_interval=getattr(args, "probe_interval", 5.0),
         probe_failures=getattr(args, "probe_failures", 3),
-        stall_seconds=getattr(args, "stall_seconds", 60.0),
+        stall_seconds=getattr(args, "stall_seconds", 120.0),
         rpc_servers=tuple(e for e in (getattr(args, "rpc", None) or "").split(",") if e),
         advertise=getattr(args, "advertise", None) or "",
         metrics_port=getattr(args, "metrics_port", None),

@@ -208,9 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probe-interval", type=float, default=5.0, help="seconds between /health probes of a serving lane")
     p.add_argument("--probe-failures", type=_positive, default=3,
                    help="missed probes in a row that make a lane unresponsive (then it is restarted)")  # fmt: skip
-    p.add_argument("--stall-seconds", type=float, default=60.0,
-                   help="seconds a lane's inference loop may make no progress (/slots unanswered, no token) "
-                   "before it is unresponsive and restarted")  # fmt: skip
+    p.add_argument("--stall-seconds", type=float, default=120.0,
+                   help="seconds a lane's inference loop may make no progress (/slots unanswered, or no prompt "
+                   "batch and no token) before it is unresponsive and restarted; above the longest prompt batch")  # fmt: skip
     _add_rpc_worker(p)
 
     p = sub.add_parser("gateway", help="OpenAI-compatible gateway in front of every lane")

@@ -30,7 +30,7 @@ class AgentConfig:
     probe_interval: float = 5.0
     probe_failures: int = 3
     probe_timeout: float = 2.0
-    stall_seconds: float = 60.0  # no progress of a lane's inference loop this long: stalled, restarted
+    stall_seconds: float = 120.0  # no progress of a lane's inference loop this long: stalled, restarted
     feedback_ttl: float = 6 * 3600.0  # seconds an out-of-memory cap or a busy port is remembered
     # ggml-rpc-server endpoints this host's lanes may use as GPU-type devices (--rpc), in order.
     rpc_servers: tuple[str, ...] = ()

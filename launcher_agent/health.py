@@ -49,9 +49,9 @@ class Rules:
     probe_interval: float = 5.0
     probe_failures: int = 3
     # Seconds without progress of the inference loop (its /slots unanswered, or busy slots
-    # decoding no token) before the lane is stalled: above the longest batch the loop runs
-    # without answering (bench/RESULTS.md, "A busy loop").
-    stall_seconds: float = 60.0
+    # with the same counters) before the lane is stalled: above the longest prompt batch
+    # (2048 tokens took 8 to 21 s for Gemma 270M on 2 cores: bench/RESULTS.md, "A busy loop").
+    stall_seconds: float = 120.0
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,8 @@ def _serving(health: LaneHealth, probe: Probe, now: float, rules: Rules) -> Outc
         health = _loop_progress(replace(health, missed_probes=0), probe.loop, now)
         if health.stuck_since is not None and now - health.stuck_since >= rules.stall_seconds:
             why = (f"stalled: its inference loop made no progress for {now - health.stuck_since:.0f} s "
-                   f"({'/slots unanswered' if probe.loop is None else 'busy slots decoded no token'}; /health answers)")
+                   f"({'/slots unanswered' if probe.loop is None else 'busy slots processed no prompt batch and no token'}"
+                   "; /health answers)")
             down = replace(health, state="unresponsive", last_error=why)
             return Outcome(down, (("unresponsive", why),), (CheckUse(),))
         return Outcome(health, feedback=(CheckUse(),))
@@ -151,13 +152,13 @@ def _serving(health: LaneHealth, probe: Probe, now: float, rules: Rules) -> Outc
 def _loop_progress(health: LaneHealth, loop: tuple | None | str, now: float) -> LaneHealth:
     """Fold one /slots look into the lane's progress record.
 
-    Progress: the loop answered and is idle, or works on something new, or is still in a
-    prompt (no token decoded yet: it answered between two batches, so it turns). No progress:
-    /slots unanswered, or the same busy slots at the same token counts as last time.
+    Progress: the loop answered and is idle, or its busy slots' counters moved (a batch of
+    the prompt, a token). No progress: /slots unanswered, or the same busy slots at the same
+    counts as last time (a batch takes seconds: `stall_seconds` must exceed the longest).
     """
     if loop == "unasked":
         return health
-    moving = loop is not None and (not loop or loop != health.loop_mark or any(n == 0 for _, n in loop))
+    moving = loop is not None and (not loop or loop != health.loop_mark)
     if moving:
         return replace(health, loop_mark=loop, stuck_since=None)
     return replace(health, stuck_since=health.stuck_since if health.stuck_since is not None else now)

@@ -30,10 +30,12 @@ Behaviour knobs (environment):
   FAKE_LLAMA_CRASH_AFTER=S     exit 139 ("Segmentation fault") S seconds after becoming healthy
   FAKE_LLAMA_CRASH_SIGNAL=1    with CRASH_AFTER: die of a real SIGSEGV instead of exit(139)
   FAKE_LLAMA_STALL=1           the first completion stops the inference loop for good (a stuck
-                               decode): it never answers, its slot stays busy, and the endpoints
-                               the real binary answers from its loop (tests/llama_busy_loop.json,
-                               recorded by bench/busy_loop_probe.py: /slots, /metrics) answer
-                               nothing, while those of its HTTP thread (/health, /props) still do
+                               decode): it never answers and its slot stays busy with the counters
+                               the real binary showed mid-prefill, never moving; the endpoints go on
+                               answering as the real binary's did while its loop was busy
+                               (tests/llama_busy_loop.json, recorded by bench/busy_loop_probe.py:
+                               all of them answered within 0.1 s; one recorded as answered by the
+                               loop would answer nothing)
   FAKE_LLAMA_LOG_PREFIX=0      drop the `0.00.153.786 I ` time/level prefix of log lines
                                (new builds print it; old builds never do)
   FAKE_LLAMA_RECORD_TO=FILE    (recording only) a shape with no record is appended to FILE
@@ -538,7 +540,7 @@ _PROCESSING_LOCK = threading.Lock()
 
 
 def _slot(i: int) -> dict:
-    return {
+    slot = {
         "id": i,
         "id_task": -1,
         "n_ctx": STATE.n_ctx_slot,
@@ -546,6 +548,11 @@ def _slot(i: int) -> dict:
         "is_processing": i < _PROCESSING[0],
         "params": {"n_predict": -1, "temperature": 0.8, "top_k": 40, "top_p": 0.95},
     }
+    if i == 0 and _LOOP_STOPPED.is_set():  # the stuck request's slot, as recorded mid-prefill, frozen
+        recorded = json.loads(BUSY_LOOP.read_text())["slot_during_prefill"]
+        slot.update({k: recorded[k] for k in ("id_task", "n_prompt_tokens", "n_prompt_tokens_processed",
+                                              "next_token")})  # fmt: skip
+    return slot
 
 
 def _health():

@@ -66,11 +66,13 @@ def test_metrics_that_are_not_exposition_text_raise():
     assert endpoints.rename_llama_series("# TYPE other gauge\nother 1\n", {"host": "h"}) == []
 
 
-def test_loop_work_reads_busy_slots_and_their_tokens():
-    slots = [{"id": 0, "id_task": 12, "is_processing": True, "next_token": [{"n_decoded": 40, "n_remain": 10}]},
-             {"id": 1, "id_task": -1, "is_processing": False, "next_token": [{"n_decoded": 0}]},
+def test_loop_work_reads_each_busy_slots_counters():
+    # As b11434's /slots showed them mid-prefill and mid-generation (bench/busy_loop.json).
+    slots = [{"id": 0, "id_task": 40, "is_processing": True, "n_prompt_tokens": 2511,
+              "n_prompt_tokens_processed": 2501, "next_token": [{"n_decoded": 10, "n_remain": 54}]},
+             {"id": 1, "id_task": 39, "is_processing": False, "n_prompt_tokens": 0, "next_token": [{"n_decoded": 0}]},
              {"id": 2, "id_task": 9, "is_processing": True}]  # fmt: skip
-    assert endpoints.loop_work(200, slots) == ((9, 0), (12, 40))
-    assert endpoints.loop_work(0, None) is None  # unanswered: the loop did not come round
+    assert endpoints.loop_work(200, slots) == ((9, -1, -1, -1), (40, 2511, 2501, 10))
+    assert endpoints.loop_work(0, None) is None  # unanswered
     assert endpoints.loop_work(501, {"error": {}}) == ()  # --no-slots: nothing to read a stall from
     assert endpoints.loop_work(200, [{"is_processing": False}]) == ()
