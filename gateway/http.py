@@ -19,7 +19,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway import access, prompts, routing, usage, waking
+from gateway import access, assemble, prompts, routing, usage, waking
 from gateway.admission import Admission, AdmissionError, Lease
 from gateway.affinity import Fingerprint, fingerprint
 from gateway.fleet import FleetView
@@ -154,7 +154,10 @@ async def _answer(
             if tokens is None and prompt is not None and prompt.kind != "embedding":
                 tokens = prompt.token_bound()  # an upper bound: a first-byte timeout on the safe side
             streamed = isinstance(payload, dict) and payload.get("stream") is True
-            shape = Shape(label, mark, too_small, tokens, streamed)
+            kind = assemble.kind_of(request.path, payload)  # a plain answer, asked as a stream
+            if kind is not None:
+                body = assemble.streamed_body(payload)
+            shape = Shape(label, mark, too_small, tokens, streamed, kind)
             response = await _forward(request, name, body, started, shape)
     return response
 
@@ -208,6 +211,7 @@ class Shape:
     too_small: frozenset = frozenset()  # lanes whose window cannot hold it
     tokens: int | None = None  # its prompt's tokens (counted, or their upper bound)
     streamed: bool = False  # "stream": true: the first token's time is the first byte's
+    assembled: str | None = None  # plain, asked of the lane as a stream and put together (gateway/assemble.py)
 
 
 async def _forward(
@@ -234,7 +238,7 @@ async def _forward(
         lane = lease.lane
         remaining = max(0.001, settings.request_timeout - (time.perf_counter() - started))
         wait = remaining
-        if shape.streamed:
+        if shape.streamed or shape.assembled:
             wait = routing.first_byte_timeout(settings.first_byte_timeout, shape.tokens,
                                               admission.counts.prefill_rate.get(lane.key), total=remaining)  # fmt: skip
         upstream, first = None, b""
@@ -246,7 +250,7 @@ async def _forward(
                     headers={"Content-Type": "application/json", "Accept": request.headers.get("Accept", "*/*")},
                     timeout=aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout),
                 )
-                if shape.streamed and upstream.status == 200:
+                if (shape.streamed or shape.assembled) and upstream.status == 200:
                     first = await upstream.content.readany()  # the first token: the prefill is done
         except aiohttp.ClientConnectionError as exc:  # refused, reset, closed before answering
             _drop(upstream, lease)
@@ -268,6 +272,9 @@ async def _forward(
             lease.release()
             history.append(Attempt(lane.key, Failure.STATUS, status=upstream.status))
             continue
+        sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+        if shape.assembled and upstream.status == 200 and sse:  # (a lane that answers plain is relayed as it is)
+            return await _assembled(request, upstream, lease, started, first, shape.assembled)
         return await _relay(request, upstream, lease, started, first)
 
 
@@ -384,6 +391,42 @@ async def _relay(
         lease.release()
         app[WAKER].touch(lane.alias)  # the answer's end counts as use too: a long stream is not idle time
     return resp
+
+
+async def _assembled(
+    request: web.Request, upstream: aiohttp.ClientResponse, lease: Lease, started: float, first_chunk: bytes, kind: str
+) -> web.Response:
+    """A plain answer put together from the lane's stream: a client that leaves closes that stream
+    (the lane stops generating), and a lane that breaks off or stalls is answered as an error,
+    since nothing has reached the client yet."""
+    app, lane, settings = request.app, lease.lane, request.app[SETTINGS]
+    deadline = asyncio.get_running_loop().time() + settings.request_timeout - (time.perf_counter() - started)
+    parts = assemble.Assembler(kind)
+    finished = False
+    try:
+        async for chunk in _chunks(upstream, first_chunk, settings.stream_idle_timeout, deadline):
+            parts.feed(chunk)
+        finished = True
+    except (aiohttp.ClientError, asyncio.TimeoutError, _Stalled, _TimeUp) as exc:
+        return _give_up(_broken(app, lane, exc), settings)
+    except ValueError as exc:  # not the stream llama-server sends
+        return openai_error(502, f"lane {lane.host_id}/{lane.lane_id} sent a stream that is not JSON: {exc}",
+                            "lane_failed")  # fmt: skip
+    finally:
+        if finished:
+            upstream.release()
+        else:
+            upstream.close()  # the lane stops generating
+        lease.release()
+        app[WAKER].touch(lane.alias)
+    if parts.error is not None:
+        status = parts.error.get("error", {}).get("code") if isinstance(parts.error.get("error"), dict) else None
+        return web.json_response(parts.error, status=status if isinstance(status, int) and 400 <= status < 600 else 500)
+    body = msgspec.json.encode(parts.result())
+    _count_usage(app, lane, usage.prompt_usage(body, False))
+    app[METRICS].ttfb.labels(lane.alias).observe(time.perf_counter() - started)
+    return web.Response(body=body, content_type="application/json",
+                        headers={"X-Lanes-Lane": f"{lane.host_id}/{lane.lane_id}"})  # fmt: skip
 
 
 def _broken(app: web.Application, lane, exc: BaseException) -> GiveUp:
