@@ -24,9 +24,10 @@ import msgspec
 
 from gateway.admission import Admission
 from gateway.fleet import LaneKey, LaneRoute
-from shared.llama.endpoints import SLOTS, busy_slots
+from shared.llama.endpoints import SLOTS, LoopWork, busy_slots, loop_work
 
-SlotsRead = tuple[Literal["busy", "timeout", "unknown"], int]  # ("busy", n), ("timeout", 0), ("unknown", 0)
+# ("busy", busy slots, their counters), ("timeout", 0, ()), ("unknown", 0, ())
+SlotsRead = tuple[Literal["busy", "timeout", "unknown"], int, LoopWork]
 
 
 @dataclass(frozen=True)
@@ -34,14 +35,21 @@ class Verdict:
     reported: int | None  # busy slots to count for the lane; None: only the gateway's own requests
     unanswered_since: float | None
     stalled: str = ""  # why the lane is out of rotation as stalled; "" when it is not
-    progressing: bool = False  # its loop answered: a stalled mark goes
+    progressing: bool = False  # its loop is idle or moved since the last read: a stalled mark goes
 
 
-def judge(read: SlotsRead, parallel: int, unanswered_since: float | None, now: float, stall_after: float) -> Verdict:
-    """What one /slots read says of a lane (pure)."""
-    kind, busy = read
+def judge(
+    read: SlotsRead, parallel: int, unanswered_since: float | None, now: float, stall_after: float,
+    before: LoopWork | None = None,
+) -> Verdict:
+    """What one /slots read says of a lane (pure). `before`: its busy slots' counters at the last read.
+
+    An answer alone does not bring a stalled lane back: the binary answers /slots even while its
+    loop is stuck (bench/RESULTS.md, "A busy loop"); an idle lane, or counters that moved, do.
+    """
+    kind, busy, work = read
     if kind == "busy":
-        return Verdict(busy, None, progressing=True)
+        return Verdict(busy, None, progressing=not work or work != before)
     if kind == "unknown":
         return Verdict(None, None)
     since = now if unanswered_since is None else unanswered_since
@@ -55,13 +63,14 @@ async def read_slots(session: aiohttp.ClientSession, lane: LaneRoute, timeout: f
     try:
         async with session.get(lane.url + SLOTS, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             if resp.status != 200:
-                return ("unknown", 0)
-            busy = busy_slots(200, msgspec.json.decode(await resp.read()))
-            return ("unknown", 0) if busy is None else ("busy", busy)
+                return ("unknown", 0, ())
+            slots = msgspec.json.decode(await resp.read())
+            busy, work = busy_slots(200, slots), loop_work(200, slots)
+            return ("unknown", 0, ()) if busy is None else ("busy", busy, work or ())
     except asyncio.TimeoutError:
-        return ("timeout", 0)
+        return ("timeout", 0, ())
     except (aiohttp.ClientError, msgspec.DecodeError):
-        return ("unknown", 0)  # not reached at all: the /health probe takes it out of rotation
+        return ("unknown", 0, ())  # not reached at all: the /health probe takes it out of rotation
 
 
 @dataclass
@@ -70,6 +79,7 @@ class SlotsPoll:
     timeout: float = 1.0
     stall_after: float = 60.0
     unanswered: dict[LaneKey, float] = field(default_factory=dict)  # lane -> loop time its /slots went silent
+    work: dict[LaneKey, LoopWork] = field(default_factory=dict)  # lane -> its busy slots' counters, last read
 
     async def once(self, session: aiohttp.ClientSession) -> None:
         view = self.admission.view
@@ -82,7 +92,10 @@ class SlotsPoll:
         before = dict(reported)
         reported.clear()
         for lane, read in zip(lanes, found):
-            verdict = judge(read, lane.parallel, self.unanswered.get(lane.key), now, self.stall_after)
+            verdict = judge(read, lane.parallel, self.unanswered.get(lane.key), now, self.stall_after,
+                            self.work.get(lane.key))  # fmt: skip
+            if read[0] == "busy":
+                self.work[lane.key] = read[2]
             if verdict.reported is not None:
                 reported[lane.key] = verdict.reported
             if verdict.unanswered_since is None:

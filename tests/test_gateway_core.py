@@ -250,17 +250,28 @@ def test_api_keys_are_checked_against_every_key():
 def test_a_slots_read_that_times_out_counts_against_the_lane_then_stalls_it():
     from gateway.lane_load import judge
 
-    answered = judge(("busy", 1), 4, unanswered_since=None, now=10.0, stall_after=60)
+    working = ((40, 2049, 1, 0),)  # a busy slot's counters, as the binary shows them mid-prefill
+    answered = judge(("busy", 1, working), 4, unanswered_since=None, now=10.0, stall_after=60)
     assert (answered.reported, answered.unanswered_since, answered.stalled, answered.progressing) == (1, None, "", True)
-    first = judge(("timeout", 0), 4, unanswered_since=None, now=10.0, stall_after=60)
+    first = judge(("timeout", 0, ()), 4, unanswered_since=None, now=10.0, stall_after=60)
     assert (first.reported, first.unanswered_since, first.stalled) == (4, 10.0, "")  # every slot busy, not free
-    later = judge(("timeout", 0), 4, unanswered_since=10.0, now=69.9, stall_after=60)
+    later = judge(("timeout", 0, ()), 4, unanswered_since=10.0, now=69.9, stall_after=60)
     assert later.reported == 4 and later.unanswered_since == 10.0 and not later.stalled
-    stuck = judge(("timeout", 0), 4, unanswered_since=10.0, now=70.0, stall_after=60)
+    stuck = judge(("timeout", 0, ()), 4, unanswered_since=10.0, now=70.0, stall_after=60)
     assert stuck.stalled.startswith("stalled: /slots unanswered for 60 s")
-    assert stuck.stalled == judge(("timeout", 0), 4, 10.0, now=99.0, stall_after=60).stalled  # one reason: no churn
-    unknown = judge(("unknown", 0), 4, unanswered_since=10.0, now=99.0, stall_after=60)  # --no-slots, an error
+    assert stuck.stalled == judge(("timeout", 0, ()), 4, 10.0, now=99.0, stall_after=60).stalled  # one reason
+    unknown = judge(("unknown", 0, ()), 4, unanswered_since=10.0, now=99.0, stall_after=60)  # --no-slots, an error
     assert (unknown.reported, unknown.unanswered_since, unknown.stalled, unknown.progressing) == (None, None, "", False)
+
+
+def test_an_answer_brings_a_stalled_lane_back_only_when_its_loop_moved_or_idles():
+    from gateway.lane_load import judge
+
+    frozen = ((40, 5979, 5467, 0),)
+    assert not judge(("busy", 1, frozen), 4, None, 0.0, 60, before=frozen).progressing  # answers, but stuck
+    assert judge(("busy", 1, ((40, 5979, 5979, 1),)), 4, None, 0.0, 60, before=frozen).progressing  # a batch later
+    assert judge(("busy", 0, ()), 4, None, 0.0, 60, before=frozen).progressing  # idle
+    assert judge(("busy", 1, frozen), 4, None, 0.0, 60, before=None).progressing  # nothing to compare with yet
 
 
 def test_a_stalled_lane_leaves_rotation_until_its_slots_answer_not_its_health():
