@@ -93,7 +93,8 @@ async def measure(binary: str, model: Path, prompt_tokens: int, threads: int) ->
                         failed[path][at] += 1
                     if path == "/slots" and isinstance(data, list) and data:
                         slot = data[0]
-                        slot_samples.append({"phase": at, "took": round(took, 3), "is_processing": slot.get("is_processing"),
+                        slot_samples.append({"phase": at, "took": round(took, 3),
+                                             "is_processing": slot.get("is_processing"),
                                              "id_task": slot.get("id_task"), "at": round(time.perf_counter() - t0, 2),
                                              "n_prompt_tokens": slot.get("n_prompt_tokens"),
                                              "n_prompt_tokens_processed": slot.get("n_prompt_tokens_processed"),
@@ -172,9 +173,10 @@ def _spread(items: list, n: int) -> list:
 def _markdown(result: dict) -> str:
     lines = [f"llama-server {' '.join(result['binary'])}; {result['model']}; {result['machine']}; prompt "
              f"{result['prompt_tokens']} tokens at {result['prefill_tokens_per_second']} tok/s; "
-             f"stream headers after {result['headers_after_s']} s, first body byte after {result['first_body_byte_s']} s, "
-             f"first token after {result['first_token_s']} s",
-             "", "| endpoint | idle: max s | prefill: max s (median) | generation: max s | failed |", "|---|---|---|---|---|"]
+             f"stream headers after {result['headers_after_s']} s, first body byte after "
+             f"{result['first_body_byte_s']} s, first token after {result['first_token_s']} s", "",
+             "| endpoint | idle: max s | prefill: max s (median) | generation: max s | failed |",
+             "|---|---|---|---|---|"]
     for path in ENDPOINTS:
         row = result["endpoints"].get(path, {})
         cell = lambda at: row.get(at, {})  # noqa: E731

@@ -150,8 +150,9 @@ async def bench(args: argparse.Namespace) -> dict:
 
     setup_logging("error")
     base = free_port_base(LANES)
-    lanes = subprocess.Popen([sys.executable, __file__, "--role", "lanes", "--port", str(base), "--tokens",
-                              str(args.tokens), "--token-rate", str(args.token_rate)], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    argv = [sys.executable, __file__, "--role", "lanes", "--port", str(base), "--tokens", str(args.tokens),
+            "--token-rate", str(args.token_rate)]  # fmt: skip
+    lanes = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     tmp = Path(tempfile.mkdtemp(prefix="lanes-loop-lag-"))
     server = NatsServer(tmp / "nats").start()
     stop = asyncio.Event()

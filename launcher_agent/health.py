@@ -135,9 +135,9 @@ def _serving(health: LaneHealth, probe: Probe, now: float, rules: Rules) -> Outc
     if probe.alive:
         health = _loop_progress(replace(health, missed_probes=0), probe.loop, now)
         if health.stuck_since is not None and now - health.stuck_since >= rules.stall_seconds:
-            why = (f"stalled: its inference loop made no progress for {now - health.stuck_since:.0f} s "
-                   f"({'/slots unanswered' if probe.loop is None else 'busy slots processed no prompt batch and no token'}"
-                   "; /health answers)")
+            seen = "/slots unanswered" if probe.loop is None else "busy slots processed no prompt batch and no token"
+            quiet = now - health.stuck_since
+            why = f"stalled: its inference loop made no progress for {quiet:.0f} s ({seen}; /health answers)"
             down = replace(health, state="unresponsive", last_error=why)
             return Outcome(down, (("unresponsive", why),), (CheckUse(),))
         return Outcome(health, feedback=(CheckUse(),))
