@@ -396,6 +396,8 @@ async def test_queued_clients_that_hang_up_leave_the_queue_at_once(fleet):
 
         await eventually(depth_zero, timeout=1, what="queue depth 0 within 1 s")
         assert gw.admission.take_queue_waits(asyncio.get_running_loop().time()) == {}  # no demand left behind
+        metrics = await (await http.get(gw.url + "/metrics", headers=BEARER)).text()
+        assert samples(metrics)[("lanes_gateway_requests_total", frozenset({("model", ALIAS), ("status", "499")}))] == 4
         for resp in streams:
             resp.close()
         await eventually(lambda: not gw.admission.counts.in_flight, timeout=10, what="every slot given back")
