@@ -142,6 +142,7 @@ class Admission:
             loop.call_later(wait, self.poke)  # then any free lane will do
         queue.append(waiter)
         self._count(name)
+        left = False  # the client hung up (cancelled): its wait is no demand
         try:
             async with asyncio.timeout(self.max_wait):
                 return await waiter.future
@@ -152,12 +153,14 @@ class Admission:
                     return waiter.future.result()
                 waiter.future.result().release()
             if isinstance(exc, asyncio.CancelledError):
+                left = True
                 raise
             raise QueueTimeout(f"no slot for {name!r} became free within {self.max_wait:g} s") from None
         finally:
             if waiter in queue:
                 queue.remove(waiter)
-            self._waited[name] = max(self._waited.get(name, 0.0), loop.time() - waiter.since)
+            if not left:
+                self._waited[name] = max(self._waited.get(name, 0.0), loop.time() - waiter.since)
             self._count(name)
 
     def take_queue_waits(self, now: float) -> dict[str, float]:

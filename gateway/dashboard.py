@@ -8,7 +8,8 @@ so changing the page means editing one readable file, and the package ships ever
 events: each bus change sends a fresh snapshot, so a page never needs a reload, and a
 reconnecting EventSource gets the whole state again (level-triggered, like the agent).
 
-Read-only for everyone; with `--admin-key`, a viewer who enters that key may change the
+With API keys, the page asks for one and trades it for a session cookie (gateway/access.py);
+its data, stream and assets need it. Read-only; with `--admin-key`, a viewer who enters that key may change the
 fleet config from the page, and the change goes through the planner's validated
 `config.set` endpoint, exactly as `lanes config set` does.
 """
@@ -28,7 +29,8 @@ from aiohttp import web
 from gateway.admission import LaneCounts
 from gateway.dashboard_model import EventFeed, dashboard_snapshot
 from gateway.fleet import FleetView, LaneKey
-from gateway.http import openai_error
+from gateway import access
+from gateway.http import SETTINGS, openai_error
 from shared import subjects
 from shared.messages import ConfigSet, LaneEvent, encode
 
@@ -130,10 +132,21 @@ def add_dashboard(app: web.Application, hub: DashboardHub, *, nc_getter, admin_k
                     await response.write(f"event: snapshot\ndata: {data}\n\n".encode())
                 except asyncio.TimeoutError:
                     await response.write(b": keep-alive\n\n")
-        except (ConnectionResetError, asyncio.CancelledError):
-            pass
+        except ConnectionResetError:
+            pass  # the page left (or, with handler cancellation, the handler is cancelled: finally)
         finally:
             hub.unsubscribe(queue)
+        return response
+
+    async def session(request: web.Request) -> web.Response:
+        """Trade the bearer key (checked by the middleware) for a session cookie: the stream and
+        the page's assets are then fetched without the key in any URL (gateway/access.py)."""
+        keys = request.app[SETTINGS].api_keys
+        response = web.json_response({"expires_in": access.SESSION_SECONDS if keys else None})
+        if keys:
+            token = access.session_token(keys, time.time())
+            response.set_cookie(access.COOKIE, token, max_age=access.SESSION_SECONDS, path=access.COOKIE_PATH,
+                                httponly=True, samesite="Strict", secure=request.secure)  # fmt: skip
         return response
 
     async def set_config(request: web.Request) -> web.Response:
@@ -162,5 +175,6 @@ def add_dashboard(app: web.Application, hub: DashboardHub, *, nc_getter, admin_k
     app.router.add_get("/dashboard/api/state", state)
     app.router.add_get("/dashboard/api/stream", stream)
     app.router.add_post("/dashboard/api/config", set_config)
+    app.router.add_post(access.SESSION_PATH, session)
     app.router.add_static("/dashboard/static/", STATIC)
 

@@ -71,6 +71,9 @@ class FleetView:
     reports: dict[str, HostReport] = field(default_factory=dict)
     config: FleetConfig | None = None
     unreachable: dict[LaneKey, str] = field(default_factory=dict)
+    # Lanes whose inference loop seems stuck (no first token in time, /slots unanswered): out of
+    # rotation until their /slots answers again; their /health answering does not bring them back.
+    stalled: dict[LaneKey, str] = field(default_factory=dict)
     host_states: dict[str, str] = field(default_factory=dict)  # host token -> "live" | "lost", from the planner
     # Every servable model and its load state, from the planner (KV key `models`); None: not yet written.
     catalogue: ModelStates | None = None
@@ -126,6 +129,16 @@ class FleetView:
         if self.unreachable.pop(key, None) is not None:
             self.changed()
 
+    def mark_stalled(self, key: LaneKey, reason: str) -> None:
+        if self.stalled.get(key) != reason:
+            self.stalled[key] = reason
+            self.changed()
+
+    def mark_progressing(self, key: LaneKey) -> None:
+        """Its /slots answered: the inference loop runs."""
+        if self.stalled.pop(key, None) is not None:
+            self.changed()
+
     def changed(self) -> None:
         self._lanes = None
         for listener in self.listeners:
@@ -157,7 +170,7 @@ class FleetView:
                     parallel=spec.parallel,
                     state=live.state if live else "pending",
                     draining=live.draining if live else False,
-                    unreachable=self.unreachable.get(key, ""),
+                    unreachable=self.unreachable.get(key, "") or self.stalled.get(key, ""),
                     window=spec.ctx_per_slot,
                     embeddings=spec.embeddings,
                 )

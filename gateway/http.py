@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import aiohttp
 import msgspec
@@ -17,7 +19,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway import prompts, routing, usage, waking
+from gateway import access, assemble, prompts, routing, usage, waking
 from gateway.admission import Admission, AdmissionError, Lease
 from gateway.affinity import Fingerprint, fingerprint
 from gateway.fleet import FleetView
@@ -36,7 +38,6 @@ SESSION = web.AppKey("session", aiohttp.ClientSession)
 WAKER = web.AppKey("waker", waking.Waker)
 
 PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
-OPEN_PATHS = ("/health", "/ready", "/metrics")  # no API key: probes and scrapers
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                 405: "invalid_request_error", 413: "invalid_request_error"}  # fmt: skip
 
@@ -60,10 +61,8 @@ def _sse_error(end: GiveUp) -> bytes:
 @web.middleware
 async def _errors_and_keys(request: web.Request, handler):
     settings = request.app[SETTINGS]
-    if settings.api_keys and request.path not in OPEN_PATHS and request.path.startswith("/v1/"):
-        scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not settings.key_ok(presented.strip()):
-            return openai_error(401, "missing or invalid API key (Authorization: Bearer ...)", "invalid_api_key")
+    if settings.api_keys and access.needs_key(request.path) and not _key_presented(request, settings):
+        return openai_error(401, "missing or invalid API key (Authorization: Bearer ...)", "invalid_api_key")
     try:
         return await handler(request)
     except web.HTTPException as exc:
@@ -71,6 +70,16 @@ async def _errors_and_keys(request: web.Request, handler):
             raise
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status)
         return openai_error(exc.status, exc.reason if exc.status != 413 else exc.text or exc.reason, code)
+
+
+def _key_presented(request: web.Request, settings: GatewaySettings) -> bool:
+    """A valid bearer key, or (dashboard paths only) a valid session cookie (gateway/access.py)."""
+    scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and settings.key_ok(presented.strip()):
+        return True
+    token = request.cookies.get(access.COOKIE)
+    return bool(token) and access.cookie_may_open(request.path) and access.session_ok(
+        settings.api_keys, token, time.time())
 
 
 # ------------------------------------------------------------------ routes
@@ -119,18 +128,37 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
     label = model.name if model.state != "unknown" else "unknown"  # bounded labels: no client-chosen names
     if model.state != "unknown":
         app[WAKER].touch(name)  # a request: the idle clock restarts (probes and scrapes never come here)
+    try:
+        response = await _answer(request, model, name, payload, body, started, label)
+    except asyncio.CancelledError:  # the client hung up (handler cancellation): nginx's 499
+        metrics.requests.labels(label, "499").inc()
+        raise
+    metrics.requests.labels(label, str(response.status)).inc()
+    metrics.latency.labels(label).observe(time.perf_counter() - started)
+    return response
+
+
+async def _answer(
+    request: web.Request, model: waking.ModelView, name: str, payload: object, body: bytes, started: float, label: str
+) -> web.StreamResponse:
+    app, view = request.app, request.app[VIEW]
     response = await _held(request, model) if model.state != "ready" else None
     if response is None:
         prompt = prompts.prompt_of(request.path, payload)
-        refused, too_small = await _window_check(request, name, prompt, body)
+        refused, too_small, tokens = await _window_check(request, name, prompt, body)
         if refused is not None:
             response = _give_up(refused, app[SETTINGS])
         else:
             lanes = view.lanes_for(name)
             mark = fingerprint(lanes[0].model, prompt.text) if prompt is not None and lanes else None
-            response = await _forward(request, name, body, started, label, mark, too_small)
-    metrics.requests.labels(label, str(response.status)).inc()
-    metrics.latency.labels(label).observe(time.perf_counter() - started)
+            if tokens is None and prompt is not None and prompt.kind != "embedding":
+                tokens = prompt.token_bound()  # an upper bound: a first-byte timeout on the safe side
+            streamed = isinstance(payload, dict) and payload.get("stream") is True
+            kind = assemble.kind_of(request.path, payload)  # a plain answer, asked as a stream
+            if kind is not None:
+                body = assemble.streamed_body(payload)
+            shape = Shape(label, mark, too_small, tokens, streamed, kind)
+            response = await _forward(request, name, body, started, shape)
     return response
 
 
@@ -156,8 +184,8 @@ async def _held(request: web.Request, model: waking.ModelView) -> web.Response |
 
 async def _window_check(
     request: web.Request, name: str, prompt: prompts.Prompt | None, body: bytes
-) -> tuple[GiveUp | None, frozenset]:
-    """(the 400 when no lane's window holds the prompt, the lanes too small for it).
+) -> tuple[GiveUp | None, frozenset, int | None]:
+    """(the 400 when no lane's window holds the prompt, the lanes too small for it, its tokens if counted).
 
     Only a prompt whose byte bound passes a window is counted, by a routable lane's tokenizer;
     when none can count it, every lane is tried and the lane itself refuses what it cannot hold.
@@ -165,66 +193,95 @@ async def _window_check(
     windows = {lane.key: lane.window for lane in request.app[VIEW].lanes_for(name)}
     known = [w for w in windows.values() if w > 0]
     if prompt is None or prompt.kind == "embedding" or not known or prompt.token_bound() < min(known):
-        return None, frozenset()
+        return None, frozenset(), None
     counter = next((lane for lane in request.app[VIEW].routable(name)), None)
     tokens = None if counter is None else await count_tokens(
         request.app[SESSION], counter.url, prompt, body, request.app[SETTINGS].connect_timeout)
     if tokens is None:
-        return None, frozenset()
-    return routing.context_exceeded(windows, tokens), routing.too_small(windows, tokens)
+        return None, frozenset(), None
+    return routing.context_exceeded(windows, tokens), routing.too_small(windows, tokens), tokens
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the edge read of a request that decides how it is forwarded."""
+
+    label: str = ""  # the model's metric label
+    mark: Fingerprint | None = None  # the prompt's chunk hashes (prefix affinity)
+    too_small: frozenset = frozenset()  # lanes whose window cannot hold it
+    tokens: int | None = None  # its prompt's tokens (counted, or their upper bound)
+    streamed: bool = False  # "stream": true: the first token's time is the first byte's
+    assembled: str | None = None  # plain, asked of the lane as a stream and put together (gateway/assemble.py)
 
 
 async def _forward(
-    request: web.Request, name: str, body: bytes, started: float, label: str = "",
-    mark: Fingerprint | None = None, too_small: frozenset = frozenset(),
+    request: web.Request, name: str, body: bytes, started: float, shape: Shape = Shape()
 ) -> web.StreamResponse:
-    """Tries lanes until one answers or routing gives up; each failure goes into the history it decides on.
-
-    `mark`: the prompt's chunk hashes (prefix affinity); `too_small`: lanes whose window cannot hold it.
-    """
+    """Tries lanes until one answers or routing gives up; each failure goes into the history it decides on."""
     app = request.app
     view, admission, settings = app[VIEW], app[ADMISSION], app[SETTINGS]
     history: list[Attempt] = []
     while True:
-        step = routing.decide([lane.key for lane in view.lanes_for(name) if lane.key not in too_small], history,
+        step = routing.decide([lane.key for lane in view.lanes_for(name) if lane.key not in shape.too_small], history,
                               request_timeout=settings.request_timeout)  # fmt: skip
         if isinstance(step, GiveUp):
             return _give_up(step, settings)
         if step.retry:
             app[METRICS].retries.labels(name).inc()
         try:
-            lease = await admission.acquire(name, exclude=step.exclude | too_small, prompt=mark)
+            lease = await admission.acquire(name, exclude=step.exclude | shape.too_small, prompt=shape.mark)
         except AdmissionError as exc:
             history.append(Attempt(None, Failure.NO_SLOT, str(exc), exc.status, exc.code))
             continue
         if not history:
-            app[METRICS].queue_wait.labels(label or name).observe(time.perf_counter() - started)
+            app[METRICS].queue_wait.labels(shape.label or name).observe(time.perf_counter() - started)
         lane = lease.lane
+        remaining = max(0.001, settings.request_timeout - (time.perf_counter() - started))
+        wait = remaining
+        if shape.streamed or shape.assembled:
+            wait = routing.first_byte_timeout(settings.first_byte_timeout, shape.tokens,
+                                              admission.counts.prefill_rate.get(lane.key), total=remaining)  # fmt: skip
+        upstream, first = None, b""
         try:
-            upstream = await app[SESSION].post(
-                lane.url + request.path,
-                data=body,
-                headers={"Content-Type": "application/json", "Accept": request.headers.get("Accept", "*/*")},
-                timeout=aiohttp.ClientTimeout(total=settings.request_timeout, connect=settings.connect_timeout),
-            )
+            async with asyncio.timeout(wait):
+                upstream = await app[SESSION].post(
+                    lane.url + request.path,
+                    data=body,
+                    headers={"Content-Type": "application/json", "Accept": request.headers.get("Accept", "*/*")},
+                    timeout=aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout),
+                )
+                if (shape.streamed or shape.assembled) and upstream.status == 200:
+                    first = await upstream.content.readany()  # the first token: the prefill is done
         except aiohttp.ClientConnectionError as exc:  # refused, reset, closed before answering
-            lease.release()
+            _drop(upstream, lease)
             how = Failure.UNREACHABLE if isinstance(exc, aiohttp.ClientConnectorError) else Failure.DROPPED
             _lane_failed(view, Attempt(lane.key, how, f"{type(exc).__name__} {exc}"), history)
             continue
-        except asyncio.TimeoutError:  # the request's own time is up
-            lease.release()
-            history.append(Attempt(lane.key, Failure.TIMEOUT))
+        except asyncio.TimeoutError:
+            _drop(upstream, lease)  # closing the connection stops the lane's work on it
+            if wait < remaining:  # no first token in the time its prefill should take: stalled, try another
+                _lane_failed(view, Attempt(lane.key, Failure.STALLED, f"no first token within {wait:g} s"), history)
+            else:  # the request's own time is up
+                history.append(Attempt(lane.key, Failure.TIMEOUT))
             continue
         except BaseException:
-            lease.release()
+            _drop(upstream, lease)
             raise
         if upstream.status in routing.RETRY_STATUSES:
             upstream.release()
             lease.release()
             history.append(Attempt(lane.key, Failure.STATUS, status=upstream.status))
             continue
-        return await _relay(request, upstream, lease, started)
+        sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+        if shape.assembled and upstream.status == 200 and sse:  # (a lane that answers plain is relayed as it is)
+            return await _assembled(request, upstream, lease, started, first, shape.assembled)
+        return await _relay(request, upstream, lease, started, first)
+
+
+def _drop(upstream: aiohttp.ClientResponse | None, lease: Lease) -> None:
+    if upstream is not None:
+        upstream.close()
+    lease.release()
 
 
 def _lane_failed(view: FleetView, attempt: Attempt, history: list[Attempt]) -> None:
@@ -233,6 +290,8 @@ def _lane_failed(view: FleetView, attempt: Attempt, history: list[Attempt]) -> N
     log.warning("lane failed before answering", lane=lane, host=host, error=routing.describe(attempt))
     if reason := routing.unreachable_reason(attempt):
         view.mark_unreachable(attempt.lane, reason)
+    if reason := routing.stalled_reason(attempt):
+        view.mark_stalled(attempt.lane, reason)
     history.append(attempt)
 
 
@@ -248,11 +307,42 @@ def _give_up(step: GiveUp, settings: GatewaySettings) -> web.Response:
     return openai_error(step.status, step.message, step.code, settings.retry_after if step.retry_after else None)
 
 
+class _Stalled(Exception):
+    """No byte from the lane for the idle timeout, mid-answer."""
+
+
+class _TimeUp(Exception):
+    """The request's own time ran out while its answer still flowed: the lane is not to blame."""
+
+
+async def _chunks(upstream: aiohttp.ClientResponse, first: bytes, idle: float, deadline: float) -> AsyncIterator[bytes]:
+    """The lane's answer chunk by chunk, each within `idle` seconds and all before `deadline` (loop time)."""
+    loop = asyncio.get_running_loop()
+    if first:
+        yield first
+    while True:
+        left = deadline - loop.time()
+        if left <= 0:
+            raise _TimeUp
+        try:
+            async with asyncio.timeout(min(idle, left)):
+                chunk = await upstream.content.readany()
+        except TimeoutError:
+            raise (_TimeUp if idle >= left else _Stalled) from None
+        if not chunk:
+            return
+        yield chunk
+
+
 async def _relay(
-    request: web.Request, upstream: aiohttp.ClientResponse, lease: Lease, started: float
+    request: web.Request, upstream: aiohttp.ClientResponse, lease: Lease, started: float, first_chunk: bytes = b""
 ) -> web.StreamResponse:
-    """Copy the lane's answer as it arrives; a break after the first byte ends the stream with an error."""
-    app, lane = request.app, lease.lane
+    """Copy the lane's answer as it arrives; a break after the first byte ends the stream with an error.
+
+    A stream that reaches the request timeout while it still flows is ended, and its lane stays in
+    rotation; one whose lane sends nothing for --stream-idle-timeout marks the lane stalled.
+    """
+    app, lane, settings = request.app, lease.lane, request.app[SETTINGS]
     resp = web.StreamResponse(status=upstream.status)
     for header in ("Content-Type", "Content-Encoding", "Cache-Control"):
         if header in upstream.headers:
@@ -265,11 +355,12 @@ async def _relay(
     kept, kept_bytes = [], 0  # the answer (plain) or its tail (stream), for its prompt usage
     limit = usage.STREAM_TAIL_BYTES if streamed else usage.PLAIN_BODY_BYTES
     counting = upstream.status == 200 and not request.path.endswith("/embeddings")  # vectors: nothing cached
+    deadline = asyncio.get_running_loop().time() + settings.request_timeout - (time.perf_counter() - started)
     try:
         await resp.prepare(request)
         first = True
         try:
-            async for chunk in upstream.content.iter_any():
+            async for chunk in _chunks(upstream, first_chunk, settings.stream_idle_timeout, deadline):
                 if first:
                     app[METRICS].ttfb.labels(lane.alias).observe(time.perf_counter() - started)
                     first = False
@@ -282,13 +373,10 @@ async def _relay(
             finished = True
             if counting and (streamed or kept_bytes <= limit):
                 _count_usage(app, lane, usage.prompt_usage(b"".join(kept), streamed))
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError, _Stalled, _TimeUp) as exc:
             # Bytes went out: routing ends the answer with its error, whatever other lanes there are.
-            broke = Attempt(lane.key, Failure.BROKE, f"{type(exc).__name__} {exc}")
-            end = routing.decide((), [broke], request_timeout=app[SETTINGS].request_timeout)
-            log.warning("stream broke", lane=lane.lane_id, host=lane.host_id, error=end.message)
-            app[VIEW].mark_unreachable(lane.key, routing.unreachable_reason(broke))
-            if upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+            end = _broken(app, lane, exc)
+            if streamed:
                 await resp.write(_sse_error(end))
             else:
                 raise  # a plain answer cut short: drop the connection, the client sees it incomplete
@@ -303,6 +391,59 @@ async def _relay(
         lease.release()
         app[WAKER].touch(lane.alias)  # the answer's end counts as use too: a long stream is not idle time
     return resp
+
+
+async def _assembled(
+    request: web.Request, upstream: aiohttp.ClientResponse, lease: Lease, started: float, first_chunk: bytes, kind: str
+) -> web.Response:
+    """A plain answer put together from the lane's stream: a client that leaves closes that stream
+    (the lane stops generating), and a lane that breaks off or stalls is answered as an error,
+    since nothing has reached the client yet."""
+    app, lane, settings = request.app, lease.lane, request.app[SETTINGS]
+    deadline = asyncio.get_running_loop().time() + settings.request_timeout - (time.perf_counter() - started)
+    parts = assemble.Assembler(kind)
+    finished = False
+    try:
+        async for chunk in _chunks(upstream, first_chunk, settings.stream_idle_timeout, deadline):
+            parts.feed(chunk)
+        finished = True
+    except (aiohttp.ClientError, asyncio.TimeoutError, _Stalled, _TimeUp) as exc:
+        return _give_up(_broken(app, lane, exc), settings)
+    except ValueError as exc:  # not the stream llama-server sends
+        return openai_error(502, f"lane {lane.host_id}/{lane.lane_id} sent a stream that is not JSON: {exc}",
+                            "lane_failed")  # fmt: skip
+    finally:
+        if finished:
+            upstream.release()
+        else:
+            upstream.close()  # the lane stops generating
+        lease.release()
+        app[WAKER].touch(lane.alias)
+    if parts.error is not None:
+        status = parts.error.get("error", {}).get("code") if isinstance(parts.error.get("error"), dict) else None
+        return web.json_response(parts.error, status=status if isinstance(status, int) and 400 <= status < 600 else 500)
+    body = msgspec.json.encode(parts.result())
+    _count_usage(app, lane, usage.prompt_usage(body, False))
+    app[METRICS].ttfb.labels(lane.alias).observe(time.perf_counter() - started)
+    return web.Response(body=body, content_type="application/json",
+                        headers={"X-Lanes-Lane": f"{lane.host_id}/{lane.lane_id}"})  # fmt: skip
+
+
+def _broken(app: web.Application, lane, exc: BaseException) -> GiveUp:
+    """The error that ends an answer cut short, and what it says of the lane."""
+    settings = app[SETTINGS]
+    if isinstance(exc, _TimeUp):  # a long answer, still progressing: the lane did nothing wrong
+        return GiveUp(504, f"the answer did not finish within the request timeout of {settings.request_timeout:g} s",
+                      "timeout")  # fmt: skip
+    if isinstance(exc, _Stalled):
+        failed = Attempt(lane.key, Failure.STALLED, f"no byte for {settings.stream_idle_timeout:g} s mid-answer")
+        app[VIEW].mark_stalled(lane.key, routing.stalled_reason(failed))
+    else:
+        failed = Attempt(lane.key, Failure.BROKE, f"{type(exc).__name__} {exc}")
+        app[VIEW].mark_unreachable(lane.key, routing.unreachable_reason(failed))
+    end = routing.decide((), [failed], request_timeout=settings.request_timeout)
+    log.warning("stream broke", lane=lane.lane_id, host=lane.host_id, error=end.message)
+    return end
 
 
 # ------------------------------------------------------------------ the app

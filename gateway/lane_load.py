@@ -3,48 +3,117 @@
 A lane's slots also serve other gateways and clients that reach it directly; the
 admission counts the larger of its own requests in flight and the busy slots read here
 (gateway/admission.py, LaneCounts.load), so a lane busy with someone else's work is not
-taken for free. A lane that cannot say (no answer, --no-slots) keeps only the gateway's
-own count.
+taken for free. A lane that cannot say (--no-slots, an error status) keeps only the
+gateway's own count.
+
+llama-server answers /slots within milliseconds even while its loop is deep in a long
+prefill (bench/RESULTS.md, "A busy loop"), so a /slots read that times out says the lane is
+in trouble, not free: it counts against the lane (all its slots taken as busy). One that
+stays unanswered for `stall_after` seconds takes the lane out of rotation as stalled (its
+/health may still answer), until its /slots answers again.
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass, field
+from typing import Literal
 
 import aiohttp
 import msgspec
 
 from gateway.admission import Admission
-from gateway.fleet import LaneRoute
-from shared.llama.endpoints import SLOTS, busy_slots
+from gateway.fleet import LaneKey, LaneRoute
+from shared.llama.endpoints import SLOTS, LoopWork, busy_slots, loop_work
+
+# ("busy", busy slots, their counters), ("timeout", 0, ()), ("unknown", 0, ())
+SlotsRead = tuple[Literal["busy", "timeout", "unknown"], int, LoopWork]
 
 
-async def read_busy(session: aiohttp.ClientSession, lane: LaneRoute, timeout: float) -> int | None:
+@dataclass(frozen=True)
+class Verdict:
+    reported: int | None  # busy slots to count for the lane; None: only the gateway's own requests
+    unanswered_since: float | None
+    stalled: str = ""  # why the lane is out of rotation as stalled; "" when it is not
+    progressing: bool = False  # its loop is idle or moved since the last read: a stalled mark goes
+
+
+def judge(
+    read: SlotsRead, parallel: int, unanswered_since: float | None, now: float, stall_after: float,
+    before: LoopWork | None = None,
+) -> Verdict:
+    """What one /slots read says of a lane (pure). `before`: its busy slots' counters at the last read.
+
+    An answer alone does not bring a stalled lane back: the binary answers /slots even while its
+    loop is stuck (bench/RESULTS.md, "A busy loop"); an idle lane, or counters that moved, do.
+    """
+    kind, busy, work = read
+    if kind == "busy":
+        return Verdict(busy, None, progressing=not work or work != before)
+    if kind == "unknown":
+        return Verdict(None, None)
+    since = now if unanswered_since is None else unanswered_since
+    stalled = ""
+    if now - since >= stall_after:
+        stalled = f"stalled: /slots unanswered for {stall_after:g} s or more (its inference loop)"
+    return Verdict(parallel, since, stalled)
+
+
+async def read_slots(session: aiohttp.ClientSession, lane: LaneRoute, timeout: float) -> SlotsRead:
     try:
         async with session.get(lane.url + SLOTS, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             if resp.status != 200:
-                return None
-            return busy_slots(200, msgspec.json.decode(await resp.read()))
-    except (aiohttp.ClientError, asyncio.TimeoutError, msgspec.DecodeError):
-        return None
+                return ("unknown", 0, ())
+            slots = msgspec.json.decode(await resp.read())
+            busy, work = busy_slots(200, slots), loop_work(200, slots)
+            return ("unknown", 0, ()) if busy is None else ("busy", busy, work or ())
+    except asyncio.TimeoutError:
+        return ("timeout", 0, ())
+    except (aiohttp.ClientError, msgspec.DecodeError):
+        return ("unknown", 0, ())  # not reached at all: the /health probe takes it out of rotation
 
 
-async def poll_once(session: aiohttp.ClientSession, admission: Admission, timeout: float) -> None:
-    lanes = [lane for lane in admission.view.lanes() if lane.routable]
-    found = await asyncio.gather(*(read_busy(session, lane, timeout) for lane in lanes))
-    reported = admission.counts.reported
-    before = dict(reported)
-    reported.clear()
-    reported.update({lane.key: busy for lane, busy in zip(lanes, found) if busy is not None})
-    if any(reported.get(key, 0) < n for key, n in before.items()):
-        admission.poke()  # slots freed by other clients: hand them to waiters
+@dataclass
+class SlotsPoll:
+    admission: Admission
+    timeout: float = 1.0
+    stall_after: float = 60.0
+    unanswered: dict[LaneKey, float] = field(default_factory=dict)  # lane -> loop time its /slots went silent
+    work: dict[LaneKey, LoopWork] = field(default_factory=dict)  # lane -> its busy slots' counters, last read
 
+    async def once(self, session: aiohttp.ClientSession) -> None:
+        view = self.admission.view
+        # Stalled lanes are read too (not routable, but their /slots tells when they are back).
+        lanes = [lane for lane in view.lanes()
+                 if lane.state == "healthy" and not lane.draining and lane.key not in view.unreachable]  # fmt: skip
+        found = await asyncio.gather(*(read_slots(session, lane, self.timeout) for lane in lanes))
+        now = asyncio.get_running_loop().time()
+        reported = self.admission.counts.reported
+        before = dict(reported)
+        reported.clear()
+        for lane, read in zip(lanes, found):
+            verdict = judge(read, lane.parallel, self.unanswered.get(lane.key), now, self.stall_after,
+                            self.work.get(lane.key))  # fmt: skip
+            if read[0] == "busy":
+                self.work[lane.key] = read[2]
+            if verdict.reported is not None:
+                reported[lane.key] = verdict.reported
+            if verdict.unanswered_since is None:
+                self.unanswered.pop(lane.key, None)
+            else:
+                self.unanswered[lane.key] = verdict.unanswered_since
+            if verdict.stalled:
+                view.mark_stalled(lane.key, verdict.stalled)
+            elif verdict.progressing:
+                view.mark_progressing(lane.key)
+        if any(reported.get(key, 0) < n for key, n in before.items()):
+            self.admission.poke()  # slots freed by other clients: hand them to waiters
 
-async def poll_forever(admission: Admission, interval: float, timeout: float, stop: asyncio.Event) -> None:
-    async with aiohttp.ClientSession() as session:
-        while not stop.is_set():
-            await poll_once(session, admission, timeout)
-            try:
-                await asyncio.wait_for(stop.wait(), interval)
-            except asyncio.TimeoutError:
-                pass
+    async def forever(self, interval: float, stop: asyncio.Event) -> None:
+        async with aiohttp.ClientSession() as session:
+            while not stop.is_set():
+                await self.once(session)
+                try:
+                    await asyncio.wait_for(stop.wait(), interval)
+                except asyncio.TimeoutError:
+                    pass

@@ -36,7 +36,9 @@ class _FleetCollector(Collector):
             up.add_metric(values, 1 if lane.routable else 0)
             draining.add_metric(values, 1 if lane.draining else 0)
         queue = GaugeMetricFamily("lanes_gateway_queue_depth", "Requests waiting for a free slot", labels=["model"])
-        for name, depth in sorted(self.counts.queued.items()):
+        # Every served model, at 0 too: a series that vanished would keep its last value on a graph.
+        served = {lane.alias: 0 for lane in self.view.lanes()}
+        for name, depth in sorted((served | self.counts.queued).items()):
             queue.add_metric([name], depth)
         info = GaugeMetricFamily("lanes_build_info", "Version of this lanes service", labels=["service", "version"])
         info.add_metric(["gateway", VERSION], 1)

@@ -31,6 +31,7 @@ class Failure(Enum):
     TIMEOUT = "timeout"  # the request's own time ran out
     NO_SLOT = "no_slot"  # admission gave no lane (unknown model, queue full, waited too long)
     BROKE = "broke"  # the answer broke off after it began
+    STALLED = "stalled"  # no first token within the first-byte timeout, or none for the idle timeout mid-stream
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,8 @@ def describe(attempt: Attempt) -> str:
         return f"{lane} broke off its answer: {attempt.detail}"
     if attempt.failure is Failure.TIMEOUT:
         return f"{lane} gave no answer in time"
+    if attempt.failure is Failure.STALLED:
+        return f"{lane} stalled: {attempt.detail}"
     return f"{lane} failed before answering: {attempt.detail}"
 
 
@@ -86,6 +89,41 @@ def unreachable_reason(attempt: Attempt) -> str:
     broken before any answer (often a pooled one the lane had just closed) says nothing of the lane.
     """
     return describe(attempt) if attempt.failure in (Failure.UNREACHABLE, Failure.BROKE) else ""
+
+
+def stalled_reason(attempt: Attempt) -> str:
+    """Why the lane is taken out of rotation until its /slots answers again; "" if it is not.
+
+    Its /health still answers (llama-server's HTTP thread serves it whatever its inference
+    loop does), so a stalled lane stays out until its /slots answers again, not until the
+    next /health probe; its agent restarts it if its loop stays stuck (launcher_agent/health.py).
+    """
+    return describe(attempt) if attempt.failure is Failure.STALLED else ""
+
+
+# ------------------------------------------------------------------ the first byte
+
+FIRST_BYTE_FLOOR = 30.0  # seconds: no derived first-byte timeout is shorter
+FIRST_BYTE_MARGIN = 4.0  # times the prefill the measured speed predicts
+ASSUMED_PREFILL_RATE = 50.0  # tokens per second where a lane's speed is not measured yet (slow CPU)
+
+
+def first_byte_timeout(
+    configured: float | None, prompt_tokens: int | None, prefill_rate: float | None, *, total: float,
+    floor: float = FIRST_BYTE_FLOOR,
+) -> float:
+    """Seconds a streamed answer may take to its first token before the lane counts as stalled.
+
+    `configured` (--first-byte-timeout) wins. Otherwise the prompt's prefill at the lane's
+    measured speed (its answers' timings; a slow assumed speed before any), times a margin,
+    never under `floor`: a lane busy with other slots prefills slower than it measured alone.
+    Never past the request's own `total`.
+    """
+    if configured is not None:
+        return min(configured, total)
+    rate = prefill_rate if prefill_rate and prefill_rate > 0 else ASSUMED_PREFILL_RATE
+    predicted = FIRST_BYTE_MARGIN * (prompt_tokens or 0) / rate
+    return min(max(floor, predicted), total)
 
 
 @dataclass(frozen=True)
@@ -118,6 +156,8 @@ def decide(candidates: Iterable[LaneKey], history: Sequence[Attempt], *, request
     last = history[-1] if history else None
     if last is not None and last.failure is Failure.BROKE:
         return GiveUp(502, describe(last), "lane_failed")  # bytes went out: never retried
+    if last is not None and last.failure is Failure.STALLED and not lanes - {last.lane}:
+        return GiveUp(504, describe(last), "lane_stalled", retry_after=True)  # no other lane to try
     if last is not None and last.failure is Failure.TIMEOUT:  # trying again would double the load
         return GiveUp(504, f"no answer within the request timeout of {request_timeout:g} s", "timeout")
     done = _progress(lanes, history)

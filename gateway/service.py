@@ -26,7 +26,7 @@ from gateway.admission import Admission
 from gateway.dashboard import DashboardHub, add_dashboard
 from gateway.fleet import FleetView, LaneRoute
 from gateway.http import METRICS, build_app
-from gateway.lane_load import poll_forever
+from gateway.lane_load import SlotsPoll
 from gateway.settings import GatewaySettings
 from shared import subjects
 from shared.messages import GatewayActivity, ModelWake, encode
@@ -51,6 +51,7 @@ class Gateway:
     dashboard: DashboardHub = field(init=False)
     nc: object | None = None  # the NATS connection once made (the dashboard's admin changes use it)
     waker: waking.Waker = field(init=False)  # requests held while their model loads
+    slots: SlotsPoll = field(init=False)  # each lane's /slots: its load, and whether its loop answers
     gateway_id: str = ""
     loops: Loops = field(default_factory=lambda: Loops("gateway"))  # its supervised loops (shared.supervise)
 
@@ -64,6 +65,7 @@ class Gateway:
         self.app = build_app(self.view, self.settings, admission=self.admission, waker=self.waker)
         self.app[METRICS].registry.register(self.loops)
         self.dashboard = DashboardHub(self.view, self.admission.counts)
+        self.slots = SlotsPoll(self.admission, self.settings.probe_timeout, self.settings.slots_stall_after)
         add_dashboard(self.app, self.dashboard, nc_getter=lambda: self.nc, admin_key=self.settings.admin_key)
 
     async def publish_wake(self, name: str) -> None:
@@ -185,7 +187,10 @@ async def run_gateway(
         # Its NATS user is its identity: auth.conf lets user G publish activity on lanes.activity.G only.
         gw.gateway_id = subjects.host_token(auth.user)
     # On stop: no new connections, and requests in flight get SHUTDOWN_GRACE seconds to finish.
-    runner = web.AppRunner(gw.app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE)
+    # handler_cancellation: a client that hangs up cancels its handler, so it leaves the queue
+    # (admission), stops being held for a loading model (waking) and closes its connection to
+    # the lane, which then stops generating and frees the slot (gateway/http.py).
+    runner = web.AppRunner(gw.app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, gw.settings.host, gw.settings.port)
     await site.start()
@@ -200,8 +205,7 @@ async def run_gateway(
                 asyncio.create_task(_bus_side(gw, servers, auth, stop, stack)),  # its "watch" part is supervised
                 loops.task("probe", lambda: _probe_loop(gw, stop), stop),
                 loops.task("demand", lambda: _demand_loop(gw, stop), stop),
-                loops.task("slots", lambda: poll_forever(gw.admission, gw.settings.slots_interval,
-                                                         gw.settings.probe_timeout, stop), stop),  # fmt: skip
+                loops.task("slots", lambda: gw.slots.forever(gw.settings.slots_interval, stop), stop),
                 loops.task("dashboard", lambda: gw.dashboard.run(stop), stop),
             ]
             await run_until(stop, tasks)

@@ -20,6 +20,12 @@ class GatewaySettings:
     queue_wait: float = defaults.QUEUE_WAIT  # seconds a request waits for a slot before 503
     request_timeout: float = 600.0  # whole request, lane answer included
     connect_timeout: float = 3.0  # reaching a lane; past it the request goes to another lane
+    # Seconds a streamed answer may take to its first token; past it the lane counts as stalled and
+    # the request goes to another. None: from the prompt's size and the lane's measured prefill
+    # speed, never under 30 s (gateway/routing.py, first_byte_timeout).
+    first_byte_timeout: float | None = None
+    stream_idle_timeout: float = 120.0  # seconds with no byte mid-stream: the lane stalled
+    slots_stall_after: float = 60.0  # seconds of unanswered /slots reads: the lane stalled (gateway/lane_load.py)
     probe_interval: float = 1.0  # seconds between the gateway's own /health checks of each lane
     probe_timeout: float = 1.0
     slots_interval: float = 0.5  # seconds between reads of each lane's /slots (its load from every client)

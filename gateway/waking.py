@@ -225,12 +225,12 @@ class Waker:
             raise HeldFull(f"{len(futures)} requests already wait for {name!r} to load")
         future = asyncio.get_running_loop().create_future()
         futures.append(future)
-        if model.state == "unloaded":
-            self.cold_since.setdefault(name, self.clock())
-            if len(futures) == 1:
-                await self.wake(name)
-        self.changed()
-        try:
+        try:  # from here on a client that leaves (cancelled) is no longer held: the finally below
+            if model.state == "unloaded":
+                self.cold_since.setdefault(name, self.clock())
+                if len(futures) == 1:
+                    await self.wake(name)
+            self.changed()
             async with asyncio.timeout(timeout):
                 await future
         except TimeoutError:

@@ -42,9 +42,11 @@ def agent_config(args: argparse.Namespace, data_dir: Path) -> AgentConfig:
         dry_run=getattr(args, "dry_run", False),
         probe_interval=getattr(args, "probe_interval", defaults.PROBE_INTERVAL),
         probe_failures=getattr(args, "probe_failures", defaults.PROBE_FAILURES),
+        stall_seconds=getattr(args, "stall_seconds", defaults.STALL_SECONDS),
         rpc_servers=tuple(e for e in (getattr(args, "rpc", None) or "").split(",") if e),
         advertise=getattr(args, "advertise", None) or "",
         metrics_port=getattr(args, "metrics_port", None),
+        metrics_host=getattr(args, "metrics_bind", defaults.METRICS_BIND),
         lane_env=tuple(getattr(args, "lane_env", None) or ()),
         **worker,
     )

@@ -108,6 +108,12 @@ def _add_gateway_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue-wait", type=float, default=d.queue_wait, help="seconds a request waits for a slot" + _DEFAULT)
     p.add_argument("--request-timeout", type=float, default=d.request_timeout, help="seconds per request, in all")
     p.add_argument("--connect-timeout", type=float, default=d.connect_timeout, help="seconds to reach a lane")
+    p.add_argument("--first-byte-timeout", type=float, default=d.first_byte_timeout,
+                   help="seconds a streamed answer may take to its first token before its lane counts as stalled "
+                   "(the request goes to another); default: from the prompt's size and the lane's measured "
+                   "prefill speed, at least 30 s")  # fmt: skip
+    p.add_argument("--stream-idle-timeout", type=float, default=d.stream_idle_timeout,
+                   help="seconds with no byte in the middle of a stream before its lane counts as stalled")
     p.add_argument("--no-affinity", action="store_true",
                    help="route by most free slots only, not to the lane holding the prompt's prefix")  # fmt: skip
     _add_load_timeout(p)
@@ -201,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lease-ttl", type=float, default=defaults.LEASE_TTL,
                    help="seconds a stand-by planner waits on a silent active one before it takes over" + _DEFAULT)  # fmt: skip
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (default: off)")
+    p.add_argument("--metrics-bind", default=defaults.METRICS_BIND,
+                   help="address /metrics listens on (0.0.0.0 for a scraper on another machine)" + _DEFAULT)  # fmt: skip
 
     p = sub.add_parser("agent", help="run the launcher agent for this host")
     _add_connection(p)
@@ -214,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--advertise", help="address gateways reach the lanes at (needed with --bind 0.0.0.0 "
                    "unless the host id resolves); default: the bind address")  # fmt: skip
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port (default: off)")
+    p.add_argument("--metrics-bind", default=defaults.METRICS_BIND,
+                   help="address /metrics listens on (0.0.0.0 for a scraper on another machine)" + _DEFAULT)  # fmt: skip
     p.add_argument("--report-interval", type=float, default=defaults.REPORT_INTERVAL,
                    help="seconds between host reports" + _DEFAULT)  # fmt: skip
     p.add_argument("--tick", type=float, default=0.5, help="seconds between control passes while no lane is starting")
@@ -225,6 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between /health probes of a serving lane" + _DEFAULT)  # fmt: skip
     p.add_argument("--probe-failures", type=_positive, default=defaults.PROBE_FAILURES,
                    help="missed probes in a row that make a lane unresponsive (then it is restarted)" + _DEFAULT)  # fmt: skip
+    p.add_argument("--stall-seconds", type=float, default=defaults.STALL_SECONDS,
+                   help="seconds a lane's inference loop may make no progress (/slots unanswered, or no prompt "
+                   "batch and no token) before it is unresponsive and restarted; above the longest prompt batch"
+                   + _DEFAULT)  # fmt: skip
     _add_lane_env(p)
     _add_rpc_worker(p)
 

@@ -75,6 +75,8 @@ def gateway_settings(args: argparse.Namespace) -> GatewaySettings:
         queue_wait=getattr(args, "queue_wait", base.queue_wait),
         request_timeout=getattr(args, "request_timeout", base.request_timeout),
         connect_timeout=getattr(args, "connect_timeout", base.connect_timeout),
+        first_byte_timeout=getattr(args, "first_byte_timeout", base.first_byte_timeout),
+        stream_idle_timeout=getattr(args, "stream_idle_timeout", base.stream_idle_timeout),
         admin_key=getattr(args, "admin_key", None) or None,
         load_timeout=getattr(args, "load_timeout", base.load_timeout),
         affinity=not getattr(args, "no_affinity", False),
@@ -98,7 +100,7 @@ async def _run(args: argparse.Namespace) -> int:
     if args.command == "planner":
         await run_planner(
             args.nats, _stop_event(), auth, replicas=args.kv_replicas, lease_ttl=args.lease_ttl,
-            metrics_port=args.metrics_port,
+            metrics_port=args.metrics_port, metrics_host=args.metrics_bind,
         )  # fmt: skip
         return 0
     if args.command == "gateway":

@@ -30,13 +30,14 @@ class AgentConfig:
     probe_interval: float = defaults.PROBE_INTERVAL
     probe_failures: int = defaults.PROBE_FAILURES
     probe_timeout: float = 2.0
+    stall_seconds: float = defaults.STALL_SECONDS  # no progress of a lane's inference loop this long: stalled, restarted
     feedback_ttl: float = 6 * 3600.0  # seconds an out-of-memory cap or a busy port is remembered
     # ggml-rpc-server endpoints this host's lanes may use as GPU-type devices (--rpc), in order.
     rpc_servers: tuple[str, ...] = ()
     # Where gateways reach this host's lanes; empty: the bind address (or, for 0.0.0.0, the host id).
     advertise: str = ""
     metrics_port: int | None = None  # serve /metrics on this port (0: any free); None: off
-    metrics_host: str = "0.0.0.0"
+    metrics_host: str = defaults.METRICS_BIND  # --metrics-bind: another address only when told
     # --rpc-worker: this host may run ggml-rpc-server for span lanes of other hosts, bound to
     # `advertise` on a port of rpc_worker_port_base.. (rpc_worker_port_count ports).
     rpc_worker: bool = False

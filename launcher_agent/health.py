@@ -37,6 +37,8 @@ class LaneHealth:
     last_good: LaneSpec | None = None
     next_probe: float = 0.0
     missed_probes: int = 0
+    loop_mark: tuple = ()  # (task, tokens decoded) of each busy slot, as last seen
+    stuck_since: float | None = None  # since when its inference loop has shown no progress
 
     @property
     def broken_by_change(self) -> bool:
@@ -48,6 +50,10 @@ class Rules:
     backoff_base: float = 1.0
     probe_interval: float = defaults.PROBE_INTERVAL
     probe_failures: int = defaults.PROBE_FAILURES
+    # Seconds without progress of the inference loop (its /slots unanswered, or busy slots
+    # with the same counters) before the lane is stalled: above the longest prompt batch
+    # (2048 tokens took 8 to 21 s for Gemma 270M on 2 cores: bench/RESULTS.md, "A busy loop").
+    stall_seconds: float = defaults.STALL_SECONDS
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,9 @@ class Probe:
     tail: tuple[str, ...] = ()
     ready: tuple[str, str] | None = None  # (loading | healthy | mismatch, detail), for a lane coming up
     alive: bool | None = None  # /health of a serving lane, when its probe was due
+    # /slots of a serving lane, asked with /health: (task, tokens decoded) of each busy slot;
+    # None: it did not answer in time; "unasked": not asked this tick.
+    loop: tuple | None | Literal["unasked"] = "unasked"
 
 
 # Feedback to note for the planner (launcher_agent.feedback).
@@ -105,7 +114,8 @@ def transition(health: LaneHealth, probe: Probe, *, now: float, rules: Rules = R
     if health.state in COMING_UP and probe.ready is not None:
         ready, detail = probe.ready
         if ready == "healthy":
-            up = replace(health, state="healthy", healthy_since=now, last_error="", last_good=health.spec)
+            up = replace(health, state="healthy", healthy_since=now, last_error="", last_good=health.spec,
+                         loop_mark=(), stuck_since=None)  # fmt: skip
             return Outcome(up, (("healthy", ""),), (CheckUse(),))
         if ready == "mismatch":
             return Outcome(replace(health, state="mismatch", last_error=detail), (("mismatch", detail),))
@@ -125,13 +135,35 @@ def _serving(health: LaneHealth, probe: Probe, now: float, rules: Rules) -> Outc
         return Outcome(health, feedback=(CheckUse(),))
     health = replace(health, next_probe=now + rules.probe_interval)
     if probe.alive:
-        return Outcome(replace(health, missed_probes=0), feedback=(CheckUse(),))
+        health = _loop_progress(replace(health, missed_probes=0), probe.loop, now)
+        if health.stuck_since is not None and now - health.stuck_since >= rules.stall_seconds:
+            seen = "/slots unanswered" if probe.loop is None else "busy slots processed no prompt batch and no token"
+            quiet = now - health.stuck_since
+            why = f"stalled: its inference loop made no progress for {quiet:.0f} s ({seen}; /health answers)"
+            down = replace(health, state="unresponsive", last_error=why)
+            return Outcome(down, (("unresponsive", why),), (CheckUse(),))
+        return Outcome(health, feedback=(CheckUse(),))
     missed = health.missed_probes + 1
     if missed < rules.probe_failures:
         return Outcome(replace(health, missed_probes=missed), feedback=(CheckUse(),))
     why = f"unresponsive: no answer to {missed} /health probes in a row"
     down = replace(health, missed_probes=missed, state="unresponsive", last_error=why)
     return Outcome(down, (("unresponsive", why),), (CheckUse(),))
+
+
+def _loop_progress(health: LaneHealth, loop: tuple | None | str, now: float) -> LaneHealth:
+    """Fold one /slots look into the lane's progress record.
+
+    Progress: the loop answered and is idle, or its busy slots' counters moved (a batch of
+    the prompt, a token). No progress: /slots unanswered, or the same busy slots at the same
+    counts as last time (a batch takes seconds: `stall_seconds` must exceed the longest).
+    """
+    if loop == "unasked":
+        return health
+    moving = loop is not None and (not loop or loop != health.loop_mark)
+    if moving:
+        return replace(health, loop_mark=loop, stuck_since=None)
+    return replace(health, stuck_since=health.stuck_since if health.stuck_since is not None else now)
 
 
 def _exited(health: LaneHealth, probe: Probe, now: float, rules: Rules) -> Outcome:

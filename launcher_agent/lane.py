@@ -24,6 +24,8 @@ class Lane:
     last_good: LaneSpec | None = None  # the spec it last ran healthy with
     next_probe: float = 0.0  # when a serving lane is next asked /health
     missed_probes: int = 0
+    loop_mark: tuple = ()  # what its inference loop was last seen doing (health.py, stall detection)
+    stuck_since: float | None = None  # since when it has shown no progress
     draining: bool = False  # gateways are told to send it nothing new (launcher_agent/drain.py)
     started_mono: float | None = None  # when its process was started (monotonic), for its load time
     load_seconds: float | None = None  # from its start to its first healthy answer

@@ -61,3 +61,8 @@ async def alive(spec: LaneSpec, timeout: float) -> bool:
 async def busy_slots(spec: LaneSpec) -> int | None:
     """Slots processing a request (llama-server's /slots); None when nothing answers."""
     return endpoints.busy_slots(*await http_get(spec.bind, spec.port, endpoints.SLOTS))
+
+
+async def loop_work(spec: LaneSpec, timeout: float) -> endpoints.LoopWork | None:
+    """What the lane's inference loop is doing (/slots); None when it does not answer in time."""
+    return endpoints.loop_work(*await http_get(spec.bind, spec.port, endpoints.SLOTS, timeout=timeout))

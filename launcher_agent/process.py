@@ -274,6 +274,9 @@ class LaneProcess:
     async def busy_slots(self) -> int | None:
         return await lane_http.busy_slots(self.spec)
 
+    async def loop_work(self, timeout: float):
+        return await lane_http.loop_work(self.spec, timeout)
+
     async def kill(self) -> None:
         """SIGKILL: a wedged (even SIGSTOPped) process cannot be asked to stop."""
         pid = self.pid
@@ -358,6 +361,9 @@ class DryRunLane(LaneProcess):
 
     async def busy_slots(self) -> int | None:
         return 0
+
+    async def loop_work(self, timeout: float):
+        return ()
 
     async def stop(self, timeout: float = 10.0) -> None:
         self._stopped = True

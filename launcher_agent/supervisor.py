@@ -56,7 +56,8 @@ class Supervisor:
     def __post_init__(self) -> None:
         self.drains = Drains(self.emit)
         self.procs = Lifecycle(self.cfg, self.emit, self.feedback, on_change=self._save)
-        self.rules = health.Rules(self.cfg.backoff_base, self.cfg.probe_interval, self.cfg.probe_failures)
+        self.rules = health.Rules(self.cfg.backoff_base, self.cfg.probe_interval, self.cfg.probe_failures,
+                                  self.cfg.stall_seconds)  # fmt: skip
         self.store = StateFile(self.cfg.data_dir / "agent-state.json")
 
     @property
@@ -112,7 +113,10 @@ class Supervisor:
         assert proc is not None
         ask = health.what_to_probe(health_of(lane), now) if proc.returncode is None else None
         ready = await proc.probe_health() if ask == "ready" else None
-        alive = await proc.alive(self.cfg.probe_timeout) if ask == "alive" else None
+        alive, loop = None, "unasked"
+        if ask == "alive":  # /health (its HTTP thread) and /slots (its inference loop) side by side
+            timeout = self.cfg.probe_timeout
+            alive, loop = await asyncio.gather(proc.alive(timeout), proc.loop_work(timeout))
         if proc.returncode is not None:
             await proc.drained()  # its last lines say why it exited
         proc.read_log()
@@ -122,7 +126,7 @@ class Supervisor:
                 log.warning("span lane failed its check", lane=lane.spec.lane_id, reason=problem)
                 self.feedback.failure(lane, "other", problem)
                 ready = ("mismatch", problem)
-        return health.Probe(proc.returncode, tuple(proc.tail), ready, alive)
+        return health.Probe(proc.returncode, tuple(proc.tail), ready, alive, loop)
 
     async def _apply(self, lane: Lane, outcome: health.Outcome, now: float = 0.0) -> None:
         for f in _HEALTH_FIELDS:

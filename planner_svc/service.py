@@ -371,7 +371,7 @@ async def run_planner(
     lease_ttl: float = DEFAULT_TTL,
     name: str | None = None,
     metrics_port: int | None = None,
-    metrics_host: str = "0.0.0.0",
+    metrics_host: str = "127.0.0.1",
 ) -> None:
     async with AsyncExitStack() as stack:
         service: PlannerService | None = None

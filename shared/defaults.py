@@ -14,6 +14,7 @@ MIB = 1024 * 1024
 REPORT_INTERVAL = 30.0  # an agent's host report; a host is lost after 3 silent intervals
 PROBE_INTERVAL = 5.0  # an agent's /health probe of each serving lane
 PROBE_FAILURES = 3  # missed probes in a row that make a lane unresponsive
+STALL_SECONDS = 120.0  # a lane's inference loop without progress this long is unresponsive
 LEASE_TTL = 5.0  # a stand-by planner takes over after the lease stood still this long
 KEY_REREAD = 30.0  # a followed KV key (an agent's plan) is read again this often, written or not
 DRAIN_TIMEOUT = 30.0  # a draining lane's requests in flight may finish within this
@@ -27,6 +28,7 @@ RPC_WORKER_PORT_BASE = 50052  # ggml-rpc-server's own default port
 RPC_WORKER_PORT_COUNT = 4
 NATS_PORT = 4222  # `lanes up`'s embedded nats-server
 GATEWAY_PORT = 8000
+METRICS_BIND = "127.0.0.1"  # the planner's and agents' /metrics listen here unless told otherwise
 
 # ------------------------------------------------------------------ sizes
 

@@ -29,6 +29,13 @@ Behaviour knobs (environment):
   FAKE_LLAMA_OOM_ABOVE_CTX=N   fail to allocate the KV cache when the total context is > N
   FAKE_LLAMA_CRASH_AFTER=S     exit 139 ("Segmentation fault") S seconds after becoming healthy
   FAKE_LLAMA_CRASH_SIGNAL=1    with CRASH_AFTER: die of a real SIGSEGV instead of exit(139)
+  FAKE_LLAMA_STALL=1           the first completion stops the inference loop for good (a stuck
+                               decode): it never answers and its slot stays busy with the counters
+                               the real binary showed mid-prefill, never moving; the endpoints go on
+                               answering as the real binary's did while its loop was busy
+                               (tests/llama_busy_loop.json, recorded by bench/busy_loop_probe.py:
+                               all of them answered within 0.1 s; one recorded as answered by the
+                               loop would answer nothing)
   FAKE_LLAMA_LOG_PREFIX=0      drop the `0.00.153.786 I ` time/level prefix of log lines
                                (new builds print it; old builds never do)
   FAKE_LLAMA_RECORD_TO=FILE    (recording only) a shape with no record is appended to FILE
@@ -505,6 +512,8 @@ class Handler(BaseHTTPRequestHandler):
             self._send(503, _LOADING)
             return
         path = self.path.split("?", 1)[0]
+        if _LOOP_STOPPED.is_set() and path in _answered_by_loop():
+            threading.Event().wait()  # queued for a loop that never comes round: no answer, ever
         route = _GET_ROUTES if self.command in ("GET", "HEAD") else _POST_ROUTES
         fn = route.get(path)
         if fn is None:
@@ -542,7 +551,7 @@ _PROCESSING_LOCK = threading.Lock()
 
 
 def _slot(i: int) -> dict:
-    return {
+    slot = {
         "id": i,
         "id_task": -1,
         "n_ctx": STATE.n_ctx_slot,
@@ -550,6 +559,11 @@ def _slot(i: int) -> dict:
         "is_processing": i < _PROCESSING[0],
         "params": {"n_predict": -1, "temperature": 0.8, "top_k": 40, "top_p": 0.95},
     }
+    if i == 0 and _LOOP_STOPPED.is_set():  # the stuck request's slot, as recorded mid-prefill, frozen
+        recorded = json.loads(BUSY_LOOP.read_text())["slot_during_prefill"]
+        slot.update({k: recorded[k] for k in ("id_task", "n_prompt_tokens", "n_prompt_tokens_processed",
+                                              "next_token")})  # fmt: skip
+    return slot
 
 
 def _health():
@@ -635,13 +649,34 @@ def _reply_delay() -> None:
                 _PROCESSING[0] -= 1
 
 
+_LOOP_STOPPED = threading.Event()
+BUSY_LOOP = Path(__file__).with_name("llama_busy_loop.json")
+
+
+def _answered_by_loop() -> frozenset[str]:
+    """The endpoints the real binary answers from its inference loop, as recorded (never guessed)."""
+    return frozenset(json.loads(BUSY_LOOP.read_text())["answered_by_loop"])
+
+
+def _stall() -> None:
+    """FAKE_LLAMA_STALL: this request's decode never ends, and the loop with it."""
+    if os.environ.get("FAKE_LLAMA_STALL", "") in ("", "0"):
+        return
+    with _PROCESSING_LOCK:
+        _PROCESSING[0] += 1
+    _LOOP_STOPPED.set()
+    threading.Event().wait()
+
+
 def _completion():
+    _stall()
     _reply_delay()
     return 200, {"content": "fake", "stop": True, "tokens_predicted": 1, "tokens_evaluated": 1,
                  "model": STATE.alias}
 
 
 def _chat():
+    _stall()
     _reply_delay()
     return 200, {
         "id": "chatcmpl-fake",

@@ -97,6 +97,70 @@ def test_missed_probes_make_a_lane_unresponsive_at_the_limit():
     assert out.events == (("unresponsive", why),) and not out.kill
 
 
+# ------------------------------------------------------------------ a stalled inference loop
+
+
+def looks(h: LaneHealth, *seen, start: float = 100.0, every: float = 5.0) -> list[Outcome]:
+    """Alive probes one interval apart, each with what /slots said (None: unanswered)."""
+    out = []
+    for i, loop in enumerate(seen):
+        out.append(step(h, Probe(alive=True, loop=loop), now=start + i * every))
+        h = out[-1].health
+    return out
+
+
+STALL = RULES.stall_seconds  # 120 s: above the longest prompt batch measured
+
+
+def prefill(tokens: int, done: int) -> tuple:
+    """/slots of one busy slot in task 40: the counters the binary moves once per batch."""
+    return ((40, tokens, done, 0),)
+
+
+def test_a_long_prefill_that_moves_a_batch_at_a_time_is_never_stalled():
+    # A batch every 20 s (2048 tokens at ~100 tok/s), looked at every 5 s: the counters stand still
+    # in between (as recorded), and move before stall_seconds pass.
+    seen = [prefill(2048 * (i // 4 + 1), 2048 * (i // 4)) for i in range(60)]
+    outs = looks(lane("healthy"), *seen)
+    assert all(o.health.state == "healthy" for o in outs)
+
+
+def test_a_generation_that_decodes_tokens_is_never_stalled():
+    outs = looks(lane("healthy"), *[((40, 2501 + n, 2501, n),) for n in range(1, 60)])
+    assert all(o.health.state == "healthy" and o.health.stuck_since is None for o in outs)
+
+
+@pytest.mark.parametrize("stuck", [None, prefill(1985, 1), ((40, 2511, 2501, 10),)],
+                         ids=["slots-unanswered", "stuck-prefill", "stuck-generation"])  # fmt: skip
+def test_a_loop_without_progress_for_stall_seconds_makes_the_lane_unresponsive(stuck):
+    looks_needed = int(STALL / 5)  # one look every 5 s
+    first = stuck if stuck is not None else ((40, 2511, 2501, 9),)  # seen once working, then no progress
+    outs = looks(lane("healthy"), first, *[stuck] * (looks_needed + 1))
+    assert [o.health.state for o in outs[:-1]] == ["healthy"] * (looks_needed + 1)
+    last = outs[-1]
+    assert last.health.state == "unresponsive" and last.health.last_error.startswith("stalled: ")
+    assert last.events == (("unresponsive", last.health.last_error),)
+    what = "/slots unanswered" if stuck is None else "busy slots processed no prompt batch and no token"
+    assert what in last.health.last_error and "/health answers" in last.health.last_error
+    assert step(last.health) == Outcome(last.health, kill=True)  # then killed and restarted like a wedged lane
+
+
+def test_progress_resets_the_stall_clock_and_an_idle_loop_is_fine():
+    outs = looks(lane("healthy"), *[None] * 20, (), *[None] * 20, prefill(10, 1), *[prefill(10, 1)] * 20)
+    assert all(o.health.state == "healthy" for o in outs)
+    assert looks(lane("healthy"), *[()] * 60)[-1].health.stuck_since is None
+    # A /health miss is the older rule's: /slots is not read into progress then.
+    h = lane("healthy", stuck_since=50.0)
+    assert step(h, Probe(alive=False, loop=None)).health.stuck_since == 50.0
+    # Not asked this tick: nothing changes.
+    assert step(h, Probe(alive=True)).health.stuck_since == 50.0
+
+
+def test_a_lane_healthy_again_starts_a_fresh_stall_clock():
+    out = step(lane("loading", stuck_since=1.0, loop_mark=((1, 1, 1, 1),)), Probe(ready=("healthy", "")))
+    assert (out.health.stuck_since, out.health.loop_mark) == (None, ())
+
+
 def test_an_unresponsive_lane_is_killed():
     h = lane("unresponsive", last_error="unresponsive: no answer")
     assert step(h) == Outcome(h, kill=True)

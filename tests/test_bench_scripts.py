@@ -78,3 +78,12 @@ def test_loop_lag_bench_agent_small(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     data = json.loads(out.read_text())
     assert data["models"] == 20 and data["loop_lag"]["samples"] > 0
+
+
+def test_gateway_loop_lag_small(tmp_path):
+    out = tmp_path / "lag.json"
+    result = run("gateway_loop_lag.py", "--streams", "4", "--seconds", "3", "--tokens", "10", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    found = json.loads(out.read_text())
+    assert found["streams"] == 4 and found["failed"] == 0 and found["streams_done"] >= 4
+    assert found["loaded"]["samples"] > 0 and found["loaded"]["p99_ms"] >= found["loaded"]["p50_ms"]

@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "docker-compose.yml"
 NATS_DIR = ROOT / "docker" / "nats"
 AUTH_CONF = NATS_DIR / "auth.conf"
+HOSTS_OVERRIDE = ROOT / "docker-compose.hosts.yml"
 NODES = ("nats-1", "nats-2", "nats-3")
 ROUTES = {f"nats://{node}:6222" for node in NODES}
 LANES_DOCKERFILES = {"docker/Dockerfile.planner", "docker/Dockerfile.agent"}
@@ -51,7 +52,7 @@ def _required_variables() -> set[str]:
 # Dummy values (letters and digits, starting with a letter, as nats-server wants them).
 PASSWORDS = {name: "pw" + name.lower().replace("_", "") for name in sorted(_required_variables())}
 # Optional variables the compose file reads: unset them so the developer's shell can't leak in.
-_OPTIONAL_VARS = ("LANES_NATS_SERVERS", "LANES_MODELS_HOST1", "LANES_MODELS_HOST2", "LANES_TAG",
+_OPTIONAL_VARS = ("LANES_NATS_SERVERS", "LANES_NATS_BIND", "LANES_MODELS_HOST1", "LANES_MODELS_HOST2", "LANES_TAG",
                   "LANES_GATEWAY_API_KEYS", "LANES_GATEWAY_PORT", "LANES_ADVERTISE_HOST1",
                   "LANES_ADVERTISE_HOST2", "LANES_PYTHON_IMAGE", "LANES_LLAMA_IMAGE")  # fmt: skip
 
@@ -183,8 +184,34 @@ def _published(ports: list) -> set[int]:
     return out
 
 
+def test_only_the_gateway_is_published_beyond_the_machine():
+    """The shipped file opens the gateway to the network; NATS only on 127.0.0.1 (LANES_NATS_BIND
+    to widen it); the lanes, which have no key of their own, not at all (docker-compose.hosts.yml)."""
+    doc = _raw_compose()
+    published = {name: svc["ports"] for name, svc in doc["services"].items() if svc.get("ports")}
+    assert set(published) == {"gateway", *NODES}, sorted(published)
+    assert published["gateway"] == ["${LANES_GATEWAY_PORT:-8000}:8000"]
+    for node in NODES:
+        (entry,) = published[node]
+        assert entry.startswith("${LANES_NATS_BIND:-127.0.0.1}:"), entry
+
+
+@needs_compose
+def test_nats_ports_bind_loopback_unless_told():
+    for bind, expected in ((None, "127.0.0.1"), ("0.0.0.0", "0.0.0.0")):
+        result = _compose("-f", "docker-compose.yml", "config", env=_env(LANES_NATS_BIND=bind))
+        assert result.returncode == 0, result.stderr
+        doc = yaml.safe_load(result.stdout)
+        ports = doc["services"]["nats-1"]["ports"]
+        # docker-compose 1.29 writes "ip:host:container/tcp", compose v2 a mapping.
+        found = [(str(p.get("host_ip", "")), int(p["published"])) if isinstance(p, dict)
+                 else (str(p).split(":")[0], int(str(p).split(":")[1])) for p in ports]  # fmt: skip
+        assert found == [(expected, 4222)], ports
+
+
 def test_agent_services_match_their_host(capsys: pytest.CaptureFixture):
     services = _lanes_services(_raw_compose())
+    hosts_ports = yaml.safe_load(HOSTS_OVERRIDE.read_text())["services"]
     agents = {}
     for name, svc in services.items():
         args = _parse_lanes(svc["command"], capsys)
@@ -200,7 +227,9 @@ def test_agent_services_match_their_host(capsys: pytest.CaptureFixture):
         assert args.models == ["/models"]
         assert any(str(v).endswith(":/models:ro") for v in svc.get("volumes", [])), f"{name}: /models read-only"
         lanes_ports = set(range(args.port_base, args.port_base + args.port_count))
-        assert lanes_ports <= _published(svc.get("ports", [])), f"{name}: publish ports {sorted(lanes_ports)}"
+        # Published only by the several-machines override (a gateway on another machine reaches them).
+        published = _published(hosts_ports.get(name, {}).get("ports", []))
+        assert lanes_ports <= published, f"{name}: docker-compose.hosts.yml must publish {sorted(lanes_ports)}"
         svc["_lanes_ports"] = lanes_ports
     assert len(agents) >= 2
     # Distinct port ranges: the whole file can also run on one machine.

@@ -186,3 +186,46 @@ async def test_first_run_and_live_dashboard_in_chromium(tmp_path, gemma_model, l
         if up.poll() is None:
             up.kill()
             up.wait(10)
+
+
+async def test_with_api_keys_the_page_asks_once_and_streams_without_the_key_in_a_url():
+    """A gateway with keys (no fleet behind it): the page asks for a key, a wrong one is refused,
+    the right one opens the live page over a session cookie; no request URL carries the key."""
+    from aiohttp.test_utils import TestServer
+
+    from gateway.service import Gateway
+    from gateway.settings import GatewaySettings
+
+    key = "sk-browser-0123456789"
+    gw = Gateway(GatewaySettings(port=0, api_keys=(key,)))
+    server = TestServer(gw.app, host="127.0.0.1")
+    await server.start_server()
+    dashboard = str(server.make_url("/dashboard/"))
+    try:
+        async with async_playwright() as pw:
+            browser = await pw.chromium.launch(executable_path=_chromium(), args=CHROMIUM_FLAGS)
+            page = await browser.new_page()
+            urls: list[str] = []
+            page.on("request", lambda req: urls.append(req.url))
+            script_errors: list[str] = []
+            page.on("pageerror", lambda exc: script_errors.append(str(exc)))
+            await page.goto(dashboard)
+            await expect(page.locator("#login")).to_be_visible(timeout=30_000)
+            await expect(page.locator("#main")).to_be_hidden()
+            await page.fill("#api-key", "sk-wrong")
+            await page.click("#login button")
+            await expect(page.locator("#login-result")).to_have_text("key refused")
+            await page.fill("#api-key", key)
+            await page.click("#login button")
+            await expect(page.locator("#main")).to_be_visible()
+            await expect(page.locator("#connection")).to_have_text("live", timeout=30_000)  # the stream, by cookie
+            # A reload asks nothing: the tab kept the key and trades it again.
+            await page.reload()
+            await expect(page.locator("#connection")).to_have_text("live", timeout=30_000)
+            await expect(page.locator("#login")).to_have_count(0)
+            await browser.close()
+        assert any(u.endswith("/dashboard/api/stream") for u in urls), urls
+        assert not [u for u in urls if key in u], urls
+        assert not script_errors, script_errors
+    finally:
+        await server.close()

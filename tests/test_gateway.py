@@ -36,6 +36,7 @@ ALIAS = "chat"
 HOST = "a"
 LANES = 2
 KEY = "sk-test-" + "0123456789abcdef"
+BEARER = {"Authorization": f"Bearer {KEY}"}
 MESSAGES = [{"role": "user", "content": "Count from one to ten."}]
 LONG = {"max_tokens": 1500, "extra_body": {"ignore_eos": True}}  # a stream that lasts seconds
 
@@ -226,7 +227,7 @@ async def test_requests_spread_by_free_slots_then_queue_then_overflow(fleet):
         assert time.perf_counter() - began < 0.5
         status, headers, body = await fifth  # no slot came free within queue_wait
         assert status == 503 and body["error"]["code"] == "queue_timeout" and "Retry-After" in headers
-        metrics = await (await http.get(gw.url + "/metrics")).text()
+        metrics = await (await http.get(gw.url + "/metrics", headers=BEARER)).text()
         assert 'lanes_gateway_requests_total{model="chat",status="503"} 2.0' in metrics
         assert 'lanes_lane_slots_busy{host="a",lane="' in metrics
         # A waiting request gets the first slot that frees.
@@ -251,7 +252,9 @@ async def test_metrics_after_traffic(fleet):
     async with gateway(fleet) as gw, aiohttp.ClientSession() as http:
         for _ in range(3):
             assert (await _chat(http, gw))[0] == 200
-        async with http.get(gw.url + "/metrics") as resp:  # open to scrapers, no key
+        async with http.get(gw.url + "/metrics") as resp:  # behind the key, as everything but the probes
+            assert resp.status == 401
+        async with http.get(gw.url + "/metrics", headers=BEARER) as resp:  # as Prometheus sends it
             assert resp.status == 200
             text = await resp.text()
         assert 'lanes_gateway_requests_total{model="chat",status="200"} 3.0' in text
@@ -301,7 +304,7 @@ async def test_a_conversation_comes_back_to_its_lane_and_its_prompt_is_cached(fl
         usage = next(c.usage for c in reversed(chunks) if c.usage)
         prompt_tokens += usage.prompt_tokens
         assert usage.prompt_tokens_details.cached_tokens > 0.8 * usage.prompt_tokens
-        text = await (await http.get(gw.url + "/metrics")).text()
+        text = await (await http.get(gw.url + "/metrics", headers=BEARER)).text()
     got = samples(text)
     lanes = {lane.lane_id for lane in gw.view.lanes_for(ALIAS)}
     counted = {lane: got.get(("lanes_gateway_prompt_tokens_total", frozenset({"model": ALIAS, "lane": f"{HOST}/{lane}"}.items())), 0)
@@ -349,11 +352,88 @@ async def test_slots_busy_with_other_clients_count_as_load(fleet):
         for _ in range(3):
             status, headers, _ = await _chat(http, gw)
             assert status == 200 and headers["X-Lanes-Lane"] != f"{lane.host_id}/{lane.lane_id}"
-        text = await (await http.get(gw.url + "/metrics")).text()
+        text = await (await http.get(gw.url + "/metrics", headers=BEARER)).text()
         assert f'lanes_lane_slots_busy_reported{{host="{HOST}",lane="{lane.lane_id}",model="{lane.model}"}} 2.0' in text
         for resp in direct:
             resp.close()
         await eventually(lambda: gw.admission.counts.reported.get(lane.key) == 0, timeout=10, what="slots freed")
+
+
+# ------------------------------------------------------------------ clients that leave
+
+
+async def _lane_slots(http: aiohttp.ClientSession, lane) -> list[dict]:
+    async with http.get(lane.url + "/slots") as resp:
+        return await resp.json()
+
+
+async def _all_idle(http: aiohttp.ClientSession, gw: Gateway) -> bool:
+    """Every slot of every lane idle, as the lanes' own /slots say."""
+    for lane in gw.view.lanes_for(ALIAS):
+        if any(slot["is_processing"] for slot in await _lane_slots(http, lane)):
+            return False
+    return True
+
+
+def _queue_depth(text: str) -> float:
+    return samples(text)[("lanes_gateway_queue_depth", frozenset({("model", ALIAS)}))]
+
+
+async def test_queued_clients_that_hang_up_leave_the_queue_at_once(fleet):
+    async with gateway(fleet, queue_depth=8, queue_wait=60.0) as gw, aiohttp.ClientSession() as http:
+        await eventually(lambda: _all_idle(http, gw), timeout=60, what="every slot idle")
+        streams = [await _open_stream(http, gw) for _ in range(LANES * 2)]  # every slot of the fleet
+        queued = [asyncio.create_task(_chat(http, gw)) for _ in range(4)]
+        await eventually(lambda: gw.admission.counts.queued.get(ALIAS) == 4, timeout=10, what="four queued")
+        metrics = await (await http.get(gw.url + "/metrics", headers=BEARER)).text()
+        assert _queue_depth(metrics) == 4
+        for task in queued:  # the clients hang up: their connections close
+            task.cancel()
+        await asyncio.gather(*queued, return_exceptions=True)
+
+        async def depth_zero() -> bool:
+            return _queue_depth(await (await http.get(gw.url + "/metrics", headers=BEARER)).text()) == 0
+
+        await eventually(depth_zero, timeout=1, what="queue depth 0 within 1 s")
+        assert gw.admission.take_queue_waits(asyncio.get_running_loop().time()) == {}  # no demand left behind
+        metrics = await (await http.get(gw.url + "/metrics", headers=BEARER)).text()
+        assert samples(metrics)[("lanes_gateway_requests_total", frozenset({("model", ALIAS), ("status", "499")}))] == 4
+        for resp in streams:
+            resp.close()
+        await eventually(lambda: not gw.admission.counts.in_flight, timeout=10, what="every slot given back")
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["plain", "streamed"])
+async def test_a_client_that_leaves_mid_answer_frees_the_lanes_slot(fleet, streamed):
+    async with gateway(fleet) as gw, aiohttp.ClientSession() as http:
+        await eventually(lambda: _all_idle(http, gw), timeout=60, what="every slot idle")
+        if streamed:
+            resp = await _open_stream(http, gw)  # its first chunk read: the lane is generating
+        else:  # a plain answer of 1500 tokens: nothing comes back until it is done
+            pending = asyncio.create_task(_chat(http, gw, max_tokens=1500, ignore_eos=True))
+        await eventually(lambda: _busy_lane(http, gw), timeout=30, what="a slot generating")
+        if streamed:
+            resp.close()
+        else:
+            pending.cancel()
+            await asyncio.gather(pending, return_exceptions=True)
+        await eventually(lambda: _all_idle(http, gw), timeout=2, interval=0.1, what="the lane's slot idle within 2 s")
+        await eventually(lambda: not gw.admission.counts.in_flight, timeout=2, what="the lease given back")
+
+
+async def test_a_long_stream_past_the_request_timeout_leaves_its_lane_in_rotation(fleet):
+    """The request's own time ends a stream that still flows; that says nothing against the lane."""
+    async with gateway(fleet, request_timeout=4.0) as gw, aiohttp.ClientSession() as http:
+        resp = await _open_stream(http, gw)
+        lane = resp.headers["X-Lanes-Lane"]
+        body = await asyncio.wait_for(resp.read(), 30)
+        assert b"data: " in body and b"did not finish within the request timeout of 4 s" in body
+        assert not gw.view.unreachable and not gw.view.stalled
+        assert any(f"{r.host_id}/{r.lane_id}" == lane for r in gw.view.routable(ALIAS))
+
+
+async def _busy_lane(http: aiohttp.ClientSession, gw: Gateway) -> bool:
+    return not await _all_idle(http, gw)
 
 
 # ------------------------------------------------------------------ failures

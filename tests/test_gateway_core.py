@@ -199,7 +199,23 @@ async def test_metrics_read_the_load_from_the_admission():
     (await waiter).release()
     held[1].release()
     assert metrics.registry.get_sample_value("lanes_lane_slots_busy", labels) == 0
-    assert metrics.registry.get_sample_value("lanes_gateway_queue_depth", {"model": "gemma"}) is None
+    assert metrics.registry.get_sample_value("lanes_gateway_queue_depth", {"model": "gemma"}) == 0  # not gone
+
+
+async def test_a_waiter_whose_client_left_leaves_the_queue_and_is_no_demand():
+    view = fleet(("h1", 8080))
+    adm = Admission(view, max_wait=30)
+    held = [await adm.acquire("gemma"), await adm.acquire("gemma")]
+    waiters = [asyncio.create_task(adm.acquire("gemma")) for _ in range(3)]
+    await asyncio.sleep(0)
+    assert adm.counts.queued == {"gemma": 3}
+    for task in waiters:  # the clients hang up: aiohttp cancels their handlers
+        task.cancel()
+    await asyncio.gather(*waiters, return_exceptions=True)
+    assert adm.counts.queued == {} and adm.take_queue_waits(asyncio.get_running_loop().time()) == {}
+    held[0].release()
+    assert adm.counts.in_flight == {view.lanes()[0].key: 1}  # the freed slot went to nobody
+    held[1].release()
 
 
 def test_api_keys_are_checked_against_every_key():
@@ -209,3 +225,41 @@ def test_api_keys_are_checked_against_every_key():
     assert settings.key_ok("sk-one") and settings.key_ok("sk-two")
     assert not settings.key_ok("sk-on") and not settings.key_ok("") and not settings.key_ok("sk-one ")
     assert not GatewaySettings().key_ok("anything")  # no keys configured: the middleware asks for none
+
+
+def test_a_slots_read_that_times_out_counts_against_the_lane_then_stalls_it():
+    from gateway.lane_load import judge
+
+    working = ((40, 2049, 1, 0),)  # a busy slot's counters, as the binary shows them mid-prefill
+    answered = judge(("busy", 1, working), 4, unanswered_since=None, now=10.0, stall_after=60)
+    assert (answered.reported, answered.unanswered_since, answered.stalled, answered.progressing) == (1, None, "", True)
+    first = judge(("timeout", 0, ()), 4, unanswered_since=None, now=10.0, stall_after=60)
+    assert (first.reported, first.unanswered_since, first.stalled) == (4, 10.0, "")  # every slot busy, not free
+    later = judge(("timeout", 0, ()), 4, unanswered_since=10.0, now=69.9, stall_after=60)
+    assert later.reported == 4 and later.unanswered_since == 10.0 and not later.stalled
+    stuck = judge(("timeout", 0, ()), 4, unanswered_since=10.0, now=70.0, stall_after=60)
+    assert stuck.stalled.startswith("stalled: /slots unanswered for 60 s")
+    assert stuck.stalled == judge(("timeout", 0, ()), 4, 10.0, now=99.0, stall_after=60).stalled  # one reason
+    unknown = judge(("unknown", 0, ()), 4, unanswered_since=10.0, now=99.0, stall_after=60)  # --no-slots, an error
+    assert (unknown.reported, unknown.unanswered_since, unknown.stalled, unknown.progressing) == (None, None, "", False)
+
+
+def test_an_answer_brings_a_stalled_lane_back_only_when_its_loop_moved_or_idles():
+    from gateway.lane_load import judge
+
+    frozen = ((40, 5979, 5467, 0),)
+    assert not judge(("busy", 1, frozen), 4, None, 0.0, 60, before=frozen).progressing  # answers, but stuck
+    assert judge(("busy", 1, ((40, 5979, 5979, 1),)), 4, None, 0.0, 60, before=frozen).progressing  # a batch later
+    assert judge(("busy", 0, ()), 4, None, 0.0, 60, before=frozen).progressing  # idle
+    assert judge(("busy", 1, frozen), 4, None, 0.0, 60, before=None).progressing  # nothing to compare with yet
+
+
+def test_a_stalled_lane_leaves_rotation_until_its_slots_answer_not_its_health():
+    view = fleet(("h1", 8080))
+    (lane,) = view.lanes()
+    view.mark_stalled(lane.key, "lane h1/gemma-0 stalled: no first token within 30 s")
+    assert not view.lanes()[0].routable and "stalled" in view.lanes()[0].unreachable
+    view.mark_reachable(lane.key)  # its /health answered (the HTTP thread): not enough
+    assert not view.lanes()[0].routable
+    view.mark_progressing(lane.key)  # its /slots answered (the inference loop)
+    assert view.lanes()[0].routable

@@ -64,3 +64,15 @@ def test_metrics_that_are_not_exposition_text_raise():
     with pytest.raises(ValueError):
         endpoints.rename_llama_series("llamacpp:x{ 1", {"host": "h"})
     assert endpoints.rename_llama_series("# TYPE other gauge\nother 1\n", {"host": "h"}) == []
+
+
+def test_loop_work_reads_each_busy_slots_counters():
+    # As b11434's /slots showed them mid-prefill and mid-generation (bench/busy_loop.json).
+    slots = [{"id": 0, "id_task": 40, "is_processing": True, "n_prompt_tokens": 2511,
+              "n_prompt_tokens_processed": 2501, "next_token": [{"n_decoded": 10, "n_remain": 54}]},
+             {"id": 1, "id_task": 39, "is_processing": False, "n_prompt_tokens": 0, "next_token": [{"n_decoded": 0}]},
+             {"id": 2, "id_task": 9, "is_processing": True}]  # fmt: skip
+    assert endpoints.loop_work(200, slots) == ((9, -1, -1, -1), (40, 2511, 2501, 10))
+    assert endpoints.loop_work(0, None) is None  # unanswered
+    assert endpoints.loop_work(501, {"error": {}}) == ()  # --no-slots: nothing to read a stall from
+    assert endpoints.loop_work(200, [{"is_processing": False}]) == ()

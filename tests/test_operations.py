@@ -220,6 +220,87 @@ async def _plan_rev(nc, at_least: int = 1) -> bool:
     return "h1" in found and found["h1"].plan_revision >= at_least
 
 
+@pytest.mark.parametrize("noticed_by", ["first-byte", "agent"])
+async def test_a_lane_whose_inference_loop_stalls_leaves_rotation_and_is_restarted(nats_server, tmp_path, models,
+                                                                                   noticed_by):  # fmt: skip
+    """The fake's recorded stall: a request that never finishes stops the loop; /health and /slots still
+    answer (as the binary's did while its loop was busy), the busy slot's counters never move. The
+    gateway takes the lane out of rotation at once for a streamed request with no first token in
+    time; in any case the agent reports it unresponsive (stalled) and restarts it like a wedged
+    lane, and it comes back."""
+    import aiohttp
+
+    from gateway.service import Gateway, run_gateway
+    from gateway.settings import GatewaySettings
+
+    binary = fake_binary(tmp_path / "bin", env={"FAKE_LLAMA_STALL": "1"})
+    # The agent is slower than the gateway here (stall_seconds), so the gateway's own notice is seen.
+    cfg = agent_config(tmp_path, "h1", models, binary, probe_interval=0.3, probe_timeout=0.5, stall_seconds=4.0)
+    events: list[LaneEvent] = []
+
+    async def on_event(msg):
+        events.append(msgspec.json.decode(msg.data, type=LaneEvent))
+
+    first_byte = noticed_by == "first-byte"
+    gw = Gateway(GatewaySettings(port=0, slots_interval=0.2, probe_timeout=0.3, first_byte_timeout=1.0))
+    stop = asyncio.Event()
+    async with client(nats_server.url) as nc, services(nats_server.url) as svc, aiohttp.ClientSession() as http:
+        await nc.subscribe(subjects.ALL_EVENTS, cb=on_event)
+        svc.start_planner()
+        svc.start_agent(cfg)
+        gateway = asyncio.create_task(run_gateway(nats_server.url, stop, gateway=gw))
+        try:
+
+            async def healthy():
+                lane = lane_of(await host_status(nc, "h1"), "llama8-0")
+                return lane if lane and lane.state == "healthy" else None
+
+            first = await eventually(healthy, timeout=40, what="lane healthy")
+            route = await eventually(lambda: next(iter(gw.view.routable("llama8")), None), timeout=20, what="routable")
+            chat = {"model": "llama8", "messages": [{"role": "user", "content": "hi"}], "stream": first_byte}
+
+            async def never_answered() -> None:
+                try:
+                    await http.post(route.url + "/v1/chat/completions", json=chat)
+                except aiohttp.ClientError:
+                    pass  # its lane was killed and restarted
+
+            if first_byte:  # through the gateway: no first token within 1 s, and no other lane to try
+                async with http.post(gw.url + "/v1/chat/completions", json=chat) as resp:
+                    assert resp.status == 504 and resp.headers["Retry-After"]
+                    assert (await resp.json())["error"]["code"] == "lane_stalled"
+            else:  # straight to the lane, as another client would: the agent notices
+                stuck = asyncio.create_task(never_answered())
+            # Out of the gateway's rotation while its /health still answers.
+            await eventually(lambda: not gw.view.routable("llama8"), timeout=10, what="out of rotation")
+            async with http.get(route.url + "/health") as resp:
+                assert resp.status == 200
+            if first_byte:
+                assert "stalled: no first token within 1 s" in gw.view.stalled.get(route.key, ""), gw.view.stalled
+            # The agent reports it; until then its /slots kept answering (frozen counters): the gateway's
+            # stalled mark held, since an answer without progress does not bring a lane back.
+            await eventually(lambda: any(e.event == "unresponsive" for e in events), timeout=20, what="reported")
+            assert (route.key in gw.view.stalled) == first_byte
+
+            async def restarted():
+                lane = lane_of(await host_status(nc, "h1"), "llama8-0")
+                assert lane is None or lane.state != "failed", f"the lane failed for good: {lane.last_error}"
+                return lane if lane and lane.state == "healthy" and lane.pid != first.pid else None
+
+            again = await eventually(restarted, timeout=30, what="the stalled lane restarted")
+            if not first_byte:
+                stuck.cancel()
+            seen = [(e.event, e.detail) for e in events if e.lane_id == "llama8-0" and e.pid == first.pid]
+            assert [e for e, _ in seen][-2:] == ["unresponsive", "crashed"], seen
+            assert seen[-2][1].startswith("stalled: ") and "no prompt batch and no token" in seen[-2][1]
+            assert again.restarts == 1 and not pid_alive(first.pid)
+            # Back in the gateway's rotation once its new process answers /slots.
+            await eventually(lambda: gw.view.routable("llama8"), timeout=20, what="back in rotation")
+        finally:
+            stop.set()
+            await asyncio.wait_for(gateway, 15)
+
+
 async def test_a_wedged_lane_is_marked_unresponsive_then_restarted_like_a_crash(nats_server, tmp_path, models):
     cfg = agent_config(tmp_path, "h1", models, fake_binary(tmp_path / "bin"), probe_interval=0.3, probe_failures=2,
                        probe_timeout=0.5)  # fmt: skip

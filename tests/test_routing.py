@@ -209,3 +209,44 @@ def test_every_request_gets_the_steps_the_old_loop_took():
             if isinstance(new, Try):
                 live.extend((*history, event) for event in usable)
     assert checked > 1000
+
+
+# ------------------------------------------------------------------ a stalled lane
+
+
+def stalled(lane) -> Attempt:
+    return Attempt(lane, Failure.STALLED, "no first token within 30 s")
+
+
+def test_a_stalled_lane_is_left_for_another_and_marked_stalled_not_unreachable():
+    from gateway.routing import stalled_reason
+
+    assert next_step([A, B], stalled(A)) == Try(frozenset({A}), retry=True)
+    assert stalled_reason(stalled(A)) == "lane h1/a-0 stalled: no first token within 30 s"
+    assert unreachable_reason(stalled(A)) == ""  # its /health answers: only its /slots brings it back
+    for other in (refused(A), dropped(A), Attempt(A, Failure.TIMEOUT), Attempt(A, Failure.BROKE, "x")):
+        assert stalled_reason(other) == ""
+
+
+def test_the_only_lane_stalled_is_a_504_with_retry_after():
+    step = next_step([A], stalled(A))
+    assert isinstance(step, GiveUp) and (step.status, step.code, step.retry_after) == (504, "lane_stalled", True)
+
+
+def test_two_stalled_lanes_end_the_request():
+    step = next_step([A, B], stalled(A), stalled(B))
+    assert isinstance(step, GiveUp) and step.status == 502
+
+
+def test_the_first_byte_timeout():
+    from gateway.routing import ASSUMED_PREFILL_RATE, FIRST_BYTE_FLOOR, FIRST_BYTE_MARGIN, first_byte_timeout
+
+    assert first_byte_timeout(5.0, 100_000, 10.0, total=600) == 5.0  # the operator's setting wins
+    assert first_byte_timeout(900.0, None, None, total=600) == 600  # never past the request's own time
+    assert first_byte_timeout(None, 100, 1000.0, total=600) == FIRST_BYTE_FLOOR  # a short prompt: the floor
+    # A long prompt: its prefill at the lane's measured speed, with the margin.
+    assert first_byte_timeout(None, 30_000, 500.0, total=600) == FIRST_BYTE_MARGIN * 30_000 / 500.0
+    # Not measured yet: a slow assumed speed, so a healthy lane is never cut short on its first long prompt.
+    assert first_byte_timeout(None, 4_000, None, total=600) == FIRST_BYTE_MARGIN * 4_000 / ASSUMED_PREFILL_RATE
+    assert first_byte_timeout(None, 4_000, 0.0, total=600) == first_byte_timeout(None, 4_000, None, total=600)
+    assert first_byte_timeout(None, 10**7, 10.0, total=600) == 600

@@ -99,6 +99,24 @@ async def test_held_requests_go_when_the_model_is_ready_and_wake_once():
     assert [m for m, _ in cold] == ["llama"] and waker.counts() == {}
 
 
+async def test_held_clients_that_leave_are_no_longer_held_nor_woken_for():
+    view = fleet()
+    entered = asyncio.Event()
+
+    async def publish(name: str) -> None:  # a wake still being sent when the client leaves
+        entered.set()
+        await asyncio.sleep(3600)
+
+    waker = waking.Waker(view, publish=publish)
+    held = [asyncio.create_task(waker.wait_ready(waking.classify(view, "llama"), 30.0)) for _ in range(2)]
+    await entered.wait()
+    assert waker.counts() == {"llama": 2} and waker.wanted() == ["llama"]
+    for task in held:  # the clients hang up (aiohttp cancels their handlers), one of them mid-wake
+        task.cancel()
+    await asyncio.gather(*held, return_exceptions=True)
+    assert waker.held == {} and waker.counts() == {} and waker.wanted() == []
+
+
 async def test_a_failed_load_answers_held_requests_with_the_reason():
     view = fleet()
     waker = waking.Waker(view)

@@ -107,7 +107,15 @@ function connect() {
     $("#connection").className = "pill on";
     render(JSON.parse(msg.data));
   });
-  source.onerror = () => { $("#connection").textContent = "reconnecting"; $("#connection").className = "pill off"; };
+  source.onerror = async () => {
+    $("#connection").textContent = "reconnecting";
+    $("#connection").className = "pill off";
+    if (source.readyState !== EventSource.CLOSED) return;  // the browser retries by itself
+    // Refused (the session cookie expired): trade the tab's key again, then reconnect.
+    const key = sessionStorage.getItem("lanes-api-key");
+    if (key) await fetch("/dashboard/api/session", { method: "POST", headers: { Authorization: `Bearer ${key}` } });
+    setTimeout(connect, 2000);
+  };
 }
 
 async function applyConfig(event) {

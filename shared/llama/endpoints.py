@@ -65,6 +65,35 @@ def busy_slots(status: int, slots: object) -> int | None:
     return sum(1 for slot in slots if isinstance(slot, dict) and slot.get("is_processing"))
 
 
+# Each busy slot's (task id, tokens in the slot, prompt tokens processed, tokens decoded): llama-server
+# moves them once per batch of the prompt and once per token (bench/RESULTS.md, "A busy loop").
+LoopWork = tuple[tuple[int, int, int, int], ...]
+_PROGRESS_FIELDS = ("id_task", "n_prompt_tokens", "n_prompt_tokens_processed")
+
+
+def loop_work(status: int, slots: object) -> LoopWork | None:
+    """What /slots says the inference loop is doing; None when it did not answer.
+
+    The binary answers /slots within milliseconds even while its loop is deep in a long
+    prefill (measured), so a loop that works moves these counters between two reads at
+    most one batch apart, and one that is stuck leaves them as they were. A build that
+    cannot say (--no-slots, an error status) gives () like an idle one: no stall is read from it.
+    """
+    if status == 0:
+        return None
+    if status != 200 or not isinstance(slots, list):
+        return ()
+    work = []
+    for slot in slots:
+        if not isinstance(slot, dict) or not slot.get("is_processing"):
+            continue
+        nexts = slot.get("next_token")
+        first = nexts[0] if isinstance(nexts, list) and nexts and isinstance(nexts[0], dict) else {}
+        values = [slot.get(f) for f in _PROGRESS_FIELDS] + [first.get("n_decoded")]
+        work.append(tuple(v if isinstance(v, int) else -1 for v in values))
+    return tuple(sorted(work))
+
+
 def rename_llama_series(text: str, labels: dict[str, str]) -> list[Metric]:
     """/metrics text as `lanes_llama_*` families with our labels added.
 

@@ -1,0 +1,143 @@
+"""Every gateway endpoint behind the API key, except the probes and the dashboard's page shell.
+
+The app is served for real (aiohttp's test server on a free port) with no NATS behind it:
+what is checked is who gets through the door, not what the fleet holds.
+"""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from gateway import access
+from gateway.dashboard import STATIC
+from gateway.service import Gateway
+from gateway.settings import GatewaySettings
+
+KEY = "sk-access-0123456789"
+ADMIN = "admin-0123456789"
+OPEN = {"/health", "/ready", "/dashboard", "/dashboard/"}
+
+
+def test_paths_that_need_a_key():
+    for path in ("/v1/models", "/v1/chat/completions", "/metrics", "/dashboard/api/state", "/dashboard/api/stream",
+                 "/dashboard/static/app.js", "/dashboard/static/style.css", "/anything"):  # fmt: skip
+        assert access.needs_key(path), path
+    for path in OPEN | {"/dashboard/api/config"}:  # the config change: the admin key, in its handler
+        assert not access.needs_key(path), path
+    assert access.cookie_may_open("/dashboard/api/stream") and not access.cookie_may_open("/v1/models")
+    assert not access.cookie_may_open("/metrics")
+
+
+def test_session_tokens_are_signed_by_the_keys_and_expire():
+    token = access.session_token((KEY,), now=1000.0, seconds=60)
+    assert access.session_ok((KEY,), token, now=1059.0)
+    assert not access.session_ok((KEY,), token, now=1060.0)  # expired
+    assert not access.session_ok(("sk-other",), token, now=1001.0)  # the key was changed: sessions end
+    assert access.session_ok(("sk-other", KEY), token, now=1001.0) is False  # a new key set signs anew
+    expires, _, signature = token.partition(".")
+    assert not access.session_ok((KEY,), f"{int(expires) + 3600}.{signature}", now=1001.0)  # stretched
+    assert not access.session_ok((KEY,), "", now=0) and not access.session_ok((), token, now=1001.0)
+
+
+@pytest.fixture
+async def served():
+    gw = Gateway(GatewaySettings(port=0, api_keys=(KEY,), admin_key=ADMIN))
+    server = TestServer(gw.app)
+    await server.start_server()
+    try:
+        yield gw, str(server.make_url("")).rstrip("/")
+    finally:
+        await server.close()
+
+
+def _get_routes(app: web.Application) -> set[str]:
+    """Every GET path the app serves (static folders by one file in them)."""
+    paths = set()
+    for resource in app.router.resources():
+        info = resource.get_info()
+        if "directory" in info:
+            paths |= {info["prefix"].rstrip("/") + "/" + f.name for f in info["directory"].iterdir()}
+        elif "path" in info and any(r.method == "GET" for r in resource):
+            paths.add(info["path"])
+    return paths
+
+
+async def test_without_a_key_only_the_probes_and_the_page_shell_answer(served):
+    gw, url = served
+    paths = _get_routes(gw.app)
+    assert {"/metrics", "/dashboard/api/state", "/dashboard/static/app.js", "/v1/models"} <= paths
+    async with aiohttp.ClientSession() as http:
+        for path in sorted(paths):
+            async with http.get(url + path, allow_redirects=False) as resp:
+                if path in OPEN:
+                    assert resp.status in (200, 302, 503), (path, resp.status)  # /ready: 503 until synced
+                    if path == "/dashboard/":
+                        # The shipped file as it is (no fleet data in it): it asks for the key.
+                        assert await resp.text() == (STATIC / "index.html").read_text()
+                else:
+                    assert resp.status == 401, (path, resp.status)
+                    assert (await resp.json())["error"]["code"] == "invalid_api_key"
+        for path in ("/v1/chat/completions", access.SESSION_PATH):
+            async with http.post(url + path, json={}) as resp:
+                assert resp.status == 401, path
+        async with http.get(url + "/metrics", headers={"Authorization": "Bearer sk-wrong"}) as resp:
+            assert resp.status == 401
+
+
+async def test_a_bearer_key_opens_metrics_and_the_api(served):
+    gw, url = served
+    bearer = {"Authorization": f"Bearer {KEY}"}
+    async with aiohttp.ClientSession() as http:
+        for path in ("/metrics", "/v1/models", "/dashboard/api/state", "/dashboard/static/app.js"):
+            async with http.get(url + path, headers=bearer) as resp:
+                assert resp.status == 200, path
+        async with http.get(url + "/metrics", headers=bearer) as resp:
+            assert "lanes_gateway" in await resp.text()
+
+
+async def test_the_page_trades_its_key_for_a_cookie_that_opens_the_dashboard_only(served):
+    gw, url = served
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url + access.SESSION_PATH, headers={"Authorization": f"Bearer {KEY}"}) as resp:
+            assert resp.status == 200
+            cookie = resp.cookies[access.COOKIE]
+            assert cookie["httponly"] and cookie["samesite"] == "Strict" and cookie["path"] == access.COOKIE_PATH
+            assert KEY not in cookie.value
+        jar = {access.COOKIE: cookie.value}
+        for path in ("/dashboard/api/state", "/dashboard/static/app.js", "/dashboard/static/style.css"):
+            async with http.get(url + path, cookies=jar) as resp:
+                assert resp.status == 200, path
+        async with http.get(url + "/dashboard/api/stream", cookies=jar) as resp:  # the live stream, no key in a URL
+            assert resp.status == 200
+            assert (await resp.content.readline()).startswith(b"event: snapshot")
+        for path in ("/v1/models", "/metrics"):  # the cookie is the dashboard's, not an API key
+            async with http.get(url + path, cookies=jar) as resp:
+                assert resp.status == 401, path
+        forged = cookie.value.rpartition(".")[0] + "." + "0" * 64
+        async with http.get(url + "/dashboard/api/state", cookies={access.COOKIE: forged}) as resp:
+            assert resp.status == 401
+
+
+async def test_the_config_change_takes_the_admin_key_not_an_api_key(served):
+    gw, url = served
+    async with aiohttp.ClientSession() as http:
+        async with http.post(url + "/dashboard/api/config", json={}, headers={"Authorization": f"Bearer {KEY}"}) as resp:
+            assert resp.status == 401 and "admin key" in (await resp.json())["error"]["message"]
+
+
+def test_planner_and_agent_metrics_listen_on_loopback_unless_told():
+    import inspect
+
+    from lanes.cli import build_parser
+    from launcher_agent.config import AgentConfig
+    from planner_svc.service import run_planner
+
+    parser = build_parser()
+    for command in (["planner"], ["agent"]):
+        assert parser.parse_args([*command, "--metrics-port", "9180"]).metrics_bind == "127.0.0.1"
+        assert parser.parse_args([*command, "--metrics-bind", "0.0.0.0"]).metrics_bind == "0.0.0.0"
+    assert inspect.signature(run_planner).parameters["metrics_host"].default == "127.0.0.1"
+    assert AgentConfig.__dataclass_fields__["metrics_host"].default == "127.0.0.1"
