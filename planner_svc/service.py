@@ -19,16 +19,17 @@ from contextlib import AsyncExitStack
 import msgspec
 import structlog
 from nats.aio.client import Client
-from nats.js.errors import KeyValueError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import KeyNotFoundError, KeyValueError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 from nats.micro import add_service
 from nats.micro.request import Request, ServiceError
 
+from planner_svc import plan_writes
 from planner_svc.lease import DEFAULT_TTL, Lease
 from planner_svc.metrics import PlannerMetrics
 from planner_svc.state import PlannerState, config_problem, explain_lines, merged_config
 from shared import subjects
-from shared.bus import NatsAuth, connect, kv_bucket, quietly, run_until, watch_forever
+from shared.bus import NatsAuth, connect, kv_bucket, leader_view, quietly, run_until, watch_forever
 from shared.llama.flags import cache_pair
 from shared.messages import (
     ConfigSet,
@@ -73,6 +74,7 @@ def _on_its_subject(msg, kind: type, field: str, subject_of, what: str):
 class PlannerService:
     def __init__(self, nc: Client, kv: KeyValue, lease_ttl: float = DEFAULT_TTL, name: str | None = None) -> None:
         self.nc, self.kv = nc, kv
+        self._leader = leader_view(kv)  # reads that no replica still catching up answers
         self.state = PlannerState()
         self.state.following = True  # until the lease is ours
         self.dirty = asyncio.Event()
@@ -209,37 +211,42 @@ class PlannerService:
         key = subjects.plan_key(host)
         if not self.lease.holds():
             return  # the lease passed on while planning: the new holder plans
-        before = self.state.plans.get(host)
-        self.state.plans[host] = new  # the watch may echo the write before update() returns
+        new, before, expected = plan_writes.begin(self.state, host, new)
         written = False
         try:
-            if self.state.plan_revs.get(host):
-                rev = await self.kv.update(key, encode(new), last=self.state.plan_revs[host])
+            if expected:
+                rev = await self.kv.update(key, encode(new), last=expected)
             else:
                 rev = await self.kv.create(key, encode(new))
             written = True
         except (KeyWrongLastSequenceError, KeyValueError) as exc:
             log.info("plan write lost compare-and-set; replanning", host=host, error=str(exc))
-            self.state.replan_hosts.add(host)
-            self.dirty.set()
         finally:
             if not written:
-                if before is None:
-                    self.state.plans.pop(host, None)
-                else:
-                    self.state.plans[host] = before
+                plan_writes.lost(self.state, host, before)
+                self.dirty.set()
         if not written:
+            await self._read_latest(key)
             return
-        self.state.plans[host] = new
-        self.state.plan_revs[host] = max(rev, self.state.plan_revs.get(host, 0))  # the echo may be newer
-        self.state.plan_stored[host] = True
-        self.state.plan_seen[host] = max(self.state.plan_seen.get(host, 0), new.plan_revision)
+        plan_writes.won(self.state, host, new, rev)
         log.info(
             "plan written",
             host=host,
             plan_revision=new.plan_revision,
             lanes=[f"{s.lane_id}:{s.ctx_per_slot}x{s.parallel}:{cache_pair(s.cache_type_k, s.cache_type_v)}" for s in new.lanes],
         )
+
+    async def _read_latest(self, key: str) -> None:
+        """After a lost compare-and-set, fold in the key's latest entry as the stream's leader
+        holds it: the watch may be served by a replica still catching up (it may never have
+        shown this planner the entry it lost to), and the replan must start from that entry."""
+        try:
+            entry = await self._leader.get(key)
+            await self._on_entry(key, entry.value, entry.revision)
+        except KeyNotFoundError as exc:  # deleted (its marker's revision) or never written
+            await self._on_entry(key, None, exc.entry.revision if exc.entry else 0)
+        except Exception as exc:  # NATS away: the watch brings the entry once it is back
+            log.info("latest plan not read", key=key, error=str(exc) or type(exc).__name__)
 
     async def ensure_config(self) -> None:
         try:
