@@ -24,7 +24,7 @@ from nats.js.kv import KeyValue
 from nats.micro import add_service
 from nats.micro.request import Request, ServiceError
 
-from planner_svc import plan_writes
+from planner_svc import plan_writes, rollout
 from planner_svc.lease import DEFAULT_TTL, Lease
 from planner_svc.metrics import PlannerMetrics
 from planner_svc.state import PlannerState, config_problem, explain_lines, merged_config
@@ -87,6 +87,7 @@ class PlannerService:
         self.lease.on_holder = lambda holder: setattr(self.state, "leader", holder)
         self.replans = 0
         self._models_written: bytes | None = None
+        self.desired: dict[str, HostPlan] = {}  # plans with changes that wait for their turn (rollout.py)
         self.metrics = PlannerMetrics(self)
 
     async def _on_lease(self, active: bool) -> None:
@@ -190,6 +191,7 @@ class PlannerService:
             self.state.replan_all = True  # the job's hosts were taken off the list: plan all again
             raise
         self.state.settle_demand()
+        plans = self._paced(plans)
         self.last_replan_seconds = time.monotonic() - started
         self.replans += 1
         self.metrics.replan_seconds.observe(self.last_replan_seconds)
@@ -205,6 +207,21 @@ class PlannerService:
         # Hosts' plans are independent keys: write them side by side, not one round trip each.
         await asyncio.gather(*(write(h, p) for h, p in todo))
         await self.publish_models()
+
+    def _paced(self, plans: dict[str, HostPlan]) -> dict[str, HostPlan]:
+        """Fleet-wide changes paced per model (planner_svc/rollout.py). Hosts whose change waits for
+        its turn are kept and looked at again at every replan (a lane's status coming healthy
+        replans its host): their turn may come when another host's lane serves again."""
+        s = self.state
+        self.desired.update(plans)
+        for host in [h for h in self.desired if h not in s.reports]:
+            del self.desired[host]
+        wanted = {h: p for h, p in self.desired.items() if h not in s.lost}
+        out = rollout.paced(wanted, s.plans, s.statuses, s.config.max_unavailable, s.lost)
+        for host, plan in out.items():
+            if plan is wanted[host]:
+                del self.desired[host]  # nothing of it waits
+        return out
 
     async def _write_plan(self, host: str, new: HostPlan) -> None:
         """Compare-and-set one host's plan; a lost race replans."""

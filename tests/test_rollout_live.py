@@ -1,0 +1,70 @@
+"""A fleet-wide change paced per model against real parts: a nats-server, the planner, three
+agents (one process) each holding one lane of the same model (the fake llama-server, a second
+to load, each answer a tenth of a second), one gateway with clients streaming through it.
+`config set kv_cache_type=q8_0` restarts every lane, one at a time across the hosts: at least
+two of the three serve at every moment, and no request fails."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from contextlib import AsyncExitStack
+
+import aiohttp
+from fixtures_bus import Services, agent_config, client, fake_binary, fleet_status
+from test_on_demand import _chat, gateway
+from waiting import eventually
+
+from shared import subjects
+from shared.messages import ConfigSet, encode
+
+HOSTS = ("r1", "r2", "r3")
+
+
+async def test_a_config_change_restarts_one_lane_of_a_model_at_a_time_across_the_hosts(tmp_path, tiny_models, nats_server):
+    binary = fake_binary(tmp_path / "bin", env={"FAKE_LLAMA_REPLY_SECONDS": "0.1", "FAKE_LLAMA_LOAD_SECONDS": "1.0"})
+    services = Services(nats_server.url)
+    async with AsyncExitStack() as stack:
+        stack.push_async_callback(services.stop_all)
+        services.start_planner()
+        for host in HOSTS:
+            models = tmp_path / f"models-{host}"
+            models.mkdir()
+            shutil.copy(tiny_models["llama8"], models / "a.gguf")
+            services.start_agent(agent_config(tmp_path, host, models, binary))
+        nc = await stack.enter_async_context(client(nats_server.url))
+        gw = await stack.enter_async_context(gateway(nats_server.url))
+        http = await stack.enter_async_context(aiohttp.ClientSession())
+        await eventually(lambda: len(gw.view.routable("a")) == 3, timeout=60, what="a lane of a on each host")
+
+        results: list[int] = []
+        serving: list[int] = []
+        stop = asyncio.Event()
+
+        async def client_loop() -> None:
+            while not stop.is_set():
+                results.append((await _chat(http, gw, "a"))[0])
+
+        async def sampler() -> None:
+            while not stop.is_set():
+                serving.append(len(gw.view.routable("a")))
+                await asyncio.sleep(0.02)
+
+        tasks = [asyncio.create_task(client_loop()) for _ in range(3)] + [asyncio.create_task(sampler())]
+        await asyncio.sleep(1.0)
+        reply = await nc.request(subjects.CONFIG_SET, encode(ConfigSet(changes={"kv_cache_type": "q8_0"})), timeout=5)
+        assert not (reply.headers or {}).get("Nats-Service-Error"), reply.headers
+
+        async def all_changed() -> bool:
+            lanes = [lane for s in (await fleet_status(nc)).statuses for lane in s.lanes]
+            return len(lanes) == 3 and all(x.state == "healthy" and "q8_0" in x.argv for x in lanes)
+
+        await eventually(all_changed, timeout=90, what="every lane restarted with q8_0")
+        await eventually(lambda: len(gw.view.routable("a")) == 3, timeout=30, what="all three routable again")
+        await asyncio.sleep(0.5)
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        print(f"requests: {len(results)}, lanes serving per sample: min {min(serving)} of {len(serving)} samples")
+        assert [s for s in results if s != 200] == [], results
+        assert min(serving) >= 2, f"fewer than two lanes served at some moment: {sorted(set(serving))}"
+        assert serving.count(2) > 0, "no lane was ever out of service: the change restarted nothing?"
