@@ -70,3 +70,17 @@ def test_affinity_bench_small(tmp_path, llama_server):
     data = json.loads(out.with_suffix(".json").read_text())
     assert data["affinity"]["requests"] == data["most_free_slots"]["requests"] == 6
     assert "cached-token ratio, turns 2+" in out.read_text()
+
+
+def test_chaos_bench_short(tmp_path):
+    """Five kills (one of each kind) in a short run: the report's figures are there and hold."""
+    out, data = tmp_path / "chaos.md", tmp_path / "chaos.json"
+    result = run("chaos_bench.py", "--seconds", "18", "--every", "3", "--down", "1", "--out", str(out),
+                 "--json", str(data), "--work", str(tmp_path), timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    r = json.loads(data.read_text())
+    assert sorted({k["kind"] for k in r["kills"]}) == ["agent", "gateway", "lane", "nats", "planner"], r["kills"]
+    assert r["requests"] > 0 and r["failed_otherwise"] == [], r
+    assert r["orphans"] == {"llama-server": 0, "ggml-rpc-server": 0, "nats-server": 0}
+    assert r["plan_revisions_down"] == [] and r["plan_entries_watched"] > 3, r
+    assert "RSS at start" in out.read_text()
