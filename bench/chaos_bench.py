@@ -11,7 +11,8 @@ binary. Clients send chat requests through the gateways without pause (a client 
 gateway refuses the connection goes to the other one, as a load balancer would).
 
 Every --every seconds one piece is killed with SIGKILL, the kinds in a shuffled cycle so each
-comes up: an agent, the active planner, a gateway, a lane, a NATS node. A killed agent,
+comes up: an agent, the active planner, a gateway, a lane, a NATS node (every other time the
+one leading the bucket's stream). A killed agent,
 planner, gateway or NATS node is started again --down seconds later (a lane is restarted by
 its agent). Reported: requests sent and failed, and which failures were in flight on a
 killed lane or gateway (the only ones allowed to fail); llama-server, ggml-rpc-server and
@@ -51,7 +52,7 @@ from tinymodels import write_llama  # noqa: E402
 
 from shared import subjects  # noqa: E402
 from shared.bus import connect, kv_bucket, leader_view, watch_forever  # noqa: E402
-from shared.messages import ConfigSet, HostPlan, PlannerLease, encode  # noqa: E402
+from shared.messages import ConfigSet, FleetConfig, HostPlan, PlannerLease, encode  # noqa: E402
 from shared.natsserver import NatsServer  # noqa: E402
 
 KINDS = ("agent", "planner", "gateway", "lane", "nats")
@@ -84,6 +85,7 @@ class Fleet:
     gateway_ports: list[int] = field(default_factory=list)
     binary: str = ""
     agent_args: dict[str, list[str]] = field(default_factory=dict)
+    nats_kills: int = 0
 
     def __post_init__(self) -> None:
         self.procs = Procs(self.work / "logs")
@@ -270,9 +272,12 @@ async def run(args) -> dict:
                 body = encode(ConfigSet(changes={"drain_timeout": 30.0 + changes["asked"] % 2}))
                 try:
                     reply = await nc.request(subjects.CONFIG_SET, body, timeout=5)
-                    changes["made"] += not (reply.headers or {}).get("Nats-Service-Error")
-                except Exception:
-                    pass  # no planner answers during a failover: the next flip comes
+                    error = (reply.headers or {}).get("Nats-Service-Error")
+                    changes["made"] += not error
+                    if error:
+                        changes.setdefault("refused", []).append(error[:80])
+                except Exception as exc:  # no planner answers during a failover: the next flip comes
+                    changes.setdefault("refused", []).append(type(exc).__name__)
                 await asyncio.sleep(args.every / 2)
 
         clients = [asyncio.create_task(client(i)) for i in range(args.clients)]
@@ -302,6 +307,17 @@ async def run(args) -> dict:
             return msgspec.json.decode((await leader.get(subjects.plan_key(host))).value, type=HostPlan).plan_revision
 
         final = {host: await _eventually(lambda h=host: plan_revision(h), 30) for host in HOSTS}
+
+        async def converged() -> bool:
+            """Every plan carries the last config's drain_timeout (the fleet follows its config)."""
+            config = msgspec.json.decode((await leader.get(subjects.CONFIG_KEY)).value, type=FleetConfig)
+            plans = [msgspec.json.decode((await leader.get(subjects.plan_key(h))).value, type=HostPlan) for h in HOSTS]
+            return all(p.drain_timeout == config.drain_timeout and p.config_revision == config.revision for p in plans)
+
+        try:
+            follows = bool(await _eventually(converged, 30))
+        except TimeoutError:
+            follows = False
         stop_watch.set()
         await watcher
     finally:
@@ -328,6 +344,8 @@ async def run(args) -> dict:
         "refused_connections_sent_to_the_other_gateway": refused,
         "orphans": left,
         "config_changes_asked_made": [changes["asked"], changes["made"]],
+        "config_changes_not_made": changes.get("refused", []),
+        "plans_follow_the_last_config": follows,
         "plan_entries_watched": watch.entries,
         "plan_revisions_down": watch.down,
         "final_plan_revisions": final,
@@ -389,9 +407,17 @@ async def _kill(kind: str, fleet: Fleet, kv, rng: random.Random):
         lane = rng.choice(fleet.lanes())
         lane.send_signal(signal.SIGKILL)
         return f"lane pid {lane.pid}", None
-    i = rng.randrange(3)
+    # Every other time the node leading the bucket's stream (a leader election, replicas behind).
+    fleet.nats_kills += 1
+    i, leader = rng.randrange(3), ""
+    if fleet.nats_kills % 2:
+        try:
+            leader = (await kv._js.stream_info(f"KV_{subjects.BUCKET}")).cluster.leader or ""
+            i = int(leader.removeprefix("n")) - 1 if leader.startswith("n") else i
+        except Exception:
+            leader = ""
     fleet.nats[i].stop(kill=True)
-    return f"nats-{i + 1}", lambda: fleet.nats[i].start(timeout=60)
+    return f"nats-{i + 1}" + (" (stream leader)" if leader else ""), lambda: fleet.nats[i].start(timeout=60)
 
 
 def write_md(result: dict, path: Path, command: str) -> None:
@@ -411,7 +437,8 @@ def write_md(result: dict, path: Path, command: str) -> None:
         f"- Orphans after the fleet stopped: {r['orphans']}",
         f"- Plan revisions that went down: **{len(r['plan_revisions_down'])}** {r['plan_revisions_down']}"
         f" ({r['plan_entries_watched']} plan entries watched through {r['config_changes_asked_made'][1]} config changes"
-        f" of {r['config_changes_asked_made'][0]} asked; final revisions {r['final_plan_revisions']})",
+        f" of {r['config_changes_asked_made'][0]} asked (not made: {r['config_changes_not_made']}); final revisions"
+        f" {r['final_plan_revisions']}; every plan follows the last config: {r['plans_follow_the_last_config']})",
         "",
         "| service | RSS at start (MiB) | RSS at end (MiB) |",
         "|---|---|---|",

@@ -255,10 +255,11 @@ class PlannerState:
         if found is not None:
             self.plan_seen[host] = max(self.plan_seen.get(host, 0), found.plan_revision)
             own = host in self.plans and self.plans[host].planned_by == self.planner_id
-            if (not self.caught_up or not own
-                    or (self.following and found.planned_by and found.planned_by == self.leader)):  # fmt: skip
-                # A previous (or the active) planner's plan, also one seen only after the snapshot (a
-                # watch on a replica catching up): carry on from the newest, never from nothing.
+            leaders = self.following and found.planned_by and found.planned_by == self.leader
+            if not self.caught_up or leaders or (not self.following and not own):
+                # A previous (or the active) planner's plan, also one an active planner sees only
+                # after its snapshot (a watch on a replica catching up) while it has written none
+                # for the host: carry on from the newest, never from nothing (revision 1).
                 self.plans[host] = found
         self.plan_stored[host] = found is not None and found == self.plans.get(host)
         if not self.plan_stored[host] and self.caught_up and not self.following:
