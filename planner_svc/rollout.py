@@ -62,10 +62,13 @@ def paced(
     statuses: Mapping[str, HostStatus],
     max_unavailable: int | float = 1,
     lost: Collection[str] = (),
+    rejected: Collection[str] = (),
 ) -> dict[str, HostPlan]:
     """The plan to publish for each host of `desired` (keys are host tokens in all three maps).
 
-    A host's result is its published plan itself when nothing of its change may go yet."""
+    A host's result is its published plan itself when nothing of its change may go yet. Hosts in
+    `rejected` refused their latest plan: their lanes serve what they run, and do not hold up
+    the rollout of the others."""
     changes: list[Change] = []
     for host, want in sorted(desired.items()):
         before = published.get(host)
@@ -78,7 +81,7 @@ def paced(
     reasons: dict[str, list[str]] = {}
     for model in sorted({c.model for c in changes}):
         pending = [c for c in changes if c.model == model and _serving_now(statuses, c)]
-        room, why = _room(model, desired, published, statuses, max_unavailable, lost)
+        room, why = _room(model, desired, published, statuses, max_unavailable, lost, rejected)
         for c in pending:
             if room > 0 and not why:
                 room -= 1
@@ -104,7 +107,7 @@ def _serving_now(statuses: Mapping[str, HostStatus], change: Change) -> bool:
     return lane is not None and lane.state == "healthy"
 
 
-def _room(model, desired, published, statuses, max_unavailable, lost) -> tuple[int, str]:
+def _room(model, desired, published, statuses, max_unavailable, lost, rejected) -> tuple[int, str]:
     """(how many more of the model's lanes may go out of service now, why none may: a halt)."""
     newest = max((p.config_revision for p in desired.values()), default=0)
     for host, status in sorted(statuses.items()):
@@ -123,7 +126,7 @@ def _room(model, desired, published, statuses, max_unavailable, lost) -> tuple[i
         for h in sorted(hosts)
         if h in published and h in statuses
         for s in published[h].lanes
-        if s.model == model and _out(s, _lane(statuses, h, s.lane_id), halted=bool(statuses[h].rollout_halted))
+        if s.model == model and _out(s, _lane(statuses, h, s.lane_id), halted=bool(statuses[h].rollout_halted) or h in rejected)
     )
     return allowed(max_unavailable, total) - out, ""
 

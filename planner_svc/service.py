@@ -217,7 +217,7 @@ class PlannerService:
         for host in [h for h in self.desired if h not in s.reports]:
             del self.desired[host]
         wanted = {h: p for h, p in self.desired.items() if h not in s.lost}
-        out = rollout.paced(wanted, s.plans, s.statuses, s.config.max_unavailable, s.lost)
+        out = rollout.paced(wanted, s.plans, s.statuses, s.config.max_unavailable, s.lost, s.rejected)
         for host, plan in out.items():
             if plan is wanted[host]:
                 del self.desired[host]  # nothing of it waits

@@ -154,3 +154,10 @@ def test_a_halted_agent_keeps_serving_what_it_runs_and_a_new_config_rolls_again(
     newer = {h: msgspec.structs.replace(p, config_revision=1) for h, p in desired.items()}
     statuses["h1"] = status("h1", running(NEW), feedback=(broke,))
     assert new_on(paced(newer, published, statuses)) == ["h1", "h2"]  # the next config rolls again
+
+
+def test_a_host_that_refused_its_plan_does_not_hold_up_the_others():
+    desired, published, statuses = fleet({})
+    published["h1"] = plan("h1", NEW, revision=2)  # refused by h1's agent: its lane runs OLD on
+    assert new_on(paced(desired, published, statuses)) == ["h1"]
+    assert new_on(paced(desired, published, statuses, rejected={"h1"})) == ["h1", "h2"]
