@@ -13,7 +13,7 @@ from __future__ import annotations
 import msgspec
 from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
-from fixtures_bus import client, nats_server  # noqa: F401  (a fixture)
+from fixtures_bus import client
 from test_planner_state import report
 
 from planner_svc import plan_writes
