@@ -8,8 +8,8 @@ least one), the next only once they serve again (healthy, not draining, on the a
 plan gives them). A lane whose change is not yet released keeps its previous spec in its
 host's plan. A lane that a change broke (its agent's feedback names the spec it last ran
 healthy with) halts its model's rollout: the planner reverts that lane (policy.revert_target)
-and no other lane of the model takes the change until the feedback expires or the config
-changes again (as the agent's own halt, HostStatus.rollout_halted).
+and no other lane of the model takes the change until the config changes again (as the
+agent's own halt, HostStatus.rollout_halted) or the failure's feedback expires.
 
 Changes that take nothing out of service go at once: new lanes, removed lanes, lanes that
 are down anyway, hosts with no status (no agent reports yet) and args that do not change.
@@ -34,6 +34,12 @@ class Change:
     model: str
     new: LaneSpec
     old: LaneSpec
+
+
+def failures(statuses: Mapping[str, HostStatus]) -> dict[tuple[str, str, float], str]:
+    """Lanes a change broke (their agent names the spec they last ran healthy with), by (host,
+    lane, when the agent noted it): the model of each."""
+    return {(host, f.lane_id, f.noted_at): f.model for host, s in statuses.items() for f in s.feedback if f.last_good}
 
 
 def allowed(max_unavailable: int | float, lanes: int) -> int:
@@ -63,12 +69,15 @@ def paced(
     max_unavailable: int | float = 1,
     lost: Collection[str] = (),
     rejected: Collection[str] = (),
+    failed_at: Mapping[tuple[str, str, float], tuple[str, float]] | None = None,
 ) -> dict[str, HostPlan]:
     """The plan to publish for each host of `desired` (keys are host tokens in all three maps).
 
     A host's result is its published plan itself when nothing of its change may go yet. Hosts in
     `rejected` refused their latest plan: their lanes serve what they run, and do not hold up
-    the rollout of the others."""
+    the rollout of the others. `failed_at`: each lane failure a change caused (`failures`) with the
+    config revision current when the planner first saw it; a failure halts its model's rollout
+    until the config changes again (None: every failure is of the change now rolling)."""
     changes: list[Change] = []
     for host, want in sorted(desired.items()):
         before = published.get(host)
@@ -77,11 +86,13 @@ def paced(
             prev = old.get(spec.lane_id)
             if prev is not None and prev.args != spec.args and _lane(statuses, host, spec.lane_id) is not None:
                 changes.append(Change(host, spec.lane_id, spec.model, spec, prev))
+    if failed_at is None:  # every failure is of the change now rolling
+        failed_at = {key: (model, math.inf) for key, model in failures(statuses).items()}
     held: set[tuple[str, str]] = set()
     reasons: dict[str, list[str]] = {}
     for model in sorted({c.model for c in changes}):
         pending = [c for c in changes if c.model == model and _serving_now(statuses, c)]
-        room, why = _room(model, desired, published, statuses, max_unavailable, lost, rejected)
+        room, why = _room(model, desired, published, statuses, max_unavailable, lost, rejected, failed_at)
         for c in pending:
             if room > 0 and not why:
                 room -= 1
@@ -107,15 +118,12 @@ def _serving_now(statuses: Mapping[str, HostStatus], change: Change) -> bool:
     return lane is not None and lane.state == "healthy"
 
 
-def _room(model, desired, published, statuses, max_unavailable, lost, rejected) -> tuple[int, str]:
+def _room(model, desired, published, statuses, max_unavailable, lost, rejected, failed_at) -> tuple[int, str]:
     """(how many more of the model's lanes may go out of service now, why none may: a halt)."""
     newest = max((p.config_revision for p in desired.values()), default=0)
-    for host, status in sorted(statuses.items()):
-        if host in published and published[host].config_revision < newest:
-            continue  # what broke there was an older config's change: a new config rolls again
-        for f in status.feedback:
-            if f.model == model and f.last_good is not None:
-                return 0, f"{model}'s rollout halted: its new spec failed on {status.host_id} ({f.lane_id}: {f.kind})"
+    for (host, lane_id, _), (broken, revision) in sorted(failed_at.items()):
+        if broken == model and revision >= newest:  # a failure of an older config's change: it rolls again
+            return 0, f"{model}'s rollout halted: its new spec failed on {host} ({lane_id})"
     hosts = (set(published) | set(desired)) - set(lost)
     total = max(
         sum(1 for h in hosts if h in published for s in published[h].lanes if s.model == model),

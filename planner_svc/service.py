@@ -88,6 +88,7 @@ class PlannerService:
         self.replans = 0
         self._models_written: bytes | None = None
         self.desired: dict[str, HostPlan] = {}  # plans with changes that wait for their turn (rollout.py)
+        self.failed_at: dict[tuple[str, str, float], tuple[str, int]] = {}  # lanes a change broke, at which config
         self.metrics = PlannerMetrics(self)
 
     async def _on_lease(self, active: bool) -> None:
@@ -217,7 +218,9 @@ class PlannerService:
         for host in [h for h in self.desired if h not in s.reports]:
             del self.desired[host]
         wanted = {h: p for h, p in self.desired.items() if h not in s.lost}
-        out = rollout.paced(wanted, s.plans, s.statuses, s.config.max_unavailable, s.lost, s.rejected)
+        broken = rollout.failures(s.statuses)
+        self.failed_at = {key: self.failed_at.get(key, (model, s.config_revision)) for key, model in broken.items()}
+        out = rollout.paced(wanted, s.plans, s.statuses, s.config.max_unavailable, s.lost, s.rejected, self.failed_at)
         for host, plan in out.items():
             if plan is wanted[host]:
                 del self.desired[host]  # nothing of it waits

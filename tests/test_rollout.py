@@ -151,9 +151,11 @@ def test_a_halted_agent_keeps_serving_what_it_runs_and_a_new_config_rolls_again(
     broke = LaneFeedback(lane_id="m-0", model="m", kind="unsupported", last_good=OLD)
     statuses["h1"] = status("h1", running(OLD), feedback=(broke,))
     assert new_on(paced(desired, published, statuses)) == ["h1"]  # halted
-    newer = {h: msgspec.structs.replace(p, config_revision=1) for h, p in desired.items()}
+    seen_at = {("h1", "m-0", 0.0): ("m", 0)}  # the planner saw it under config r0
     statuses["h1"] = status("h1", running(NEW), feedback=(broke,))
-    assert new_on(paced(newer, published, statuses)) == ["h1", "h2"]  # the next config rolls again
+    assert new_on(paced(desired, published, statuses, failed_at=seen_at)) == ["h1"]  # still halted under r0
+    newer = {h: msgspec.structs.replace(p, config_revision=1) for h, p in desired.items()}
+    assert new_on(paced(newer, published, statuses, failed_at=seen_at)) == ["h1", "h2"]  # the next config rolls again
 
 
 def test_a_host_that_refused_its_plan_does_not_hold_up_the_others():

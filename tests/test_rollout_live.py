@@ -68,3 +68,46 @@ async def test_a_config_change_restarts_one_lane_of_a_model_at_a_time_across_the
         assert [s for s in results if s != 200] == [], results
         assert min(serving) >= 2, f"fewer than two lanes served at some moment: {sorted(set(serving))}"
         assert serving.count(2) > 0, "no lane was ever out of service: the change restarted nothing?"
+
+
+async def test_a_lane_its_change_breaks_halts_the_models_rollout_on_every_host(tmp_path, tiny_models, nats_server):
+    """r1's binary refuses q4_0 at start: r1 (first in turn) fails with the change and is reverted;
+    r2's and r3's lanes never take it (same processes, no q4_0). A new config rolls again."""
+    services = Services(nats_server.url)
+    async with AsyncExitStack() as stack:
+        stack.push_async_callback(services.stop_all)
+        services.start_planner()
+        for host in HOSTS:
+            models = tmp_path / f"models-{host}"
+            models.mkdir()
+            shutil.copy(tiny_models["llama8"], models / "a.gguf")
+            env = {"FAKE_LLAMA_REFUSE_TYPES": "q4_0"} if host == "r1" else {}
+            services.start_agent(agent_config(tmp_path, host, models, fake_binary(tmp_path / f"bin-{host}", env=env)))
+        nc = await stack.enter_async_context(client(nats_server.url))
+
+        async def lanes(needle: str | None = None) -> dict | None:
+            found = {s.host_id: s.lanes[0] for s in (await fleet_status(nc)).statuses if s.lanes}
+            ok = len(found) == 3 and all(x.state == "healthy" and (needle is None or needle in x.argv) for x in found.values())
+            return found if ok else None
+
+        before = await eventually(lanes, timeout=60, what="a healthy lane on each host")
+        await nc.request(subjects.CONFIG_SET, encode(ConfigSet(changes={"kv_cache_type": "q4_0"})), timeout=5)
+
+        async def r1_reverted():
+            status = await fleet_status(nc)
+            plan = next(p for p in status.plans if p.host_id == "r1")
+            lane = next((x for s in status.statuses if s.host_id == "r1" for x in s.lanes), None)
+            done = lane and lane.state == "healthy" and any("reverted" in r for r in plan.lanes[0].reasons)
+            return status if done else None
+
+        status = await eventually(r1_reverted, timeout=60, what="r1's broken lane reverted")
+        await asyncio.sleep(2.0)  # time for a wrongly released change to reach r2 or r3
+        now = await lanes()
+        assert now is not None, "a lane is down"
+        for host in ("r2", "r3"):
+            assert now[host].pid == before[host].pid and "q4_0" not in now[host].argv, now[host]
+            plan = next(p for p in (await fleet_status(nc)).plans if p.host_id == host)
+            assert plan.lanes[0].cache_type_k is None, plan.lanes[0]  # its plan keeps the previous spec
+
+        await nc.request(subjects.CONFIG_SET, encode(ConfigSet(changes={"kv_cache_type": "q8_0"})), timeout=5)
+        await eventually(lambda: lanes("q8_0"), timeout=90, what="every lane on q8_0, one host at a time")
