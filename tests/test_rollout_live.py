@@ -21,17 +21,23 @@ from shared.messages import ConfigSet, encode
 HOSTS = ("r1", "r2", "r3")
 
 
+async def _fleet(stack: AsyncExitStack, tmp_path, tiny_models, url: str, env: dict[str, dict]) -> None:
+    """The planner and three agents, each holding model a (its fake binary with `env[host]`)."""
+    services = Services(url)
+    stack.push_async_callback(services.stop_all)
+    services.start_planner()
+    for host in HOSTS:
+        models = tmp_path / f"models-{host}"
+        models.mkdir()
+        shutil.copy(tiny_models["llama8"], models / "a.gguf")
+        binary = fake_binary(tmp_path / f"bin-{host}", env=env.get(host, {}))
+        services.start_agent(agent_config(tmp_path, host, models, binary))
+
+
 async def test_a_config_change_restarts_one_lane_of_a_model_at_a_time_across_the_hosts(tmp_path, tiny_models, nats_server):
-    binary = fake_binary(tmp_path / "bin", env={"FAKE_LLAMA_REPLY_SECONDS": "0.1", "FAKE_LLAMA_LOAD_SECONDS": "1.0"})
-    services = Services(nats_server.url)
+    env = {"FAKE_LLAMA_REPLY_SECONDS": "0.1", "FAKE_LLAMA_LOAD_SECONDS": "1.0"}
     async with AsyncExitStack() as stack:
-        stack.push_async_callback(services.stop_all)
-        services.start_planner()
-        for host in HOSTS:
-            models = tmp_path / f"models-{host}"
-            models.mkdir()
-            shutil.copy(tiny_models["llama8"], models / "a.gguf")
-            services.start_agent(agent_config(tmp_path, host, models, binary))
+        await _fleet(stack, tmp_path, tiny_models, nats_server.url, {host: env for host in HOSTS})
         nc = await stack.enter_async_context(client(nats_server.url))
         gw = await stack.enter_async_context(gateway(nats_server.url))
         http = await stack.enter_async_context(aiohttp.ClientSession())
@@ -73,16 +79,8 @@ async def test_a_config_change_restarts_one_lane_of_a_model_at_a_time_across_the
 async def test_a_lane_its_change_breaks_halts_the_models_rollout_on_every_host(tmp_path, tiny_models, nats_server):
     """r1's binary refuses q4_0 at start: r1 (first in turn) fails with the change and is reverted;
     r2's and r3's lanes never take it (same processes, no q4_0). A new config rolls again."""
-    services = Services(nats_server.url)
     async with AsyncExitStack() as stack:
-        stack.push_async_callback(services.stop_all)
-        services.start_planner()
-        for host in HOSTS:
-            models = tmp_path / f"models-{host}"
-            models.mkdir()
-            shutil.copy(tiny_models["llama8"], models / "a.gguf")
-            env = {"FAKE_LLAMA_REFUSE_TYPES": "q4_0"} if host == "r1" else {}
-            services.start_agent(agent_config(tmp_path, host, models, fake_binary(tmp_path / f"bin-{host}", env=env)))
+        await _fleet(stack, tmp_path, tiny_models, nats_server.url, {"r1": {"FAKE_LLAMA_REFUSE_TYPES": "q4_0"}})
         nc = await stack.enter_async_context(client(nats_server.url))
 
         async def lanes(needle: str | None = None) -> dict | None:
