@@ -300,6 +300,7 @@ async def run(args) -> dict:
         stop.set()
         await asyncio.gather(*clients)
         rss_end = fleet.rss()
+        exited = {name: p.returncode for name, p in fleet.procs.procs.items() if p.poll() is not None}
         await http.close()
         leader = leader_view(kv)
 
@@ -343,6 +344,7 @@ async def run(args) -> dict:
         "failed_otherwise": [{"t": round(r.start, 2), "status": r.status, "error": r.error[:200]} for r in failed if r not in allowed],
         "refused_connections_sent_to_the_other_gateway": refused,
         "orphans": left,
+        "services_that_exited_on_their_own": exited,
         "config_changes_asked_made": [changes["asked"], changes["made"]],
         "config_changes_not_made": changes.get("refused", []),
         "plans_follow_the_last_config": follows,
@@ -434,7 +436,7 @@ def write_md(result: dict, path: Path, command: str) -> None:
         f" {r['failed_in_flight_on_a_killed_lane_or_gateway']} of them in flight on a killed lane or gateway;"
         f" failed otherwise: **{len(r['failed_otherwise'])}** {r['failed_otherwise'][:5] if r['failed_otherwise'] else ''}",
         f"- Connections refused by a killed gateway (sent to the other one): {r['refused_connections_sent_to_the_other_gateway']}",
-        f"- Orphans after the fleet stopped: {r['orphans']}",
+        f"- Orphans after the fleet stopped: {r['orphans']}; services that exited on their own: {r['services_that_exited_on_their_own'] or 'none'}",
         f"- Plan revisions that went down: **{len(r['plan_revisions_down'])}** {r['plan_revisions_down']}"
         f" ({r['plan_entries_watched']} plan entries watched through {r['config_changes_asked_made'][1]} config changes"
         f" of {r['config_changes_asked_made'][0]} asked (not made: {r['config_changes_not_made']}); final revisions"

@@ -17,6 +17,7 @@ import time
 from contextlib import AsyncExitStack
 
 import msgspec
+import nats
 import structlog
 from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError, KeyValueError, KeyWrongLastSequenceError, NotFoundError
@@ -268,14 +269,25 @@ class PlannerService:
         except Exception as exc:  # NATS away: the watch brings the entry once it is back
             log.info("latest plan not read", key=key, error=str(exc) or type(exc).__name__)
 
-    async def ensure_config(self) -> None:
-        try:
-            await self.kv.get(subjects.CONFIG_KEY)
-        except NotFoundError:
+    async def ensure_config(self, patience: float = 60.0) -> None:
+        """Create the config key if missing. A bucket another planner is creating right now (its
+        replicas still forming) has no responders yet: wait for it rather than exit."""
+        deadline = time.monotonic() + patience
+        while True:
             try:
-                await self.kv.create(subjects.CONFIG_KEY, encode(FleetConfig()))
-            except Exception:
-                pass  # another planner created it first
+                await self._leader.get(subjects.CONFIG_KEY)
+                return
+            except NotFoundError:
+                try:
+                    await self.kv.create(subjects.CONFIG_KEY, encode(FleetConfig()))
+                except Exception:
+                    pass  # another planner created it first
+                return
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
+                if time.monotonic() > deadline:
+                    raise
+                log.info("bucket not answering yet; waiting", error=type(exc).__name__)
+                await asyncio.sleep(0.5)
 
     # ------------------------------------------------------------ request/reply
 

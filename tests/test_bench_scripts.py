@@ -82,5 +82,6 @@ def test_chaos_bench_short(tmp_path):
     assert sorted({k["kind"] for k in r["kills"]}) == ["agent", "gateway", "lane", "nats", "planner"], r["kills"]
     assert r["requests"] > 0 and r["failed_otherwise"] == [], r
     assert r["orphans"] == {"llama-server": 0, "ggml-rpc-server": 0, "nats-server": 0}
+    assert r["services_that_exited_on_their_own"] == {}, r
     assert r["plan_revisions_down"] == [] and r["plan_entries_watched"] > 3 and r["plans_follow_the_last_config"], r
     assert "RSS at start" in out.read_text()
