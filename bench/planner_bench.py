@@ -85,7 +85,7 @@ def per_event_cost(n: int) -> float:
     for i, report in enumerate(fleet(n)):
         state.apply(subjects.report_key(report.host_id), encode(report), i + 1)
     state.caught_up = True
-    state.plans.update(state.planning_job()())  # the first replan covers every host
+    state.plans.update(state.planning_job()().plans)  # the first replan covers every host
     times = []
     for k in range(RUNS):
         changed = msgspec.structs.replace(fleet(1)[0], ram_available=(30 + k) * GIB)
@@ -119,7 +119,7 @@ def whole_fleet_values(reports, plans) -> dict[str, int]:
     for i, report in enumerate(reports):
         state.apply(subjects.report_key(report.host_id), encode(report), i + 1)
     state.plans.update({subjects.host_token(p.host_id): p for p in plans})
-    models = state.model_states().models
+    models = state.model_states()[0].models
     status = FleetStatus(reports=tuple(reports), plans=tuple(plans), hosts=state.liveness(), models=models)
     return {
         "hosts_key_bytes": len(encode(FleetHosts(hosts=state.liveness()))),

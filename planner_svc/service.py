@@ -17,18 +17,20 @@ import time
 from contextlib import AsyncExitStack
 
 import msgspec
+import nats
 import structlog
 from nats.aio.client import Client
-from nats.js.errors import KeyValueError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import KeyNotFoundError, KeyValueError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 from nats.micro import add_service
 from nats.micro.request import Request, ServiceError
 
+from planner_svc import plan_writes, rollout
 from planner_svc.lease import DEFAULT_TTL, Lease
 from planner_svc.metrics import PlannerMetrics
 from planner_svc.state import PlannerState, config_problem, explain_lines, merged_config
 from shared import subjects
-from shared.bus import NatsAuth, connect, kv_bucket, logged_endpoint, quietly, run_until, watch_forever
+from shared.bus import NatsAuth, connect, kv_bucket, leader_view, logged_endpoint, quietly, run_until, watch_forever
 from shared.llama.flags import cache_pair
 from shared.messages import (
     ConfigSet,
@@ -74,6 +76,7 @@ def _on_its_subject(msg, kind: type, field: str, subject_of, what: str):
 class PlannerService:
     def __init__(self, nc: Client, kv: KeyValue, lease_ttl: float = DEFAULT_TTL, name: str | None = None) -> None:
         self.nc, self.kv = nc, kv
+        self._leader = leader_view(kv)  # reads that no replica still catching up answers
         self.state = PlannerState()
         self.state.following = True  # until the lease is ours
         self.dirty = asyncio.Event()
@@ -87,6 +90,8 @@ class PlannerService:
         self.replans = 0
         self._models_written: bytes | None = None
         self.loops = Loops("planner")
+        self.desired: dict[str, HostPlan] = {}  # plans with changes that wait for their turn (rollout.py)
+        self.failed_at: dict[tuple[str, str, float], tuple[str, int]] = {}  # lanes a change broke, at which config
         self.metrics = PlannerMetrics(self)
         self.metrics.registry.register(self.loops)
 
@@ -195,6 +200,7 @@ class PlannerService:
             self.state.replan_all = True  # the job's hosts were taken off the list: plan all again
             raise
         self.state.demand_state = self.state.settle_demand(outcome)
+        plans = self._paced(plans)
         self.last_replan_seconds = time.monotonic() - started
         self.replans += 1
         self.metrics.replan_seconds.observe(self.last_replan_seconds)
@@ -211,36 +217,46 @@ class PlannerService:
         await asyncio.gather(*(write(h, p) for h, p in todo))
         await self.publish_models()
 
+    def _paced(self, plans: dict[str, HostPlan]) -> dict[str, HostPlan]:
+        """Fleet-wide changes paced per model (planner_svc/rollout.py). Hosts whose change waits for
+        its turn are kept and looked at again at every replan (a lane's status coming healthy
+        replans its host): their turn may come when another host's lane serves again."""
+        s = self.state
+        self.desired.update(plans)
+        for host in [h for h in self.desired if h not in s.reports]:
+            del self.desired[host]
+        wanted = {h: p for h, p in self.desired.items() if h not in s.lost}
+        broken = rollout.failures(s.statuses)
+        self.failed_at = {key: self.failed_at.get(key, (model, s.config_revision)) for key, model in broken.items()}
+        out = rollout.paced(wanted, s.plans, s.statuses, s.config.max_unavailable, s.lost, s.rejected, self.failed_at)
+        for host, plan in out.items():
+            if plan is wanted[host]:
+                del self.desired[host]  # nothing of it waits
+        return out
+
     async def _write_plan(self, host: str, new: HostPlan) -> None:
         """Compare-and-set one host's plan; a lost race replans."""
         key = subjects.plan_key(host)
         if not self.lease.holds():
             return  # the lease passed on while planning: the new holder plans
-        before = self.state.plans.get(host)
-        self.state.plans[host] = new  # the watch may echo the write before update() returns
+        new, before, expected = plan_writes.begin(self.state, host, new)
         written = False
         try:
-            if self.state.plan_revs.get(host):
-                rev = await self.kv.update(key, encode(new), last=self.state.plan_revs[host])
+            if expected:
+                rev = await self.kv.update(key, encode(new), last=expected)
             else:
                 rev = await self.kv.create(key, encode(new))
             written = True
         except (KeyWrongLastSequenceError, KeyValueError) as exc:
             log.info("plan write lost compare-and-set; replanning", host=host, error=str(exc))
-            self.state.replan_hosts.add(host)
-            self.dirty.set()
         finally:
             if not written:
-                if before is None:
-                    self.state.plans.pop(host, None)
-                else:
-                    self.state.plans[host] = before
+                plan_writes.lost(self.state, host, before)
+                self.dirty.set()
         if not written:
+            await self._read_latest(key)
             return
-        self.state.plans[host] = new
-        self.state.plan_revs[host] = max(rev, self.state.plan_revs.get(host, 0))  # the echo may be newer
-        self.state.plan_stored[host] = True
-        self.state.plan_seen[host] = max(self.state.plan_seen.get(host, 0), new.plan_revision)
+        plan_writes.won(self.state, host, new, rev)
         log.info(
             "plan written",
             host=host,
@@ -248,14 +264,37 @@ class PlannerService:
             lanes=[f"{s.lane_id}:{s.ctx_per_slot}x{s.parallel}:{cache_pair(s.cache_type_k, s.cache_type_v)}" for s in new.lanes],
         )
 
-    async def ensure_config(self) -> None:
+    async def _read_latest(self, key: str) -> None:
+        """After a lost compare-and-set, fold in the key's latest entry as the stream's leader
+        holds it: the watch may be served by a replica still catching up (it may never have
+        shown this planner the entry it lost to), and the replan must start from that entry."""
         try:
-            await self.kv.get(subjects.CONFIG_KEY)
-        except NotFoundError:
+            entry = await self._leader.get(key)
+            await self._on_entry(key, entry.value, entry.revision)
+        except KeyNotFoundError as exc:  # deleted (its marker's revision) or never written
+            await self._on_entry(key, None, exc.entry.revision if exc.entry else 0)
+        except Exception as exc:  # NATS away: the watch brings the entry once it is back
+            log.info("latest plan not read", key=key, error=str(exc) or type(exc).__name__)
+
+    async def ensure_config(self, patience: float = 60.0) -> None:
+        """Create the config key if missing. A bucket another planner is creating right now (its
+        replicas still forming) has no responders yet: wait for it rather than exit."""
+        deadline = time.monotonic() + patience
+        while True:
             try:
-                await self.kv.create(subjects.CONFIG_KEY, encode(FleetConfig()))
-            except Exception:
-                pass  # another planner created it first
+                await self._leader.get(subjects.CONFIG_KEY)
+                return
+            except NotFoundError:
+                try:
+                    await self.kv.create(subjects.CONFIG_KEY, encode(FleetConfig()))
+                except Exception:
+                    pass  # another planner created it first
+                return
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
+                if time.monotonic() > deadline:
+                    raise
+                log.info("bucket not answering yet; waiting", error=type(exc).__name__)
+                await asyncio.sleep(0.5)
 
     # ------------------------------------------------------------ request/reply
 

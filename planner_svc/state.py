@@ -244,7 +244,13 @@ class PlannerState:
         return False
 
     def _apply_plan(self, host: str, value: bytes | None, revision: int) -> bool:
-        """Plans are the planner's own output: anything else on the key is overwritten."""
+        """Plans are the planner's own output: anything else on the key is overwritten.
+
+        An entry older than one already seen on the key is a stale read (a watch or get served
+        by a replica still catching up): it is ignored, so the compare-and-set revision and the
+        previous plan never move backwards."""
+        if revision and revision < self.plan_revs.get(host, 0):
+            return False
         self.plan_revs[host] = revision if value is not None else 0
         try:
             found = None if value is None else msgspec.json.decode(value, type=HostPlan)
@@ -258,12 +264,24 @@ class PlannerState:
             return True
         if found is not None:
             self.plan_seen[host] = max(self.plan_seen.get(host, 0), found.plan_revision)
-            if not self.caught_up or (self.following and found.planned_by and found.planned_by == self.leader):
-                self.plans[host] = found  # a previous (or the active) planner's plan: carry on from it
+            own = host in self.plans and self.plans[host].planned_by == self.planner_id
+            leaders = self.following and found.planned_by and found.planned_by == self.leader
+            if not self.caught_up or leaders or (not self.following and not own):
+                # A previous (or the active) planner's plan, also one an active planner sees only
+                # after its snapshot (a watch on a replica catching up) while it has written none
+                # for the host: carry on from the newest, never from nothing (revision 1).
+                self.plans[host] = found
         self.plan_stored[host] = found is not None and found == self.plans.get(host)
         if not self.plan_stored[host] and self.caught_up and not self.following:
             log.warning("plan entry not written by this planner; rewriting it", key=f"plan.{host}")
         return not self.plan_stored[host]
+
+    def above_seen(self, host: str, new: HostPlan) -> HostPlan:
+        """The plan to write: never numbered below a revision seen on its key. With the write's
+        compare-and-set on the key's latest entry (whose revision plan_seen holds), a plan's
+        revision in the bucket can only grow."""
+        seen = self.plan_seen.get(host, 0)
+        return new if new.plan_revision >= seen else msgspec.structs.replace(new, plan_revision=seen + 1)
 
     @staticmethod
     def _put(table: dict, host: str, value: bytes | None, kind: type) -> None:

@@ -80,6 +80,13 @@ async def kv_bucket(nc: Client, *, create: bool = False, replicas: int = 1) -> K
     return await js.key_value(BUCKET)
 
 
+def leader_view(kv: KeyValue) -> KeyValue:
+    """The same bucket read without direct gets: a get is then answered by the stream's leader,
+    never by a replica still catching up after a restart (a direct get may return a value
+    minutes old from one: nats-server#4162, #6557)."""
+    return KeyValue(name=kv._name, stream=kv._stream, pre=kv._pre, js=kv._js, direct=False)
+
+
 async def watch_forever(
     kv: KeyValue,
     keys: str,

@@ -256,6 +256,9 @@ class FleetConfig(_Msg, tag="fleet_config", forbid_unknown_fields=True, kw_only=
     n_ubatch: Annotated[int, msgspec.Meta(ge=1, le=65536)] = defaults.N_UBATCH
     use_gpu: bool = True
     max_restarts_per_host: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 1
+    # Lanes of one model a fleet-wide change may take out of service at a time, across all hosts:
+    # a count, or a fraction of the model's lanes (at least one); the next once they serve again.
+    max_unavailable: Annotated[int, msgspec.Meta(ge=1, le=10000)] | Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 1
     # Seconds an agent waits for a draining lane's requests in flight before it restarts it.
     drain_timeout: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = defaults.DRAIN_TIMEOUT
     # Seconds of silence (no report or status) after which a host is lost; unset: 3 report intervals.

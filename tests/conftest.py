@@ -20,6 +20,7 @@ SLOW_FIXTURES = frozenset({"llama_server", "gemma_model", "rpc_bin", "topo"})
 SLOW_MODULES = frozenset({
     "test_dashboard_browser", "test_netns", "test_compose_live", "test_bench_agent", "test_bench_scripts",
     "test_fuzz", "test_cli_online", "test_auth", "test_gateway_auth", "test_faults", "test_scaling_live",
+    "test_rollout_live",
 })  # fmt: skip
 SLOW_TESTS = frozenset({
     "test_two_planners_one_plans_and_the_stand_by_takes_over",

@@ -87,3 +87,18 @@ def test_gateway_loop_lag_small(tmp_path):
     found = json.loads(out.read_text())
     assert found["streams"] == 4 and found["failed"] == 0 and found["streams_done"] >= 4
     assert found["loaded"]["samples"] > 0 and found["loaded"]["p99_ms"] >= found["loaded"]["p50_ms"]
+
+
+def test_chaos_bench_short(tmp_path):
+    """Five kills (one of each kind) in a short run: the report's figures are there and hold."""
+    out, data = tmp_path / "chaos.md", tmp_path / "chaos.json"
+    result = run("chaos_bench.py", "--seconds", "18", "--every", "3", "--down", "1", "--out", str(out),
+                 "--json", str(data), "--work", str(tmp_path), timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    r = json.loads(data.read_text())
+    assert sorted({k["kind"] for k in r["kills"]}) == ["agent", "gateway", "lane", "nats", "planner"], r["kills"]
+    assert r["requests"] > 0 and r["failed_otherwise"] == [], r
+    assert r["orphans"] == {"llama-server": 0, "ggml-rpc-server": 0, "nats-server": 0}
+    assert r["services_that_exited_on_their_own"] == {}, r
+    assert r["plan_revisions_down"] == [] and r["plan_entries_watched"] > 3 and r["plans_follow_the_last_config"], r
+    assert "RSS at start" in out.read_text()

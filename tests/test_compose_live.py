@@ -43,9 +43,8 @@ import pytest
 from waiting import eventually
 
 from shared import subjects
-from shared.bus import NatsAuth, connect, kv_bucket
+from shared.bus import NatsAuth, connect, kv_bucket, leader_view
 from shared.messages import FleetConfig, FleetHosts, HostPlan, HostStatus
-from shared.subjects import BUCKET
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "lanes-live-"  # compose project names of this test: leftovers are recognised by it
@@ -266,8 +265,7 @@ async def leader_kv(nc) -> KeyValue:
     """The bucket read from its stream's leader: a direct get may be answered by a replica still
     catching up after a restart, with a value minutes old (nats-server#4162, #6557). The product
     tolerates that (agents refuse an older plan and re-read); a test asserting "unchanged" cannot."""
-    await kv_bucket(nc)  # the bucket exists
-    return KeyValue(name=BUCKET, stream=f"KV_{BUCKET}", pre=f"$KV.{BUCKET}.", js=nc.jetstream(), direct=False)
+    return leader_view(await kv_bucket(nc))
 
 
 async def _kv_value(kv, key: str, kind: type):
