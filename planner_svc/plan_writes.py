@@ -12,15 +12,25 @@ the key's latest entry from the stream's leader and plans again from it.
 
 from __future__ import annotations
 
+import msgspec
+
 from planner_svc.state import PlannerState
 from shared.messages import HostPlan
+
+
+def above_seen(state: PlannerState, host: str, new: HostPlan) -> HostPlan:
+    """The plan to write: never numbered below a revision seen on its key. With the write's
+    compare-and-set on the key's latest entry (whose revision plan_seen holds), a plan's
+    revision in the bucket can only grow."""
+    seen = state.plan_seen.get(host, 0)
+    return new if new.plan_revision >= seen else msgspec.structs.replace(new, plan_revision=seen + 1)
 
 
 def begin(state: PlannerState, host: str, new: HostPlan) -> tuple[HostPlan, HostPlan | None, int]:
     """(the plan to write, the previous plan to restore if the write is lost, the key's
     revision the compare-and-set expects: 0 for a key with no plan)."""
     before = state.plans.get(host)
-    new = state.above_seen(host, new)
+    new = above_seen(state, host, new)
     state.plans[host] = new  # the watch may echo the write before it returns
     return new, before, state.plan_revs.get(host, 0)
 

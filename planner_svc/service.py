@@ -4,7 +4,7 @@ Everything it knows comes from KV (config, demand, host reports, host status and
 the plans themselves), so a restarted planner picks up exactly where it was.
 Plans are written with compare-and-set on the key's revision, and only by the
 planner holding the lease (planner_svc/lease.py); any others stand by, follow the
-bucket and answer the same endpoints. Hosts that fall silent are `lost`: their plan
+bucket and answer the same endpoints (planner_svc/endpoints.py). Hosts that fall silent are `lost`: their plan
 is kept (a partitioned host keeps serving), fleet-wide lanes are placed elsewhere.
 """
 
@@ -17,37 +17,21 @@ import time
 from contextlib import AsyncExitStack
 
 import msgspec
-import nats
 import structlog
 from nats.aio.client import Client
-from nats.js.errors import KeyNotFoundError, KeyValueError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import KeyNotFoundError, KeyValueError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
-from nats.micro import add_service
-from nats.micro.request import Request, ServiceError
 
-from planner_svc import plan_writes, rollout
+from planner_svc import endpoints, plan_writes, rollout
 from planner_svc.lease import DEFAULT_TTL, Lease
 from planner_svc.metrics import PlannerMetrics
-from planner_svc.state import PlannerState, config_problem, explain_lines, merged_config
+from planner_svc.state import PlannerState
 from shared import subjects
-from shared.bus import NatsAuth, connect, kv_bucket, leader_view, logged_endpoint, quietly, run_until, watch_forever
+from shared.bus import NatsAuth, connect, kv_bucket, leader_view, quietly, run_until, watch_forever
 from shared.llama.flags import cache_pair
-from shared.messages import (
-    ConfigSet,
-    Demand,
-    FleetConfig,
-    FleetHosts,
-    FleetStatus,
-    GatewayActivity,
-    HostPlan,
-    HostQuery,
-    ModelWake,
-    PlanRejected,
-    encode,
-)
+from shared.messages import FleetHosts, GatewayActivity, HostPlan, ModelWake, PlanRejected, encode
 from shared.metrics_http import serve_metrics
 from shared.supervise import Loops
-from shared.version import VERSION
 
 log = structlog.get_logger("lanes.planner")
 
@@ -59,19 +43,6 @@ def planner_id() -> str:
     return f"{socket.gethostname().split('.')[0]}-{os.getpid()}"
 
 
-
-def _on_its_subject(msg, kind: type, field: str, subject_of, what: str):
-    """The message decoded, or None (logged and dropped): malformed, or sent on another
-    sender's subject than the one its `field` names (a client may publish only on its own)."""
-    try:
-        decoded = msgspec.json.decode(msg.data, type=kind)
-        named = getattr(decoded, field)
-        if subject_of(named) != msg.subject:
-            raise msgspec.ValidationError(f"{field} {named!r} does not match {msg.subject!r}")
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        log.warning(f"dropped malformed {what}", subject=msg.subject, reason=str(exc))
-        return None
-    return decoded
 
 class PlannerService:
     def __init__(self, nc: Client, kv: KeyValue, lease_ttl: float = DEFAULT_TTL, name: str | None = None) -> None:
@@ -101,27 +72,18 @@ class PlannerService:
             self.state.replan_all = True
             self.dirty.set()
 
-    async def _on_rejected(self, msg) -> None:
-        rejection = _on_its_subject(msg, PlanRejected, "host_id", subjects.rejected_subject, "rejection")
-        if rejection is None:
-            return
+    async def on_rejected(self, rejection: PlanRejected) -> None:
         log.warning("agent rejected its plan", host=rejection.host_id, reason=rejection.reason)
         if self.state.apply_rejection(rejection):
             self.dirty.set()
 
-    async def _on_wake(self, msg) -> None:
-        wake = _on_its_subject(msg, ModelWake, "name", subjects.wake_subject, "wake")
-        if wake is None:
-            return
+    async def on_wake(self, wake: ModelWake) -> None:
         self.state.demand_state, woke = self.state.note_wake(wake.name)
         if woke:
             log.info("model woken", model=wake.name, gateway=wake.gateway)
             self.dirty.set()
 
-    async def _on_activity(self, msg) -> None:
-        activity = _on_its_subject(msg, GatewayActivity, "gateway", subjects.activity_subject, "activity")
-        if activity is None:
-            return
+    async def on_activity(self, activity: GatewayActivity) -> None:
         self.state.demand_state, replan = self.state.note_activity(activity)
         if replan:
             self.dirty.set()
@@ -276,131 +238,6 @@ class PlannerService:
         except Exception as exc:  # NATS away: the watch brings the entry once it is back
             log.info("latest plan not read", key=key, error=str(exc) or type(exc).__name__)
 
-    async def ensure_config(self, patience: float = 60.0) -> None:
-        """Create the config key if missing. A bucket another planner is creating right now (its
-        replicas still forming) has no responders yet: wait for it rather than exit."""
-        deadline = time.monotonic() + patience
-        while True:
-            try:
-                await self._leader.get(subjects.CONFIG_KEY)
-                return
-            except NotFoundError:
-                try:
-                    await self.kv.create(subjects.CONFIG_KEY, encode(FleetConfig()))
-                except Exception:
-                    pass  # another planner created it first
-                return
-            except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
-                if time.monotonic() > deadline:
-                    raise
-                log.info("bucket not answering yet; waiting", error=type(exc).__name__)
-                await asyncio.sleep(0.5)
-
-    # ------------------------------------------------------------ request/reply
-
-    async def _config_get(self, req: Request) -> None:
-        await req.respond(encode(self.state.config))
-
-    async def _config_set(self, req: Request) -> None:
-        try:
-            change = msgspec.json.decode(req.data, type=ConfigSet)
-            new = merged_config(self.state.config, change, self.state.config_revision + 1)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise ServiceError("400", f"invalid config: {exc}") from None
-        if new is not None and (problem := config_problem(new, self.state.reports)) is not None:
-            raise ServiceError("400", f"invalid config: {problem}")
-        if new is None:
-            await req.respond(encode(self.state.config))  # nothing changes: no new revision
-            return
-        try:
-            await self.kv.update(subjects.CONFIG_KEY, encode(new), last=self.state.config_kv_rev or None)
-        except KeyWrongLastSequenceError:
-            raise ServiceError("409", "config changed meanwhile; retry") from None
-        log.info("config set", changes=change.changes)
-        await req.respond(encode(new))
-
-    async def _demand_set(self, req: Request) -> None:
-        try:
-            demand = msgspec.json.decode(req.data, type=Demand)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise ServiceError("400", f"invalid demand: {exc}") from None
-        await self.kv.put(subjects.DEMAND_KEY, encode(demand))
-        await req.respond(encode(demand))
-
-    def _host_plan(self, req: Request) -> HostPlan:
-        try:
-            query = msgspec.json.decode(req.data, type=HostQuery)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise ServiceError("400", f"invalid query: {exc}") from None
-        found = self.state.plans.get(subjects.host_token(query.host_id))
-        if found is None:
-            raise ServiceError("404", f"no plan for host {query.host_id!r}")
-        return found
-
-    async def _plan_get(self, req: Request) -> None:
-        await req.respond(encode(self._host_plan(req)))
-
-    async def _plan_explain(self, req: Request) -> None:
-        found = self._host_plan(req)
-        lines = explain_lines(found, self.state.statuses.get(found.host_id))
-        await req.respond("\n".join(lines).encode())
-
-    async def _fleet_status(self, req: Request) -> None:
-        s = self.state
-        await req.respond(
-            encode(
-                FleetStatus(
-                    config_revision=s.config_revision,
-                    config=s.config,
-                    reports=tuple(sorted(s.reports.values(), key=lambda r: r.host_id)),
-                    plans=tuple(sorted(s.plans.values(), key=lambda p: p.host_id)),
-                    statuses=tuple(sorted(s.statuses.values(), key=lambda p: p.host_id)),
-                    hosts=s.liveness(),
-                    planner_id=self.id,
-                    planner_active=self.lease.holds(),
-                    models=s.model_states()[0].models,
-                )
-            )
-        )
-
-    async def _info(self, req: Request) -> None:
-        s = self.state
-        info = {
-            "version": VERSION,
-            "config_revision": s.config_revision,
-            "hosts": sorted(s.reports),
-            "plans": {host: p.plan_revision for host, p in sorted(s.plans.items())},
-            "ready": self.ready.is_set(),
-            "planner_id": self.id,
-            "active": self.lease.holds(),
-            "replans": self.replans,  # tests and operators can wait for a replan instead of sleeping
-            "lost": sorted(s.lost),
-        }
-        await req.respond(msgspec.json.encode(info))
-
-    async def add_endpoints(self, stack: AsyncExitStack) -> None:
-        svc = await add_service(
-            self.nc,
-            name=subjects.PLANNER_SERVICE,
-            version=VERSION,
-            description="lanes planner: lane plans for every host",
-            metadata={"bucket": subjects.BUCKET},
-        )
-        stack.push_async_callback(quietly(svc.stop))
-        group = svc.add_group(name=subjects.PLANNER_GROUP)
-        for name, subject, handler in (
-            ("config_get", subjects.CONFIG_GET, self._config_get),
-            ("config_set", subjects.CONFIG_SET, self._config_set),
-            ("demand_set", subjects.DEMAND_SET, self._demand_set),
-            ("plan_get", subjects.PLAN_GET, self._plan_get),
-            ("plan_explain", subjects.PLAN_EXPLAIN, self._plan_explain),
-            ("fleet_status", subjects.FLEET_STATUS, self._fleet_status),
-            ("status", subjects.PLANNER_STATUS, self._fleet_status),
-            ("info", subjects.PLANNER_INFO, self._info),
-        ):
-            tail = subjects.endpoint_tail(subject, subjects.PLANNER_GROUP)
-            await group.add_endpoint(name=name, subject=tail, handler=logged_endpoint(handler, name))
-
 
 async def run_planner(
     servers: str,
@@ -423,13 +260,9 @@ async def run_planner(
         stack.push_async_callback(quietly(nc.drain))
         kv = await kv_bucket(nc, create=True, replicas=replicas)
         service = PlannerService(nc, kv, lease_ttl=lease_ttl, name=name)
-        await service.ensure_config()
-        await service.add_endpoints(stack)
-        rejections = await nc.subscribe(subjects.ALL_REJECTED, cb=service._on_rejected)
-        stack.push_async_callback(quietly(rejections.unsubscribe))
-        for subject, handler in ((subjects.ALL_WAKES, service._on_wake), (subjects.ALL_ACTIVITY, service._on_activity)):
-            sub = await nc.subscribe(subject, cb=handler)
-            stack.push_async_callback(quietly(sub.unsubscribe))
+        await endpoints.ensure_config(service)
+        await endpoints.add_endpoints(service, stack)
+        await endpoints.subscribe(service, stack)
         loops = service.loops
         tasks = [
             loops.task("watch", lambda: watch_forever(kv, ">", service._on_entry, resync=service.resync, stop=stop,

@@ -5,25 +5,24 @@ service changes in place: planner_svc.service feeds it the watch (`apply`), asks
 replan, and writes what `planning_job` returns. Its demand questions (a wake, a gateway's
 activity, what time alone calls for, the models' states, a job's outcome) change nothing: each
 returns a new `DemandState` (planner_svc/demand_state.py, a value) beside its answer, and the
-service puts it in place. Also the pure answers the service gives: a merged `config set`, a
-config's problem, and a host plan explained line by line.
+service puts it in place. Beside it: planner_svc/planning.py (the planning job),
+planner_svc/plan_writes.py (the bookkeeping of a plan write), planner_svc/answers.py (the
+endpoints' pure answers).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from collections.abc import Callable
 
 import msgspec
 import structlog
 
-from planner_svc.demand import DemandState, Outcome, demand_due, engaged, model_states, plan_on_demand, rescaled
+from planner_svc.demand import DemandState, Outcome, demand_due, engaged, model_states, rescaled
+from planner_svc.planning import Planned, planning_job
 from planner_svc.scaling import Change
 from shared import defaults, subjects
-from shared.llama.printed import device_lines
 from shared.messages import (
-    ConfigSet,
     Demand,
     FleetConfig,
     HostLiveness,
@@ -44,13 +43,6 @@ def _logged(changes: tuple[Change, ...]) -> bool:
     for c in changes:
         log.info("lane added by demand" if c.delta > 0 else "lane removed by demand", model=c.name, reason=c.reason)
     return bool(changes)
-
-
-class Planned(NamedTuple):
-    """What a planning job returns: the plans by host key, and its demand outcome to apply."""
-
-    plans: dict[str, HostPlan]
-    outcome: Outcome
 
 
 class PlannerState:
@@ -276,13 +268,6 @@ class PlannerState:
             log.warning("plan entry not written by this planner; rewriting it", key=f"plan.{host}")
         return not self.plan_stored[host]
 
-    def above_seen(self, host: str, new: HostPlan) -> HostPlan:
-        """The plan to write: never numbered below a revision seen on its key. With the write's
-        compare-and-set on the key's latest entry (whose revision plan_seen holds), a plan's
-        revision in the bucket can only grow."""
-        seen = self.plan_seen.get(host, 0)
-        return new if new.plan_revision >= seen else msgspec.structs.replace(new, plan_revision=seen + 1)
-
     @staticmethod
     def _put(table: dict, host: str, value: bytes | None, kind: type) -> None:
         if value is None:
@@ -296,92 +281,7 @@ class PlannerState:
         table[host] = msg
 
     def planning_job(self) -> Callable[[], Planned]:
-        """A snapshot of the inputs, planned later off the event loop (the watch keeps
-        changing the live dicts meanwhile).
-
-        Only the hosts whose inputs changed are planned, unless the config or demand
-        changed or the demand places lanes across hosts (`lanes` set on a persona): a
-        host's plan then depends on its own report, status and previous plan alone.
-        """
-        fleet_wide = self.demand is not None and any(p.lanes is not None for p in self.demand.personas)
-        fleet_wide = fleet_wide or self.demand_engaged()
-        # A span lane (one lane across hosts) ties its serving host's plan to its workers' plans.
-        fleet_wide = fleet_wide or bool(self.rpc_hosts)
-        # A lost host's plan is left as it is; its fleet-wide lanes are placed on the live ones.
-        if self.replan_all or fleet_wide:
-            reports = [r for h, r in self.reports.items() if h not in self.lost]
-        else:
-            reports = [self.reports[h] for h in sorted(self.replan_hosts) if h in self.reports and h not in self.lost]
-        self.replan_all, self.replan_hosts = False, set()
-        # A newer revision seen on the key (a foreign write the agent may have applied) is
-        # passed over, so the plan that replaces it is not refused as older.
-        wanted = {subjects.host_token(r.host_id) for r in reports}
-        # A few hosts in a large fleet: look them up rather than walk every plan (bench/planner_bench.py).
-        plans = self.plans
-        if len(wanted) < len(plans):
-            plans = {h: plans[h] for h in sorted(wanted) if h in plans}
-        previous = {
-            p.host_id: msgspec.structs.replace(p, plan_revision=max(p.plan_revision, self.plan_seen.get(host, 0)))
-            for host, p in plans.items()
-            if host in wanted
-        }
-        config, demand, config_revision, me = self.config, self.demand, self.config_revision, self.planner_id
-        statuses = self.statuses
-        per_host = {
-            r.host_id: s.feedback if (s := statuses.get(subjects.host_token(r.host_id))) else () for r in reports
-        }
-        now = self.clock()
-        demand_state = self.demand_state.expire(now)  # a value: the watch folds new events into the next one
-
-        def job() -> Planned:
-            fleet, outcome = plan_on_demand(
-                reports, config, demand, demand_state, now=now, previous=previous, feedback=per_host,
-                config_revision=config_revision,
-            )  # fmt: skip
-            plans = {subjects.host_token(h.host_id): msgspec.structs.replace(h, planned_by=me) for h in fleet.hosts}
-            return Planned(plans, outcome)
-
+        """A snapshot of the inputs, planned later off the event loop (planner_svc/planning.py)."""
+        job = planning_job(self)
+        self.replan_all, self.replan_hosts = False, set()  # the job covers them
         return job
-
-
-def merged_config(current: FleetConfig, change: ConfigSet, revision: int) -> FleetConfig | None:
-    """The config a `config set` asks for, numbered `revision`; None when nothing changes.
-
-    Raises msgspec.ValidationError with the reason for a change that is not a valid config.
-    """
-    if "revision" in change.changes or "schema" in change.changes:
-        raise msgspec.ValidationError("revision and schema are set by the planner")
-    merged = msgspec.structs.asdict(current) | dict(change.changes)
-    for own in ("kind", "schema", "revision"):
-        merged.pop(own, None)
-    new = msgspec.convert(merged, FleetConfig, strict=False)
-    if new == msgspec.structs.replace(current, revision=0, schema=new.schema):
-        return None
-    return msgspec.structs.replace(new, revision=revision)
-
-
-def config_problem(config: FleetConfig, reports: Mapping[str, HostReport]) -> str | None:
-    """Why the planner refuses a config it could store, or None: a `host_lost_after` at or
-    below a host's report interval would call that host lost between every two reports."""
-    if config.host_lost_after is None:
-        return None
-    slow = [r for r in reports.values() if r.report_interval >= config.host_lost_after]
-    if not slow:
-        return None
-    worst = max(slow, key=lambda r: (r.report_interval, r.host_id))
-    return (
-        f"host_lost_after {config.host_lost_after:g} s is not above host {worst.host_id}'s report interval of"
-        f" {worst.report_interval:g} s: every such host would be lost between two reports"
-    )
-
-
-def explain_lines(found: HostPlan, status: HostStatus | None) -> list[str]:
-    """Every decision in a host's plan with its reason, and per device planned vs printed buffers."""
-    lines = [f"host {found.host_id} plan r{found.plan_revision} (config r{found.config_revision})"]
-    lines += [f"{s.lane_id}: " + "; ".join(s.reasons) for s in found.lanes]
-    printed: Mapping[str, tuple] = {lane.lane_id: lane.devices for lane in status.lanes} if status else {}
-    for s in found.lanes:
-        lines += device_lines(s, printed.get(s.lane_id, ()))
-    lines += [f"unplaced {u.model}: {u.reason}" for u in found.unplaced]
-    lines += [f"note: {r}" for r in found.reasons]
-    return lines

@@ -76,7 +76,7 @@ def test_malformed_entries_are_dropped_and_a_bad_config_does_not_pin_its_revisio
 def test_config_set_merges_numbers_and_refuses_what_the_planner_owns():
     import pytest
 
-    from planner_svc.state import merged_config
+    from planner_svc.answers import merged_config
     from shared.messages import ConfigSet
 
     current = FleetConfig(kv_cache_type="q8_0", revision=4)
@@ -90,7 +90,7 @@ def test_config_set_merges_numbers_and_refuses_what_the_planner_owns():
 
 def test_explain_lists_each_lane_reason_and_unplaced_model():
     from planner_svc.planner import plan
-    from planner_svc.state import explain_lines
+    from planner_svc.answers import explain_lines
 
     small = msgspec.json.decode(report("h1"), type=HostReport)
     host_plan = plan([small], FleetConfig()).hosts[0]
@@ -101,7 +101,7 @@ def test_explain_lists_each_lane_reason_and_unplaced_model():
 
 
 def test_a_host_lost_after_not_above_a_report_interval_is_refused():
-    from planner_svc.state import config_problem
+    from planner_svc.answers import config_problem
 
     reports = {h: msgspec.json.decode(report(h), type=HostReport) for h in ("h1", "h2")}
     slow = msgspec.structs.replace(reports["h2"], report_interval=45.0)

@@ -21,7 +21,8 @@ from gateway.settings import GatewaySettings
 from lanes import online
 from lanes.cli import main
 from launcher_agent.service import Agent, run_agent
-from planner_svc.service import PlannerService, run_planner
+from planner_svc import endpoints
+from planner_svc.service import run_planner
 from planner_svc.state import PlannerState
 from shared import subjects, supervise
 from shared.bus import connect
@@ -301,10 +302,10 @@ async def test_a_subscription_callback_that_raises_is_logged(nats_server):
 
 
 async def test_an_endpoint_that_raises_is_logged_and_answered_500(nats_server, monkeypatch):
-    async def broken(self, req):
+    async def broken(svc, req):
         raise ValueError("info broke")
 
-    monkeypatch.setattr(PlannerService, "_info", broken)
+    monkeypatch.setattr(endpoints, "_info", broken)
     stop = asyncio.Event()
     with structlog.testing.capture_logs() as logs:
         planner = asyncio.create_task(run_planner(nats_server.url, stop))

@@ -1,0 +1,209 @@
+"""The planner's micro endpoints (request/reply): config get and set, demand set, a host's plan
+and its explanation, fleet status and info. An active and a stand-by planner answer alike, from
+the state the watch folds; a change is written to the bucket (compare-and-set for the config),
+never to the state: the watch brings it back. The pure answers are in planner_svc/answers.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import AsyncExitStack
+from functools import partial
+from typing import TYPE_CHECKING
+
+import msgspec
+import nats
+import structlog
+from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
+from nats.micro import add_service
+from nats.micro.request import Request, ServiceError
+
+from planner_svc.answers import config_problem, explain_lines, merged_config
+from shared import subjects
+from shared.bus import logged_endpoint, quietly
+from shared.messages import (
+    ConfigSet,
+    Demand,
+    FleetConfig,
+    FleetStatus,
+    GatewayActivity,
+    HostPlan,
+    HostQuery,
+    ModelWake,
+    PlanRejected,
+    encode,
+)
+from shared.version import VERSION
+
+if TYPE_CHECKING:
+    from planner_svc.service import PlannerService
+
+log = structlog.get_logger("lanes.planner")
+
+async def ensure_config(svc: PlannerService, patience: float = 60.0) -> None:
+    """Create the config key if missing. A bucket another planner is creating right now (its
+    replicas still forming) has no responders yet: wait for it rather than exit."""
+    deadline = time.monotonic() + patience
+    while True:
+        try:
+            await svc._leader.get(subjects.CONFIG_KEY)
+            return
+        except NotFoundError:
+            try:
+                await svc.kv.create(subjects.CONFIG_KEY, encode(FleetConfig()))
+            except Exception:
+                pass  # another planner created it first
+            return
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
+            if time.monotonic() > deadline:
+                raise
+            log.info("bucket not answering yet; waiting", error=type(exc).__name__)
+            await asyncio.sleep(0.5)
+
+
+async def _config_get(svc: PlannerService, req: Request) -> None:
+    await req.respond(encode(svc.state.config))
+
+
+async def _config_set(svc: PlannerService, req: Request) -> None:
+    try:
+        change = msgspec.json.decode(req.data, type=ConfigSet)
+        new = merged_config(svc.state.config, change, svc.state.config_revision + 1)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ServiceError("400", f"invalid config: {exc}") from None
+    if new is not None and (problem := config_problem(new, svc.state.reports)) is not None:
+        raise ServiceError("400", f"invalid config: {problem}")
+    if new is None:
+        await req.respond(encode(svc.state.config))  # nothing changes: no new revision
+        return
+    try:
+        await svc.kv.update(subjects.CONFIG_KEY, encode(new), last=svc.state.config_kv_rev or None)
+    except KeyWrongLastSequenceError:
+        raise ServiceError("409", "config changed meanwhile; retry") from None
+    log.info("config set", changes=change.changes)
+    await req.respond(encode(new))
+
+
+async def _demand_set(svc: PlannerService, req: Request) -> None:
+    try:
+        demand = msgspec.json.decode(req.data, type=Demand)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ServiceError("400", f"invalid demand: {exc}") from None
+    await svc.kv.put(subjects.DEMAND_KEY, encode(demand))
+    await req.respond(encode(demand))
+
+
+def _host_plan(svc: PlannerService, req: Request) -> HostPlan:
+    try:
+        query = msgspec.json.decode(req.data, type=HostQuery)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ServiceError("400", f"invalid query: {exc}") from None
+    found = svc.state.plans.get(subjects.host_token(query.host_id))
+    if found is None:
+        raise ServiceError("404", f"no plan for host {query.host_id!r}")
+    return found
+
+
+async def _plan_get(svc: PlannerService, req: Request) -> None:
+    await req.respond(encode(_host_plan(svc, req)))
+
+
+async def _plan_explain(svc: PlannerService, req: Request) -> None:
+    found = _host_plan(svc, req)
+    lines = explain_lines(found, svc.state.statuses.get(found.host_id))
+    await req.respond("\n".join(lines).encode())
+
+
+async def _fleet_status(svc: PlannerService, req: Request) -> None:
+    s = svc.state
+    await req.respond(
+        encode(
+            FleetStatus(
+                config_revision=s.config_revision,
+                config=s.config,
+                reports=tuple(sorted(s.reports.values(), key=lambda r: r.host_id)),
+                plans=tuple(sorted(s.plans.values(), key=lambda p: p.host_id)),
+                statuses=tuple(sorted(s.statuses.values(), key=lambda p: p.host_id)),
+                hosts=s.liveness(),
+                planner_id=svc.id,
+                planner_active=svc.lease.holds(),
+                models=s.model_states()[0].models,
+            )
+        )
+    )
+
+
+async def _info(svc: PlannerService, req: Request) -> None:
+    s = svc.state
+    info = {
+        "version": VERSION,
+        "config_revision": s.config_revision,
+        "hosts": sorted(s.reports),
+        "plans": {host: p.plan_revision for host, p in sorted(s.plans.items())},
+        "ready": svc.ready.is_set(),
+        "planner_id": svc.id,
+        "active": svc.lease.holds(),
+        "replans": svc.replans,  # tests and operators can wait for a replan instead of sleeping
+        "lost": sorted(s.lost),
+    }
+    await req.respond(msgspec.json.encode(info))
+
+
+async def add_endpoints(svc: PlannerService, stack: AsyncExitStack) -> None:
+    """Serve the endpoints until `stack` closes."""
+    micro = await add_service(
+        svc.nc,
+        name=subjects.PLANNER_SERVICE,
+        version=VERSION,
+        description="lanes planner: lane plans for every host",
+        metadata={"bucket": subjects.BUCKET},
+    )
+    stack.push_async_callback(quietly(micro.stop))
+    group = micro.add_group(name=subjects.PLANNER_GROUP)
+    for name, subject, handler in (
+        ("config_get", subjects.CONFIG_GET, partial(_config_get, svc)),
+        ("config_set", subjects.CONFIG_SET, partial(_config_set, svc)),
+        ("demand_set", subjects.DEMAND_SET, partial(_demand_set, svc)),
+        ("plan_get", subjects.PLAN_GET, partial(_plan_get, svc)),
+        ("plan_explain", subjects.PLAN_EXPLAIN, partial(_plan_explain, svc)),
+        ("fleet_status", subjects.FLEET_STATUS, partial(_fleet_status, svc)),
+        ("status", subjects.PLANNER_STATUS, partial(_fleet_status, svc)),
+        ("info", subjects.PLANNER_INFO, partial(_info, svc)),
+    ):
+        tail = subjects.endpoint_tail(subject, subjects.PLANNER_GROUP)
+        await group.add_endpoint(name=name, subject=tail, handler=logged_endpoint(handler, name))
+
+
+def _on_its_subject(msg, kind: type, field: str, subject_of, what: str):
+    """The message decoded, or None (logged and dropped): malformed, or sent on another
+    sender's subject than the one its `field` names (a client may publish only on its own)."""
+    try:
+        decoded = msgspec.json.decode(msg.data, type=kind)
+        named = getattr(decoded, field)
+        if subject_of(named) != msg.subject:
+            raise msgspec.ValidationError(f"{field} {named!r} does not match {msg.subject!r}")
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        log.warning(f"dropped malformed {what}", subject=msg.subject, reason=str(exc))
+        return None
+    return decoded
+
+
+async def subscribe(svc: PlannerService, stack: AsyncExitStack) -> None:
+    """Hand the service what agents and gateways publish, decoded: plan rejections, wakes and
+    activity (a malformed message, or one on another sender's subject, is dropped here)."""
+    for subject, kind, field, subject_of, what, handler in (
+        (subjects.ALL_REJECTED, PlanRejected, "host_id", subjects.rejected_subject, "rejection", svc.on_rejected),
+        (subjects.ALL_WAKES, ModelWake, "name", subjects.wake_subject, "wake", svc.on_wake),
+        (subjects.ALL_ACTIVITY, GatewayActivity, "gateway", subjects.activity_subject, "activity", svc.on_activity),
+    ):
+        sub = await svc.nc.subscribe(subject, cb=_decoded(handler, kind, field, subject_of, what))
+        stack.push_async_callback(quietly(sub.unsubscribe))
+
+
+def _decoded(handler, kind: type, field: str, subject_of, what: str):
+    async def on_msg(msg) -> None:
+        if (decoded := _on_its_subject(msg, kind, field, subject_of, what)) is not None:
+            await handler(decoded)
+
+    return on_msg

@@ -1,0 +1,74 @@
+"""A planning job: a snapshot of the planner state's inputs, planned later off the event loop.
+
+`planning_job` reads the state on the event loop and changes nothing; the job it returns runs
+in a thread, and planner_svc.service applies its `Planned`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+import msgspec
+
+from planner_svc.demand import Outcome, plan_on_demand
+from shared import subjects
+from shared.messages import HostPlan
+
+if TYPE_CHECKING:
+    from planner_svc.state import PlannerState
+
+
+class Planned(NamedTuple):
+    """What a planning job returns: the plans by host key, and its demand outcome to apply."""
+
+    plans: dict[str, HostPlan]
+    outcome: Outcome
+
+
+def planning_job(state: PlannerState) -> Callable[[], Planned]:
+    """A snapshot of the inputs, planned later off the event loop (the watch keeps
+    changing the live dicts meanwhile).
+
+    Only the hosts whose inputs changed are planned, unless the config or demand
+    changed or the demand places lanes across hosts (`lanes` set on a persona): a
+    host's plan then depends on its own report, status and previous plan alone.
+    """
+    fleet_wide = state.demand is not None and any(p.lanes is not None for p in state.demand.personas)
+    fleet_wide = fleet_wide or state.demand_engaged()
+    # A span lane (one lane across hosts) ties its serving host's plan to its workers' plans.
+    fleet_wide = fleet_wide or bool(state.rpc_hosts)
+    # A lost host's plan is left as it is; its fleet-wide lanes are placed on the live ones.
+    if state.replan_all or fleet_wide:
+        reports = [r for h, r in state.reports.items() if h not in state.lost]
+    else:
+        reports = [state.reports[h] for h in sorted(state.replan_hosts) if h in state.reports and h not in state.lost]
+    # A newer revision seen on the key (a foreign write the agent may have applied) is
+    # passed over, so the plan that replaces it is not refused as older.
+    wanted = {subjects.host_token(r.host_id) for r in reports}
+    # A few hosts in a large fleet: look them up rather than walk every plan (bench/planner_bench.py).
+    plans = state.plans
+    if len(wanted) < len(plans):
+        plans = {h: plans[h] for h in sorted(wanted) if h in plans}
+    previous = {
+        p.host_id: msgspec.structs.replace(p, plan_revision=max(p.plan_revision, state.plan_seen.get(host, 0)))
+        for host, p in plans.items()
+        if host in wanted
+    }
+    config, demand, config_revision, me = state.config, state.demand, state.config_revision, state.planner_id
+    statuses = state.statuses
+    per_host = {
+        r.host_id: s.feedback if (s := statuses.get(subjects.host_token(r.host_id))) else () for r in reports
+    }
+    now = state.clock()
+    demand_state = state.demand_state.expire(now)  # a value: the watch folds new events into the next one
+
+    def job() -> Planned:
+        fleet, outcome = plan_on_demand(
+            reports, config, demand, demand_state, now=now, previous=previous, feedback=per_host,
+            config_revision=config_revision,
+        )  # fmt: skip
+        plans = {subjects.host_token(h.host_id): msgspec.structs.replace(h, planned_by=me) for h in fleet.hosts}
+        return Planned(plans, outcome)
+
+    return job
