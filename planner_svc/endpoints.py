@@ -1,7 +1,11 @@
-"""The planner's micro endpoints (request/reply): config get and set, demand set, a host's plan
-and its explanation, fleet status and info. An active and a stand-by planner answer alike, from
-the state the watch folds; a change is written to the bucket (compare-and-set for the config),
-never to the state: the watch brings it back. The pure answers are in planner_svc/answers.py.
+"""The planner's side of core NATS: its micro endpoints and its subscriptions.
+
+Endpoints (request/reply): config get and set, demand set, a host's plan and its explanation,
+fleet status and info. An active and a stand-by planner answer alike, from the state the watch
+folds; a change is written to the bucket (compare-and-set on the config key, which
+`ensure_config` creates at start), never to the state: the watch brings it back. The pure
+answers are in planner_svc/answers.py. Subscriptions: plan rejections, wakes and gateway
+activity are decoded here and handed to planner_svc.service, which applies them.
 """
 
 from __future__ import annotations
@@ -41,13 +45,14 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("lanes.planner")
 
+
 async def ensure_config(svc: PlannerService, patience: float = 60.0) -> None:
     """Create the config key if missing. A bucket another planner is creating right now (its
     replicas still forming) has no responders yet: wait for it rather than exit."""
     deadline = time.monotonic() + patience
     while True:
         try:
-            await svc._leader.get(subjects.CONFIG_KEY)
+            await svc.leader_kv.get(subjects.CONFIG_KEY)
             return
         except NotFoundError:
             try:

@@ -47,7 +47,7 @@ def planner_id() -> str:
 class PlannerService:
     def __init__(self, nc: Client, kv: KeyValue, lease_ttl: float = DEFAULT_TTL, name: str | None = None) -> None:
         self.nc, self.kv = nc, kv
-        self._leader = leader_view(kv)  # reads that no replica still catching up answers
+        self.leader_kv = leader_view(kv)  # reads that no replica still catching up answers
         self.state = PlannerState()
         self.state.following = True  # until the lease is ours
         self.dirty = asyncio.Event()
@@ -231,7 +231,7 @@ class PlannerService:
         holds it: the watch may be served by a replica still catching up (it may never have
         shown this planner the entry it lost to), and the replan must start from that entry."""
         try:
-            entry = await self._leader.get(key)
+            entry = await self.leader_kv.get(key)
             await self._on_entry(key, entry.value, entry.revision)
         except KeyNotFoundError as exc:  # deleted (its marker's revision) or never written
             await self._on_entry(key, None, exc.entry.revision if exc.entry else 0)
