@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 
 import msgspec
 
+from planner_svc.gc_pause import gc_paused
 from planner_svc.lane_placing import _place
 from planner_svc.lane_windows import _COST_KEYS, _cost, _grow_memo, _keep_stable, _Lane, _n_gpu_layers, _prompt_caches, lane_id_for
 from planner_svc.layouts import CPU_RESOURCE, Resource, pins_for
@@ -39,6 +40,7 @@ def default_demand(reports: Sequence[HostReport]) -> Demand:
     return Demand(personas=tuple(Persona(model=n) for n in names))
 
 
+@gc_paused  # a large replan makes no cycles; collections would walk every object it holds
 def plan(
     reports: Sequence[HostReport],
     config: FleetConfig,
