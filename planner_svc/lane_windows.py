@@ -5,7 +5,6 @@ prompt cache from the RAM the lanes leave). Pure; planner_svc/planner.py drives 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -65,12 +64,12 @@ class _Lane:
     def total_ctx(self, window: int) -> int:
         return window * self.persona.parallel
 
-    def shape(self, report: HostReport, n_ubatch: int) -> LaneShape:
-        """What the lane's memory depends on besides its window, the model and the layout
-        (ctx 0: memory() sets it from the window)."""
+    def shape(self, report: HostReport, n_ubatch: int, ctx: int = 0) -> LaneShape:
+        """What the lane's memory depends on besides the model and the layout (ctx: the whole
+        context of its window, memory() gives it)."""
         caps = report.server
         return LaneShape(
-            ctx=0,
+            ctx=ctx,
             parallel=self.persona.parallel,
             kv_unified=self.persona.kv_unified,
             type_k=effective_cache_type(self.flags.cache_type_k),
@@ -86,7 +85,7 @@ class _Lane:
         key = (_COST_KEYS.key(self, report, n_ubatch), window)
         memory = _MEMORY.get(key)
         if memory is None:
-            base = dataclasses.replace(self.shape(report, n_ubatch), ctx=self.total_ctx(window))
+            base = self.shape(report, n_ubatch, self.total_ctx(window))
             memory = _remember(_MEMORY, key, layout_memory(self.facts, self.layout, report, base))
         return memory
 
