@@ -114,7 +114,8 @@ class _CostKeys:
         last = lane.cost_key
         if last is not None and last[0] is report and last[1] == n_ubatch and last[2] == lane.cache_ram:
             return last[3]
-        devices = tuple((report.gpus[g].backend, report.gpus[g].unified) for g in lane.layout.gpus)
+        gpus = lane.layout.gpus
+        devices = tuple((report.gpus[g].backend, report.gpus[g].unified) for g in gpus) if gpus else ()
         # Every input of shape() and flash_attn_for, cheaper to hash than the shape it gives.
         flags = lane.flags
         inputs = (

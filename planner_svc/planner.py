@@ -27,6 +27,7 @@ from shared.messages import (
     HostReport,
     LaneFeedback,
     LaneSpec,
+    ModelFacts,
     Persona,
     Unplaced,
 )
@@ -73,8 +74,13 @@ def plan(
     span_book = SpanBook()
     deferred = []  # (persona, candidates, why, target host) of lanes that fit no single host
 
+    holding: dict[str, list[tuple[HostReport, ModelFacts]]] = {}  # model name -> (host, facts), hosts in order
+    for r in reports:
+        if r.server is not None:
+            for m in r.models:
+                holding.setdefault(m.name, []).append((r, m))
     for persona in personas:
-        holders = [(r, m) for r in reports if r.server is not None for m in r.models if m.name == persona.model]
+        holders = list(holding.get(persona.model, ()))
         if not holders:
             fleet_unplaced.append(Unplaced(model=persona.model, reason="no host with a llama-server holds this model"))
             continue
