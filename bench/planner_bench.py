@@ -73,6 +73,7 @@ def fleet(n: int, distinct: bool = False) -> list[HostReport]:
             ram_available=36 * GIB + i * 2**20 if distinct else (36 + i % 9) * GIB,
             server=ServerCaps(),
             models=MODELS,
+            renders_argv=True,  # today's agents render argv from the lane spec themselves
         )  # fmt: skip
         for i in range(n)
     ]
