@@ -27,7 +27,6 @@ from shared.messages import (
     HostReport,
     LaneFeedback,
     LaneSpec,
-    ModelFacts,
     Persona,
     Unplaced,
 )
@@ -74,11 +73,9 @@ def plan(
     span_book = SpanBook()
     deferred = []  # (persona, candidates, why, target host) of lanes that fit no single host
 
-    holding: dict[str, list[tuple[HostReport, ModelFacts]]] = {}  # model name -> (host, facts), hosts in order
-    for r in reports:
-        if r.server is not None:
-            for m in r.models:
-                holding.setdefault(m.name, []).append((r, m))
+    holding: dict[str, list] = {}  # model name -> [(host, its facts)], hosts in order
+    for r, m in ((r, m) for r in reports if r.server is not None for m in r.models):
+        holding.setdefault(m.name, []).append((r, m))
     for persona in personas:
         holders = list(holding.get(persona.model, ()))
         if not holders:
