@@ -283,7 +283,7 @@ def compute_bytes(facts: ModelFacts, placement: Placement, shape: LaneShape, kv:
     for dev in holders:
         is_output = dev == placement.output_device
         layers = placement.layers_on(dev)
-        if dev != CPU and not any(il in kv_layers for il in layers):
+        if dev != CPU and kv_layers.isdisjoint(layers):
             out[1 + dev] = logits if is_output else 0  # the output layer alone: its logits
             continue
         masks, scores = attention(layers)
