@@ -244,7 +244,8 @@ def main() -> None:
         f"- lanes commit: {commit.strip()}",
         "- Command: `.venv/bin/python bench/planner_bench.py`",
         f"- Each host: 64 GiB RAM, 36-44 GiB free, three models (8B, 14B, a 12B with sliding window); "
-        f"kv_cache_type=q8_0. Median of {RUNS} runs (the first, with the planner's memory-model caches cold, "
+        f"kv_cache_type=q8_0; each host's agent renders argv itself (renders_argv, as today's agents do: "
+        f"plans carry no argv). Median of {RUNS} runs (the first, with the planner's memory-model caches cold, "
         "is among them).",
         "",
         "| hosts | lanes | median ms | CPU ms | ms per lane | per-lane ratio to the smallest fleet | peak MiB (tracemalloc) |",
