@@ -30,6 +30,7 @@ from shared.memory import CTX_PAD, MemoryModelError, PlacementError
 from shared.messages import HostPlan
 
 GIB = 1024**3
+_F16 = Flags(None, None, None, ())  # the flags a layout is chosen with
 
 
 def _gib(n: int) -> str:
@@ -122,7 +123,7 @@ def _place(persona, candidates_, config, lanes, remaining, previous, feedback) -
 
         def lane_at(layout: Layout, f16: bool = False) -> _Lane:
             if (layout, f16) not in built:
-                f = Flags(None, None, None, ()) if f16 else flags
+                f = _F16 if f16 else flags
                 built[layout, f16] = _Lane(host, persona, facts, index, f, layout, floor, ceiling, factor)
             return built[layout, f16]
 
@@ -149,7 +150,8 @@ def _place(persona, candidates_, config, lanes, remaining, previous, feedback) -
             lane.reasons.append(template_reason)
         if flags.flash_attn in (None, "auto") and layout.gpus:  # on the CPU auto is always on
             lane.reasons.append(flash_attn_for(flags, report, layout.gpus, facts).reason)
-        had_before = any(s.lane_id == lane.lane_id for s in (previous.get(host).lanes if previous.get(host) else ()))
+        prev = previous.get(host)
+        had_before = prev is not None and any(s.lane_id == lane_id for s in prev.lanes)
         slack = sum(remaining[host].get(r, 0) - b for r, b in floor_cost.items())
         options.append((not had_before, rank(layout), -slack, host, lane, floor_cost))
     if not options:

@@ -5,7 +5,6 @@ prompt cache from the RAM the lanes leave). Pure; planner_svc/planner.py drives 
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -65,12 +64,12 @@ class _Lane:
     def total_ctx(self, window: int) -> int:
         return window * self.persona.parallel
 
-    def shape(self, report: HostReport, n_ubatch: int) -> LaneShape:
-        """What the lane's memory depends on besides its window, the model and the layout
-        (ctx 0: memory() sets it from the window)."""
+    def shape(self, report: HostReport, n_ubatch: int, ctx: int = 0) -> LaneShape:
+        """What the lane's memory depends on besides the model and the layout (ctx: the whole
+        context of its window, memory() gives it)."""
         caps = report.server
         return LaneShape(
-            ctx=0,
+            ctx=ctx,
             parallel=self.persona.parallel,
             kv_unified=self.persona.kv_unified,
             type_k=effective_cache_type(self.flags.cache_type_k),
@@ -86,7 +85,7 @@ class _Lane:
         key = (_COST_KEYS.key(self, report, n_ubatch), window)
         memory = _MEMORY.get(key)
         if memory is None:
-            base = dataclasses.replace(self.shape(report, n_ubatch), ctx=self.total_ctx(window))
+            base = self.shape(report, n_ubatch, self.total_ctx(window))
             memory = _remember(_MEMORY, key, layout_memory(self.facts, self.layout, report, base))
         return memory
 
@@ -115,7 +114,8 @@ class _CostKeys:
         last = lane.cost_key
         if last is not None and last[0] is report and last[1] == n_ubatch and last[2] == lane.cache_ram:
             return last[3]
-        devices = tuple((report.gpus[g].backend, report.gpus[g].unified) for g in lane.layout.gpus)
+        gpus = lane.layout.gpus
+        devices = tuple((report.gpus[g].backend, report.gpus[g].unified) for g in gpus) if gpus else ()
         # Every input of shape() and flash_attn_for, cheaper to hash than the shape it gives.
         flags = lane.flags
         inputs = (

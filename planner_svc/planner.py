@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 
 import msgspec
 
+from planner_svc.gc_pause import gc_paused
 from planner_svc.lane_placing import _place
 from planner_svc.lane_windows import _COST_KEYS, _cost, _grow_memo, _keep_stable, _Lane, _n_gpu_layers, _prompt_caches, lane_id_for
 from planner_svc.layouts import CPU_RESOURCE, Resource, pins_for
@@ -39,6 +40,7 @@ def default_demand(reports: Sequence[HostReport]) -> Demand:
     return Demand(personas=tuple(Persona(model=n) for n in names))
 
 
+@gc_paused  # a large replan makes no cycles; collections would walk every object it holds
 def plan(
     reports: Sequence[HostReport],
     config: FleetConfig,
@@ -71,8 +73,11 @@ def plan(
     span_book = SpanBook()
     deferred = []  # (persona, candidates, why, target host) of lanes that fit no single host
 
+    holding: dict[str, list] = {}  # model name -> [(host, its facts)], hosts in order
+    for r, m in ((r, m) for r in reports if r.server is not None for m in r.models):
+        holding.setdefault(m.name, []).append((r, m))
     for persona in personas:
-        holders = [(r, m) for r in reports if r.server is not None for m in r.models if m.name == persona.model]
+        holders = list(holding.get(persona.model, ()))
         if not holders:
             fleet_unplaced.append(Unplaced(model=persona.model, reason="no host with a llama-server holds this model"))
             continue

@@ -60,7 +60,7 @@ CpuId = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
 
 
-class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
+class _Msg(msgspec.Struct, frozen=True, gc=False, kw_only=True, tag_field="kind"):
     schema: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)] = SCHEMA_VERSION
 
 
@@ -74,7 +74,7 @@ def schema_problem(msg: _Msg) -> str | None:
 # ---------------------------------------------------------------- host facts
 
 
-class GpuInfo(msgspec.Struct, frozen=True, kw_only=True):
+class GpuInfo(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     name: Label
     vram_total: Bytes
     vram_free: Bytes
@@ -91,7 +91,7 @@ class GpuInfo(msgspec.Struct, frozen=True, kw_only=True):
     endpoint: Annotated[str, msgspec.Meta(pattern=f"^({_ENDPOINT})?$")] = ""
 
 
-class ServerCaps(msgspec.Struct, frozen=True, kw_only=True):
+class ServerCaps(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     """What one llama-server binary accepts, read from its own --help/--version."""
 
     build: Int32 | None = None
@@ -121,7 +121,7 @@ class ServerCaps(msgspec.Struct, frozen=True, kw_only=True):
     has_rpc: bool = True
 
 
-class LayerWeights(msgspec.Struct, frozen=True, array_like=True):
+class LayerWeights(msgspec.Struct, frozen=True, gc=False, array_like=True):
     """The weights of one layer index, as llama.cpp groups them onto devices.
 
     layer -1 is the input (token embeddings, always on the CPU), 0..n_layer-1 the blocks,
@@ -142,7 +142,7 @@ class LayerWeights(msgspec.Struct, frozen=True, array_like=True):
     spans: Annotated[tuple[tuple[Label, Int32, Bytes, Bytes], ...], FEW] = ()
 
 
-class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
+class ModelFacts(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     """What the memory model needs from a GGUF file; per-layer lists have n_layer entries."""
 
     path: Text
@@ -186,7 +186,7 @@ class ModelFacts(msgspec.Struct, frozen=True, kw_only=True):
     pooling: Label = ""
 
 
-class RpcWorkerOffer(msgspec.Struct, frozen=True, kw_only=True):
+class RpcWorkerOffer(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     """A host whose agent was started with --rpc-worker: it may run ggml-rpc-server for a span
     lane of another host, bound to `address` (the operator's --advertise) on a port of its range."""
 
@@ -290,7 +290,7 @@ class FleetConfig(_Msg, tag="fleet_config", forbid_unknown_fields=True, kw_only=
     revision: Revision = 0
 
 
-class Persona(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class Persona(msgspec.Struct, frozen=True, gc=False, kw_only=True, forbid_unknown_fields=True):
     """A model to serve. `model` matches a model's name (file stem) on the hosts."""
 
     model: Name
@@ -318,7 +318,7 @@ class Demand(_Msg, tag="demand", forbid_unknown_fields=True, kw_only=True):
     personas: Annotated[tuple[Persona, ...], msgspec.Meta(max_length=10_000)] = ()
 
 
-class LaneFeedback(msgspec.Struct, frozen=True, kw_only=True):
+class LaneFeedback(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     """What went wrong with a lane as the agent saw it; the planner corrects for it."""
 
     lane_id: Name
@@ -341,7 +341,7 @@ class LaneFeedback(msgspec.Struct, frozen=True, kw_only=True):
 # ---------------------------------------------------------------- the plan
 
 
-class DeviceMemory(msgspec.Struct, frozen=True, kw_only=True):
+class DeviceMemory(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     """One device's share of a lane: each buffer llama-server allocates there (-lv 4 lines)."""
 
     device: Label  # "CPU" (host RAM) or "GPU0", "GPU1" ... in llama-server's device order for the lane
@@ -371,7 +371,7 @@ class DeviceMemory(msgspec.Struct, frozen=True, kw_only=True):
                 + self.prompt_cache_bytes)  # fmt: skip
 
 
-class MemoryBreakdown(msgspec.Struct, frozen=True, kw_only=True):
+class MemoryBreakdown(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     device: Device = "cpu"
     weights_bytes: Bytes = 0
     kv_bytes: Bytes = 0
@@ -389,7 +389,7 @@ class MemoryBreakdown(msgspec.Struct, frozen=True, kw_only=True):
     devices: Annotated[tuple[DeviceMemory, ...], FEW] = ()
 
 
-class LaneLayout(msgspec.Struct, frozen=True):
+class LaneLayout(msgspec.Struct, frozen=True, gc=False):
     """Where a lane runs on its host, as the planner chose it (the fastest that fit): one GPU
     whole, split over several, partial offload, or the CPU. A replan starts from it."""
 
@@ -401,7 +401,7 @@ class LaneLayout(msgspec.Struct, frozen=True):
     n_cpu_moe: Annotated[int, msgspec.Meta(ge=0, le=65536)] = 0
 
 
-class SpanWorker(msgspec.Struct, frozen=True, kw_only=True):
+class SpanWorker(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     """One worker of a span lane: the host whose ggml-rpc-server holds some of its layers."""
 
     host_id: Name
@@ -415,7 +415,7 @@ class SpanWorker(msgspec.Struct, frozen=True, kw_only=True):
     reserved_bytes: Bytes = 0
 
 
-class RpcWorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
+class RpcWorkerSpec(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     """What a worker host runs for a span lane of another host: one ggml-rpc-server."""
 
     lane_id: Name
@@ -426,7 +426,7 @@ class RpcWorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     reserved_bytes: Bytes = 0
 
 
-class LaneSpec(msgspec.Struct, frozen=True, kw_only=True):
+class LaneSpec(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     """One llama-server instance, with every flag decided in typed fields: the contract between
     planner and agent. The agent renders argv from it (shared.llama.flags.lane_args); a lane is
     known by shared.lane_key of it."""
@@ -483,7 +483,7 @@ class LaneSpec(msgspec.Struct, frozen=True, kw_only=True):
     workers: Annotated[tuple[SpanWorker, ...], FEW] = ()
 
 
-class Unplaced(msgspec.Struct, frozen=True, kw_only=True):
+class Unplaced(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     model: Label
     reason: Text
 
@@ -520,7 +520,7 @@ class FleetPlan(_Msg, tag="fleet_plan", kw_only=True):
 # ---------------------------------------------------------------- what runs
 
 
-class LaneStatus(msgspec.Struct, frozen=True, kw_only=True):
+class LaneStatus(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     lane_id: Name
     state: LaneState
     port: PortOrNone = 0
@@ -549,7 +549,7 @@ class LaneStatus(msgspec.Struct, frozen=True, kw_only=True):
     load_seconds: Seconds | None = None
 
 
-class RpcWorkerStatus(msgspec.Struct, frozen=True, kw_only=True):
+class RpcWorkerStatus(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     """One ggml-rpc-server a worker host runs for another host's span lane."""
 
     lane_id: Name
@@ -618,7 +618,7 @@ class ErrorReply(_Msg, tag="error", kw_only=True):
     error: Text
 
 
-class HostLiveness(msgspec.Struct, frozen=True, kw_only=True):
+class HostLiveness(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     """A host as the planner sees it: `lost` after a silence; its plan is kept meanwhile."""
 
     host_id: Name
@@ -662,7 +662,7 @@ class ModelWake(_Msg, tag="model_wake", kw_only=True):
     gateway: Label = ""  # who asks (logs only)
 
 
-class ModelActivity(msgspec.Struct, frozen=True, kw_only=True):
+class ModelActivity(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     """One model's requests as one gateway sees them (probes and scrapes never count)."""
 
     name: Name  # the persona's name, as ModelWake
@@ -685,7 +685,7 @@ class GatewayActivity(_Msg, tag="gateway_activity", kw_only=True):
     models: Annotated[tuple[ModelActivity, ...], msgspec.Meta(max_length=10_000)] = ()
 
 
-class ModelState(msgspec.Struct, frozen=True, kw_only=True):
+class ModelState(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     """A model as the planner sees it: loaded (it has planned lanes), unloaded (it has none;
     a request wakes it), waking (woken, not placed yet: `reason` says why), failed (a wake
     that cannot succeed: `reason` carries llama-server's or the planner's reason)."""

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import json
 
 import msgspec
 import msgspec.inspect
 
+from shared import messages
 from shared.messages import WIRE_TYPES, FleetConfig, HostReport
 from shared.schemas import DEFAULT_FOLDER, render_schemas, write_schemas
 
@@ -63,29 +65,43 @@ def test_write_schemas_removes_stale_files(tmp_path):
         assert path.read_bytes() == render_schemas()[path.name]
 
 
+def _nodes(info, path: str, seen: set):
+    """(path, type) of every type a msgspec type is made of, each struct once."""
+    yield path, info
+    if isinstance(info, msgspec.inspect.StructType):
+        if info.cls in seen:
+            return
+        seen.add(info.cls)
+        for f in info.fields:
+            yield from _nodes(f.type, f"{path}.{f.name}", seen)
+    elif isinstance(info, msgspec.inspect.UnionType):
+        for t in info.types:
+            yield from _nodes(t, path, seen)
+    elif isinstance(info, msgspec.inspect.TupleType):
+        for t in info.item_types:
+            yield from _nodes(t, f"{path}()", seen)
+    elif isinstance(info, (msgspec.inspect.VarTupleType, msgspec.inspect.ListType, msgspec.inspect.SetType)):
+        yield from _nodes(info.item_type, f"{path}[]", seen)
+    elif isinstance(info, msgspec.inspect.DictType):
+        yield from _nodes(info.key_type, f"{path}{{key}}", seen)
+        yield from _nodes(info.value_type, f"{path}{{}}", seen)
+
+
 def _unbounded(info, path: str, seen: set) -> list[str]:
     """Fields of a msgspec type with no range: numbers without an upper bound, strings without a
     length (or a pattern that bounds it), tuples and dicts without a count."""
-    if isinstance(info, msgspec.inspect.StructType):
-        if info.cls in seen:
-            return []
-        seen.add(info.cls)
-        return [p for f in info.fields for p in _unbounded(f.type, f"{path}.{f.name}", seen)]
-    if isinstance(info, msgspec.inspect.UnionType):
-        return [p for t in info.types for p in _unbounded(t, path, seen)]
-    if isinstance(info, msgspec.inspect.TupleType):
-        return [p for t in info.item_types for p in _unbounded(t, f"{path}()", seen)]
-    if isinstance(info, msgspec.inspect.VarTupleType):
-        return ([path] if info.max_length is None else []) + _unbounded(info.item_type, f"{path}[]", seen)
-    if isinstance(info, msgspec.inspect.DictType):
-        keys, values = _unbounded(info.key_type, f"{path}{{key}}", seen), _unbounded(info.value_type, f"{path}{{}}", seen)
-        return ([path] if info.max_length is None else []) + keys + values
-    if isinstance(info, (msgspec.inspect.IntType, msgspec.inspect.FloatType)):
-        low, high = (info.ge, info.gt), (info.le, info.lt)
-        return [] if any(v is not None for v in low) and any(v is not None for v in high) else [path]
-    if isinstance(info, msgspec.inspect.StrType):
-        return [] if info.max_length is not None or info.pattern else [path]
-    return []
+    out = []
+    for where, t in _nodes(info, path, seen):
+        if isinstance(t, (msgspec.inspect.VarTupleType, msgspec.inspect.DictType)):
+            bounded = t.max_length is not None
+        elif isinstance(t, (msgspec.inspect.IntType, msgspec.inspect.FloatType)):
+            bounded = any(v is not None for v in (t.ge, t.gt)) and any(v is not None for v in (t.le, t.lt))
+        elif isinstance(t, msgspec.inspect.StrType):
+            bounded = t.max_length is not None or bool(t.pattern)
+        else:
+            bounded = True
+        out += [] if bounded else [where]
+    return out
 
 
 def test_every_field_of_every_wire_message_has_a_range():
@@ -93,3 +109,34 @@ def test_every_field_of_every_wire_message_has_a_range():
     seen: set = set()
     unbounded = [p for kind in WIRE_TYPES for p in _unbounded(msgspec.inspect.type_info(kind), kind.__name__, seen)]
     assert not unbounded, unbounded
+
+
+_SCALARS = (
+    msgspec.inspect.IntType, msgspec.inspect.FloatType, msgspec.inspect.StrType, msgspec.inspect.BoolType,
+    msgspec.inspect.NoneType, msgspec.inspect.LiteralType, msgspec.inspect.BytesType,
+)  # fmt: skip
+
+
+def _cycle_risks(info, path: str, seen: set) -> list[str]:
+    """Fields through which a message could end up referring to itself: a mutable container
+    (list, set, dict) holding anything but scalars."""
+    mutable = (msgspec.inspect.ListType, msgspec.inspect.SetType, msgspec.inspect.DictType)
+    return [
+        where for where, t in _nodes(info, path, seen)
+        if isinstance(t, mutable) and not all(isinstance(n, _SCALARS + (msgspec.inspect.UnionType,))
+                                              for _, n in list(_nodes(t, "", set()))[1:])
+    ]  # fmt: skip
+
+
+def test_messages_are_not_tracked_by_the_garbage_collector_and_cannot_form_a_cycle():
+    """Every struct in shared.messages is frozen with gc=False (a 10,000-host replan holds tens
+    of thousands of them; bench/planner_bench.py): safe only while no message can refer to
+    itself, so each one is frozen and its mutable containers hold scalars only."""
+    kinds = [k for k in vars(messages).values()
+             if isinstance(k, type) and issubclass(k, msgspec.Struct) and k.__module__ == messages.__name__]  # fmt: skip
+    assert len(kinds) > len(WIRE_TYPES)
+    assert [k.__name__ for k in kinds if k.__struct_config__.gc or not k.__struct_config__.frozen] == []
+    seen: set = set()
+    assert [p for k in kinds for p in _cycle_risks(msgspec.inspect.type_info(k), k.__name__, seen)] == []
+    report = HostReport(host_id="h", cpu_cores=1, ram_total=1, ram_available=1)
+    assert not gc.is_tracked(report)

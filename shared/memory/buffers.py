@@ -165,8 +165,12 @@ def _model_bytes(facts: ModelFacts, placement: Placement, cpu_repack: tuple[str,
 def kv_bytes(kv: KvSize, placement: Placement, no_kv_offload: bool = False) -> list[int]:
     """KV per device: each layer's K and V where its layer is (on the CPU with -nkvo)."""
     out = [0] * (1 + placement.n_devices)
+    devices = placement.layer_device[: len(kv.layers)]
+    if devices and (no_kv_offload or devices.count(devices[0]) == len(devices)):
+        out[1 + (CPU if no_kv_offload else devices[0])] = kv.total  # one device holds every layer's
+        return out
     for il, lk in enumerate(kv.layers):
-        dev = CPU if no_kv_offload else placement.layer_device[il]
+        dev = CPU if no_kv_offload else devices[il]
         out[1 + dev] += lk.k_bytes + lk.v_bytes
     return out
 
@@ -279,7 +283,7 @@ def compute_bytes(facts: ModelFacts, placement: Placement, shape: LaneShape, kv:
     for dev in holders:
         is_output = dev == placement.output_device
         layers = placement.layers_on(dev)
-        if dev != CPU and not any(il in kv_layers for il in layers):
+        if dev != CPU and kv_layers.isdisjoint(layers):
             out[1 + dev] = logits if is_output else 0  # the output layer alone: its logits
             continue
         masks, scores = attention(layers)

@@ -123,9 +123,18 @@ def layer_kv(
     facts: ModelFacts, *, cells: int, streams: int, swa_cells: int, type_k: str = "f16", type_v: str = "f16"
 ) -> tuple[LayerKv, ...]:
     """K and V bytes of each layer's cache: rows per cell x cells x streams."""
-    kinds, of_layer = _layer_kinds(facts, type_k, type_v)
+    sized, of_layer, _ = _sized_kinds(facts, cells, streams, swa_cells, type_k, type_v)
+    return tuple(map(sized.__getitem__, of_layer))
+
+
+def _sized_kinds(
+    facts: ModelFacts, cells: int, streams: int, swa_cells: int, type_k: str, type_v: str
+) -> tuple[list[LayerKv], tuple[int, ...], tuple[int, ...]]:
+    """Each kind of layer's cache (a model's layers come in a few kinds: each is sized once),
+    each layer's kind, and how many layers each kind has."""
+    kinds, of_layer, counts = _layer_kinds(facts, type_k, type_v)
     sized = []
-    for rows in kinds:  # a model's layers come in a few kinds: each is sized once
+    for rows in kinds:
         if rows is None:
             sized.append(_NO_CACHE)
             continue
@@ -133,18 +142,19 @@ def layer_kv(
         in_swa = is_swa and swa_cells > 0
         n = (swa_cells if in_swa else cells) * streams
         sized.append(LayerKv(k_row * n, v_row * n, swa_cells if in_swa else cells, in_swa))
-    return tuple(sized[kind] for kind in of_layer)
+    return sized, of_layer, counts
 
 
 _NO_CACHE = LayerKv(0, 0, 0, False)
 
 
 @functools.lru_cache(maxsize=4096)
-def _layer_kinds(facts: ModelFacts, type_k: str, type_v: str) -> tuple[tuple, tuple[int, ...]]:
-    """The distinct rows per cell of the model's layers, and each layer's index among them."""
+def _layer_kinds(facts: ModelFacts, type_k: str, type_v: str) -> tuple[tuple, tuple[int, ...], tuple[int, ...]]:
+    """The distinct rows per cell of the model's layers, each layer's index among them, and
+    the number of layers of each."""
     kinds: dict = {}
     of_layer = tuple(kinds.setdefault(rows, len(kinds)) for rows in _rows_per_cell(facts, type_k, type_v))
-    return tuple(kinds), of_layer
+    return tuple(kinds), of_layer, tuple(of_layer.count(k) for k in range(len(kinds)))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -178,9 +188,11 @@ def kv_size(
 ) -> KvSize:
     cells, streams, ctx_per_slot = kv_cells(ctx, parallel, kv_unified, layout)
     swa_cells = swa_cells_for(facts, cells, parallel, kv_unified, layout, n_ubatch, swa_full)
-    layers = layer_kv(facts, cells=cells, streams=streams, swa_cells=swa_cells, type_k=type_k, type_v=type_v)
-    k_bytes = sum(lk.k_bytes for lk in layers)
-    v_bytes = sum(lk.v_bytes for lk in layers)
+    sized, of_layer, counts = _sized_kinds(facts, cells, streams, swa_cells, type_k, type_v)
+    # The sums of layer_kv's figures, taken per kind of layer.
+    k_bytes = sum(lk.k_bytes * n for lk, n in zip(sized, counts))
+    v_bytes = sum(lk.v_bytes * n for lk, n in zip(sized, counts))
+    layers = tuple(map(sized.__getitem__, of_layer))
     return KvSize(cells, streams, swa_cells, k_bytes, v_bytes, ctx_per_slot, layers)
 
 

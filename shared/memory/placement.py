@@ -53,7 +53,7 @@ class Placement:
     @property
     def offloaded(self) -> int:
         """What llama-server prints as `offloaded X/Y layers` (X; Y is n_layer + 1)."""
-        return sum(1 for d in self.layer_device if d != CPU)
+        return len(self.layer_device) - self.layer_device.count(CPU)
 
     def layers_on(self, device: int) -> list[int]:
         return list(_layers_on(self.layer_device, device))
