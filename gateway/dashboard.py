@@ -26,10 +26,10 @@ import msgspec
 import structlog
 from aiohttp import web
 
+from gateway import access
 from gateway.admission import LaneCounts
 from gateway.dashboard_model import EventFeed, dashboard_snapshot
 from gateway.fleet import FleetView, LaneKey
-from gateway import access
 from gateway.http import SETTINGS, openai_error
 from shared import subjects
 from shared.messages import ConfigSet, LaneEvent, encode

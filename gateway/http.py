@@ -11,7 +11,7 @@ import asyncio
 import socket
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import aiohttp
 import msgspec
@@ -272,6 +272,20 @@ async def _forward(
             lease.release()
             history.append(Attempt(lane.key, Failure.STATUS, status=upstream.status))
             continue
+        if upstream.status == 400 and (upstream.content_length or routing.REFUSAL_BYTES + 1) <= routing.REFUSAL_BYTES:
+            first = await upstream.read()  # relayed as the answer's first chunk unless it is a window refusal
+            tokens = routing.context_refusal(first)
+            if tokens is not None:
+                windows = {x.key: x.window for x in view.lanes_for(name)}
+                smaller = routing.too_small(windows, tokens) | {lane.key}
+                refused = routing.context_exceeded(windows, tokens)
+                if refused is not None or set(windows) - smaller:
+                    upstream.release()
+                    lease.release()
+                    if refused is not None:
+                        return _give_up(refused, settings)
+                    shape = replace(shape, too_small=shape.too_small | smaller, tokens=tokens)
+                    continue  # counted now: to a lane whose window holds it
         sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
         if shape.assembled and upstream.status == 200 and sse:  # (a lane that answers plain is relayed as it is)
             return await _assembled(request, upstream, lease, started, first, shape.assembled)

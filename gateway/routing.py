@@ -17,6 +17,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+import msgspec
+
 from gateway.fleet import LaneKey
 
 TRIES = 2  # the first, and one retry
@@ -186,6 +188,34 @@ def too_small(windows: Mapping[LaneKey, int], tokens: int) -> frozenset[LaneKey]
     the lane decide.
     """
     return frozenset(lane for lane, window in windows.items() if 0 < window <= tokens)
+
+
+REFUSAL_BYTES = 64 * 1024  # a 400 from a lane larger than this is relayed unread
+
+
+class _Refusal(msgspec.Struct):
+    type: str = ""
+    n_prompt_tokens: int = 0
+
+
+class _RefusalBody(msgspec.Struct):
+    error: _Refusal | None = None
+
+
+def context_refusal(body: bytes) -> int | None:
+    """The prompt's tokens when a lane's 400 is llama-server's exceed_context_size_error, else None.
+
+    The gateway counts a prompt's tokens before routing only when a lane's tokenizer answers in
+    time; otherwise the lane refuses what its window cannot hold, and the prompt, counted now,
+    goes to a lane whose window can (too_small).
+    """
+    try:
+        found = msgspec.json.decode(body, type=_RefusalBody).error
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    if found is None or found.type != "exceed_context_size_error" or found.n_prompt_tokens <= 0:
+        return None
+    return found.n_prompt_tokens
 
 
 def context_exceeded(windows: Mapping[LaneKey, int], tokens: int) -> GiveUp | None:

@@ -29,9 +29,9 @@ from gateway.http import METRICS, build_app
 from gateway.lane_load import SlotsPoll
 from gateway.settings import GatewaySettings
 from shared import subjects
-from shared.messages import GatewayActivity, ModelWake, encode
 from shared.bus import NatsAuth, connect, kv_bucket, quietly, run_until, watch_forever
 from shared.llama.endpoints import connect_host
+from shared.messages import GatewayActivity, ModelWake, encode
 from shared.supervise import Loops
 
 log = structlog.get_logger("lanes.gateway")

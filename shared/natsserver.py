@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -59,7 +60,10 @@ class NatsServer:
         stop_left_over(self.pid_file, store)
         argv = [nats_server_binary(), "-a", self.host, "-p", port, "-m", "-1", "-js", "-sd", str(store),
                 "--ports_file_dir", str(ports_dir), "--pid", str(self.pid_file), *self.extra]  # fmt: skip
-        if sys.platform.startswith("linux"):
+        # PR_SET_PDEATHSIG follows the *thread* that starts the child: started from another thread
+        # (a pool worker that ends long before this process) the server would be stopped with it,
+        # so only the main thread asks for it; the pid file covers the rest (stop_left_over).
+        if sys.platform.startswith("linux") and threading.current_thread() is threading.main_thread():
             argv = [sys.executable, "-I", str(WITH_PARENT), str(os.getpid()), *argv]
         log = open(self.data_dir / "nats-server.log", "ab")
         self.proc = subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL)

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import time
 import urllib.request
 
 import msgspec
@@ -384,3 +385,25 @@ def test_a_nats_server_a_dead_parent_left_on_a_folder_is_stopped_by_the_next_sta
             again.stop()
     finally:
         left.stop()
+
+
+def test_a_nats_server_started_from_a_thread_that_ends_keeps_serving(tmp_path):
+    """The parent-death signal follows the thread that starts the child: a server started from a
+    worker thread (a cluster started side by side, `lanes up`'s restart) must outlive that thread."""
+    import threading
+
+    from shared.natsserver import NatsServer
+
+    server = NatsServer(tmp_path / "nats")
+    starter = threading.Thread(target=server.start)
+    starter.start()
+    starter.join()
+    try:
+        # Told to go, it would stop within milliseconds of the thread's end: ask it for half a second.
+        for _ in range(10):
+            with urllib.request.urlopen(server.monitor + "/healthz", timeout=5) as reply:
+                assert reply.status == 200
+            time.sleep(0.05)
+        assert server.proc.poll() is None, "the server went with the thread that started it"
+    finally:
+        server.stop()

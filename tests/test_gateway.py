@@ -313,7 +313,12 @@ async def test_a_conversation_comes_back_to_its_lane_and_its_prompt_is_cached(fl
                              frozenset({"model": ALIAS, "lane": f"{HOST}/{lane}"}.items())), 0) for lane in lanes}  # fmt: skip
     assert sum(counted.values()) == prompt_tokens  # every answer counted once, plain and streamed
     assert all(0 < cached[lane] < counted[lane] for lane in lanes), (cached, counted)
-    assert got[("lanes_gateway_route_choices_total", frozenset({"model": ALIAS, "reason": "affinity"}.items()))] == 5
+    # Each later turn is routed by affinity. A request routed twice (a connection the lane dropped
+    # before answering, retried at once, as a loaded machine sees) may add one more choice.
+    choices = {dict(labels)["reason"]: value for (name, labels), value in got.items()
+               if name == "lanes_gateway_route_choices_total" and dict(labels).get("model") == ALIAS}  # fmt: skip
+    rerouted = sum(choices.values()) - (2 * len(convs) + 1)
+    assert rerouted >= 0 and 5 <= choices["affinity"] <= 5 + rerouted, choices
 
 
 async def test_a_prompt_no_window_holds_is_refused_before_any_lane(fleet):

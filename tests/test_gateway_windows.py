@@ -10,17 +10,30 @@ import asyncio
 from collections import Counter
 
 import openai
+import pytest
 from fixtures_bus import agent_config, client, services
+from test_real_llama import _planner_with
 from tinymodels import write_llama
 from waiting import eventually
-from test_real_llama import _planner_with
 
+import gateway.http
 from gateway.service import Gateway, run_gateway
 from gateway.settings import GatewaySettings
 from shared.messages import Demand, Persona
 
 
-async def test_a_long_prompt_goes_to_the_lane_with_the_larger_window(nats_server, tmp_path, llama_server):
+@pytest.mark.parametrize("tokenizer", ["answers", "silent"])
+async def test_a_long_prompt_goes_to_the_lane_with_the_larger_window(nats_server, tmp_path, llama_server, tokenizer,
+                                                                     monkeypatch):  # fmt: skip
+    """Counted before routing by a lane's tokenizer, or (its tokenizer silent: busy, timed out) by
+    the small lane's own refusal (exceed_context_size_error): either way it is served by the large
+    lane, and a prompt no window holds gets the gateway's 400."""
+    if tokenizer == "silent":
+
+        async def no_count(*_args, **_kw):
+            return None
+
+        monkeypatch.setattr(gateway.http, "count_tokens", no_count)
     models = tmp_path / "models"
     models.mkdir()
     write_llama(models / "m.gguf", n_layer=2, n_ctx_train=8192)

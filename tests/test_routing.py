@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from gateway import routing
 from gateway.routing import (
     DROPPED_CONNECTION_RETRIES,
     Attempt,
@@ -250,3 +251,12 @@ def test_the_first_byte_timeout():
     assert first_byte_timeout(None, 4_000, None, total=600) == FIRST_BYTE_MARGIN * 4_000 / ASSUMED_PREFILL_RATE
     assert first_byte_timeout(None, 4_000, 0.0, total=600) == first_byte_timeout(None, 4_000, None, total=600)
     assert first_byte_timeout(None, 10**7, 10.0, total=600) == 600
+
+
+def test_a_lanes_window_refusal_is_read_for_its_token_count_and_nothing_else_is():
+    refusal = (b'{"error":{"code":400,"message":"request (1008 tokens) exceeds the available context size (512 tokens),'
+               b' try increasing it","type":"exceed_context_size_error","n_prompt_tokens":1008,"n_ctx":512}}')  # fmt: skip
+    assert routing.context_refusal(refusal) == 1008
+    for other in (b'{"error":{"code":400,"message":"bad","type":"invalid_request_error"}}', b"not json", b"[]",
+                  b'{"error":{"type":"exceed_context_size_error"}}', b'{"error":"text"}'):  # fmt: skip
+        assert routing.context_refusal(other) is None, other
