@@ -45,11 +45,22 @@ def fake_binary(folder: Path, env: dict[str, str] | None = None) -> str:
     return str(path)
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port_base(count: int = 16) -> int:
-    """A run of free ports, so tests (and test runs side by side) never share a lane port."""
+    """A run of free ports, so tests (and test runs side by side) never share a lane port.
+
+    Below the kernel's ephemeral range: a port found free there could be taken as the source
+    port of any outgoing connection before the lane or worker binds it."""
     rng = random.Random()
+    low = _ephemeral_low()
     for _ in range(200):
-        base = rng.randrange(20000, 60000, count)
+        base = rng.randrange(10000, low - count, count)
         try:
             for port in range(base, base + count):
                 with socket.socket() as sock:
