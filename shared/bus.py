@@ -29,10 +29,15 @@ async def connect(
     on_disconnect: Callable[[], Awaitable[None]] | None = None,
     retry_forever: bool = True,
     inbox_prefix: str | None = None,
+    give_up_after: float = 10.0,
 ) -> Client:
-    """Connect and keep reconnecting forever: a service outlives NATS restarts."""
+    """Connect and keep reconnecting forever: a service outlives NATS restarts. A short-lived client
+    (retry_forever=False: the CLI, tests) still keeps trying for `give_up_after` seconds, so a command
+    run while a container or a NATS node is restarting waits for it, then names the last error seen."""
+    last_error: list[str] = []
 
     async def error_cb(exc: Exception) -> None:
+        last_error[:] = [str(exc) or type(exc).__name__]
         if isinstance(exc, (nats.errors.Error, OSError, asyncio.TimeoutError)):
             log.warning("nats error", error=str(exc) or type(exc).__name__)
         else:  # a subscription callback raised: nats-py hands it here, and it must not vanish
@@ -50,6 +55,21 @@ async def connect(
 
     if isinstance(servers, str):
         servers = [s.strip() for s in servers.split(",") if s.strip()]
+    deadline = asyncio.get_running_loop().time() + give_up_after
+    while True:
+        try:
+            return await _connect_once(servers, name, retry_forever, inbox_prefix, auth,
+                                       error_cb, reconnected_cb, disconnected_cb)  # fmt: skip
+        except (nats.errors.Error, OSError, asyncio.TimeoutError) as exc:
+            refused = any(word in (last_error or [""])[0].lower() for word in ("authorization", "authentication"))
+            if retry_forever or refused or asyncio.get_running_loop().time() >= deadline:
+                detail = f" (last error: {last_error[0]})" if last_error and last_error[0] != str(exc) else ""
+                raise ConnectionError(f"{exc or type(exc).__name__}{detail}") from exc
+            await asyncio.sleep(0.5)
+
+
+async def _connect_once(servers, name, retry_forever, inbox_prefix, auth, error_cb, reconnected_cb,
+                        disconnected_cb) -> Client:  # fmt: skip
     return await nats.connect(
         servers=servers,
         name=name,
