@@ -35,6 +35,12 @@ class LaneRoute:
     unreachable: str = ""  # why the gateway's own probe or a request could not reach it
     window: int = 0  # tokens per slot (the plan's ctx_per_slot); 0 where the plan does not say
     embeddings: bool = False  # started with --embeddings: it serves /v1/embeddings only
+    adapters: tuple[str, ...] = ()  # its LoRA adapters (--lora order): it serves "alias:adapter" too
+    reranking: bool = False  # started with --reranking: it serves /v1/rerank
+
+    def adapter_id(self, adapter: str) -> int | None:
+        """The adapter's id in this lane's --lora list (a request's `lora` ids), or None."""
+        return self.adapters.index(adapter) if adapter in self.adapters else None
 
     @property
     def key(self) -> LaneKey:
@@ -45,7 +51,8 @@ class LaneRoute:
         return self.state == "healthy" and not self.draining and not self.unreachable
 
     def serves(self, name: str) -> bool:
-        return name in (self.alias, self.model)
+        base, _, adapter = name.partition(":")
+        return base in (self.alias, self.model) and (not adapter or adapter in self.adapters)
 
 
 def lane_address(status: HostStatus | None, bind: str, host_id: str) -> str:
@@ -173,12 +180,16 @@ class FleetView:
                     unreachable=self.unreachable.get(key, "") or self.stalled.get(key, ""),
                     window=spec.ctx_per_slot,
                     embeddings=spec.embeddings,
+                    adapters=spec.adapters,
+                    reranking=spec.reranking,
                 )
 
     def model_entry(self, name: str) -> ModelState | None:
         """The planner's entry for a requested name: a persona's name first, else a model's."""
         entries = self.catalogue.models if self.catalogue else ()
-        return next((m for m in entries if m.name == name), None) or next((m for m in entries if m.model == name), None)
+        name, _, adapter = name.partition(":")
+        found = next((m for m in entries if m.name == name), None) or next((m for m in entries if m.model == name), None)
+        return found if found is not None and (not adapter or adapter in found.adapters) else None
 
     def lanes_for(self, name: str) -> list[LaneRoute]:
         return [lane for lane in self.lanes() if lane.serves(name)]

@@ -19,7 +19,7 @@ import structlog
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway import access, assemble, prompts, routing, usage, waking
+from gateway import access, adapters, assemble, prompts, routing, usage, waking
 from gateway.admission import Admission, AdmissionError, Lease
 from gateway.affinity import Fingerprint, fingerprint
 from gateway.fleet import FleetView
@@ -37,7 +37,7 @@ SETTINGS = web.AppKey("settings", GatewaySettings)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 WAKER = web.AppKey("waker", waking.Waker)
 
-PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank", "/rerank")
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
                 405: "invalid_request_error", 413: "invalid_request_error"}  # fmt: skip
 
@@ -124,6 +124,7 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
         name, why = waking.only_model(waking.catalogue(view))
         if name is None:
             return openai_error(400, f"the request names no model (field 'model') and {why}", "model_required")
+    name = adapters.requested(name, payload)  # a LoRA adapter: "base:adapter"
     model = waking.classify(view, name)
     label = model.name if model.state != "unknown" else "unknown"  # bounded labels: no client-chosen names
     if model.state != "unknown":
@@ -246,7 +247,7 @@ async def _forward(
             async with asyncio.timeout(wait):
                 upstream = await app[SESSION].post(
                     lane.url + request.path,
-                    data=body,
+                    data=adapters.body_for(body, name, lane),
                     headers={"Content-Type": "application/json", "Accept": request.headers.get("Accept", "*/*")},
                     timeout=aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout),
                 )

@@ -66,6 +66,11 @@ def catalogue(view: FleetView) -> list[dict]:
     by_alias: dict[str, list[LaneRoute]] = {}
     for lane in view.lanes():
         by_alias.setdefault(lane.alias, []).append(lane)
+        for adapter in lane.adapters:  # each LoRA adapter is a model of its own: "alias:adapter"
+            by_alias.setdefault(f"{lane.alias}:{adapter}", []).append(lane)
+    for m in list(entries.values()):
+        for adapter in m.adapters:
+            entries.setdefault(f"{m.name}:{adapter}", m)
     out = []
     for name in sorted(set(entries) | set(by_alias)):
         lanes = by_alias.get(name, [])
@@ -89,7 +94,13 @@ def catalogue(view: FleetView) -> list[dict]:
                        else "ready"} for lane in lanes],
             "holders": list(entry.holders) if entry else sorted({lane.host_id for lane in lanes}),
             "embeddings": any(lane.embeddings for lane in lanes) or bool(entry and entry.embeddings),
+            "reranking": any(lane.reranking for lane in lanes) or bool(entry and entry.reranking),
         }  # fmt: skip
+        base, _, adapter = name.partition(":")
+        if adapter:
+            item["adapter"] = {"base": base, "name": adapter}
+        else:
+            item["adapters"] = sorted({a for lane in lanes for a in lane.adapters} | set(entry.adapters if entry else ()))
         if reason and state != "ready":
             item["reason"] = reason
         if entry is not None:
@@ -102,7 +113,7 @@ def catalogue(view: FleetView) -> list[dict]:
 def only_model(catalogue: list[dict]) -> tuple[str | None, str]:
     """The model a request that names none goes to: the fleet's one servable model, else None
     and why not (a fleet of several cannot guess)."""
-    names = [m["id"] for m in catalogue]
+    names = [m["id"] for m in catalogue if "adapter" not in m]  # an adapter is asked for by name
     if len(names) == 1:
         return names[0], ""
     if not names:

@@ -11,6 +11,7 @@ import structlog
 from launcher_agent import cores as host_cores
 from launcher_agent import hardware
 from launcher_agent.config import AgentConfig
+from shared.adapters import scan_adapters
 from shared.gguf_facts import scan_models
 from shared.messages import GpuInfo, HostReport, RpcWorkerOffer
 from shared.version import VERSION
@@ -37,7 +38,8 @@ def host_report(
         available = min(available, total)
     cpus = host_cores.host_cores()
     models, problems = scan_models(cfg.model_dirs, {} if facts_cache is None else facts_cache)
-    for p in problems:
+    adapters, adapter_problems = scan_adapters(cfg.model_dirs, models)
+    for p in problems + adapter_problems:
         log.warning("skipped model file", problem=p)
     return HostReport(
         host_id=cfg.host_id,
@@ -61,6 +63,7 @@ def host_report(
         rpc_worker=RpcWorkerOffer(address=cfg.advertise, port_base=cfg.rpc_worker_port_base,
                                   port_count=cfg.rpc_worker_port_count) if cfg.rpc_worker else None,  # fmt: skip
         workers_rss=workers_rss,
+        adapters=tuple(adapters),
     )
 
 

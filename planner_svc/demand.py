@@ -168,12 +168,15 @@ def model_states(
     holders: dict[str, list[str]] = {}
     sizes: dict[str, int] = {}
     pooled: set[str] = set()
+    ranked: set[str] = set()
     for r in sorted(reports, key=lambda r: r.host_id):
         for m in r.models:
             holders.setdefault(m.name, []).append(r.host_id)
             sizes[m.name] = max(sizes.get(m.name, 0), m.file_bytes)
             if m.pooling:
                 pooled.add(m.name)
+            if m.pooling == "rank":
+                ranked.add(m.name)
     out = []
     for p in sorted(personas, key=persona_name):
         name = persona_name(p)
@@ -187,10 +190,12 @@ def model_states(
         else:
             load, reason = "unloaded", ""
         held_by = tuple(holders.get(p.model, ()))
+        reranking = p.reranking if p.reranking is not None else p.model in ranked
         fastest = max((rates[h] for h in held_by if h in rates), default=None)
         out.append(ModelState(name=name, model=p.model, state=load, hosts=hosts, holders=held_by, reason=reason,
                               file_bytes=sizes.get(p.model, 0), on_demand=name in state.on_demand,
                               predicted_load_s=predicted_seconds(sizes.get(p.model, 0), fastest) if held_by else None,
                               measured_load_s=measured.get(name),
-                              embeddings=p.embeddings if p.embeddings is not None else p.model in pooled))  # fmt: skip
+                              embeddings=not reranking and (p.embeddings if p.embeddings is not None else p.model in pooled),
+                              adapters=p.adapters, reranking=reranking))  # fmt: skip
     return ModelStates(models=tuple(out), evictions=dict(sorted(state.evictions.items()))), state

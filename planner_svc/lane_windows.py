@@ -16,6 +16,7 @@ from planner_svc.prompt_cache import MIB, plan_cache_ram
 from shared.llama.flags import effective_cache_type
 from shared.memory import CTX_PAD, LaneShape, ngl_count
 from shared.messages import (
+    AdapterFacts,
     FleetConfig,
     HostPlan,
     HostReport,
@@ -52,6 +53,7 @@ class _Lane:
     span_workers: tuple[SpanWorker, ...] = ()
     # (report, n_ubatch, cache_ram, number) of the last _CostKeys.key of this lane
     cost_key: tuple | None = field(default=None, repr=False, compare=False)
+    adapters: tuple[AdapterFacts, ...] = ()  # LoRA adapters it loads (planner_svc/adapters.py)
 
     @property
     def lane_id(self) -> str:
@@ -79,6 +81,7 @@ class _Lane:
             layout=caps.kv_layout,
             n_ubatch=n_ubatch,
             cache_ram=self.cache_ram,
+            adapters=self.adapters,
         )
 
     def memory(self, window: int, report: HostReport, n_ubatch: int) -> MemoryBreakdown:
@@ -121,7 +124,7 @@ class _CostKeys:
         inputs = (
             self.number(lane.facts), lane.layout, lane.persona.parallel, lane.persona.kv_unified, flags.cache_type_k,
             flags.cache_type_v, flags.flash_attn, self.number(report.server), devices, report.cpu_repack, lane.factor,
-            n_ubatch, lane.cache_ram,
+            n_ubatch, lane.cache_ram, lane.adapters,
         )  # fmt: skip
         number = self.number(inputs, by_id=False)
         lane.cost_key = (report, n_ubatch, lane.cache_ram, number)

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 
 import msgspec
 
+from planner_svc.adapters import reranks
 from planner_svc.gc_pause import gc_paused
 from planner_svc.lane_placing import _place
 from planner_svc.lane_windows import _COST_KEYS, _cost, _grow_memo, _keep_stable, _Lane, _n_gpu_layers, _prompt_caches, lane_id_for
@@ -225,8 +226,14 @@ def _spec(report: HostReport, config: FleetConfig, lane: _Lane) -> LaneSpec:
         "the ceiling" if lane.window == lane.ceiling else "the largest multiple of 256 that fits the budget"
     )
     reasons = [window_reason, *lane.reasons]
-    embeddings = lane.persona.embeddings if lane.persona.embeddings is not None else bool(lane.facts.pooling)
+    reranking = reranks(lane.persona, lane.facts) and caps.has_reranking
+    embeddings = not reranking and (
+        lane.persona.embeddings if lane.persona.embeddings is not None else bool(lane.facts.pooling)
+    )
     pooling = "mean" if embeddings and not lane.facts.pooling else None
+    if reranking:
+        asked = "the persona asks for it" if lane.persona.reranking else "the model declares rank pooling"
+        reasons.append(f"reranking only (--reranking, /v1/rerank): {asked}")
     if embeddings:
         asked = "the persona asks for them" if lane.persona.embeddings else f"the model declares {lane.facts.pooling} pooling"
         reasons.append(f"embeddings only (--embeddings): {asked}" + ("; --pooling mean: the model declares none" if pooling else ""))
@@ -262,6 +269,9 @@ def _spec(report: HostReport, config: FleetConfig, lane: _Lane) -> LaneSpec:
         embeddings=embeddings,
         pooling=pooling,
         workers=lane.span_workers,
+        adapters=tuple(a.name for a in lane.adapters),
+        adapter_paths=tuple(a.path for a in lane.adapters),
+        reranking=reranking,
     )
 
 

@@ -30,6 +30,10 @@ class ModelError(ValueError):
     """A file that is not a GGUF model lanes can plan for."""
 
 
+class AdapterFile(ModelError):
+    """A LoRA adapter (general.type = adapter): shared.adapters reads it, the model scan skips it."""
+
+
 def model_name(path: str | os.PathLike[str]) -> str:
     stem = Path(path).name
     stem = stem[:-5] if stem.endswith(".gguf") else stem
@@ -56,6 +60,8 @@ def read_model_facts(path: str | os.PathLike[str]) -> ModelFacts:
         reader = read_header(path)
     except (GGUFFormatError, OSError, ValueError) as exc:
         raise ModelError(f"{path}: not a GGUF file ({exc})") from None
+    if _value(reader, "general.type") == "adapter":
+        raise AdapterFile(f"{path}: a LoRA adapter, not a model")
     arch = _value(reader, "general.architecture")
     if not isinstance(arch, str):
         raise ModelError(f"{path}: GGUF has no general.architecture")
@@ -299,6 +305,8 @@ def scan_models(
                     if cache is not None:
                         cache[key] = facts
                 found.append(facts)
+            except AdapterFile:
+                continue  # reported as an adapter (shared.adapters.scan_adapters)
             except (ModelError, OSError) as exc:
                 problems.append(str(exc))
     if isinstance(cache, FactsCache):

@@ -119,6 +119,10 @@ class ServerCaps(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     # --rpc works: built with the RPC backend (every build lists --rpc in --help; one without it
     # refuses it with "RPC not supported in this build"). Only such a host serves a span lane.
     has_rpc: bool = True
+    # --lora-scaled FILE:SCALE[,...] (adapters loaded at scale 0: a request's `lora` field picks
+    # them); --reranking (/v1/rerank).
+    has_lora: bool = True
+    has_reranking: bool = True
 
 
 class LayerWeights(msgspec.Struct, frozen=True, gc=False, array_like=True):
@@ -186,6 +190,28 @@ class ModelFacts(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     pooling: Label = ""
 
 
+OUTPUT_LAYER = 65536  # an adapter's output tensors: the layer after its base's last block, whatever n_layer
+
+
+class AdapterFacts(msgspec.Struct, frozen=True, gc=False, kw_only=True):
+    """A LoRA adapter file (general.type = adapter): the models it fits and what it allocates.
+
+    `layer_weights` groups its lora_a/lora_b tensors by the layer of the base tensor each pair
+    modifies (-1 token_embd, the block, OUTPUT_LAYER for output.*): llama.cpp allocates each
+    pair in the buffer type of that base tensor (llama_adapter_lora_init_impl)."""
+
+    path: Text
+    name: Name
+    architecture: Label
+    # Models on this host it loads onto (same architecture, every tensor's base present with
+    # matching shape): the ones beside it first.
+    bases: Annotated[tuple[Name, ...], FEW] = ()
+    file_bytes: Bytes = 0
+    alpha: Annotated[float, msgspec.Meta(ge=-1e9, le=1e9)] = 0.0
+    rank: Int32 = 0
+    layer_weights: Annotated[tuple[LayerWeights, ...], msgspec.Meta(max_length=65538)] = ()
+
+
 class RpcWorkerOffer(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     """A host whose agent was started with --rpc-worker: it may run ggml-rpc-server for a span
     lane of another host, bound to `address` (the operator's --advertise) on a port of its range."""
@@ -232,6 +258,8 @@ class HostReport(_Msg, tag="host_report", kw_only=True):
     rpc_worker: RpcWorkerOffer | None = None
     # Memory its ggml-rpc-servers hold now (like lanes_rss: the planner may hand it out again).
     workers_rss: Bytes = 0
+    # LoRA adapter files under its model folders, each with the models it fits.
+    adapters: Annotated[tuple[AdapterFacts, ...], MANY] = ()
 
 
 # ---------------------------------------------------------------- fleet intent
@@ -312,6 +340,10 @@ class Persona(msgspec.Struct, frozen=True, gc=False, kw_only=True, forbid_unknow
     # Lanes serve /v1/embeddings only (llama-server --embeddings); None: when the model's GGUF
     # declares a pooling type (an embedding model).
     embeddings: bool | None = None
+    # LoRA adapters (file stems) its lanes load (--lora); a request picks one as `model: "name:adapter"`.
+    adapters: Annotated[tuple[Name, ...], FEW] = ()
+    # Lanes serve /v1/rerank (llama-server --reranking); None: when the GGUF declares rank pooling.
+    reranking: bool | None = None
 
 
 class Demand(_Msg, tag="demand", forbid_unknown_fields=True, kw_only=True):
@@ -356,6 +388,7 @@ class DeviceMemory(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     # lane (LaneSpec.gpu_devices[k] on the host). Read this, never the name.
     index: Annotated[int, msgspec.Meta(ge=-1, le=1023)] = -1
     backend: Label = ""  # "cpu" for host RAM; cuda, rocm, metal, rpc, vulkan; "" not known
+    adapter_bytes: Bytes = 0  # LoRA adapters' tensors (`LoRA buffer size` lines)
 
     def __post_init__(self) -> None:
         # Written by an older lanes (no index, no backend): the name is all there is.
@@ -368,7 +401,7 @@ class DeviceMemory(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     @property
     def total(self) -> int:
         return (self.model_bytes + self.kv_bytes + self.compute_bytes + self.output_bytes + self.recurrent_bytes
-                + self.prompt_cache_bytes)  # fmt: skip
+                + self.prompt_cache_bytes + self.adapter_bytes)  # fmt: skip
 
 
 class MemoryBreakdown(msgspec.Struct, frozen=True, gc=False, kw_only=True):
@@ -387,6 +420,7 @@ class MemoryBreakdown(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     total_bytes: Bytes = 0
     # Per device (CPU first); the totals above are their sums plus the process overhead.
     devices: Annotated[tuple[DeviceMemory, ...], FEW] = ()
+    adapter_bytes: Bytes = 0  # LoRA adapters' tensors, summed over devices
 
 
 class LaneLayout(msgspec.Struct, frozen=True, gc=False):
@@ -481,6 +515,10 @@ class LaneSpec(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     pooling: Literal["mean", "cls", "last", "rank"] | None = None  # --pooling, for a model that declares none
     # A span lane: its layers also lie on these workers' ggml-rpc-servers (rpc_servers, in order).
     workers: Annotated[tuple[SpanWorker, ...], FEW] = ()
+    # LoRA adapters it loads (--lora, in this order: a request's `lora` ids index it), by name and path.
+    adapters: Annotated[tuple[Name, ...], FEW] = ()
+    adapter_paths: Annotated[tuple[Text, ...], FEW] = ()
+    reranking: bool = False  # --reranking: the lane serves /v1/rerank only
 
 
 class Unplaced(msgspec.Struct, frozen=True, gc=False, kw_only=True):
@@ -706,6 +744,8 @@ class ModelState(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     measured_load_s: Seconds | None = None
     # Its lanes serve /v1/embeddings only (the persona asks, or the file declares a pooling type).
     embeddings: bool = False
+    adapters: Annotated[tuple[Name, ...], FEW] = ()  # the persona's LoRA adapters: "name:adapter" asks for one
+    reranking: bool = False  # its lanes serve /v1/rerank
 
 
 class ModelStates(_Msg, tag="model_states", kw_only=True):

@@ -53,12 +53,15 @@ def write_llama(
     n_vocab: int = N_VOCAB,
     tied: bool = False,
     pooling: int | None = None,
+    cls_labels: tuple[str, ...] = (),
 ) -> Path:
     """A llama (GQA) model, or with arch="gemma3" and n_swa > 0 a sliding-window one.
 
     `omit` leaves tensors out: the metadata still reads fine, llama-server refuses to load it.
     `n_vocab` up to 262144 gives the vocabulary-sized embeddings and logits of real models;
     `tied` leaves out output.weight (llama.cpp then duplicates token_embd onto the output device).
+    arch="qwen3" with pooling=4 (rank) and `cls_labels` is a reranker as convert_hf_to_gguf writes
+    Qwen3-Reranker: classifier.output_labels and a cls.output.weight head of one row per label.
     """
     path = Path(path)
     rng = np.random.default_rng(seed)
@@ -80,6 +83,8 @@ def write_llama(
         w.add_pooling_type(gguf.PoolingType(pooling))
     if n_swa:
         w.add_sliding_window(n_swa)
+    if cls_labels:
+        w.add_classifier_output_labels(list(cls_labels))
     _tokenizer(w, n_vocab)
 
     q, kv = n_head * head_dim, n_head_kv * head_dim
@@ -93,8 +98,10 @@ def write_llama(
     n_vocab = max(n_vocab, N_VOCAB)
     w.add_tensor("token_embd.weight", _mat(rng, n_vocab, n_embd))
     w.add_tensor("output_norm.weight", _ones(n_embd))
-    if arch == "llama" and not tied:
+    if arch in ("llama", "qwen3") and not tied:
         w.add_tensor("output.weight", _mat(rng, n_vocab, n_embd))
+    if cls_labels:
+        w.add_tensor("cls.output.weight", _mat(rng, len(cls_labels), n_embd))
     for i in range(n_layer):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", _ones(n_embd))
@@ -106,11 +113,67 @@ def write_llama(
         w.add_tensor(p + "ffn_gate.weight", _mat(rng, n_ff, n_embd))
         w.add_tensor(p + "ffn_up.weight", _mat(rng, n_ff, n_embd))
         w.add_tensor(p + "ffn_down.weight", _mat(rng, n_embd, n_ff))
-        if arch == "gemma3":
+        if arch in ("gemma3", "qwen3"):
             w.add_tensor(p + "attn_q_norm.weight", _ones(head_dim))
             w.add_tensor(p + "attn_k_norm.weight", _ones(head_dim))
+        if arch == "gemma3":
             w.add_tensor(p + "post_attention_norm.weight", _ones(n_embd))
             w.add_tensor(p + "post_ffw_norm.weight", _ones(n_embd))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def write_lora(
+    path: str | Path,
+    *,
+    n_layer: int = 2,
+    n_embd: int = 256,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    head_dim: int = 64,
+    n_ff: int = 512,
+    n_vocab: int = N_VOCAB,
+    arch: str = "llama",
+    rank: int = 8,
+    alpha: float = 16.0,
+    targets: tuple[str, ...] = ("attn_q", "attn_v"),
+    blocks: tuple[int, ...] | None = None,
+    token_embd: bool = False,
+    output: bool = False,
+    dtype=np.float16,
+    seed: int = 0,
+) -> Path:
+    """A LoRA adapter (general.type adapter, adapter.type lora) for write_llama's model of the same
+    shape, as convert_lora_to_gguf writes one: per target matrix W (ggml ne [n_in, n_out]) a
+    lora_a of ne [n_in, rank] and a lora_b of ne [rank, n_out]; token_embd's pair is flipped."""
+    path = Path(path)
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_type(gguf.GGUFType.ADAPTER)
+    w.add_name(path.stem)
+    w.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
+    q, kv = n_head * head_dim, n_head_kv * head_dim
+    shapes = {  # numpy (n_out, n_in)
+        "attn_q": (q, n_embd), "attn_k": (kv, n_embd), "attn_v": (kv, n_embd), "attn_output": (n_embd, q),
+        "ffn_gate": (n_ff, n_embd), "ffn_up": (n_ff, n_embd), "ffn_down": (n_embd, n_ff),
+    }  # fmt: skip
+
+    def pair(name: str, n_out: int, n_in: int) -> None:
+        w.add_tensor(name + ".lora_a", (rng.standard_normal((rank, n_in)) * 0.05).astype(dtype))
+        w.add_tensor(name + ".lora_b", (rng.standard_normal((n_out, rank)) * 0.05).astype(dtype))
+
+    if token_embd:  # A is [rank, n_vocab] in ggml, B [rank, n_embd]: flipped (llm_build_inp_embd)
+        w.add_tensor("token_embd.weight.lora_a", (rng.standard_normal((max(n_vocab, N_VOCAB), rank)) * 0.05).astype(dtype))
+        w.add_tensor("token_embd.weight.lora_b", (rng.standard_normal((n_embd, rank)) * 0.05).astype(dtype))
+    for i in range(n_layer) if blocks is None else blocks:
+        for t in targets:
+            pair(f"blk.{i}.{t}.weight", *shapes[t])
+    if output:
+        pair("output.weight", max(n_vocab, N_VOCAB), n_embd)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -94,6 +94,13 @@ def lane_args(spec: LaneSpec, caps: ServerCaps) -> tuple[str, ...]:
         args.append("--embeddings")
     if spec.pooling is not None:
         args += ["--pooling", spec.pooling]
+    if spec.reranking:
+        args.append("--reranking")
+    if spec.adapter_paths:
+        # Loaded at scale 0: a request without a `lora` field gets the base model (llama-server applies
+        # the launch scales to it; --lora-init-without-apply does not change that), and the gateway
+        # sets `lora` to the one adapter a request names.
+        args += ["--lora-scaled", ",".join(f"{path}:0" for path in spec.adapter_paths)]
     if spec.fit_off:
         args += ["-fit", "off"]
     if spec.n_ubatch != DEFAULT_N_UBATCH:  # the plan's compute and sliding-window sizes assume it
@@ -214,6 +221,8 @@ def parse_caps(help_text: str, version_text: str = "") -> ServerCaps:
         has_chat_template="--chat-template" in help_text,
         has_no_jinja="--no-jinja" in help_text,
         has_cache_ram="--cache-ram" in help_text,
+        has_lora="--lora-scaled" in help_text,
+        has_reranking="--reranking" in help_text,
     )
 
 

@@ -30,6 +30,8 @@ _BUFFER = re.compile(
     r"(load_tensors|llama_context|llama_kv_cache\w*|sched_reserve):\s+(\S+?)\s+(model|output|KV|compute)"
     r" buffer size =\s*([\d.]+) MiB"
 )
+# A LoRA adapter's tensors, one line per buffer type (llama_adapter_lora_init_impl).
+_LORA_BUFFER = re.compile(r"(llama_adapter_lora_init\w*):\s+(\S+?)\s+(LoRA) buffer size =\s*([\d.]+) MiB")
 _OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers")
 _USING = re.compile(r"llama_prepare_model_devices: using device (\S+) \(([^)]*)\)")
 _HOST_BUFFER = re.compile(r"^(CPU\w*|\w+_Host|\w+_Mapped|\w+_REPACK)$")
@@ -64,7 +66,7 @@ def is_kv_size_line(line: str) -> bool:
 def is_buffer_line(line: str) -> bool:
     """A line parse_buffers reads (buffer sizes, offloaded layers, and the devices in use, which
     number a pinned lane's devices from 0 and tell RPC servers apart by endpoint)."""
-    return any(p.search(line) is not None for p in (_BUFFER, _OFFLOADED, _USING))
+    return any(p.search(line) is not None for p in (_BUFFER, _LORA_BUFFER, _OFFLOADED, _USING))
 
 
 def is_loaded_line(line: str) -> bool:
@@ -132,7 +134,7 @@ def parse_buffers(lines: Iterable[str]) -> DeviceBuffers:
         if (m := _OFFLOADED.search(line)) is not None:
             out.offloaded = (int(m.group(1)), int(m.group(2)))
             continue
-        m = _BUFFER.search(line)
+        m = _BUFFER.search(line) or _LORA_BUFFER.search(line)
         if m is None:
             continue
         _, buffer, kind, value = m.groups()
@@ -159,6 +161,7 @@ def devices_from_lines(lines: Iterable[str]) -> tuple[DeviceMemory, ...]:
             kv_bytes=round(printed.get(name, "KV") * MIB),
             compute_bytes=round(printed.get(name, "compute") * MIB),
             output_bytes=round(printed.get(name, "output") * MIB),
+            adapter_bytes=round(printed.get(name, "LoRA") * MIB),
         )
         for name in printed.devices()
     )

@@ -6,7 +6,10 @@ from dataclasses import dataclass
 
 from shared.llama.logs import MIB, DeviceBuffers
 
-_KIND_FIELDS = {"model": "model_bytes", "KV": "kv_bytes", "compute": "compute_bytes", "output": "output_bytes"}
+_KIND_FIELDS = {
+    "model": "model_bytes", "KV": "kv_bytes", "compute": "compute_bytes", "output": "output_bytes",
+    "LoRA": "adapter_bytes",
+}  # fmt: skip
 COMPUTE_TOLERANCE = (0.03, 4.0)  # within 3% or 4 MiB
 
 

@@ -16,6 +16,7 @@ each buffer is, from the b11434 source and checked against the binary's -lv 4 li
 - compute: see compute_bytes.
 - recurrent: each recurrent layer's share of the per-sequence state, on its layer's device.
 - prompt cache: the --cache-ram limit the plan gives the lane, in host RAM (prompt_cache_bytes).
+- adapters: each LoRA pair in the buffer type of the base tensor it modifies (adapter_bytes).
 
 Each per-device list has the host's RAM at index 0, then each GPU-type device of the lane.
 """
@@ -40,6 +41,8 @@ from shared.memory.placement import (
     place,
 )
 from shared.messages import (
+    OUTPUT_LAYER,
+    AdapterFacts,
     DeviceMemory,
     KvLayout,
     LayerWeights,
@@ -78,6 +81,7 @@ class LaneShape:
     tensor_overrides: tuple[tuple[str, str], ...] = ()  # -ot PATTERN=BUFFER pairs (only =CPU on experts)
     cache_ram: int = 0  # bytes: the prompt cache's limit (--cache-ram), see prompt_cache_bytes
     llama_build: int = 0  # the build whose graph rules apply (shared.llama.builds); 0: the current rules
+    adapters: tuple[AdapterFacts, ...] = ()  # LoRA adapters loaded with --lora
 
 
 def placement_for(facts: ModelFacts, shape: LaneShape) -> Placement:
@@ -315,6 +319,25 @@ def compute_bytes(facts: ModelFacts, placement: Placement, shape: LaneShape, kv:
     return out
 
 
+def adapter_bytes(adapters: Sequence[AdapterFacts], placement: Placement) -> list[int]:
+    """LoRA tensors per device (llama_adapter_lora_init_impl): a pair lands in its base tensor's
+    buffer type, so token_embd's in host memory, a block's on its block's device, output's on the
+    output device; a repacked CPU tensor's pair in the plain CPU buffer (host memory all the same).
+    CUDA sizes tensors as it does weights (128-byte alignment); host buffers pad each to 32."""
+    out = [0] * (1 + placement.n_devices)
+    for adapter in adapters:
+        for lw in adapter.layer_weights:
+            if lw.layer == OUTPUT_LAYER:
+                dev = placement.output_device
+            elif 0 <= lw.layer < placement.n_layer:
+                dev = placement.layer_device[lw.layer]
+            else:
+                dev = CPU
+            cuda = dev != CPU and placement.backend(dev) in PINNED_HOST_BACKENDS
+            out[1 + dev] += lw.cuda_bytes if cuda else lw.bytes
+    return out
+
+
 def prompt_cache_bytes(shape: LaneShape, placement: Placement) -> list[int]:
     """llama-server's prompt cache (--cache-ram): past prompts' states, copied to host RAM as
     slots move on, up to the limit. Counted at its limit, in host memory whatever the layout:
@@ -342,6 +365,7 @@ def lane_memory(
     compute = compute_bytes(facts, placement, shape, kv)
     output = output_bytes(facts, placement, shape.parallel)
     prompt_cache = prompt_cache_bytes(shape, placement)
+    adapters = adapter_bytes(shape.adapters, placement)
     devices = []
     for i in range(1 + placement.n_devices):
         dev = CPU if i == 0 else i - 1
@@ -354,6 +378,7 @@ def lane_memory(
                 output_bytes=output[i],
                 recurrent_bytes=recurrent[i],
                 prompt_cache_bytes=prompt_cache[i],
+                adapter_bytes=adapters[i],
                 layers=len(placement.layers_on(dev)),
                 index=dev,
                 backend=placement.backend(dev),
@@ -375,4 +400,5 @@ def lane_memory(
         prompt_cache_bytes=sum(prompt_cache),
         total_bytes=total,
         devices=tuple(devices),
+        adapter_bytes=sum(adapters),
     )
