@@ -169,6 +169,7 @@ def model_states(
     sizes: dict[str, int] = {}
     pooled: set[str] = set()
     ranked: set[str] = set()
+    fitted: dict[str, set[str]] = {}  # model -> adapters some host holds for it
     for r in sorted(reports, key=lambda r: r.host_id):
         for m in r.models:
             holders.setdefault(m.name, []).append(r.host_id)
@@ -177,6 +178,9 @@ def model_states(
                 pooled.add(m.name)
             if m.pooling == "rank":
                 ranked.add(m.name)
+        for a in r.adapters:
+            for base in a.bases:
+                fitted.setdefault(base, set()).add(a.name)
     out = []
     for p in sorted(personas, key=persona_name):
         name = persona_name(p)
@@ -197,5 +201,6 @@ def model_states(
                               predicted_load_s=predicted_seconds(sizes.get(p.model, 0), fastest) if held_by else None,
                               measured_load_s=measured.get(name),
                               embeddings=not reranking and (p.embeddings if p.embeddings is not None else p.model in pooled),
-                              adapters=p.adapters, reranking=reranking))  # fmt: skip
+                              adapters=tuple(a for a in p.adapters if a in fitted.get(p.model, ())),
+                              reranking=reranking))  # fmt: skip
     return ModelStates(models=tuple(out), evictions=dict(sorted(state.evictions.items()))), state

@@ -143,13 +143,20 @@ def write_lora(
     blocks: tuple[int, ...] | None = None,
     token_embd: bool = False,
     output: bool = False,
-    dtype=np.float16,
+    dtype: str = "f16",
+    strength: float = 0.05,
     seed: int = 0,
 ) -> Path:
     """A LoRA adapter (general.type adapter, adapter.type lora) for write_llama's model of the same
     shape, as convert_lora_to_gguf writes one: per target matrix W (ggml ne [n_in, n_out]) a
-    lora_a of ne [n_in, rank] and a lora_b of ne [rank, n_out]; token_embd's pair is flipped."""
+    lora_a of ne [n_in, rank] and a lora_b of ne [rank, n_out]; token_embd's pair is flipped.
+    `strength`: the values' standard deviation (1.0 changes a tiny model's answers for sure)."""
     path = Path(path)
+    np_type = {"f16": np.float16, "f32": np.float32}[dtype]
+
+    def rand(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * strength).astype(np_type)
+
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_type(gguf.GGUFType.ADAPTER)
@@ -163,12 +170,12 @@ def write_lora(
     }  # fmt: skip
 
     def pair(name: str, n_out: int, n_in: int) -> None:
-        w.add_tensor(name + ".lora_a", (rng.standard_normal((rank, n_in)) * 0.05).astype(dtype))
-        w.add_tensor(name + ".lora_b", (rng.standard_normal((n_out, rank)) * 0.05).astype(dtype))
+        w.add_tensor(name + ".lora_a", rand(rank, n_in))
+        w.add_tensor(name + ".lora_b", rand(n_out, rank))
 
     if token_embd:  # A is [rank, n_vocab] in ggml, B [rank, n_embd]: flipped (llm_build_inp_embd)
-        w.add_tensor("token_embd.weight.lora_a", (rng.standard_normal((max(n_vocab, N_VOCAB), rank)) * 0.05).astype(dtype))
-        w.add_tensor("token_embd.weight.lora_b", (rng.standard_normal((n_embd, rank)) * 0.05).astype(dtype))
+        w.add_tensor("token_embd.weight.lora_a", rand(max(n_vocab, N_VOCAB), rank))
+        w.add_tensor("token_embd.weight.lora_b", rand(n_embd, rank))
     for i in range(n_layer) if blocks is None else blocks:
         for t in targets:
             pair(f"blk.{i}.{t}.weight", *shapes[t])
