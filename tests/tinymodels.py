@@ -54,12 +54,14 @@ def write_llama(
     tied: bool = False,
     pooling: int | None = None,
     cls_labels: tuple[str, ...] = (),
+    matrix_type: str = "f16",
 ) -> Path:
     """A llama (GQA) model, or with arch="gemma3" and n_swa > 0 a sliding-window one.
 
     `omit` leaves tensors out: the metadata still reads fine, llama-server refuses to load it.
     `n_vocab` up to 262144 gives the vocabulary-sized embeddings and logits of real models;
     `tied` leaves out output.weight (llama.cpp then duplicates token_embd onto the output device).
+    `matrix_type` (f16, q8_0, q4_0) is the blocks' matrices' type (quantized ones a CPU may repack).
     arch="qwen3" with pooling=4 (rank) and `cls_labels` is a reranker as convert_hf_to_gguf writes
     Qwen3-Reranker: classifier.output_labels and a cls.output.weight head of one row per label.
     """
@@ -90,11 +92,20 @@ def write_llama(
     q, kv = n_head * head_dim, n_head_kv * head_dim
     add_tensor = w.add_tensor
 
-    def add(name: str, value: np.ndarray) -> None:
+    def add(name: str, value: np.ndarray, **kw) -> None:
         if name not in omit:
-            add_tensor(name, value)
+            add_tensor(name, value, **kw)
 
     w.add_tensor = add  # type: ignore[method-assign]
+    qtype = {"f16": None, "q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}[matrix_type]
+
+    def matrix(name: str, rows: int, cols: int) -> None:
+        if qtype is None:
+            w.add_tensor(name, _mat(rng, rows, cols))
+        else:
+            values = (rng.standard_normal((rows, cols)) * 0.02).astype(np.float32)
+            w.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+
     n_vocab = max(n_vocab, N_VOCAB)
     w.add_tensor("token_embd.weight", _mat(rng, n_vocab, n_embd))
     w.add_tensor("output_norm.weight", _ones(n_embd))
@@ -105,14 +116,14 @@ def write_llama(
     for i in range(n_layer):
         p = f"blk.{i}."
         w.add_tensor(p + "attn_norm.weight", _ones(n_embd))
-        w.add_tensor(p + "attn_q.weight", _mat(rng, q, n_embd))
-        w.add_tensor(p + "attn_k.weight", _mat(rng, kv, n_embd))
-        w.add_tensor(p + "attn_v.weight", _mat(rng, kv, n_embd))
-        w.add_tensor(p + "attn_output.weight", _mat(rng, n_embd, q))
+        matrix(p + "attn_q.weight", q, n_embd)
+        matrix(p + "attn_k.weight", kv, n_embd)
+        matrix(p + "attn_v.weight", kv, n_embd)
+        matrix(p + "attn_output.weight", n_embd, q)
         w.add_tensor(p + "ffn_norm.weight", _ones(n_embd))
-        w.add_tensor(p + "ffn_gate.weight", _mat(rng, n_ff, n_embd))
-        w.add_tensor(p + "ffn_up.weight", _mat(rng, n_ff, n_embd))
-        w.add_tensor(p + "ffn_down.weight", _mat(rng, n_embd, n_ff))
+        matrix(p + "ffn_gate.weight", n_ff, n_embd)
+        matrix(p + "ffn_up.weight", n_ff, n_embd)
+        matrix(p + "ffn_down.weight", n_embd, n_ff)
         if arch in ("gemma3", "qwen3"):
             w.add_tensor(p + "attn_q_norm.weight", _ones(head_dim))
             w.add_tensor(p + "attn_k_norm.weight", _ones(head_dim))
