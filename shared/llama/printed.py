@@ -62,5 +62,6 @@ def device_lines(spec, printed_devices=()) -> list[str]:
             f"  {spec.lane_id} {where}: layers {d.layers}, MiB planned/printed: model {pair(d.model_bytes, r and r.model_bytes)}"
             f", kv {pair(d.kv_bytes, r and r.kv_bytes)}, compute {pair(d.compute_bytes, r and r.compute_bytes)}"
             f", output {pair(d.output_bytes, r and r.output_bytes)}"
+            + (f", LoRA {pair(d.adapter_bytes, r and r.adapter_bytes)}" if d.adapter_bytes else "")
         )
     return out
