@@ -89,30 +89,49 @@ def fits(adapter: GGUFHeader, model: GGUFHeader) -> bool:
     return bool(pairs)
 
 
+# Headers by (path, size, mtime): the agent scans every report, and a file read once is not read
+# again until it changes (a model's header walks its vocabulary). Bounded: cleared when full.
+_HEADERS: dict[tuple[str, int, int], GGUFHeader | None] = {}
+_HEADERS_MAX = 4096
+
+
+def _header(path: str | os.PathLike[str]) -> GGUFHeader | None:
+    """The file's header, or None when it is no GGUF this reader takes."""
+    st = os.stat(path)
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    if key not in _HEADERS:
+        if len(_HEADERS) >= _HEADERS_MAX:
+            _HEADERS.clear()
+        try:
+            _HEADERS[key] = read_header(path)
+        except GGUFFormatError:
+            _HEADERS[key] = None
+    return _HEADERS[key]
+
+
 def scan_adapters(folders: Iterable[str | os.PathLike[str]], models: Iterable[ModelFacts]) -> tuple[list[AdapterFacts], list[str]]:
     """Every adapter under the folders, paired with the models it fits; one line per file that could not be read."""
     models = list(models)
-    headers: dict[str, GGUFHeader | None] = {}
+    known = {m.path for m in models}  # models are no adapters: their headers are read only to pair
 
     def model_header(m: ModelFacts) -> GGUFHeader | None:
-        if m.path not in headers:
-            try:
-                headers[m.path] = read_header(m.path)
-            except (GGUFFormatError, OSError):
-                headers[m.path] = None
-        return headers[m.path]
+        try:
+            return _header(m.path)
+        except OSError:
+            return None
 
     found, problems = [], []
     for folder in folders:
         for path in sorted(Path(folder).rglob("*.gguf")):
+            if os.path.abspath(path) in known:
+                continue
             try:
-                header = read_header(path)
-                if not is_adapter(header):
+                header = _header(path)
+                if header is None or not is_adapter(header):
                     continue
                 facts = read_adapter(path, header)
             except (GGUFFormatError, OSError, ValueError) as exc:
-                if not isinstance(exc, GGUFFormatError) or "adapter" in str(exc):
-                    problems.append(f"{path}: {exc}")
+                problems.append(f"{path}: {exc}")
                 continue
             here = str(path.parent)
             candidates = sorted(
