@@ -32,3 +32,10 @@ def reranks(persona: Persona, facts: ModelFacts) -> bool:
     """A reranking lane (--reranking): the persona says so, or else the GGUF declares rank pooling
     (llama.cpp's LLAMA_POOLING_TYPE_RANK, what converted rerankers carry)."""
     return persona.reranking if persona.reranking is not None else facts.pooling == "rank"
+
+
+def pooled(persona: Persona, facts: ModelFacts, reranking_ok: bool = True) -> bool:
+    """Whether the lane runs pooled (--reranking, or --embeddings as planner._spec decides it)."""
+    if reranks(persona, facts) and reranking_ok:
+        return True
+    return persona.embeddings if persona.embeddings is not None else bool(facts.pooling)

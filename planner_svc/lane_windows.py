@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from planner_svc import spans
+from planner_svc.adapters import pooled
 from planner_svc.layouts import CPU_RESOURCE, Layout, Resource, cost_vector, largest, layout_memory
 from planner_svc.policy import Flags, flash_attn_for
 from planner_svc.prompt_cache import MIB, plan_cache_ram
@@ -82,6 +83,7 @@ class _Lane:
             n_ubatch=n_ubatch,
             cache_ram=self.cache_ram,
             adapters=self.adapters,
+            pooled=pooled(self.persona, self.facts, caps.has_reranking),
         )
 
     def memory(self, window: int, report: HostReport, n_ubatch: int) -> MemoryBreakdown:
@@ -124,7 +126,7 @@ class _CostKeys:
         inputs = (
             self.number(lane.facts), lane.layout, lane.persona.parallel, lane.persona.kv_unified, flags.cache_type_k,
             flags.cache_type_v, flags.flash_attn, self.number(report.server), devices, report.cpu_repack, lane.factor,
-            n_ubatch, lane.cache_ram, lane.adapters,
+            n_ubatch, lane.cache_ram, lane.adapters, lane.persona.embeddings, lane.persona.reranking,
         )  # fmt: skip
         number = self.number(inputs, by_id=False)
         lane.cost_key = (report, n_ubatch, lane.cache_ram, number)

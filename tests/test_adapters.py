@@ -164,3 +164,52 @@ def test_a_spec_with_adapters_round_trips():
     spec = LaneSpec(lane_id="b-0", model="b", model_path="/m/b.gguf", alias="b", port=8080, ctx_total=1024,
                     ctx_per_slot=1024, parallel=1, adapters=("s",), adapter_paths=("/m/s.gguf",), reranking=True)  # fmt: skip
     assert msgspec.json.decode(msgspec.json.encode(spec), type=LaneSpec) == spec
+
+
+# Pooled lanes (--embeddings, --reranking) reserve the logits of every ubatch token: the real
+# binary's CPU compute buffer (b11434) for a 32k-vocabulary model, by (pooling, slots, ctx, ubatch, fa).
+POOLED = {
+    ("rank", 1, 1024, 512, True): 66.02,
+    ("rank", 4, 1024, 512, True): 65.27,
+    ("mean", 1, 1024, 512, True): 66.02,
+    ("rank", 2, 4096, 256, True): 33.51,
+    ("mean", 1, 2048, 512, False): 69.52,
+}
+
+
+def _pooled_model(tmp_path, pooling: str):
+    if pooling == "rank":
+        return write_llama(tmp_path / "rr.gguf", arch="qwen3", pooling=4, cls_labels=("yes", "no"), n_vocab=32000)
+    return write_llama(tmp_path / "e.gguf", pooling=1, n_vocab=32000)
+
+
+def _pooled_compute_mib(facts, case) -> float:
+    _, slots, ctx, ubatch, fa = case
+    shape = LaneShape(ctx=ctx, parallel=slots, n_ubatch=ubatch, flash_attn=fa, pooled=True)
+    return lane_memory(facts, shape).devices[0].compute_bytes / MIB
+
+
+@pytest.mark.parametrize("case", sorted(POOLED))
+def test_a_pooled_lane_s_compute_buffer_holds_every_token_s_logits(tmp_path, case):
+    facts = read_model_facts(_pooled_model(tmp_path, case[0]))
+    assert _pooled_compute_mib(facts, case) == pytest.approx(POOLED[case], abs=0.6)
+    _, slots, ctx, ubatch, fa = case
+    chat = lane_memory(facts, LaneShape(ctx=ctx, parallel=slots, n_ubatch=ubatch, flash_attn=fa))
+    assert chat.devices[0].compute_bytes / MIB < POOLED[case] / 2  # what it was planned at before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(POOLED))
+def test_a_pooled_lane_s_compute_buffer_as_the_binary_prints_it(tmp_path, llama_server, case):
+    from record_lora_figures import _lines
+
+    from shared.llama.logs import parse_buffers
+
+    pooling, slots, ctx, ubatch, fa = case
+    model = _pooled_model(tmp_path, pooling)
+    flags = ["--reranking"] if pooling == "rank" else ["--embeddings"]
+    lines = _lines(llama_server, model, [*flags, "--parallel", str(slots), "--ctx-size", str(ctx), "--ubatch-size",
+                                         str(ubatch), "--flash-attn", "on" if fa else "off"])  # fmt: skip
+    printed = parse_buffers(lines).get("CPU", "compute")
+    assert printed == POOLED[case]
+    assert _pooled_compute_mib(read_model_facts(model), case) == pytest.approx(printed, abs=0.6)

@@ -40,6 +40,7 @@ from shared.memory.placement import (
     SplitMode,
     place,
 )
+from shared.memory.pooled import pooled_compute
 from shared.messages import (
     OUTPUT_LAYER,
     AdapterFacts,
@@ -82,6 +83,7 @@ class LaneShape:
     cache_ram: int = 0  # bytes: the prompt cache's limit (--cache-ram), see prompt_cache_bytes
     llama_build: int = 0  # the build whose graph rules apply (shared.llama.builds); 0: the current rules
     adapters: tuple[AdapterFacts, ...] = ()  # LoRA adapters loaded with --lora
+    pooled: bool = False  # --embeddings or --reranking: every ubatch token is an output (shared.memory.pooled)
 
 
 def placement_for(facts: ModelFacts, shape: LaneShape) -> Placement:
@@ -362,7 +364,7 @@ def lane_memory(
     )  # fmt: skip
     kv_dev = kv_bytes(kv, placement, shape.no_kv_offload)
     recurrent = recurrent_per_device(facts, placement, shape.parallel)
-    compute = compute_bytes(facts, placement, shape, kv)
+    compute = pooled_compute(facts, placement, shape, kv, compute_bytes(facts, placement, shape, kv))
     output = output_bytes(facts, placement, shape.parallel)
     prompt_cache = prompt_cache_bytes(shape, placement)
     adapters = adapter_bytes(shape.adapters, placement)
