@@ -38,7 +38,7 @@ def _scale(payload: dict) -> float:
 def body_for(body: bytes, name: str, lane: LaneRoute) -> bytes:
     """The body as this lane must read it: its id for the adapter the request names, only that
     adapter applied. A request for no adapter goes as it came."""
-    base, _, adapter = name.partition(":")
+    adapter = name.partition(":")[2]
     if not adapter:
         return body
     payload = msgspec.json.decode(body)
