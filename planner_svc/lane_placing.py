@@ -157,10 +157,13 @@ def _place(persona, candidates_, config, lanes, remaining, previous, feedback) -
         prev = previous.get(host)
         had_before = prev is not None and any(s.lane_id == lane_id for s in prev.lanes)
         slack = sum(remaining[host].get(r, 0) - b for r, b in floor_cost.items())
-        options.append((not had_before, rank(layout), -slack, host, lane, floor_cost))
+        # A host that holds fewer of the persona's adapters comes after one that holds more: a
+        # request for an adapter goes only to lanes that load it.
+        missing = len(set(persona.adapters)) - len(adapters)
+        options.append((not had_before, missing, rank(layout), -slack, host, lane, floor_cost))
     if not options:
         return False, why
-    options.sort(key=lambda o: o[:4])
+    options.sort(key=lambda o: o[:5])
     *_, host, lane, floor_cost = options[0]
     for r, b in floor_cost.items():
         remaining[host][r] = remaining[host].get(r, 0) - b

@@ -213,3 +213,23 @@ def test_a_pooled_lane_s_compute_buffer_as_the_binary_prints_it(tmp_path, llama_
     printed = parse_buffers(lines).get("CPU", "compute")
     assert printed == POOLED[case]
     assert _pooled_compute_mib(read_model_facts(model), case) == pytest.approx(printed, abs=0.6)
+
+
+def test_a_lane_goes_to_the_host_that_holds_the_persona_s_adapters(tmp_path):
+    (tmp_path / "h1").mkdir()
+    (tmp_path / "h2").mkdir()
+    reports = []
+    for host in ("h1", "h2"):
+        write_llama(tmp_path / host / "base.gguf")
+        if host == "h2":
+            write_lora(tmp_path / host / "style.gguf")
+        models, _ = scan_models([tmp_path / host])
+        found, _ = scan_adapters([tmp_path / host], models)
+        reports.append(HostReport(host_id=host, cpu_cores=4, ram_total=8 << 30, ram_available=8 << 30,
+                                  server=ServerCaps(), models=tuple(models), adapters=tuple(found)))  # fmt: skip
+    demand = Demand(personas=(Persona(model="base", lanes=1, adapters=("style",), ctx_max=1024),))
+    fleet = plan(reports, FleetConfig(), demand)
+    placed = {h.host_id: [s.adapters for s in h.lanes] for h in fleet.hosts}
+    assert placed.get("h2") == [("style",)] and not placed.get("h1")
+    plain = plan(reports, FleetConfig(), Demand(personas=(Persona(model="base", lanes=1, ctx_max=1024),)))
+    assert [h.host_id for h in plain.hosts if h.lanes] == ["h1"]  # without adapters the first host, as before
