@@ -69,7 +69,9 @@ async def test_planner_and_agent_serve_metrics(nats_server, tmp_path, tiny_model
             # No demand: one lane of every model (a window the fake llama-server has figures for).
             async def healthy():
                 lane = lane_of(await host_status(nc, "h1"), "llama8-0")
-                return lane if lane and lane.state == "healthy" and not lane.draining else None
+                # kv_bytes: the KV line the lane printed, read back through its log writer (a process).
+                ready = lane and lane.state == "healthy" and not lane.draining and lane.kv_bytes is not None
+                return lane if ready else None
 
             lane = await eventually(healthy, timeout=40, what="lane healthy")
         planner = await _get(f"http://127.0.0.1:{planner_port}/metrics")
@@ -81,7 +83,15 @@ async def test_planner_and_agent_serve_metrics(nats_server, tmp_path, tiny_model
         assert "lanes_planner_hosts 1.0" in planner and "lanes_planner_replans_total" in planner
         assert 'lanes_build_info{service="planner"' in planner
 
-        agent = await _get(f"http://127.0.0.1:{agent_port}/metrics")
+        async def agent_with_lane_series() -> str | None:
+            # Each scrape reads the lane's own /metrics with a 1 s timeout; a lane slow to answer on a
+            # loaded machine has none of its series in that scrape, by design (launcher_agent/metrics.py).
+            # The KV figure the lane printed reaches the agent through its log writer, a process of its own.
+            text = await _get(f"http://127.0.0.1:{agent_port}/metrics")
+            ready = f"lanes_llama_requests_processing{{{labels}}}" in text and ("lanes_lane_kv_bytes", on_cpu) in samples(text)
+            return text if ready else None
+
+        agent = await eventually(agent_with_lane_series, timeout=30, what="the lane's own series in a scrape")
         assert f"lanes_lane_healthy{{{labels}}} 1.0" in agent
         assert f"lanes_lane_slots{{{labels}}} 1.0" in agent
         threads = lane.argv[lane.argv.index("--threads") + 1]  # the one lane takes every core
