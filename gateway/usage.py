@@ -24,6 +24,7 @@ class Usage(NamedTuple):
     prompt: int  # prompt tokens the lane read
     cached: int  # ... of them from a slot or its prompt cache
     prefill_rate: float | None = None  # tokens per second it processed the rest at (timings), when enough
+    output: int = 0  # tokens it generated (timings.predicted_n, usage.completion_tokens): a tenant's cost
 
 
 def _from_answer(answer: object) -> Usage | None:
@@ -35,12 +36,15 @@ def _from_answer(answer: object) -> Usage | None:
         if isinstance(done, int) and isinstance(cached, int) and done >= 0 and cached >= 0:
             rate = timings.get("prompt_per_second")
             timed = isinstance(rate, (int, float)) and rate > 0 and done >= MIN_TIMED_TOKENS
-            return Usage(done + cached, cached, float(rate) if timed else None)
+            made = timings.get("predicted_n")
+            return Usage(done + cached, cached, float(rate) if timed else None, made if isinstance(made, int) else 0)
     usage = answer.get("usage")
     if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else 0
-        return Usage(usage["prompt_tokens"], cached if isinstance(cached, int) else 0)
+        made = usage.get("completion_tokens")
+        return Usage(usage["prompt_tokens"], cached if isinstance(cached, int) else 0, None,
+                     made if isinstance(made, int) else 0)
     return None
 
 
