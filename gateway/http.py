@@ -41,7 +41,7 @@ SESSION = web.AppKey("session", aiohttp.ClientSession)
 WAKER = web.AppKey("waker", waking.Waker)
 KEYS = web.AppKey("keys", object)  # a KeysFile, or None without --keys-file
 USAGE = web.AppKey("usage", UsageBook)  # tenants' tokens this minute and day, every gateway's
-TENANT = "tenant"  # the request's Tenant, as its key said (request[TENANT])
+TENANT = web.RequestKey("tenant", Tenant)  # the request's Tenant, as its key said
 
 PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

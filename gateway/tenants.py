@@ -10,6 +10,7 @@ A malformed file keeps the last good table and says why in one line (KeysFile.ch
 from __future__ import annotations
 
 import fnmatch
+import math
 import hashlib
 import os
 import re
@@ -179,4 +180,4 @@ class KeysFile:
 def refusal_ceiling(priority: int, depth: int) -> int:
     """Waiting requests a class may find in a model's queue and still join it (its admission ceiling)."""
     share = {"critical": 1.0, "standard": defaults.STANDARD_CEILING, "sheddable": defaults.SHEDDABLE_CEILING}
-    return max(1, int(depth * share[class_of(priority)]))
+    return max(1, math.ceil(depth * share[class_of(priority)] - 1e-9))
