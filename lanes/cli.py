@@ -117,6 +117,8 @@ def _add_gateway_options(p: argparse.ArgumentParser) -> None:
                    help="seconds with no byte in the middle of a stream before its lane counts as stalled")
     p.add_argument("--no-affinity", action="store_true",
                    help="route by most free slots only, not to the lane holding the prompt's prefix")  # fmt: skip
+    p.add_argument("--no-fair", action="store_true",
+                   help="serve each model's queue first come first served, not token-fair between tenants")  # fmt: skip
     _add_load_timeout(p)
 
 

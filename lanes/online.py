@@ -81,6 +81,7 @@ def gateway_settings(args: argparse.Namespace) -> GatewaySettings:
         admin_key=getattr(args, "admin_key", None) or None,
         load_timeout=getattr(args, "load_timeout", base.load_timeout),
         affinity=not getattr(args, "no_affinity", False),
+        fair=not getattr(args, "no_fair", False),
         gateway_id=getattr(args, "gateway_id", None) or base.gateway_id,
         keys_file=_keys_file(getattr(args, "keys_file", None)),
     )
