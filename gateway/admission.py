@@ -305,7 +305,7 @@ class Admission:
             for waiter in [w for w in queue if w.future.done()]:
                 queue.remove(waiter)
             ranked = list(queue)
-            if self.fair and len({w.tenant for w in ranked} | {w.priority for w in ranked}) > 1:
+            if self.fair and len({(w.tenant, w.priority) for w in ranked}) > 1:
                 weights = {w.tenant: w.weight for w in ranked}
                 ranked = fairness.order(ranked, self.ledger, weights, now)
             for waiter in ranked:

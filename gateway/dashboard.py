@@ -30,7 +30,7 @@ from gateway import access
 from gateway.admission import LaneCounts
 from gateway.dashboard_model import EventFeed, dashboard_snapshot
 from gateway.fleet import FleetView, LaneKey
-from gateway.http import SETTINGS, openai_error, signing_keys
+from gateway.http import openai_error, signing_keys
 from shared import subjects
 from shared.messages import ConfigSet, LaneEvent, encode
 

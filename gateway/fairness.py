@@ -59,11 +59,6 @@ class Ledger:
     def cost(self, tenant: str, now: float) -> float:
         return self._decayed(tenant, now) + self._running.get(tenant, 0) * self.running_estimate
 
-    def forget_below(self, now: float, floor: float = 1.0) -> None:
-        """Drop tenants whose decayed cost is negligible and have nothing running (bounded memory)."""
-        for tenant in [t for t in self._cost if t not in self._running and self._decayed(t, now) < floor]:
-            del self._cost[tenant]
-
 
 def order(waiters: list, ledger: Ledger, weights: dict[str, float], now: float) -> list:
     """The waiters in the order free slots should go to them."""

@@ -214,3 +214,14 @@ def test_token_limits_count_every_gateway_and_name_the_limit():
     two.add("team", 4000, wall + 62)
     refused = two.check(team, wall + 62)
     assert refused.code == "tokens_per_day" and refused.retry_after > 3600
+
+
+def test_an_answers_output_tokens_are_read_for_its_tenants_cost():
+    from gateway.usage import prompt_usage
+
+    timed = b'{"timings": {"prompt_n": 10, "cache_n": 5, "predicted_n": 7}}'
+    assert prompt_usage(timed, False).output == 7 and prompt_usage(timed, False).prompt == 15
+    plain = b'{"usage": {"prompt_tokens": 4, "completion_tokens": 9}}'
+    assert prompt_usage(plain, False).output == 9
+    stream = b'data: {"choices": []}\n\ndata: {"choices": [], "timings": {"prompt_n": 3, "cache_n": 0, "predicted_n": 2}}\n\n'
+    assert prompt_usage(stream, True).output == 2
