@@ -359,15 +359,15 @@ def _lane_failed(view: FleetView, attempt: Attempt, history: list[Attempt]) -> N
     history.append(attempt)
 
 
-def _count_usage(app: web.Application, lease: Lease, found: usage.Usage | None) -> None:
+def _count_usage(app: web.Application, lease: Lease, found: usage.Usage | None, output: int = 0) -> None:
     if found is not None:
         lane = lease.lane
-        tokens = app[ADMISSION].charge(lease.tenant, found.prompt, found.output)  # its fair share
+        tokens = app[ADMISSION].charge(lease.tenant, found.prompt, output)  # its fair share
         app[USAGE].add(lease.tenant, tokens, time.time())  # its token limits
         tenant: Tenant = app[KEYS].table.tenants().get(lease.tenant, Tenant(lease.tenant)) if app[KEYS] else Tenant(
             lease.tenant)
         app[METRICS].tenant_tokens.labels(tenant.name, tenant.klass, "prompt").inc(found.prompt)
-        app[METRICS].tenant_tokens.labels(tenant.name, tenant.klass, "output").inc(found.output)
+        app[METRICS].tenant_tokens.labels(tenant.name, tenant.klass, "output").inc(output)
         counts = app[ADMISSION].counts
         counts.note_prompt(lane.alias, f"{lane.host_id}/{lane.lane_id}", found.prompt, found.cached)
         if found.prefill_rate is not None:
@@ -443,7 +443,8 @@ async def _relay(
                         kept_bytes -= len(kept.pop(0))
             finished = True
             if counting and (streamed or kept_bytes <= limit):
-                _count_usage(app, lease, usage.prompt_usage(b"".join(kept), streamed))
+                answer = b"".join(kept)
+                _count_usage(app, lease, usage.prompt_usage(answer, streamed), usage.output_tokens(answer, streamed))
         except (aiohttp.ClientError, asyncio.TimeoutError, _Stalled, _TimeUp) as exc:
             # Bytes went out: routing ends the answer with its error, whatever other lanes there are.
             end = _broken(app, lane, exc)
@@ -494,7 +495,7 @@ async def _assembled(
         status = parts.error.get("error", {}).get("code") if isinstance(parts.error.get("error"), dict) else None
         return web.json_response(parts.error, status=status if isinstance(status, int) and 400 <= status < 600 else 500)
     body = msgspec.json.encode(parts.result())
-    _count_usage(app, lease, usage.prompt_usage(body, False))
+    _count_usage(app, lease, usage.prompt_usage(body, False), usage.output_tokens(body, False))
     app[METRICS].ttfb.labels(lane.alias).observe(time.perf_counter() - started)
     return web.Response(body=body, content_type="application/json",
                         headers={"X-Lanes-Lane": f"{lane.host_id}/{lane.lane_id}"})  # fmt: skip

@@ -24,7 +24,6 @@ class Usage(NamedTuple):
     prompt: int  # prompt tokens the lane read
     cached: int  # ... of them from a slot or its prompt cache
     prefill_rate: float | None = None  # tokens per second it processed the rest at (timings), when enough
-    output: int = 0  # tokens it generated (timings.predicted_n, usage.completion_tokens): a tenant's cost
 
 
 def _from_answer(answer: object) -> Usage | None:
@@ -36,15 +35,12 @@ def _from_answer(answer: object) -> Usage | None:
         if isinstance(done, int) and isinstance(cached, int) and done >= 0 and cached >= 0:
             rate = timings.get("prompt_per_second")
             timed = isinstance(rate, (int, float)) and rate > 0 and done >= MIN_TIMED_TOKENS
-            made = timings.get("predicted_n")
-            return Usage(done + cached, cached, float(rate) if timed else None, made if isinstance(made, int) else 0)
+            return Usage(done + cached, cached, float(rate) if timed else None)
     usage = answer.get("usage")
     if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else 0
-        made = usage.get("completion_tokens")
-        return Usage(usage["prompt_tokens"], cached if isinstance(cached, int) else 0, None,
-                     made if isinstance(made, int) else 0)
+        return Usage(usage["prompt_tokens"], cached if isinstance(cached, int) else 0)
     return None
 
 
@@ -66,3 +62,33 @@ def prompt_usage(body: bytes, streamed: bool) -> Usage | None:
         if found is not None:
             return found
     return None
+
+
+def _output_of(answer: object) -> int | None:
+    if not isinstance(answer, dict):
+        return None
+    timings, usage = answer.get("timings"), answer.get("usage")
+    if isinstance(timings, dict) and isinstance(timings.get("predicted_n"), int):
+        return max(0, timings["predicted_n"])
+    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+        return max(0, usage["completion_tokens"])
+    return None
+
+
+def output_tokens(body: bytes, streamed: bool) -> int:
+    """Tokens the lane generated (timings.predicted_n, else usage.completion_tokens): a tenant's cost. 0: unsaid."""
+    if not streamed:
+        try:
+            return _output_of(msgspec.json.decode(body)) or 0
+        except msgspec.DecodeError:
+            return 0
+    for line in reversed(body.split(b"\n")):
+        line = line.strip()
+        if line.startswith(b"data: {"):
+            try:
+                found = _output_of(msgspec.json.decode(line[6:]))
+            except msgspec.DecodeError:
+                continue
+            if found is not None:
+                return found
+    return 0

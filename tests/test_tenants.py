@@ -217,11 +217,10 @@ def test_token_limits_count_every_gateway_and_name_the_limit():
 
 
 def test_an_answers_output_tokens_are_read_for_its_tenants_cost():
-    from gateway.usage import prompt_usage
+    from gateway.usage import output_tokens
 
-    timed = b'{"timings": {"prompt_n": 10, "cache_n": 5, "predicted_n": 7}}'
-    assert prompt_usage(timed, False).output == 7 and prompt_usage(timed, False).prompt == 15
-    plain = b'{"usage": {"prompt_tokens": 4, "completion_tokens": 9}}'
-    assert prompt_usage(plain, False).output == 9
-    stream = b'data: {"choices": []}\n\ndata: {"choices": [], "timings": {"prompt_n": 3, "cache_n": 0, "predicted_n": 2}}\n\n'
-    assert prompt_usage(stream, True).output == 2
+    assert output_tokens(b'{"timings": {"prompt_n": 10, "cache_n": 5, "predicted_n": 7}}', False) == 7
+    assert output_tokens(b'{"usage": {"prompt_tokens": 4, "completion_tokens": 9}}', False) == 9
+    stream = b'data: {"choices": []}\n\ndata: {"choices": [], "timings": {"prompt_n": 3, "predicted_n": 2}}\n\n'
+    assert output_tokens(stream, True) == 2
+    assert output_tokens(b"not json", False) == 0 and output_tokens(b"data: [DONE]\n", True) == 0
