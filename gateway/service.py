@@ -158,8 +158,8 @@ async def _demand_loop(gw: Gateway, stop: asyncio.Event) -> None:
 async def _keys_loop(gw: Gateway, stop: asyncio.Event) -> None:
     """Reread the keys file when it changes; a malformed one keeps the last good keys (one log line)."""
     keys = gw.app[KEYS]
-    while keys is not None and not stop.is_set():
-        said = keys.check()
+    while not stop.is_set():
+        said = keys.check() if keys is not None else None  # no keys file: nothing to reread
         if said:
             (log.warning if keys.error else log.info)("keys file", detail=said)
         try:
