@@ -224,3 +224,28 @@ def test_an_answers_output_tokens_are_read_for_its_tenants_cost():
     stream = b'data: {"choices": []}\n\ndata: {"choices": [], "timings": {"prompt_n": 3, "predicted_n": 2}}\n\n'
     assert output_tokens(stream, True) == 2
     assert output_tokens(b"not json", False) == 0 and output_tokens(b"data: [DONE]\n", True) == 0
+
+
+# ------------------------------------------------------------------ admission: classes and tenants (pure)
+
+
+async def test_critical_waits_past_the_others_limit_and_tenant_counts_come_back_to_zero():
+    import asyncio
+
+    from gateway.admission import Admission, QueueTimeout
+    from test_gateway_core import fleet
+
+    adm = Admission(fleet(("h1", 8080)), max_queue=4, max_wait=0.05, critical_wait=60)
+    held = [await adm.acquire("gemma"), await adm.acquire("gemma")]
+    ops = Tenant("ops", priority=1)
+    critical = asyncio.create_task(adm.acquire("gemma", who=ops))
+    with pytest.raises(QueueTimeout):  # a standard request gives up after max_wait ...
+        await adm.acquire("gemma", who=Tenant("team"))
+    assert not critical.done() and adm.counts.tenant_queued == {("gemma", "ops"): 1}  # ... critical still waits
+    held[0].release()
+    lease = await critical
+    assert adm.counts.tenant_in_flight == {("gemma", "anonymous"): 1, ("gemma", "ops"): 1}
+    assert adm.counts.tenant_load("ops") == 1
+    lease.release()
+    held[1].release()
+    assert adm.counts.tenant_in_flight == {} and adm.counts.tenant_queued == {} and adm.counts.tenant_load("ops") == 0
