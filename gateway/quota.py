@@ -36,6 +36,7 @@ class UsageBook:
     mine: dict[str, TenantUsage] = field(default_factory=dict)  # tenant -> this gateway's count
     others: dict[tuple[str, str], TenantUsage] = field(default_factory=dict)  # (tenant, gateway) -> theirs
     dirty: set[str] = field(default_factory=set)  # tenants whose count changed since the last share
+    synced: bool = False  # every gateway's count as NATS held it at start has been read
 
     def add(self, tenant: str, tokens: float, wall: float) -> None:
         self.mine[tenant] = self._plus(self.mine.get(tenant), tenant, tokens, wall)
@@ -60,9 +61,8 @@ class UsageBook:
         """Another gateway's count; returns the tokens it grew by since its last one (for fairness)."""
         before = self.others.get((u.tenant, u.gateway))
         self.others[(u.tenant, u.gateway)] = u
-        if before is None or before.day != u.day:
-            return 0.0  # its first count seen (history, not news), or a new day
-        return max(0.0, u.day_tokens - before.day_tokens)
+        had = before.day_tokens if before is not None and before.day == u.day else 0.0
+        return max(0.0, u.day_tokens - had)
 
     def used(self, tenant: str, wall: float) -> tuple[float, float]:
         """(tokens this minute, tokens today) of a tenant over every gateway."""

@@ -60,6 +60,7 @@ async def share_usage(nc, book: UsageBook, admission: Admission, gateway: str, s
 
     async def on_caught_up() -> None:
         caught_up.set()
+        book.synced = True
 
     watch = asyncio.create_task(watch_forever(kv, subjects.USAGE_KEYS, on_entry, resync=asyncio.Event(), stop=stop,
                                               on_caught_up=on_caught_up))  # fmt: skip

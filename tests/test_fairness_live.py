@@ -209,10 +209,13 @@ async def test_two_gateways_enforce_one_budget_that_survives_a_restart(tmp_path,
             await nc.subscribe(subjects.ALL_ACTIVITY, cb=on_activity)
             async with running(server.url, lane, path, "gw1") as one, running(server.url, lane, path, "gw2") as two:
                 await eventually(lambda: _health(http, lane), what="the fake lane answers")
+                await eventually(lambda: one.app[USAGE].synced and two.app[USAGE].synced, what="usage read from NATS")
                 for _ in range(2):  # 6 tokens through gw1
                     assert (await chat(http, one.url, "team"))[0] == 200
                 await eventually(lambda: two.app[USAGE].used("team", time.time())[1] == 6,
                                  what="gw2 sees gw1's tokens")  # fmt: skip
+                # ... and counts them in the tenant's fair share too (it served the tenant nothing itself).
+                assert two.admission.ledger.cost("team", asyncio.get_running_loop().time()) > 0
                 for _ in range(2):  # 6 more through gw2: 12, the budget
                     assert (await chat(http, two.url, "team"))[0] == 200
                 await eventually(lambda: one.app[USAGE].used("team", time.time())[1] == 12,
