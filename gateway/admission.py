@@ -6,8 +6,11 @@ holding the longest prefix of it within the load bound, else the most free slots
 (ties rotate). A lane's load is the larger of this gateway's requests in flight there
 and the busy slots its /slots last reported (other gateways and direct clients count).
 With every slot of a model busy,
-requests wait in a bounded FIFO queue per requested name; a slot freed, or a lane
-coming back, hands the oldest waiter its lane. No sockets: asyncio futures only.
+requests wait in a bounded queue per requested name; a slot freed, or a lane coming back,
+hands a waiter its lane in the order gateway/fairness.py gives (highest priority, then the
+tenant with the least decayed tokens per weight, then first come). Each priority class may
+fill only its share of the queue (its ceiling): past it a request is refused with 429, or a
+waiting request of a lower class is refused in its place. No sockets: asyncio futures only.
 
 Admission owns the request counts (`LaneCounts`); the FleetView holds only what the bus
 said, so the dashboard and the metrics read the fleet from one and the load from the other.
@@ -20,9 +23,10 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
-from gateway import affinity
+from gateway import affinity, fairness
 from gateway.affinity import AffinityIndex, Fingerprint, LaneLoad
 from gateway.fleet import FleetView, LaneKey, LaneRoute
+from gateway.tenants import Tenant, refusal_ceiling
 from shared import defaults
 
 
@@ -46,6 +50,16 @@ class QueueTimeout(AdmissionError):
     code = "queue_timeout"
 
 
+class Refused(AdmissionError):
+    """Refused for its tenant or its class, before it used a slot: 429 with Retry-After and the reason."""
+
+    status = 429
+
+    def __init__(self, message: str, code: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.code, self.retry_after = code, retry_after
+
+
 @dataclass
 class LaneCounts:
     """This gateway's load: written by its admission only, read by the dashboard and the metrics."""
@@ -59,6 +73,13 @@ class LaneCounts:
     prompt_tokens: dict[tuple[str, str], int] = field(default_factory=dict)  # (model, "host/lane") -> tokens read
     cached_tokens: dict[tuple[str, str], int] = field(default_factory=dict)  # ... of them reused from its cache
     prefill_rate: dict[LaneKey, float] = field(default_factory=dict)  # prompt tokens per second, from timings
+    tenant_in_flight: dict[tuple[str, str], int] = field(default_factory=dict)  # (model, tenant) -> holding a slot
+    tenant_queued: dict[tuple[str, str], int] = field(default_factory=dict)  # (model, tenant) -> waiting
+
+    def tenant_load(self, tenant: str) -> int:
+        """Requests of a tenant holding a slot or waiting, every model together (its concurrency)."""
+        return sum(n for (_, t), n in self.tenant_in_flight.items() if t == tenant) + sum(
+            n for (_, t), n in self.tenant_queued.items() if t == tenant)
 
     def busy(self, key: LaneKey) -> int:
         return self.in_flight.get(key, 0)
@@ -85,11 +106,13 @@ class Lease:
     lane: LaneRoute
     admission: Admission
     released: bool = False
+    tenant: str = ""
+    name: str = ""  # the requested model name
 
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self.admission._release(self.lane.key)
+            self.admission._release(self.lane.key, self)
 
 
 @dataclass
@@ -101,6 +124,10 @@ class _Waiter:
     patient_until: float = 0.0  # loop time until which it waits for its warm lane rather than a cold one
     waiting_for: LaneKey | None = None  # that lane, while it does
     since: float = 0.0  # loop time it joined the queue
+    tenant: str = ""
+    priority: int = 0
+    weight: float = 1.0
+    seq: int = 0  # arrival order (first come first served within a tenant)
 
 
 @dataclass
@@ -111,6 +138,10 @@ class Admission:
     counts: LaneCounts = field(default_factory=LaneCounts)
     index: AffinityIndex = field(default_factory=AffinityIndex)
     use_affinity: bool = True  # False: most free slots only (the benchmark's baseline)
+    critical_wait: float = defaults.CRITICAL_QUEUE_WAIT  # seconds a critical request may wait
+    fair: bool = True  # False: first come first served (the fairness benchmark's baseline)
+    ledger: fairness.Ledger = field(default_factory=fairness.Ledger)
+    _arrivals: itertools.count = field(default_factory=itertools.count)
     _queues: dict[str, deque[_Waiter]] = field(default_factory=dict)
     _turns: itertools.count = field(default_factory=itertools.count)
     _waited: dict[str, float] = field(default_factory=dict)  # name -> longest queue wait ended since the last report
@@ -123,19 +154,23 @@ class Admission:
         self.poke()
 
     async def acquire(
-        self, name: str, exclude: frozenset[LaneKey] = frozenset(), prompt: Fingerprint | None = None
+        self, name: str, exclude: frozenset[LaneKey] = frozenset(), prompt: Fingerprint | None = None,
+        who: Tenant = Tenant(),
     ) -> Lease:
         """A slot on a lane serving `name`, now or after a bounded wait."""
         if not self.view.lanes_for(name):
             raise UnknownModel(f"model {name!r} is not served by this fleet; GET /v1/models lists what is")
+        if who.max_concurrent is not None and self.counts.tenant_load(who.name) >= who.max_concurrent:
+            raise Refused(f"tenant {who.name!r} has {who.max_concurrent} requests under way, its max_concurrent",
+                          "max_concurrent")  # fmt: skip
         loop = asyncio.get_running_loop()
         lease, choice = self._take(name, exclude, prompt, patient=True)
         if lease is not None:
-            return lease
+            return self._lent(lease, name, who.name)
         queue = self._queues.setdefault(name, deque())
-        if len(queue) >= self.max_queue:
-            raise QueueFull(f"all slots for {name!r} are busy and {len(queue)} requests already wait")
-        waiter = _Waiter(name, exclude, loop.create_future(), prompt, since=loop.time())
+        self._make_room(name, queue, who)
+        waiter = _Waiter(name, exclude, loop.create_future(), prompt, since=loop.time(), tenant=who.name,
+                         priority=who.priority, weight=who.weight, seq=next(self._arrivals))  # fmt: skip
         if choice.matched:
             wait = affinity.patience(choice.matched, self._prefill_rate(name), self.max_wait)
             waiter.patient_until, waiter.waiting_for = loop.time() + wait, choice.wait_for
@@ -143,8 +178,9 @@ class Admission:
         queue.append(waiter)
         self._count(name)
         left = False  # the client hung up (cancelled): its wait is no demand
+        max_wait = self.critical_wait if who.priority > 0 else self.max_wait
         try:
-            async with asyncio.timeout(self.max_wait):
+            async with asyncio.timeout(max_wait):
                 return await waiter.future
         except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
             # A lease handed over in the same instant as the timeout is still ours.
@@ -155,13 +191,48 @@ class Admission:
             if isinstance(exc, asyncio.CancelledError):
                 left = True
                 raise
-            raise QueueTimeout(f"no slot for {name!r} became free within {self.max_wait:g} s") from None
+            raise QueueTimeout(f"no slot for {name!r} became free within {max_wait:g} s") from None
         finally:
             if waiter in queue:
                 queue.remove(waiter)
             if not left:
                 self._waited[name] = max(self._waited.get(name, 0.0), loop.time() - waiter.since)
             self._count(name)
+
+    def _make_room(self, name: str, queue: deque[_Waiter], who: Tenant) -> None:
+        """Join only below the class's ceiling; at it, a waiting request of a lower class is refused
+        in this one's place (the lowest class, newest first), else this one is."""
+        live = [w for w in queue if not w.future.done()]
+        ceiling = refusal_ceiling(who.priority, self.max_queue)
+        if len(live) < ceiling:
+            return
+        lower = [w for w in live if w.priority < who.priority]
+        if lower:
+            victim = min(lower, key=lambda w: (w.priority, -w.seq))
+            victim.future.set_exception(Refused(
+                f"{name!r} is saturated: a request of a higher priority took this one's place in the queue",
+                "shed", self._retry_after()))  # fmt: skip
+            return
+        if who.priority > 0 or ceiling >= self.max_queue:
+            raise QueueFull(f"all slots for {name!r} are busy and {len(live)} requests already wait")
+        raise Refused(f"{name!r} is saturated: {len(live)} requests wait, the ceiling for {who.klass} requests is "
+                      f"{ceiling} of {self.max_queue}", "shed", self._retry_after())  # fmt: skip
+
+    def _retry_after(self) -> int:
+        return max(1, min(60, round(self.max_wait / 10)))
+
+    def _lent(self, lease: Lease, name: str, tenant: str) -> Lease:
+        lease.tenant, lease.name = tenant, name
+        key = (name, tenant)
+        self.counts.tenant_in_flight[key] = self.counts.tenant_in_flight.get(key, 0) + 1
+        self.ledger.started(tenant)
+        return lease
+
+    def charge(self, tenant: str, prompt: int, output: int) -> float:
+        """An answer's tokens, charged to its tenant's fair share; returns its weighted tokens."""
+        tokens = self.ledger.tokens(prompt, output)
+        self.ledger.charge(tenant, tokens, asyncio.get_running_loop().time())
+        return tokens
 
     def take_queue_waits(self, now: float) -> dict[str, float]:
         """Per requested name: the longest queue wait since the last call, the requests still
@@ -206,8 +277,15 @@ class Admission:
         counts.in_flight[lane.key] = counts.busy(lane.key) + 1
         return Lease(lane, self), choice
 
-    def _release(self, key: LaneKey) -> None:
+    def _release(self, key: LaneKey, lease: Lease | None = None) -> None:
         counts = self.counts
+        if lease is not None and lease.name:
+            tkey = (lease.name, lease.tenant)
+            if counts.tenant_in_flight.get(tkey, 0) > 1:
+                counts.tenant_in_flight[tkey] -= 1
+            else:
+                counts.tenant_in_flight.pop(tkey, None)
+            self.ledger.finished(lease.tenant)
         counts.served[key] = counts.served.get(key, 0) + 1
         left = counts.busy(key) - 1
         if counts.reported.get(key, 0) > left:
@@ -224,10 +302,13 @@ class Admission:
         next waiter take a slot elsewhere."""
         now = asyncio.get_running_loop().time() if any(self._queues.values()) else 0.0  # waiters: a loop runs
         for name, queue in self._queues.items():
-            for waiter in list(queue):
-                if waiter.future.done():
-                    queue.remove(waiter)
-                    continue
+            for waiter in [w for w in queue if w.future.done()]:
+                queue.remove(waiter)
+            ranked = list(queue)
+            if self.fair and len({(w.tenant, w.priority) for w in ranked}) > 1:
+                weights = {w.tenant: w.weight for w in ranked}
+                ranked = fairness.order(ranked, self.ledger, weights, now)
+            for waiter in ranked:
                 patient = now < waiter.patient_until
                 if not patient:
                     waiter.waiting_for = None
@@ -237,12 +318,16 @@ class Admission:
                         break
                     continue
                 queue.remove(waiter)
-                waiter.future.set_result(lease)
+                waiter.future.set_result(self._lent(lease, name, waiter.tenant))
             self._count(name)
 
     def _count(self, name: str) -> None:
-        depth = sum(not w.future.done() for w in self._queues.get(name, ()))
-        if depth:
-            self.counts.queued[name] = depth
+        live = [w for w in self._queues.get(name, ()) if not w.future.done()]
+        if live:
+            self.counts.queued[name] = len(live)
         else:
             self.counts.queued.pop(name, None)
+        for key in [k for k in self.counts.tenant_queued if k[0] == name]:
+            del self.counts.tenant_queued[key]
+        for w in live:
+            self.counts.tenant_queued[(name, w.tenant)] = self.counts.tenant_queued.get((name, w.tenant), 0) + 1

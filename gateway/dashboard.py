@@ -30,7 +30,7 @@ from gateway import access
 from gateway.admission import LaneCounts
 from gateway.dashboard_model import EventFeed, dashboard_snapshot
 from gateway.fleet import FleetView, LaneKey
-from gateway.http import SETTINGS, openai_error
+from gateway.http import openai_error, signing_keys
 from shared import subjects
 from shared.messages import ConfigSet, LaneEvent, encode
 
@@ -141,7 +141,7 @@ def add_dashboard(app: web.Application, hub: DashboardHub, *, nc_getter, admin_k
     async def session(request: web.Request) -> web.Response:
         """Trade the bearer key (checked by the middleware) for a session cookie: the stream and
         the page's assets are then fetched without the key in any URL (gateway/access.py)."""
-        keys = request.app[SETTINGS].api_keys
+        keys = signing_keys(request.app)
         response = web.json_response({"expires_in": access.SESSION_SECONDS if keys else None})
         if keys:
             token = access.session_token(keys, time.time())

@@ -52,6 +52,10 @@ def dashboard_snapshot(view: FleetView, events: EventFeed, rates: Mapping[LaneKe
         "unplaced": unplaced,
         # Every servable model with its state (ready, loading, unloaded, failed), as GET /v1/models.
         "models": catalogue(view),
+        # Whose requests hold slots and wait (tenants of the keys file), per requested model.
+        "tenants": [{"tenant": t, "model": m, "in_flight": counts.tenant_in_flight.get((m, t), 0),
+                     "queued": counts.tenant_queued.get((m, t), 0)}
+                    for m, t in sorted(set(counts.tenant_in_flight) | set(counts.tenant_queued))],  # fmt: skip
         "events": list(events.items),
     }
 

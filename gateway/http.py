@@ -11,6 +11,7 @@ import asyncio
 import socket
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from dataclasses import dataclass, replace
 
 import aiohttp
@@ -20,7 +21,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import access, adapters, assemble, prompts, routing, usage, waking
-from gateway.admission import Admission, AdmissionError, Lease
+from gateway.admission import Admission, AdmissionError, Lease, Refused
+from gateway.quota import UsageBook
+from gateway.tenants import PLAIN, KeysFile, Tenant
 from gateway.affinity import Fingerprint, fingerprint
 from gateway.fleet import FleetView
 from gateway.metrics import GatewayMetrics
@@ -36,10 +39,14 @@ METRICS = web.AppKey("metrics", GatewayMetrics)
 SETTINGS = web.AppKey("settings", GatewaySettings)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 WAKER = web.AppKey("waker", waking.Waker)
+KEYS = web.AppKey("keys", object)  # a KeysFile, or None without --keys-file
+USAGE = web.AppKey("usage", UsageBook)  # tenants' tokens this minute and day, every gateway's
+TENANT = web.RequestKey("tenant", Tenant)  # the request's Tenant, as its key said
 
 PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank", "/rerank")
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                405: "invalid_request_error", 413: "invalid_request_error"}  # fmt: skip
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
+                429: "rate_limit_error"}  # fmt: skip
 
 
 def openai_error(status: int, message: str, code: str | None = None, retry_after: int | None = None) -> web.Response:
@@ -61,7 +68,8 @@ def _sse_error(end: GiveUp) -> bytes:
 @web.middleware
 async def _errors_and_keys(request: web.Request, handler):
     settings = request.app[SETTINGS]
-    if settings.api_keys and access.needs_key(request.path) and not _key_presented(request, settings):
+    keyed = bool(settings.api_keys) or request.app[KEYS] is not None
+    if keyed and access.needs_key(request.path) and not _key_presented(request, settings):
         return openai_error(401, "missing or invalid API key (Authorization: Bearer ...)", "invalid_api_key")
     try:
         return await handler(request)
@@ -75,11 +83,28 @@ async def _errors_and_keys(request: web.Request, handler):
 def _key_presented(request: web.Request, settings: GatewaySettings) -> bool:
     """A valid bearer key, or (dashboard paths only) a valid session cookie (gateway/access.py)."""
     scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() == "bearer" and settings.key_ok(presented.strip()):
-        return True
+    if scheme.lower() == "bearer":
+        tenant = tenant_of(request.app, presented.strip())
+        if tenant is not None:
+            request[TENANT] = tenant
+            return True
     token = request.cookies.get(access.COOKIE)
     return bool(token) and access.cookie_may_open(request.path) and access.session_ok(
-        settings.api_keys, token, time.time())
+        signing_keys(request.app), token, time.time())
+
+
+def tenant_of(app: web.Application, presented: str) -> Tenant | None:
+    """The tenant a bearer key names (keys file, then --api-key as tenant `default`); None: no such key."""
+    keys: KeysFile | None = app[KEYS]
+    if keys is not None:
+        return keys.table.find(presented)
+    return Tenant(PLAIN) if app[SETTINGS].key_ok(presented) else None
+
+
+def signing_keys(app: web.Application) -> tuple[str, ...]:
+    """What the dashboard's session cookie is signed with: the plain keys and the keys file's digests."""
+    keys: KeysFile | None = app[KEYS]
+    return app[SETTINGS].api_keys + (tuple(sorted(keys.table.by_digest)) if keys is not None else ())
 
 
 # ------------------------------------------------------------------ routes
@@ -127,6 +152,12 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
     name = adapters.requested(name, payload)  # a LoRA adapter: "base:adapter"
     model = waking.classify(view, name)
     label = model.name if model.state != "unknown" else "unknown"  # bounded labels: no client-chosen names
+    tenant: Tenant = request.get(TENANT) or Tenant()
+    request[TENANT] = tenant
+    refused = _tenant_refusal(app, tenant, name)
+    if refused is not None:
+        metrics.tenant_requests.labels(tenant.name, tenant.klass, str(refused.status)).inc()
+        return refused
     if model.state != "unknown":
         app[WAKER].touch(name)  # a request: the idle clock restarts (probes and scrapes never come here)
     try:
@@ -135,8 +166,21 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
         metrics.requests.labels(label, "499").inc()
         raise
     metrics.requests.labels(label, str(response.status)).inc()
+    metrics.tenant_requests.labels(tenant.name, tenant.klass, str(response.status)).inc()
     metrics.latency.labels(label).observe(time.perf_counter() - started)
     return response
+
+
+def _tenant_refusal(app: web.Application, tenant: Tenant, name: str) -> web.Response | None:
+    """403 for a model the key may not use; 429 naming the token limit the tenant is over."""
+    if not tenant.may_use(name):
+        app[METRICS].refusals.labels(tenant.name, tenant.klass, "model_not_allowed").inc()
+        return openai_error(403, f"the key of tenant {tenant.name!r} may not use model {name!r}", "model_not_allowed")
+    over = app[USAGE].check(tenant, time.time())
+    if over is not None:
+        app[METRICS].refusals.labels(tenant.name, tenant.klass, over.code).inc()
+        return openai_error(429, str(over), over.code, over.retry_after)
+    return None
 
 
 async def _answer(
@@ -229,13 +273,19 @@ async def _forward(
             return _give_up(step, settings)
         if step.retry:
             app[METRICS].retries.labels(name).inc()
+        tenant: Tenant = request.get(TENANT) or Tenant()
         try:
-            lease = await admission.acquire(name, exclude=step.exclude | shape.too_small, prompt=shape.mark)
+            lease = await admission.acquire(name, exclude=step.exclude | shape.too_small, prompt=shape.mark,
+                                            who=tenant)  # fmt: skip
+        except Refused as exc:  # its class's ceiling, or its tenant's limit: named, with when to come back
+            app[METRICS].refusals.labels(tenant.name, tenant.klass, exc.code).inc()
+            return openai_error(429, str(exc), exc.code, exc.retry_after)
         except AdmissionError as exc:
             history.append(Attempt(None, Failure.NO_SLOT, str(exc), exc.status, exc.code))
             continue
         if not history:
             app[METRICS].queue_wait.labels(shape.label or name).observe(time.perf_counter() - started)
+            app[METRICS].tenant_queue_wait.labels(tenant.name, tenant.klass).observe(time.perf_counter() - started)
         lane = lease.lane
         remaining = max(0.001, settings.request_timeout - (time.perf_counter() - started))
         wait = remaining
@@ -310,8 +360,15 @@ def _lane_failed(view: FleetView, attempt: Attempt, history: list[Attempt]) -> N
     history.append(attempt)
 
 
-def _count_usage(app: web.Application, lane, found: usage.Usage | None) -> None:
+def _count_usage(app: web.Application, lease: Lease, found: usage.Usage | None, output: int = 0) -> None:
     if found is not None:
+        lane = lease.lane
+        tokens = app[ADMISSION].charge(lease.tenant, found.prompt, output)  # its fair share
+        app[USAGE].add(lease.tenant, tokens, time.time())  # its token limits
+        tenant: Tenant = app[KEYS].table.tenants().get(lease.tenant, Tenant(lease.tenant)) if app[KEYS] else Tenant(
+            lease.tenant)
+        app[METRICS].tenant_tokens.labels(tenant.name, tenant.klass, "prompt").inc(found.prompt)
+        app[METRICS].tenant_tokens.labels(tenant.name, tenant.klass, "output").inc(output)
         counts = app[ADMISSION].counts
         counts.note_prompt(lane.alias, f"{lane.host_id}/{lane.lane_id}", found.prompt, found.cached)
         if found.prefill_rate is not None:
@@ -387,7 +444,8 @@ async def _relay(
                         kept_bytes -= len(kept.pop(0))
             finished = True
             if counting and (streamed or kept_bytes <= limit):
-                _count_usage(app, lane, usage.prompt_usage(b"".join(kept), streamed))
+                answer = b"".join(kept)
+                _count_usage(app, lease, usage.prompt_usage(answer, streamed), usage.output_tokens(answer, streamed))
         except (aiohttp.ClientError, asyncio.TimeoutError, _Stalled, _TimeUp) as exc:
             # Bytes went out: routing ends the answer with its error, whatever other lanes there are.
             end = _broken(app, lane, exc)
@@ -438,7 +496,7 @@ async def _assembled(
         status = parts.error.get("error", {}).get("code") if isinstance(parts.error.get("error"), dict) else None
         return web.json_response(parts.error, status=status if isinstance(status, int) and 400 <= status < 600 else 500)
     body = msgspec.json.encode(parts.result())
-    _count_usage(app, lane, usage.prompt_usage(body, False))
+    _count_usage(app, lease, usage.prompt_usage(body, False), usage.output_tokens(body, False))
     app[METRICS].ttfb.labels(lane.alias).observe(time.perf_counter() - started)
     return web.Response(body=body, content_type="application/json",
                         headers={"X-Lanes-Lane": f"{lane.host_id}/{lane.lane_id}"})  # fmt: skip
@@ -484,6 +542,13 @@ def lane_socket(addr_info) -> socket.socket:
 
 
 
+def admission_for(view: FleetView, settings: GatewaySettings) -> Admission:
+    admission = Admission(view, max_queue=settings.queue_depth, max_wait=settings.queue_wait,
+                          use_affinity=settings.affinity, critical_wait=settings.critical_wait, fair=settings.fair)
+    admission.ledger.half_life, admission.ledger.output_weight = settings.fair_half_life, settings.output_weight
+    return admission
+
+
 def build_app(
     view: FleetView,
     settings: GatewaySettings = GatewaySettings(),
@@ -496,9 +561,17 @@ def build_app(
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[_errors_and_keys])
     app[VIEW] = view
     app[SETTINGS] = settings
-    admission = admission or Admission(view, max_queue=settings.queue_depth, max_wait=settings.queue_wait,
-                                       use_affinity=settings.affinity)  # fmt: skip
+    admission = admission or admission_for(view, settings)
     app[ADMISSION] = admission
+    app[KEYS] = None
+    if settings.keys_file:
+        keys = KeysFile(Path(settings.keys_file), settings.api_keys)
+        said = keys.check()
+        if keys.error:
+            raise ValueError(keys.error)
+        log.info("keys loaded", detail=said)
+        app[KEYS] = keys
+    app[USAGE] = UsageBook(settings.gateway_id or "local")
     app[METRICS] = metrics or GatewayMetrics(view, admission.counts)
     app[WAKER] = waker or waking.Waker(view, max_held=settings.queue_depth)
     if app[WAKER].on_cold_start is None:

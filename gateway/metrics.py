@@ -71,7 +71,13 @@ class _FleetCollector(Collector):
         for lane in self.view.lanes():
             if lane.key in self.counts.reported:
                 reported.add_metric([lane.host_id, lane.lane_id, lane.model], self.counts.reported[lane.key])
-        yield from (total, busy, up, draining, queue, info, synced, evictions, prompt, cached, routes, reported)
+        tenants = GaugeMetricFamily("lanes_gateway_tenant_requests_now", "A tenant's requests holding a slot "
+                                    "(state in_flight) or waiting for one (queued), by model", labels=["tenant", "model", "state"])  # fmt: skip
+        for (model, tenant), n in sorted(self.counts.tenant_in_flight.items()):
+            tenants.add_metric([tenant, model, "in_flight"], n)
+        for (model, tenant), n in sorted(self.counts.tenant_queued.items()):
+            tenants.add_metric([tenant, model, "queued"], n)
+        yield from (total, busy, up, draining, queue, info, synced, evictions, prompt, cached, routes, reported, tenants)
 
 
 class GatewayMetrics:
@@ -107,6 +113,23 @@ class GatewayMetrics:
             "lanes_gateway_queue_wait_seconds",
             "From a request's arrival to its slot on a lane (held while its model loads, then queued)",
             ["model"], buckets=LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        # By tenant (keys file; "anonymous" without keys, "default" for --api-key) and priority class.
+        self.tenant_requests = Counter(
+            "lanes_gateway_tenant_requests", "Requests answered, by tenant, class and HTTP status",
+            ["tenant", "class", "status"], registry=self.registry,
+        )  # fmt: skip
+        self.tenant_tokens = Counter(
+            "lanes_gateway_tenant_tokens", "Tokens of answers, by tenant, class and kind (prompt, output)",
+            ["tenant", "class", "kind"], registry=self.registry,
+        )  # fmt: skip
+        self.tenant_queue_wait = Histogram(
+            "lanes_gateway_tenant_queue_wait_seconds", "From a request's arrival to its slot, by tenant and class",
+            ["tenant", "class"], buckets=LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.refusals = Counter(
+            "lanes_gateway_refusals", "Requests refused for their tenant or class, by reason (shed, max_concurrent, "
+            "tokens_per_minute, tokens_per_day, model_not_allowed)", ["tenant", "class", "reason"], registry=self.registry,
         )  # fmt: skip
         self.latency = Histogram(
             "lanes_gateway_request_duration_seconds",

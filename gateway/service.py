@@ -18,6 +18,7 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 
 import aiohttp
+import msgspec
 import structlog
 from aiohttp import web
 
@@ -25,13 +26,14 @@ from gateway import waking
 from gateway.admission import Admission
 from gateway.dashboard import DashboardHub, add_dashboard
 from gateway.fleet import FleetView, LaneRoute
-from gateway.http import METRICS, build_app
+from gateway.http import KEYS, METRICS, USAGE, admission_for, build_app
 from gateway.lane_load import SlotsPoll
 from gateway.settings import GatewaySettings
-from shared import subjects
+from gateway.usage_sync import share_usage
+from shared import defaults, subjects
 from shared.bus import NatsAuth, connect, kv_bucket, quietly, run_until, watch_forever
 from shared.llama.endpoints import connect_host
-from shared.messages import GatewayActivity, ModelWake, encode
+from shared.messages import GatewayActivity, ModelWake, TenantActivity, encode
 from shared.supervise import Loops
 
 log = structlog.get_logger("lanes.gateway")
@@ -54,10 +56,10 @@ class Gateway:
     slots: SlotsPoll = field(init=False)  # each lane's /slots: its load, and whether its loop answers
     gateway_id: str = ""
     loops: Loops = field(default_factory=lambda: Loops("gateway"))  # its supervised loops (shared.supervise)
+    usage_task: asyncio.Task | None = None  # tenants' usage shared over NATS (gateway/usage_sync.py)
 
     def __post_init__(self) -> None:
-        self.admission = Admission(self.view, max_queue=self.settings.queue_depth, max_wait=self.settings.queue_wait,
-                                   use_affinity=self.settings.affinity)  # fmt: skip
+        self.admission = admission_for(self.view, self.settings)
         self.waker = waking.Waker(self.view, max_held=self.settings.queue_depth, publish=self.publish_wake)
         self.gateway_id = subjects.host_token(
             self.settings.gateway_id or f"{socket.gethostname().split('.')[0]}-{os.getpid()}-{id(self) % 10000}"
@@ -80,8 +82,23 @@ class Gateway:
         now = time.monotonic()  # the loop's clock too: queue waits are measured on it
         models = waking.activity(self.view, self.admission.counts, self.waker.counts(), self.waker.last_request,
                                  now, self.admission.take_queue_waits(now))  # fmt: skip
+        models = tuple(msgspec.structs.replace(m, tenants=self._tenants_of(m.name)) for m in models)
         msg = GatewayActivity(gateway=self.gateway_id, interval=self.settings.activity_interval, models=models)
         await self.nc.publish(subjects.activity_subject(self.gateway_id), encode(msg))
+
+    def _tenants_of(self, name: str) -> tuple[TenantActivity, ...]:
+        """Whose requests a model's activity is (in flight, queued), so the planner sees whose demand it is."""
+        counts, keys = self.admission.counts, self.app[KEYS]
+        known = keys.table.tenants() if keys is not None else {}
+        flying: dict[str, int] = {}
+        queued: dict[str, int] = {}
+        for table, into in ((counts.tenant_in_flight, flying), (counts.tenant_queued, queued)):
+            for (asked, t), n in table.items():
+                if waking.persona_of(self.view, asked) == name:
+                    into[t] = into.get(t, 0) + n
+        return tuple(TenantActivity(tenant=t, priority=known[t].priority if t in known else 0,
+                                    in_flight=flying.get(t, 0), queued=queued.get(t, 0))
+                     for t in sorted(set(flying) | set(queued)))  # fmt: skip
 
     async def on_entry(self, key: str, value: bytes | None, revision: int) -> None:
         problem = self.view.apply_entry(key, value)
@@ -138,6 +155,19 @@ async def _demand_loop(gw: Gateway, stop: asyncio.Event) -> None:
             pass
 
 
+async def _keys_loop(gw: Gateway, stop: asyncio.Event) -> None:
+    """Reread the keys file when it changes; a malformed one keeps the last good keys (one log line)."""
+    keys = gw.app[KEYS]
+    while not stop.is_set():
+        said = keys.check() if keys is not None else None  # no keys file: nothing to reread
+        if said:
+            (log.warning if keys.error else log.info)("keys file", detail=said)
+        try:
+            await asyncio.wait_for(stop.wait(), defaults.KEYS_REREAD)
+        except asyncio.TimeoutError:
+            pass
+
+
 async def _bus_side(gw: Gateway, servers: str, auth: NatsAuth, stop: asyncio.Event, stack: AsyncExitStack) -> None:
     resync = asyncio.Event()
 
@@ -161,6 +191,8 @@ async def _bus_side(gw: Gateway, servers: str, auth: NatsAuth, stop: asyncio.Eve
         gw.dashboard.on_event(msg.data, msg.subject)
 
     await nc.subscribe(subjects.ALL_EVENTS, cb=on_event)
+    gw.usage_task = gw.loops.task("usage", lambda: share_usage(nc, gw.app[USAGE], gw.admission, gw.gateway_id,
+                                                                 stop), stop)  # fmt: skip
     while not stop.is_set():
         try:
             kv = await kv_bucket(nc)
@@ -207,6 +239,7 @@ async def run_gateway(
                 loops.task("demand", lambda: _demand_loop(gw, stop), stop),
                 loops.task("slots", lambda: gw.slots.forever(gw.settings.slots_interval, stop), stop),
                 loops.task("dashboard", lambda: gw.dashboard.run(stop), stop),
+                loops.task("keys", lambda: _keys_loop(gw, stop), stop),
             ]
             await run_until(stop, tasks)
     finally:

@@ -15,6 +15,13 @@ class GatewaySettings:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT  # 0 picks a free port (tests)
     api_keys: tuple[str, ...] = ()  # empty: no key needed
+    # The keys file (TOML, gateway/tenants.py): each key's tenant, priority class, models and limits;
+    # reread on change. With it, the api_keys above are tenant "default".
+    keys_file: str | None = None
+    critical_wait: float = defaults.CRITICAL_QUEUE_WAIT  # seconds a critical request waits for a slot
+    fair: bool = True  # token-fair queueing between tenants; False: first come first served
+    fair_half_life: float = defaults.FAIR_HALF_LIFE  # seconds after which consumed tokens count half
+    output_weight: float = defaults.OUTPUT_WEIGHT  # an output token costs this many prompt tokens
     max_body_bytes: int = 16 * 2**20
     queue_depth: int = defaults.QUEUE_DEPTH  # waiting requests per model before 503
     queue_wait: float = defaults.QUEUE_WAIT  # seconds a request waits for a slot before 503

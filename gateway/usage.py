@@ -62,3 +62,33 @@ def prompt_usage(body: bytes, streamed: bool) -> Usage | None:
         if found is not None:
             return found
     return None
+
+
+def _output_of(answer: object) -> int | None:
+    if not isinstance(answer, dict):
+        return None
+    timings, usage = answer.get("timings"), answer.get("usage")
+    if isinstance(timings, dict) and isinstance(timings.get("predicted_n"), int):
+        return max(0, timings["predicted_n"])
+    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+        return max(0, usage["completion_tokens"])
+    return None
+
+
+def output_tokens(body: bytes, streamed: bool) -> int:
+    """Tokens the lane generated (timings.predicted_n, else usage.completion_tokens): a tenant's cost. 0: unsaid."""
+    if not streamed:
+        try:
+            return _output_of(msgspec.json.decode(body)) or 0
+        except msgspec.DecodeError:
+            return 0
+    for line in reversed(body.split(b"\n")):
+        line = line.strip()
+        if line.startswith(b"data: {"):
+            try:
+                found = _output_of(msgspec.json.decode(line[6:]))
+            except msgspec.DecodeError:
+                continue
+            if found is not None:
+                return found
+    return 0

@@ -99,6 +99,7 @@ def _add_gateway_options(p: argparse.ArgumentParser) -> None:
         "comma separated); none: no key needed",
     )  # fmt: skip
     p.add_argument("--api-key-file", help="file with one accepted key per line")
+    _add_keys_file(p)
     p.add_argument("--gateway-id", default=os.environ.get("LANES_GATEWAY_ID"),
                    help="names this gateway's activity reports to the planner (env LANES_GATEWAY_ID); "
                    "default: its NATS --user, else host name and pid")  # fmt: skip
@@ -116,7 +117,15 @@ def _add_gateway_options(p: argparse.ArgumentParser) -> None:
                    help="seconds with no byte in the middle of a stream before its lane counts as stalled")
     p.add_argument("--no-affinity", action="store_true",
                    help="route by most free slots only, not to the lane holding the prompt's prefix")  # fmt: skip
+    p.add_argument("--no-fair", action="store_true",
+                   help="serve each model's queue first come first served, not token-fair between tenants")  # fmt: skip
     _add_load_timeout(p)
+
+
+def _add_keys_file(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--keys-file", default=os.environ.get("LANES_GATEWAY_KEYS_FILE"),
+                   help="TOML file of keys: each key's tenant, priority, models and limits, reread on change "
+                   "(env LANES_GATEWAY_KEYS_FILE; docs/tenants.md; `lanes keys` edits it)")  # fmt: skip
 
 
 def _add_load_timeout(p: argparse.ArgumentParser) -> None:
@@ -200,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_lane_env(p)
     _add_load_timeout(p)
     _add_admin_key(p)
+    _add_keys_file(p)
 
     p = sub.add_parser("planner", help="run the planner service")
     _add_connection(p)
@@ -245,6 +255,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("gateway", help="OpenAI-compatible gateway in front of every lane")
     _add_connection(p)
     _add_gateway_options(p)
+
+    from lanes import keys_cli
+
+    keys_cli.add_parser(sub)
 
     p = sub.add_parser("status", help="hosts, lanes, planned vs used memory, health")
     _add_connection(p)
@@ -312,6 +326,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return offline.cmd_plan(args)
     if args.command == "report":
         return offline.cmd_report(args)
+    if args.command == "keys":
+        from lanes.keys_cli import cmd_keys
+
+        return cmd_keys(args)
     if args.command == "install-llama":
         if getattr(args, "rpc", False):
             from lanes.install_rpc import install_rpc

@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import msgspec
@@ -80,8 +81,24 @@ def gateway_settings(args: argparse.Namespace) -> GatewaySettings:
         admin_key=getattr(args, "admin_key", None) or None,
         load_timeout=getattr(args, "load_timeout", base.load_timeout),
         affinity=not getattr(args, "no_affinity", False),
+        fair=not getattr(args, "no_fair", False),
         gateway_id=getattr(args, "gateway_id", None) or base.gateway_id,
+        keys_file=_keys_file(getattr(args, "keys_file", None)),
     )
+
+
+def _keys_file(path: str | None) -> str | None:
+    """The keys file, checked now: at start there is no last good one to keep."""
+    if path:
+        from gateway.tenants import parse
+
+        try:
+            parse(Path(path).read_text())
+        except OSError as exc:
+            raise UserError(f"--keys-file: {exc.strerror}: {path}") from None
+        except ValueError as exc:
+            raise UserError(f"--keys-file {path}: {exc}") from None
+    return path or None
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -247,9 +264,36 @@ async def _request_command(args: argparse.Namespace, auth: NatsAuth) -> int:
                 print(raw.decode())
             else:
                 print(render_status(msgspec.json.decode(raw, type=FleetStatus)))
+                for line in await tenant_lines(nc):
+                    print(line)
     finally:
         await nc.close()
     return 0
+
+
+async def tenant_lines(nc) -> list[str]:
+    """One line per tenant: its tokens this minute and today over every gateway (KV bucket lanes-usage)."""
+    from gateway.quota import UsageBook
+    from shared.messages import TenantUsage, decode
+
+    try:
+        kv = await nc.jetstream().key_value(subjects.USAGE_BUCKET)
+        keys = await kv.keys()
+    except Exception:  # no bucket (no gateway counted anything yet) or no keys
+        return []
+    book = UsageBook("")
+    for key in keys:
+        try:
+            book.merge(decode((await kv.get(key)).value, TenantUsage))
+        except Exception:
+            continue
+    wall = time.time()
+    out = []
+    for tenant in sorted({t for t, _ in book.others}):
+        minute, day = book.used(tenant, wall)
+        gateways = sum(1 for t, _ in book.others if t == tenant)
+        out.append(f"tenant {tenant}: {minute:.0f} tokens this minute, {day:.0f} today ({gateways} gateway(s))")
+    return out
 
 
 def render_status(fleet: FleetStatus) -> str:

@@ -19,6 +19,11 @@ LEASE_TTL = 5.0  # a stand-by planner takes over after the lease stood still thi
 KEY_REREAD = 30.0  # a followed KV key (an agent's plan) is read again this often, written or not
 DRAIN_TIMEOUT = 30.0  # a draining lane's requests in flight may finish within this
 QUEUE_WAIT = 30.0  # a gateway request waits this long for a slot (then 503)
+CRITICAL_QUEUE_WAIT = 120.0  # ... a request of priority class critical (keys file)
+FAIR_HALF_LIFE = 60.0  # a tenant's consumed tokens count half after this long (token-fair queueing)
+OUTPUT_WEIGHT = 2.0  # an output token costs this many prompt tokens (fairness and token limits)
+USAGE_SYNC_INTERVAL = 1.0  # seconds between a gateway's writes of its tenants' usage to NATS
+KEYS_REREAD = 1.0  # seconds between checks of the keys file for a change
 
 # ------------------------------------------------------------------ ports
 
@@ -34,4 +39,6 @@ METRICS_BIND = "127.0.0.1"  # the planner's and agents' /metrics listen here unl
 
 N_UBATCH = 512  # llama-server's --ubatch-size default: the SWA cache and compute buffers follow it
 QUEUE_DEPTH = 64  # requests a gateway holds waiting per model (then 503)
+STANDARD_CEILING = 0.9  # share of QUEUE_DEPTH a standard request may find waiting and still join (then 429)
+SHEDDABLE_CEILING = 0.5  # ... a sheddable one
 HEADROOM_BYTES = 512 * MIB  # memory the planner leaves free on every host, beyond headroom_fraction

@@ -700,6 +700,31 @@ class ModelWake(_Msg, tag="model_wake", kw_only=True):
     gateway: Label = ""  # who asks (logs only)
 
 
+Tokens = Annotated[float, msgspec.Meta(ge=0.0, le=1e15)]  # weighted tokens (prompt + output x weight)
+
+
+class TenantActivity(msgspec.Struct, frozen=True, gc=False, kw_only=True):
+    """One tenant's requests for one model on one gateway: whose demand it is."""
+
+    tenant: Name
+    priority: Annotated[int, msgspec.Meta(ge=-1000, le=1000)] = 0
+    in_flight: Count = 0
+    queued: Count = 0
+
+
+class TenantUsage(_Msg, tag="tenant_usage", kw_only=True):
+    """KV bucket lanes-usage, key usage.<tenant>.<gateway>: the tokens one gateway counted for one
+    tenant in the current calendar minute and day (UTC). Gateways add up every gateway's key to
+    enforce one limit (gateway/quota.py); the key outlives a gateway restart."""
+
+    tenant: Name
+    gateway: Name
+    minute: Annotated[int, msgspec.Meta(ge=0, le=2**40)] = 0  # unix time // 60
+    day: Annotated[int, msgspec.Meta(ge=0, le=2**32)] = 0  # unix time // 86400
+    minute_tokens: Tokens = 0.0
+    day_tokens: Tokens = 0.0
+
+
 class ModelActivity(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     """One model's requests as one gateway sees them (probes and scrapes never count)."""
 
@@ -710,6 +735,8 @@ class ModelActivity(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     # The longest wait for a slot in the last interval (requests still queued at their age so
     # far); the planner adds lanes on it (planner_svc/scaling.py). 0 from older gateways.
     wait_s: Annotated[float, msgspec.Meta(ge=0.0, le=86400.0)] = 0.0
+    # Who the requests are for (tenants of the keys file; "anonymous" without keys).
+    tenants: Annotated[tuple[TenantActivity, ...], msgspec.Meta(max_length=10_000)] = ()
 
 
 class GatewayActivity(_Msg, tag="gateway_activity", kw_only=True):
@@ -784,6 +811,7 @@ WIRE_TYPES: tuple[type, ...] = (
     ModelWake,
     GatewayActivity,
     ModelStates,
+    TenantUsage,
 )
 
 

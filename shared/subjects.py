@@ -52,6 +52,14 @@ PLAN_KEYS = "plan.*"
 STATUS_KEYS = "status.*"
 
 
+USAGE_BUCKET = "lanes-usage"  # tenants' token usage, one key per tenant and gateway (gateways write it)
+USAGE_KEYS = "usage.>"
+
+
+def usage_key(tenant: str, gateway: str) -> str:
+    return f"usage.{host_token(tenant)}.{host_token(gateway)}"
+
+
 def kv_subject(key: str) -> str:
     """The JetStream subject behind a KV key (what NATS permissions are written against)."""
     return f"$KV.{BUCKET}.{key}"

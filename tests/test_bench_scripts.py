@@ -102,3 +102,14 @@ def test_chaos_bench_short(tmp_path):
     assert r["services_that_exited_on_their_own"] == {}, r
     assert r["plan_revisions_down"] == [] and r["plan_entries_watched"] > 3 and r["plans_follow_the_last_config"], r
     assert "RSS at start" in out.read_text()
+
+
+def test_fairness_bench_small(tmp_path, llama_server):
+    out = tmp_path / "fairness.md"
+    result = run("fairness_bench.py", "--seconds", "3", "--heavy", "2", "--max-tokens", "4", "--out", str(out),
+                 timeout=900)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert set(data) >= {"capacity", "alone", "fifo", "fair", "shed", "checks"}
+    assert data["shed"]["light"]["refused"] == 0 and data["fair"]["light"]["requests"] >= 1
+    assert "| fair | light |" in out.read_text()

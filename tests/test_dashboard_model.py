@@ -222,3 +222,11 @@ def test_a_span_draws_its_remote_devices_on_the_workers_bars_only() -> None:
         assert bars[w.host_id]["free"] == max(0, bars[w.host_id]["available"] - bars[w.host_id]["lent"]
                                                - bars[w.host_id]["headroom"])  # fmt: skip
     assert bars["w3"]["lent"] == 0 and by_host(fleet)["w3"].rpc_workers == ()
+
+
+def test_the_queue_view_shows_each_tenants_requests():
+    counts = LaneCounts(tenant_in_flight={("chat", "team-a"): 2},
+                        tenant_queued={("chat", "team-a"): 1, ("chat", "batch"): 5})  # fmt: skip
+    state = snapshot(FleetView(), counts=counts)
+    assert state["tenants"] == [{"tenant": "batch", "model": "chat", "in_flight": 0, "queued": 5},
+                                {"tenant": "team-a", "model": "chat", "in_flight": 2, "queued": 1}]  # fmt: skip

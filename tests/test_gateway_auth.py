@@ -20,7 +20,7 @@ from launcher_agent.service import run_agent
 from planner_svc.service import run_planner
 from shared import subjects
 from shared.bus import NatsAuth
-from shared.messages import ConfigSet, GatewayActivity, ModelWake, encode
+from shared.messages import ConfigSet, GatewayActivity, ModelWake, TenantUsage, encode
 
 
 async def test_gateway_user_reads_plans_status_reports_config_and_writes_nothing(
@@ -78,6 +78,15 @@ async def test_gateway_user_reads_plans_status_reports_config_and_writes_nothing
         await nc.flush()
         for subject in (other, "$js.api.consumer.delete.kv_lanes.any"):
             await eventually(lambda: any(f'publish to "{subject}"' in e for e in errors), timeout=5, what=subject)
+        # Tenants' usage: its own keys of the lanes-usage bucket only (the service created the bucket).
+        usage = await eventually(lambda: nc.jetstream(timeout=1.0).key_value(subjects.USAGE_BUCKET), timeout=10,
+                                 what="the usage bucket")  # fmt: skip
+        mine = TenantUsage(tenant="team", gateway="gateway", day_tokens=5.0)
+        assert await usage.put(subjects.usage_key("team", "gateway"), encode(mine)) > 0
+        with pytest.raises(nats.errors.TimeoutError):
+            await usage.put(subjects.usage_key("team", "gateway2"), encode(mine))
+        await eventually(lambda: any('publish to "$kv.lanes-usage.usage.team.gateway2"' in e for e in errors), timeout=5,
+                         what="another gateway's usage key refused")  # fmt: skip
         await nc.subscribe("_INBOX.>")
         await eventually(lambda: any('subscription to "_inbox.>"' in e for e in errors), timeout=5,
                          what="_INBOX.> refused")  # fmt: skip

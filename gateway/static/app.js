@@ -95,6 +95,10 @@ function render(state) {
     `${m.predicted_load_s != null ? `, loads in about ${m.predicted_load_s} s` : ""}` +
     `${m.measured_load_s != null ? ` (last ${m.measured_load_s} s)` : ""}`)));
   $("#models-section").hidden = waiting.length === 0;
+  const tenants = state.tenants || [];
+  $("#tenants").replaceChildren(...tenants.map((t) => el("li", {},
+    `${t.tenant} on ${t.model}: ${t.in_flight} in flight, ${t.queued} queued`)));
+  $("#tenants-section").hidden = tenants.length === 0;
   $("#events").replaceChildren(...state.events.map((e) => el("li", { class: `state-${e.event}` },
     el("time", {}, new Date(e.at * 1000).toLocaleTimeString()), `${e.host} ${e.lane} ${e.event} `,
     el("span", { class: "legend" }, e.detail || ""))));
