@@ -66,3 +66,41 @@ async def busy_slots(spec: LaneSpec) -> int | None:
 async def loop_work(spec: LaneSpec, timeout: float) -> endpoints.LoopWork | None:
     """What the lane's inference loop is doing (/slots); None when it does not answer in time."""
     return endpoints.loop_work(*await http_get(spec.bind, spec.port, endpoints.SLOTS, timeout=timeout))
+
+
+async def http_post(bind: str, port: int, path: str, body: object, timeout: float) -> tuple[int, object]:
+    """A tiny HTTP/1.0 POST of a JSON body; (status, JSON body or None). Status 0 when nothing answers."""
+    host = endpoints.connect_host(bind)
+    data = json.dumps(body).encode()
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    except (OSError, asyncio.TimeoutError):
+        return 0, None
+    try:
+        writer.write(f"POST {path} HTTP/1.0\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(data)}\r\n\r\n".encode() + data)  # fmt: skip
+        await writer.drain()
+        raw = await asyncio.wait_for(reader.read(), timeout)
+    except (OSError, asyncio.TimeoutError):
+        return 0, None
+    finally:
+        writer.close()
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    try:
+        status = int(head.split(b" ", 2)[1])
+    except (IndexError, ValueError):
+        return 0, None
+    try:
+        return status, json.loads(rest)
+    except ValueError:
+        return status, None
+
+
+async def slot_contents(spec: LaneSpec, timeout: float = 5.0):
+    """Each slot's (id, tokens, last task, busy); None when the lane does not say."""
+    return endpoints.slot_contents(*await http_get(spec.bind, spec.port, endpoints.SLOTS, timeout=timeout))
+
+
+async def slot_file(spec: LaneSpec, slot: int, action: str, filename: str, timeout: float) -> tuple[int, object]:
+    """Save a slot to, or restore it from, a file in the lane's --slot-save-path."""
+    return await http_post(spec.bind, spec.port, endpoints.slot_action(slot, action), {"filename": filename}, timeout)

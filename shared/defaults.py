@@ -35,3 +35,4 @@ METRICS_BIND = "127.0.0.1"  # the planner's and agents' /metrics listen here unl
 N_UBATCH = 512  # llama-server's --ubatch-size default: the SWA cache and compute buffers follow it
 QUEUE_DEPTH = 64  # requests a gateway holds waiting per model (then 503)
 HEADROOM_BYTES = 512 * MIB  # memory the planner leaves free on every host, beyond headroom_fraction
+SLOT_CACHE_BYTES = 4096 * MIB  # disk per host for saved slots (a lane's hot prompts across restarts); 0: none
