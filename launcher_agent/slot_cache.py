@@ -68,6 +68,20 @@ def file_name(layout: str, lane_id: str, slot: int, saved_at: float) -> str:
     return f"{layout[:12]}-{lane}-s{slot}-{int(saved_at * 1000)}.slot"
 
 
+def not_reusable(spec: LaneSpec) -> str | None:
+    """Why a restored slot of this lane would be prefilled again anyway, or None.
+
+    A sliding-window (SWA, without --swa-full) or recurrent cache can only go back to a shorter
+    prefix from a context checkpoint, and checkpoints live in the slot's memory, not in its
+    file: llama-server then reprocesses the whole prompt (measured with Gemma 3: cached 0 of
+    370 after a restore, 337 with --swa-full). Its slots are not saved."""
+    if spec.memory.swa_cells:
+        return "its sliding-window KV cache keeps no context checkpoints in a slot file"
+    if spec.memory.recurrent_bytes:
+        return "its recurrent state keeps no context checkpoints in a slot file"
+    return None
+
+
 def budget_now(planned: int, used: int, disk_free: int, reserve: int = DISK_RESERVE) -> int:
     """The plan's budget, or less where the disk would keep under `reserve` free."""
     return max(0, min(planned, used + disk_free - reserve))

@@ -97,6 +97,9 @@ class SlotStore:
         layout = model_layout(spec)
         if layout is None or self.budget <= 0 or lane.state != "healthy":
             return
+        if (why := slot_cache.not_reusable(spec)) is not None:
+            log.info("slots not saved", lane=spec.lane_id, reason=why)
+            return
         contents = await lane_http.slot_contents(spec)
         if not contents:
             return

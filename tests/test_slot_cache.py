@@ -18,11 +18,12 @@ from launcher_agent.slot_cache import (
     file_name,
     layout_key,
     missing_or_stray,
+    not_reusable,
     over_budget,
 )
 from shared.llama import endpoints
 from shared.llama.flags import args_problem, lane_args
-from shared.messages import LaneSpec, ServerCaps
+from shared.messages import LaneSpec, MemoryBreakdown, ServerCaps
 
 
 def spec(**kw) -> LaneSpec:
@@ -213,3 +214,9 @@ def test_every_pair_of_slots_is_ranked_by_recency():
     for a, b in itertools.permutations([SlotSeen(0, 500, 1), SlotSeen(1, 500, 2), SlotSeen(2, 500, 3)], 2):
         d = decide_save([a, b], [], bytes_per_token=1.0, budget=500)
         assert d.save == (max(a, b, key=lambda s: s.last_task),)
+
+
+def test_lanes_whose_cache_needs_checkpoints_save_nothing():
+    assert not_reusable(spec(memory=MemoryBreakdown(kv_cells=4096))) is None
+    assert "sliding-window" in not_reusable(spec(memory=MemoryBreakdown(kv_cells=4096, swa_cells=1024)))
+    assert "recurrent" in not_reusable(spec(memory=MemoryBreakdown(recurrent_bytes=1 << 20)))
