@@ -80,16 +80,22 @@ class SlotStore:
 
     async def discard_for_change(self, lane: Lane, new: LaneSpec) -> None:
         """A restart under another layout (cache types, the model file): the lane's slots are not
-        saved, and its model's files of the old layout go."""
+        saved, and its model's files of the old layout go. Said in the lane's events when
+        something was lost: slots worth saving, or files."""
         old_layout, new_layout = model_layout(lane.spec), model_layout(new)
         if old_layout is None or old_layout == new_layout:
             return
         gone = slot_cache.discarded_by_change(self.entries, lane.spec.model_path, old_layout, new_layout or "")
         self._remove(gone)
+        contents = await lane_http.slot_contents(lane.spec) if lane.state == "healthy" else None
+        held = [tokens for _, tokens, _, _ in contents or () if tokens >= slot_cache.MIN_TOKENS]
+        if not gone and not held:
+            return
         before, after = cache_pair(lane.spec.cache_type_k, lane.spec.cache_type_v), cache_pair(new.cache_type_k, new.cache_type_v)
         what = f"cache types {before} -> {after}" if before != after else "the model file changed"
-        await self.emit(lane, "slots_discarded", f"KV layout changed ({what}): its slots are not saved, "
-                                                 f"{len(gone)} saved slot file(s) removed; they cannot be restored")  # fmt: skip
+        await self.emit(lane, "slots_discarded", f"KV layout changed ({what}): {len(held)} slot(s) holding "
+                                                 f"{sum(held)} tokens not saved, {len(gone)} saved file(s) removed; "
+                                                 "they cannot be restored")  # fmt: skip
 
     async def save(self, lane: Lane) -> None:
         """Before a planned restart or stop of a serving lane: save the slots worth keeping."""

@@ -82,7 +82,7 @@ async def test_a_rolling_restart_keeps_each_conversations_cache_and_a_cache_type
         async def on_event(msg) -> None:
             events.append(msgspec.json.decode(msg.data, type=LaneEvent))
 
-        sub = await nc.subscribe(f"{subjects.PREFIX}.event.>", cb=on_event)
+        sub = await nc.subscribe(subjects.ALL_EVENTS, cb=on_event)
         await _planner_with(nc, s, {}, demand)
         cfg = agent_config(tmp_path, "slots", models, llama_server)
         s.start_agent(cfg)
@@ -148,7 +148,7 @@ async def test_a_lane_scaled_down_gets_its_conversations_back_when_it_returns(na
         async def on_event(msg) -> None:
             events.append(msgspec.json.decode(msg.data, type=LaneEvent))
 
-        sub = await nc.subscribe(f"{subjects.PREFIX}.event.>", cb=on_event)
+        sub = await nc.subscribe(subjects.ALL_EVENTS, cb=on_event)
         await _planner_with(nc, s, {}, demand(2))
         cfg = agent_config(tmp_path, "slots", models, llama_server)
         s.start_agent(cfg)
