@@ -220,3 +220,19 @@ def test_lanes_whose_cache_needs_checkpoints_save_nothing():
     assert not_reusable(spec(memory=MemoryBreakdown(kv_cells=4096))) is None
     assert "sliding-window" in not_reusable(spec(memory=MemoryBreakdown(kv_cells=4096, swa_cells=1024)))
     assert "recurrent" in not_reusable(spec(memory=MemoryBreakdown(recurrent_bytes=1 << 20)))
+
+
+def test_a_restarted_agent_drops_stray_files_and_entries_whose_file_is_gone(tmp_path):
+    from launcher_agent.lane import no_event
+    from launcher_agent.slot_store import MANIFEST, SlotStore
+
+    folder = tmp_path / "slots"
+    folder.mkdir()
+    (folder / "kept.slot").write_bytes(b"x" * 10)
+    (folder / "stray.slot").write_bytes(b"y")  # a save the agent did not live to record
+    kept, gone = entry("kept.slot", size=10), entry("gone.slot")
+    (folder / MANIFEST).write_bytes(msgspec.json.encode([kept, gone]))
+    store = SlotStore(folder, no_event)
+    assert store.entries == [kept] and store.used == 10
+    assert sorted(p.name for p in folder.iterdir()) == ["kept.slot", MANIFEST]
+    assert msgspec.json.decode((folder / MANIFEST).read_bytes(), type=list[Entry]) == [kept]
