@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from launcher_agent.process import LaneProcess
 from shared.messages import LaneSpec
@@ -29,6 +29,8 @@ class Lane:
     draining: bool = False  # gateways are told to send it nothing new (launcher_agent/drain.py)
     started_mono: float | None = None  # when its process was started (monotonic), for its load time
     load_seconds: float | None = None  # from its start to its first healthy answer
+    restore_pending: bool = False  # started by this agent: its saved slots are restored before it serves
+    restored_tokens: dict[int, int] = field(default_factory=dict)  # slot id -> tokens restored into it
 
 
 Emit = Callable[[Lane, str, str], Awaitable[None]]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+from collections.abc import Callable
 
 from shared.llama import endpoints
 from shared.messages import LaneSpec
@@ -17,15 +18,15 @@ def port_taken(bind: str, port: int) -> bool:
         return probe.connect_ex((endpoints.connect_host(bind), port)) == 0
 
 
-async def http_get(bind: str, port: int, path: str, timeout: float = 2.0) -> tuple[int, object]:
-    """A tiny HTTP/1.0 GET; (status, JSON body or None). Status 0 when nothing answers."""
+async def _exchange(bind: str, port: int, request: Callable[[str], bytes], timeout: float) -> tuple[int, object]:
+    """Send one HTTP/1.0 request (built for the host connected to) and read the answer to its end."""
     host = endpoints.connect_host(bind)
     try:
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
     except (OSError, asyncio.TimeoutError):
         return 0, None
     try:
-        writer.write(f"GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
+        writer.write(request(host))
         await writer.drain()
         raw = await asyncio.wait_for(reader.read(), timeout)
     except (OSError, asyncio.TimeoutError):
@@ -41,6 +42,18 @@ async def http_get(bind: str, port: int, path: str, timeout: float = 2.0) -> tup
         return status, json.loads(body)
     except ValueError:
         return status, None
+
+
+async def http_get(bind: str, port: int, path: str, timeout: float = 2.0) -> tuple[int, object]:
+    """A tiny HTTP/1.0 GET; (status, JSON body or None). Status 0 when nothing answers."""
+    return await _exchange(bind, port, lambda host: f"GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n".encode(), timeout)
+
+
+async def http_post(bind: str, port: int, path: str, body: object, timeout: float) -> tuple[int, object]:
+    """A tiny HTTP/1.0 POST of a JSON body; (status, JSON body or None). Status 0 when nothing answers."""
+    data = json.dumps(body).encode()
+    head = "POST {} HTTP/1.0\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n"
+    return await _exchange(bind, port, lambda host: head.format(path, host, len(data)).encode() + data, timeout)
 
 
 async def readiness(spec: LaneSpec) -> tuple[endpoints.Readiness, str]:
@@ -66,3 +79,13 @@ async def busy_slots(spec: LaneSpec) -> int | None:
 async def loop_work(spec: LaneSpec, timeout: float) -> endpoints.LoopWork | None:
     """What the lane's inference loop is doing (/slots); None when it does not answer in time."""
     return endpoints.loop_work(*await http_get(spec.bind, spec.port, endpoints.SLOTS, timeout=timeout))
+
+
+async def slot_contents(spec: LaneSpec, timeout: float = 5.0):
+    """Each slot's (id, tokens, last task, busy); None when the lane does not say."""
+    return endpoints.slot_contents(*await http_get(spec.bind, spec.port, endpoints.SLOTS, timeout=timeout))
+
+
+async def slot_file(spec: LaneSpec, slot: int, action: str, filename: str, timeout: float) -> tuple[int, object]:
+    """Save a slot to, or restore it from, a file in the lane's --slot-save-path."""
+    return await http_post(spec.bind, spec.port, endpoints.slot_action(slot, action), {"filename": filename}, timeout)

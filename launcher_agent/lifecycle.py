@@ -16,6 +16,7 @@ from launcher_agent.lane_http import port_taken
 from launcher_agent.persistence import Saved
 from launcher_agent.process import DryRunLane, LaneProcess, LogLimits
 from launcher_agent.reconcile import Action, Restart, Start, Stop
+from launcher_agent.slot_store import SlotStore, model_layout
 from shared.lane_key import lane_key
 from shared.llama.flags import lane_args
 from shared.messages import LaneSpec
@@ -33,24 +34,41 @@ class Lifecycle:
     on_change: Callable[[], None] = lambda: None
     lanes: dict[str, Lane] = field(default_factory=dict)
     log_limits: LogLimits = LogLimits()  # the plan's; a lane started after a change follows it
+    slots: SlotStore | None = None  # saved slots (--slot-save-path); None: a dry run, or a binary without it
 
     async def apply(self, actions: Sequence[Action], plan_revision: int) -> None:
         for action in actions:
             if isinstance(action, Stop):
+                await self._keep_slots(self.lanes.get(action.lane_id), None)
                 await self.stop(action.lane_id, action.reason)
             elif isinstance(action, Restart):
                 old = self.lanes.get(action.spec.lane_id)
+                await self._keep_slots(old, action.spec)
                 await self.stop(action.spec.lane_id, action.reason, keep_counts=True)
                 await self.start(action.spec, plan_revision, previous=old)
             elif isinstance(action, Start):
                 await self.start(action.spec, plan_revision)
 
+    async def _keep_slots(self, lane: Lane | None, new: LaneSpec | None) -> None:
+        """A serving lane about to go (it has drained): save its hot slots, unless its next spec
+        has another KV layout, where they could never be restored (then they are discarded)."""
+        if lane is None or self.slots is None:
+            return
+        if new is not None and model_layout(lane.spec) != model_layout(new):
+            await self.slots.discard_for_change(lane, new)
+            return
+        try:
+            await self.slots.save(lane)
+        except OSError as exc:  # a full or unwritable disk: the lane goes anyway
+            log.warning("slots not saved", lane=lane.spec.lane_id, error=str(exc))
+
     async def start(self, spec: LaneSpec, plan_revision: int, previous: Lane | None = None) -> None:
-        args = lane_args(spec, self.cfg.caps)  # the one rendering of a lane's argv, by the agent that runs it
+        slot_dir = str(self.slots.folder) if self.slots is not None else None
+        args = lane_args(spec, self.cfg.caps, slot_dir)  # the one rendering of a lane's argv, by the agent that runs it
         kind = DryRunLane if self.cfg.dry_run else LaneProcess
         process = kind(spec, self.cfg.binary, self._log_path(spec.lane_id), args, env_names=self.cfg.lane_env,
                        log_limits=self.log_limits)  # fmt: skip
-        lane = Lane(spec=spec, process=process, plan_revision=plan_revision)
+        lane = Lane(spec=spec, process=process, plan_revision=plan_revision, restore_pending=self.slots is not None)
         if previous is not None:
             lane.last_good = previous.last_good
             if lane_key(previous.spec) == lane_key(spec):

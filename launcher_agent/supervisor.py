@@ -27,6 +27,7 @@ from launcher_agent.lifecycle import Lifecycle
 from launcher_agent.persistence import StateFile
 from launcher_agent.process import LogLimits
 from launcher_agent.reconcile import Observed, decide, typed_only, validate_plan
+from launcher_agent.slot_store import SlotStore
 from shared.lane_key import lane_key
 from shared.llama.endpoints import WILDCARD_BINDS
 from shared.messages import HostPlan, HostStatus, LaneStatus
@@ -56,6 +57,8 @@ class Supervisor:
     def __post_init__(self) -> None:
         self.drains = Drains(self.emit)
         self.procs = Lifecycle(self.cfg, self.emit, self.feedback, on_change=self._save)
+        if not self.cfg.dry_run and self.cfg.caps.has_slot_save:
+            self.procs.slots = SlotStore(self.cfg.data_dir / "slots", self.emit)
         self.rules = health.Rules(self.cfg.backoff_base, self.cfg.probe_interval, self.cfg.probe_failures,
                                   self.cfg.stall_seconds)  # fmt: skip
         self.store = StateFile(self.cfg.data_dir / "agent-state.json")
@@ -85,6 +88,8 @@ class Supervisor:
         log.info("plan applied", plan_revision=plan.plan_revision, lanes=[s.lane_id for s in plan.lanes])
         self.plan = plan
         self.procs.log_limits = log_limits(plan)
+        if self.procs.slots is not None:
+            self.procs.slots.budget = plan.slot_cache_bytes
         self._save()
         self.wake.set()
         return None
@@ -99,6 +104,9 @@ class Supervisor:
         for lane, probe in zip(watched, probes):
             outcome = health.transition(health_of(lane), probe, now=now, rules=self.rules)
             await self._apply(lane, outcome, now)
+            if lane.restore_pending and lane.state == "healthy" and self.procs.slots is not None:
+                lane.restore_pending = False  # before the status that tells gateways it serves
+                await self.procs.slots.restore(lane)
             if outcome.halts and self.plan is not None:
                 if self.halted is None or self.halted[0] != self.plan.config_revision:
                     self.rollouts_halted += 1
@@ -188,6 +196,8 @@ class Supervisor:
         self.plan = saved.plan
         if saved.plan is not None:
             self.procs.log_limits = log_limits(saved.plan)
+            if self.procs.slots is not None:
+                self.procs.slots.budget = saved.plan.slot_cache_bytes
         self.feedback.restore(saved.feedback)
         self.procs.adopt(saved)
 

@@ -175,6 +175,7 @@ def _host_plan(
         budget_gpus=tuple(budgets.get(("gpu", i), 0) for i in range(len(report.gpus))),
         max_restarts=config.max_restarts_per_host,
         drain_timeout=config.drain_timeout,
+        slot_cache_bytes=config.slot_cache_bytes,
         lane_log_max_bytes=config.lane_log_max_bytes, lane_log_files=config.lane_log_files,
         lanes=tuple(specs),
         unplaced=tuple(unplaced),

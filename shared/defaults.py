@@ -42,3 +42,4 @@ QUEUE_DEPTH = 64  # requests a gateway holds waiting per model (then 503)
 STANDARD_CEILING = 0.9  # share of QUEUE_DEPTH a standard request may find waiting and still join (then 429)
 SHEDDABLE_CEILING = 0.5  # ... a sheddable one
 HEADROOM_BYTES = 512 * MIB  # memory the planner leaves free on every host, beyond headroom_fraction
+SLOT_CACHE_BYTES = 4096 * MIB  # disk per host for saved slots (a lane's hot prompts across restarts); 0: none

@@ -116,6 +116,7 @@ class ServerCaps(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     has_chat_template: bool = True  # --chat-template NAME: a built-in template by name
     has_no_jinja: bool = True  # --no-jinja: jinja is on by default, so a template name needs it first
     has_cache_ram: bool = True  # -cram/--cache-ram N: the host-RAM prompt cache's limit
+    has_slot_save: bool = True  # --slot-save-path DIR: POST /slots/{id}?action=save|restore
     # --rpc works: built with the RPC backend (every build lists --rpc in --help; one without it
     # refuses it with "RPC not supported in this build"). Only such a host serves a span lane.
     has_rpc: bool = True
@@ -289,6 +290,9 @@ class FleetConfig(_Msg, tag="fleet_config", forbid_unknown_fields=True, kw_only=
     max_unavailable: Annotated[int, msgspec.Meta(ge=1, le=10000)] | Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 1
     # Seconds an agent waits for a draining lane's requests in flight before it restarts it.
     drain_timeout: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = defaults.DRAIN_TIMEOUT
+    # Disk each host may fill with saved slots (the KV of a lane's hot prompts, written before a
+    # planned restart or stop and restored into its next lane); 0: slots are never saved.
+    slot_cache_bytes: Bytes = defaults.SLOT_CACHE_BYTES
     # Seconds of silence (no report or status) after which a host is lost; unset: 3 report intervals.
     host_lost_after: Annotated[float, msgspec.Meta(gt=0, le=86400.0)] | None = None
     # CPU threads per lane (--threads and --threads-batch); None: planned from the host's cores;
@@ -539,6 +543,8 @@ class HostPlan(_Msg, tag="host_plan", kw_only=True):
     # Seconds the agent waits for a draining lane's requests before it restarts or stops it.
     drain_timeout: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = defaults.DRAIN_TIMEOUT
     lanes: Annotated[tuple[LaneSpec, ...], msgspec.Meta(max_length=1000)] = ()  # at most a host's ports
+    # Disk the agent may fill with saved slots (launcher_agent/slot_cache.py); 0: none saved.
+    slot_cache_bytes: Bytes = defaults.SLOT_CACHE_BYTES
     unplaced: Annotated[tuple[Unplaced, ...], MANY] = ()
     reasons: Annotated[tuple[Text, ...], MANY] = ()
     # The planner that wrote it (its lease holder id): a stand-by adopts only the active one's plans.
@@ -619,7 +625,7 @@ class LaneEvent(_Msg, tag="lane_event", kw_only=True):
     lane_id: Name
     event: Literal[
         "started", "healthy", "unresponsive", "crashed", "stopped", "failed", "mismatch", "rejected", "rolled_back",
-        "draining",
+        "draining", "slots_saved", "slots_restored", "slots_discarded",
     ]
     detail: Text = ""
     pid: Pid | None = None

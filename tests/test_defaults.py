@@ -52,6 +52,8 @@ FIELDS = [
     (FleetConfig, "n_ubatch", d.N_UBATCH),
     (FleetConfig, "headroom_bytes", d.HEADROOM_BYTES),
     (FleetConfig, "drain_timeout", d.DRAIN_TIMEOUT),
+    (FleetConfig, "slot_cache_bytes", d.SLOT_CACHE_BYTES),
+    (HostPlan, "slot_cache_bytes", d.SLOT_CACHE_BYTES),
     (LaneSpec, "n_ubatch", d.N_UBATCH),
     (HostPlan, "drain_timeout", d.DRAIN_TIMEOUT),
     (PlannerLease, "ttl", d.LEASE_TTL),
@@ -90,6 +92,7 @@ README_ROWS = [
     ("n_ubatch", d.N_UBATCH),
     ("headroom_bytes", d.HEADROOM_BYTES),
     ("drain_timeout", d.DRAIN_TIMEOUT),
+    ("slot_cache_bytes", d.SLOT_CACHE_BYTES),
 ]
 
 

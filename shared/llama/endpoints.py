@@ -111,3 +111,23 @@ def rename_llama_series(text: str, labels: dict[str, str]) -> list[Metric]:
             metric.add_sample(sample_name, {**sample.labels, **labels}, sample.value)
         out.append(metric)
     return out
+
+
+def slot_action(slot: int, action: Literal["save", "restore", "erase"]) -> str:
+    """POST path of a slot file action (needs --slot-save-path; body {"filename": name})."""
+    return f"{SLOTS}/{slot}?action={action}"
+
+
+def slot_contents(status: int, slots: object) -> tuple[tuple[int, int, int, bool], ...] | None:
+    """Each slot's (id, tokens it holds, its last task id, busy) from /slots; None: no answer
+    that says. A slot that never ran a task since start shows no tokens (0 here)."""
+    if status != 200 or not isinstance(slots, list):
+        return None
+    out = []
+    for slot in slots:
+        if not isinstance(slot, dict) or not isinstance(slot.get("id"), int):
+            continue
+        tokens, task = slot.get("n_prompt_tokens"), slot.get("id_task")
+        out.append((slot["id"], tokens if isinstance(tokens, int) else 0, task if isinstance(task, int) else -1,
+                    bool(slot.get("is_processing"))))  # fmt: skip
+    return tuple(out)

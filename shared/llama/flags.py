@@ -25,7 +25,7 @@ DEFAULT_N_BATCH = 2048  # llama-server's; the ubatch is clamped to it
 DEFAULT_CACHE_TYPE = "f16"  # what llama-server uses for K and V when no --cache-type flag is passed
 # Flags that carry no lane meaning (the agent's own, such as log settings): an older planner's
 # args may lack them or render them otherwise. A flag the agent adds for itself belongs here.
-_NO_MEANING = {"--verbosity"}
+_NO_MEANING = {"--verbosity", "--slot-save-path"}
 
 
 # ------------------------------------------------------------------ rules
@@ -50,7 +50,8 @@ def needs_flash_attn(type_v: str | None) -> bool:
 # ------------------------------------------------------------------ argv
 
 
-def lane_args(spec: LaneSpec, caps: ServerCaps) -> tuple[str, ...]:
+def lane_args(spec: LaneSpec, caps: ServerCaps, slot_dir: str | None = None) -> tuple[str, ...]:
+    """The argv tail; `slot_dir`: the agent's folder for saved slots (--slot-save-path), where the binary has it."""
     args = [
         "--model", spec.model_path,
         "--alias", spec.alias,
@@ -108,6 +109,8 @@ def lane_args(spec: LaneSpec, caps: ServerCaps) -> tuple[str, ...]:
             args += ["--batch-size", str(spec.n_ubatch)]
         args += ["--ubatch-size", str(spec.n_ubatch)]
     args += thread_args(spec)
+    if slot_dir is not None and caps.has_slot_save:
+        args += ["--slot-save-path", slot_dir]
     # Verbosity 4 makes llama-server print its KV size, which the agent checks against the plan.
     args += ["--verbosity", "4"]
     return tuple(args)
@@ -223,6 +226,7 @@ def parse_caps(help_text: str, version_text: str = "") -> ServerCaps:
         has_cache_ram="--cache-ram" in help_text,
         has_lora="--lora-scaled" in help_text,
         has_reranking="--reranking" in help_text,
+        has_slot_save="--slot-save-path" in help_text,
     )
 
 

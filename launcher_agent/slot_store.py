@@ -1,0 +1,167 @@
+"""Saved slots on disk and over HTTP: the thin edge around launcher_agent.slot_cache's decisions.
+
+Every lane runs with `--slot-save-path <data dir>/slots`; the agent keeps a manifest of the
+files there (slots.json beside them), asks a lane about to go for its slots' contents, saves
+those slot_cache.decide_save picks, and restores slot_cache.decide_restore's into a new lane
+before it is reported healthy. Files are removed as the decisions say; events say what happened.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import structlog
+
+from launcher_agent import lane_http, slot_cache
+from launcher_agent.lane import Emit, Lane
+from launcher_agent.slot_cache import Entry, SlotSeen
+from shared.llama.flags import cache_pair
+from shared.messages import LaneSpec
+
+log = structlog.get_logger("lanes.agent")
+MANIFEST = "slots.json"
+SAVE_TIMEOUT = 30.0  # per slot: a save waits for the slot to be idle (the drain has ended by then)
+MIB = 1024 * 1024
+
+
+def model_layout(spec: LaneSpec) -> str | None:
+    """The lane's layout key, from its model file as it is now (None: the file is gone)."""
+    try:
+        st = os.stat(spec.model_path)
+    except OSError:
+        return None
+    return slot_cache.layout_key(spec, st.st_size, st.st_mtime_ns)
+
+
+@dataclass
+class SlotStore:
+    folder: Path
+    emit: Emit
+    budget: int = 0  # the plan's slot_cache_bytes
+    entries: list[Entry] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        try:
+            self.entries = list(msgspec.json.decode((self.folder / MANIFEST).read_bytes(), type=list[Entry]))
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+            self.entries = []
+        files = [p.name for p in self.folder.iterdir() if p.name.endswith(".slot")]
+        missing, stray = slot_cache.missing_or_stray(self.entries, files)
+        self._remove(missing)
+        for name in stray:
+            (self.folder / name).unlink(missing_ok=True)
+
+    @property
+    def used(self) -> int:
+        return sum(e.size for e in self.entries)
+
+    def _write(self) -> None:
+        tmp = self.folder / (MANIFEST + ".tmp")
+        tmp.write_bytes(msgspec.json.encode(self.entries))
+        tmp.replace(self.folder / MANIFEST)
+
+    def _remove(self, gone) -> None:
+        names = {e.file for e in gone}
+        if not names:
+            return
+        for name in names:
+            (self.folder / name).unlink(missing_ok=True)
+        self.entries = [e for e in self.entries if e.file not in names]
+        self._write()
+
+    def _budget(self) -> int:
+        return slot_cache.budget_now(self.budget, self.used, shutil.disk_usage(self.folder).free)
+
+    async def discard_for_change(self, lane: Lane, new: LaneSpec) -> None:
+        """A restart under another layout (cache types, the model file): the lane's slots are not
+        saved, and its model's files of the old layout go. Said in the lane's events when
+        something was lost: slots worth saving, or files."""
+        old_layout, new_layout = model_layout(lane.spec), model_layout(new)
+        if old_layout is None or old_layout == new_layout:
+            return
+        gone = slot_cache.discarded_by_change(self.entries, lane.spec.model_path, old_layout, new_layout or "")
+        self._remove(gone)
+        contents = await lane_http.slot_contents(lane.spec) if lane.state == "healthy" else None
+        held = [tokens for _, tokens, _, _ in contents or () if tokens >= slot_cache.MIN_TOKENS]
+        if not gone and not held:
+            return
+        before, after = cache_pair(lane.spec.cache_type_k, lane.spec.cache_type_v), cache_pair(new.cache_type_k, new.cache_type_v)
+        what = f"cache types {before} -> {after}" if before != after else "the model file changed"
+        await self.emit(lane, "slots_discarded", f"KV layout changed ({what}): {len(held)} slot(s) holding "
+                                                 f"{sum(held)} tokens not saved, {len(gone)} saved file(s) removed; "
+                                                 "they cannot be restored")  # fmt: skip
+
+    async def save(self, lane: Lane) -> None:
+        """Before a planned restart or stop of a serving lane: save the slots worth keeping."""
+        spec = lane.spec
+        layout = model_layout(spec)
+        if layout is None or self.budget <= 0 or lane.state != "healthy":
+            return
+        if (why := slot_cache.not_reusable(spec)) is not None:
+            log.info("slots not saved", lane=spec.lane_id, reason=why)
+            return
+        contents = await lane_http.slot_contents(spec)
+        if not contents:
+            return
+        restored = lane.restored_tokens
+        seen = [SlotSeen(i, tokens or (restored.get(i, 0) if task < 0 else 0), task, busy)
+                for i, tokens, task, busy in contents]  # fmt: skip
+        per_token = spec.memory.kv_bytes / max(1, spec.ctx_total)
+        decision = slot_cache.decide_save(seen, self.entries, bytes_per_token=per_token, budget=self._budget())
+        self._remove(decision.drop)
+        started, saved, tokens = time.monotonic(), [], 0
+        for s in decision.save:
+            now = time.time()
+            name = slot_cache.file_name(layout, spec.lane_id, s.slot, now)
+            status, body = await lane_http.slot_file(spec, s.slot, "save", name, SAVE_TIMEOUT)
+            if status != 200 or not isinstance(body, dict):
+                log.info("slot not saved", lane=spec.lane_id, slot=s.slot, status=status, answer=str(body)[:200])
+                (self.folder / name).unlink(missing_ok=True)
+                continue
+            size = (self.folder / name).stat().st_size if (self.folder / name).exists() else int(body.get("n_written", 0))
+            saved.append(Entry(file=name, model=spec.model_path, layout=layout, lane_id=spec.lane_id, slot=s.slot,
+                               tokens=int(body.get("n_saved", s.tokens)), size=size, saved_at=now,
+                               last_task=s.last_task))  # fmt: skip
+            tokens += saved[-1].tokens
+        self.entries += saved
+        self._write()
+        self._remove(slot_cache.over_budget(self.entries, self._budget()))
+        if saved:
+            took = time.monotonic() - started
+            await self.emit(lane, "slots_saved", f"{len(saved)} slot(s), {tokens} tokens, "
+                                                 f"{sum(e.size for e in saved) / MIB:.1f} MiB in {took:.2f} s")  # fmt: skip
+
+    async def restore(self, lane: Lane) -> None:
+        """A new lane, loaded and not yet reported healthy: restore its layout's saved slots."""
+        spec = lane.spec
+        layout = model_layout(spec)
+        if layout is None:
+            return
+        decision = slot_cache.decide_restore(self.entries, lane_id=spec.lane_id, model=spec.model_path, layout=layout,
+                                             slots=spec.parallel, ctx_per_slot=spec.ctx_per_slot)  # fmt: skip
+        if decision.discard:
+            self._remove(decision.discard)
+            await self.emit(lane, "slots_discarded", f"{len(decision.discard)} saved slot file(s) of this model were "
+                                                     "saved under another KV layout (cache types or model file); removed")  # fmt: skip
+        started, done, tokens, failed = time.monotonic(), [], 0, []
+        for slot, entry in decision.restore:
+            status, body = await lane_http.slot_file(spec, slot, "restore", entry.file, SAVE_TIMEOUT)
+            if status == 200 and isinstance(body, dict):
+                done.append(entry)
+                tokens += int(body.get("n_restored", entry.tokens))
+                lane.restored_tokens[slot] = int(body.get("n_restored", entry.tokens))
+            else:
+                failed.append(entry)
+                log.info("slot not restored", lane=spec.lane_id, slot=slot, status=status, answer=str(body)[:200])
+        self._remove(done + failed)  # restored: the slot holds it now; failed: it never will
+        if done:
+            took = time.monotonic() - started
+            await self.emit(lane, "slots_restored", f"{len(done)} slot(s), {tokens} tokens in {took:.2f} s")
+        if failed:
+            await self.emit(lane, "slots_discarded", f"{len(failed)} saved slot file(s) did not restore; removed")

@@ -1,0 +1,176 @@
+"""Hot prompts survive a rolling restart, with the real llama-server, planner, agent and gateway.
+
+Two lanes of a generated llama model (one token per byte, no sliding window), two slots each,
+four conversations through the gateway. `config set threads=...` restarts both lanes, one at a
+time, with the same KV layout: each lane saves its slots before it goes and restores them before
+it serves, so the next turn of every conversation is served mostly from cache (without saved
+slots it is not cached at all: the host-RAM prompt cache dies with the process). Then a change
+of cache types restarts them again: the saved slots cannot be restored, the lanes say so in
+their events, the files are removed, and the next turn is prefilled in full. Last, with no disk for saved
+slots (slot_cache_bytes=0, as before this feature), a restart leaves nothing cached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+
+import aiohttp
+import msgspec
+from fixtures_bus import agent_config, client, fleet_status, services
+from test_on_demand import gateway
+from test_real_llama import _planner_with
+from tinymodels import write_llama
+from waiting import eventually
+
+from shared import subjects
+from shared.messages import ConfigSet, Demand, LaneEvent, Persona, encode
+
+CONVERSATIONS = 4
+WORDS = "lane slot cache prompt token model fleet agent planner gateway restart budget".split()
+
+
+def _text(rng: random.Random, chars: int) -> str:
+    out = ""
+    while len(out) < chars:
+        out += rng.choice(WORDS) + " "
+    return out[:chars]
+
+
+async def _turn(http: aiohttp.ClientSession, url: str, prompt: str) -> tuple[int, int]:
+    """One turn through the gateway: (prompt tokens prefilled, tokens taken from the cache)."""
+    body = {"model": "m", "prompt": prompt, "max_tokens": 4, "temperature": 0}
+    async with http.post(url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=120)) as resp:
+        answer = await resp.json()
+        assert resp.status == 200, answer
+    return answer["timings"]["prompt_n"], answer["timings"]["cache_n"]
+
+
+async def _round(http, url: str, prompts: list[str], rng: random.Random) -> float:
+    """Each conversation's next turn (its prompt grows by a short message): the cached ratio."""
+    for i in range(len(prompts)):
+        prompts[i] += "\nuser: " + _text(rng, 40)
+    results = await asyncio.gather(*(_turn(http, url, p) for p in prompts))
+    return sum(c for _, c in results) / sum(p + c for p, c in results)
+
+
+async def _config(nc, changes: dict) -> None:
+    reply = await nc.request(subjects.CONFIG_SET, encode(ConfigSet(changes=changes)), timeout=5)
+    assert not (reply.headers or {}).get("Nats-Service-Error"), reply.headers
+
+
+def _restarted_with(nc, flag: str):
+    async def check() -> bool:
+        lanes = [lane for s in (await fleet_status(nc)).statuses for lane in s.lanes]
+        return len(lanes) == 2 and all(x.state == "healthy" and flag in " ".join(x.argv) for x in lanes)
+
+    return check
+
+
+async def test_a_rolling_restart_keeps_each_conversations_cache_and_a_cache_type_change_discards_it(
+    nats_server, tmp_path, llama_server
+):
+    models = tmp_path / "models"
+    models.mkdir()
+    write_llama(models / "m.gguf", n_layer=2, n_ctx_train=8192)
+    demand = Demand(personas=(Persona(model="m", alias="m", lanes=2, parallel=2, ctx_min=2048, ctx_max=2048),))
+    rng = random.Random(27)
+    events: list[LaneEvent] = []
+    async with services(nats_server.url) as s, client(nats_server.url) as nc:
+
+        async def on_event(msg) -> None:
+            events.append(msgspec.json.decode(msg.data, type=LaneEvent))
+
+        sub = await nc.subscribe(subjects.ALL_EVENTS, cb=on_event)
+        await _planner_with(nc, s, {}, demand)
+        cfg = agent_config(tmp_path, "slots", models, llama_server)
+        s.start_agent(cfg)
+        async with gateway(nats_server.url) as gw, aiohttp.ClientSession() as http:
+            await eventually(lambda: len(gw.view.routable("m")) == 2, timeout=120, what="both lanes routable")
+            prompts = [f"conversation {i}\nsystem: " + _text(rng, 600) for i in range(CONVERSATIONS)]
+            for _ in range(3):
+                warm = await _round(http, gw.url, prompts, rng)
+            assert warm >= 0.8, f"later turns before any restart cached at {warm:.2f}"
+
+            lanes = [lane for st in (await fleet_status(nc)).statuses for lane in st.lanes]
+            now = {m.group(1) for x in lanes if (m := re.search(r"--threads (\d+)", " ".join(x.argv)))}
+            threads = 2 if now == {"1"} else 1
+            await _config(nc, {"threads": threads})
+            await eventually(_restarted_with(nc, f"--threads {threads}"), timeout=180, what="both lanes restarted")
+            await eventually(lambda: len(gw.view.routable("m")) == 2, timeout=60, what="both lanes routable again")
+            after = await _round(http, gw.url, prompts, rng)
+            saved = [e for e in events if e.event == "slots_saved"]
+            restored = [e for e in events if e.event == "slots_restored"]
+            print(f"cached ratio: before the restart {warm:.3f}, first turn after it {after:.3f}; "
+                  f"saved: {[e.detail for e in saved]}; restored: {[e.detail for e in restored]}")  # fmt: skip
+            assert {e.lane_id for e in saved} == {e.lane_id for e in restored} == {x.lane_id for x in lanes}
+            assert after >= 0.8, f"the first turn after the rolling restart was cached at {after:.2f}"
+            assert list((cfg.data_dir / "slots").glob("*.slot")) == []  # restored files are consumed
+
+            await _round(http, gw.url, prompts, rng)  # the slots hold the conversations again
+            await _config(nc, {"kv_cache_type": "q8_0", "flash_attn": "on"})
+            await eventually(_restarted_with(nc, "--cache-type-k q8_0"), timeout=180, what="lanes on q8_0")
+            await eventually(lambda: len(gw.view.routable("m")) == 2, timeout=60, what="routable on q8_0")
+            discarded = [e for e in events if e.event == "slots_discarded"]
+            assert {e.lane_id for e in discarded} == {x.lane_id for x in lanes}, [e.detail for e in events]
+            assert all("f16/f16 -> q8_0/q8_0" in e.detail for e in discarded), [e.detail for e in discarded]
+            assert len([e for e in events if e.event == "slots_restored"]) == len(restored)  # nothing new restored
+            assert list((cfg.data_dir / "slots").glob("*.slot")) == []
+            cold = await _round(http, gw.url, prompts, rng)
+            assert cold == 0.0, f"a turn after the cache type change was cached at {cold:.2f}"
+
+            # As before this change: no disk for saved slots, and a restart loses every cache.
+            await _round(http, gw.url, prompts, rng)
+            await _config(nc, {"slot_cache_bytes": 0, "threads": 3 - threads})
+            await eventually(_restarted_with(nc, f"--threads {3 - threads}"), timeout=180, what="restarted again")
+            await eventually(lambda: len(gw.view.routable("m")) == 2, timeout=60, what="routable again")
+            unsaved = await _round(http, gw.url, prompts, rng)
+            print(f"first turn after a restart without saved slots: cached ratio {unsaved:.3f}")
+            assert unsaved == 0.0
+        await sub.unsubscribe()
+
+
+async def test_a_lane_scaled_down_gets_its_conversations_back_when_it_returns(nats_server, tmp_path, llama_server):
+    """A stop the plan asks for (scale-down, or eviction: both stop a lane) saves its slots; the
+    lane started again for the model restores them before it serves."""
+    models = tmp_path / "models"
+    models.mkdir()
+    write_llama(models / "m.gguf", n_layer=2, n_ctx_train=8192)
+    rng = random.Random(28)
+
+    def demand(lanes: int) -> Demand:
+        return Demand(personas=(Persona(model="m", alias="m", lanes=lanes, parallel=2, ctx_min=2048, ctx_max=2048),))
+
+    events: list[LaneEvent] = []
+    async with services(nats_server.url) as s, client(nats_server.url) as nc:
+
+        async def on_event(msg) -> None:
+            events.append(msgspec.json.decode(msg.data, type=LaneEvent))
+
+        sub = await nc.subscribe(subjects.ALL_EVENTS, cb=on_event)
+        await _planner_with(nc, s, {}, demand(2))
+        cfg = agent_config(tmp_path, "slots", models, llama_server)
+        s.start_agent(cfg)
+        async with gateway(nats_server.url) as gw, aiohttp.ClientSession() as http:
+            await eventually(lambda: len(gw.view.routable("m")) == 2, timeout=120, what="both lanes routable")
+            prompts = [f"conversation {i}\nsystem: " + _text(rng, 600) for i in range(CONVERSATIONS)]
+            await _round(http, gw.url, prompts, rng)
+            await _round(http, gw.url, prompts, rng)
+            reply = await nc.request(subjects.DEMAND_SET, encode(demand(1)), timeout=5)
+            assert not (reply.headers or {}).get("Nats-Service-Error"), reply.headers
+            await eventually(lambda: [x.lane_id for x in gw.view.routable("m")] == ["m-0"], timeout=60, what="m-1 gone")
+            await eventually(lambda: any(e.event == "stopped" and e.lane_id == "m-1" for e in events), what="m-1 stopped")
+            saved = [e for e in events if e.event == "slots_saved" and e.lane_id == "m-1"]
+            files = list((cfg.data_dir / "slots").glob("*.slot"))
+            reply = await nc.request(subjects.DEMAND_SET, encode(demand(2)), timeout=5)
+            assert not (reply.headers or {}).get("Nats-Service-Error"), reply.headers
+            await eventually(lambda: len(gw.view.routable("m")) == 2, timeout=120, what="m-1 back")
+            restored = [e for e in events if e.event == "slots_restored" and e.lane_id == "m-1"]
+            after = await _round(http, gw.url, prompts, rng)
+            print(f"scale-down saved {[e.detail for e in saved]} ({len(files)} files); "
+                  f"restored {[e.detail for e in restored]}; next turn cached {after:.3f}")  # fmt: skip
+            assert saved and restored and files
+            assert list((cfg.data_dir / "slots").glob("*.slot")) == []
+            assert after >= 0.8, f"the turn after the lane came back was cached at {after:.2f}"
+        await sub.unsubscribe()
