@@ -35,6 +35,7 @@ class LaneRoute:
     unreachable: str = ""  # why the gateway's own probe or a request could not reach it
     window: int = 0  # tokens per slot (the plan's ctx_per_slot); 0 where the plan does not say
     embeddings: bool = False  # started with --embeddings: it serves /v1/embeddings only
+    vision: bool = False  # started with --mmproj (a projector that reads images)
 
     @property
     def key(self) -> LaneKey:
@@ -173,6 +174,7 @@ class FleetView:
                     unreachable=self.unreachable.get(key, "") or self.stalled.get(key, ""),
                     window=spec.ctx_per_slot,
                     embeddings=spec.embeddings,
+                    vision=spec.mmproj_path is not None,
                 )
 
     def model_entry(self, name: str) -> ModelState | None:

@@ -90,6 +90,10 @@ def catalogue(view: FleetView) -> list[dict]:
             "holders": list(entry.holders) if entry else sorted({lane.host_id for lane in lanes}),
             "embeddings": any(lane.embeddings for lane in lanes) or bool(entry and entry.embeddings),
         }  # fmt: skip
+        vision = any(lane.vision for lane in lanes) or bool(entry and entry.vision)
+        # as llama-server's own /v1/models says it (capabilities, architecture.input_modalities)
+        item["capabilities"] = ["completion", "multimodal"] if vision else ["completion"]
+        item["input_modalities"] = ["text", "image"] if vision else ["text"]
         if reason and state != "ready":
             item["reason"] = reason
         if entry is not None:

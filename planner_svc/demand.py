@@ -168,12 +168,15 @@ def model_states(
     holders: dict[str, list[str]] = {}
     sizes: dict[str, int] = {}
     pooled: set[str] = set()
+    seeing: set[str] = set()  # models a projector that reads images is paired with
     for r in sorted(reports, key=lambda r: r.host_id):
         for m in r.models:
             holders.setdefault(m.name, []).append(r.host_id)
             sizes[m.name] = max(sizes.get(m.name, 0), m.file_bytes)
             if m.pooling:
                 pooled.add(m.name)
+            if m.mmproj is not None and m.mmproj.vision:
+                seeing.add(m.name)
     out = []
     for p in sorted(personas, key=persona_name):
         name = persona_name(p)
@@ -192,5 +195,6 @@ def model_states(
                               file_bytes=sizes.get(p.model, 0), on_demand=name in state.on_demand,
                               predicted_load_s=predicted_seconds(sizes.get(p.model, 0), fastest) if held_by else None,
                               measured_load_s=measured.get(name),
-                              embeddings=p.embeddings if p.embeddings is not None else p.model in pooled))  # fmt: skip
+                              embeddings=p.embeddings if p.embeddings is not None else p.model in pooled,
+                              vision=p.vision is not False and p.model in seeing))  # fmt: skip
     return ModelStates(models=tuple(out), evictions=dict(sorted(state.evictions.items()))), state

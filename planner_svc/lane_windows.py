@@ -79,7 +79,14 @@ class _Lane:
             layout=caps.kv_layout,
             n_ubatch=n_ubatch,
             cache_ram=self.cache_ram,
+            mmproj=self.loads_projector and caps.has_mmproj,
+            mmproj_offload=bool(self.layout.gpus),
         )
+
+    @property
+    def loads_projector(self) -> bool:
+        """--mmproj: the model has a projector and the persona does not turn it off."""
+        return self.facts.mmproj is not None and self.persona.vision is not False
 
     def memory(self, window: int, report: HostReport, n_ubatch: int) -> MemoryBreakdown:
         key = (_COST_KEYS.key(self, report, n_ubatch), window)
@@ -121,7 +128,7 @@ class _CostKeys:
         inputs = (
             self.number(lane.facts), lane.layout, lane.persona.parallel, lane.persona.kv_unified, flags.cache_type_k,
             flags.cache_type_v, flags.flash_attn, self.number(report.server), devices, report.cpu_repack, lane.factor,
-            n_ubatch, lane.cache_ram,
+            n_ubatch, lane.cache_ram, lane.persona.vision,
         )  # fmt: skip
         number = self.number(inputs, by_id=False)
         lane.cost_key = (report, n_ubatch, lane.cache_ram, number)

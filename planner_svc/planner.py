@@ -230,6 +230,11 @@ def _spec(report: HostReport, config: FleetConfig, lane: _Lane) -> LaneSpec:
     if embeddings:
         asked = "the persona asks for them" if lane.persona.embeddings else f"the model declares {lane.facts.pooling} pooling"
         reasons.append(f"embeddings only (--embeddings): {asked}" + ("; --pooling mean: the model declares none" if pooling else ""))
+    mmproj = lane.facts.mmproj if lane.loads_projector and caps.has_mmproj else None
+    if mmproj is not None:
+        where = "GPU0, the lane's first device" if lane.layout.gpus else "host RAM"
+        reasons.append(f"projector {mmproj.projector_type} (--mmproj {mmproj.path}) in {where}: "
+                       f"{memory.projector_bytes / MIB:.1f} MiB of weights and compute")  # fmt: skip
     return LaneSpec(
         lane_id=lane.lane_id,
         model=lane.persona.model,
@@ -262,6 +267,8 @@ def _spec(report: HostReport, config: FleetConfig, lane: _Lane) -> LaneSpec:
         embeddings=embeddings,
         pooling=pooling,
         workers=lane.span_workers,
+        mmproj_path=mmproj.path if mmproj is not None else None,
+        mmproj_offload=bool(lane.layout.gpus) if mmproj is not None else None,
     )
 
 

@@ -25,7 +25,7 @@ KEY_FIELDS = (
     "n_gpu_layers", "gpu_devices", "device_names", "tensor_split", "split_mode", "main_gpu", "rpc_servers",
     "cache_type_k", "cache_type_v", "flash_attn", "fit_off", "n_cpu_moe",
     "threads", "threads_batch", "cpus", "poll",
-    "chat_template", "cache_ram_mib", "embeddings", "pooling",
+    "chat_template", "cache_ram_mib", "embeddings", "pooling", "mmproj_path", "mmproj_offload",
 )  # fmt: skip
 _DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(LaneSpec)}
 

@@ -119,6 +119,7 @@ class ServerCaps(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     # --rpc works: built with the RPC backend (every build lists --rpc in --help; one without it
     # refuses it with "RPC not supported in this build"). Only such a host serves a span lane.
     has_rpc: bool = True
+    has_mmproj: bool = True  # --mmproj and --mmproj-offload/--no-mmproj-offload
 
 
 class LayerWeights(msgspec.Struct, frozen=True, gc=False, array_like=True):
@@ -140,6 +141,29 @@ class LayerWeights(msgspec.Struct, frozen=True, gc=False, array_like=True):
     # File ranges by repack key: (ggml type, rows multiple, first, end); ("", 0, ...) for tensors no
     # CPU repacks. A CPU maps only the range of what it does not repack (empty: from an older lanes).
     spans: Annotated[tuple[tuple[Label, Int32, Bytes, Bytes], ...], FEW] = ()
+
+
+class ProjectorFacts(msgspec.Struct, frozen=True, gc=False, kw_only=True):
+    """A multimodal projector (mmproj GGUF, general.architecture = clip) paired with a model:
+    what the memory model needs to plan its weights and compute buffer (tools/mtmd/clip.cpp)."""
+
+    path: Text
+    projector_type: Label  # clip.projector_type: gemma3, idefics3, qwen2vl_merger ...
+    vision: bool = True  # clip.has_vision_encoder: the model takes images
+    audio: bool = False  # clip.has_audio_encoder
+    weight_bytes: Bytes = 0  # its tensors, each padded to 32 bytes (CPU buffer)
+    weight_cuda_bytes: Bytes = 0  # as CUDA allocates them
+    file_weight_bytes: Bytes = 0  # the unpadded sum clip.cpp prints as "model size"
+    n_embd: Int32 = 0
+    n_ff: Int32 = 0
+    n_head: Int32 = 0
+    n_layer: Int32 = 0
+    image_size: Int32 = 0
+    patch_size: Int32 = 0
+    n_merge: Int32 = 0  # clip.vision.projector.scale_factor (0: the type's default)
+    n_mmproj_embd: Int32 = 0  # the text model's n_embd it feeds
+    file_bytes: Bytes = 0
+    file_mtime_ns: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] = 0
 
 
 class ModelFacts(msgspec.Struct, frozen=True, gc=False, kw_only=True):
@@ -184,6 +208,8 @@ class ModelFacts(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     # {arch}.pooling_type as llama.cpp names it (mean, cls, last, rank); "" when the file declares
     # none: a model that declares one is an embedding model and its lanes serve embeddings.
     pooling: Label = ""
+    # The multimodal projector paired with it (a *mmproj*.gguf beside it); None: text only.
+    mmproj: ProjectorFacts | None = None
 
 
 class RpcWorkerOffer(msgspec.Struct, frozen=True, gc=False, kw_only=True):
@@ -312,6 +338,9 @@ class Persona(msgspec.Struct, frozen=True, gc=False, kw_only=True, forbid_unknow
     # Lanes serve /v1/embeddings only (llama-server --embeddings); None: when the model's GGUF
     # declares a pooling type (an embedding model).
     embeddings: bool | None = None
+    # Lanes load the model's multimodal projector (--mmproj) and take images; None: when a
+    # projector is paired with the model file (a *mmproj*.gguf beside it); False: text only.
+    vision: bool | None = None
 
 
 class Demand(_Msg, tag="demand", forbid_unknown_fields=True, kw_only=True):
@@ -356,6 +385,7 @@ class DeviceMemory(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     # lane (LaneSpec.gpu_devices[k] on the host). Read this, never the name.
     index: Annotated[int, msgspec.Meta(ge=-1, le=1023)] = -1
     backend: Label = ""  # "cpu" for host RAM; cuda, rocm, metal, rpc, vulkan; "" not known
+    projector_bytes: Bytes = 0  # the multimodal projector's weights and compute buffer (--mmproj)
 
     def __post_init__(self) -> None:
         # Written by an older lanes (no index, no backend): the name is all there is.
@@ -368,7 +398,7 @@ class DeviceMemory(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     @property
     def total(self) -> int:
         return (self.model_bytes + self.kv_bytes + self.compute_bytes + self.output_bytes + self.recurrent_bytes
-                + self.prompt_cache_bytes)  # fmt: skip
+                + self.prompt_cache_bytes + self.projector_bytes)  # fmt: skip
 
 
 class MemoryBreakdown(msgspec.Struct, frozen=True, gc=False, kw_only=True):
@@ -387,6 +417,7 @@ class MemoryBreakdown(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     total_bytes: Bytes = 0
     # Per device (CPU first); the totals above are their sums plus the process overhead.
     devices: Annotated[tuple[DeviceMemory, ...], FEW] = ()
+    projector_bytes: Bytes = 0  # the multimodal projector's weights and compute (in total_bytes)
 
 
 class LaneLayout(msgspec.Struct, frozen=True, gc=False):
@@ -481,6 +512,10 @@ class LaneSpec(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     pooling: Literal["mean", "cls", "last", "rank"] | None = None  # --pooling, for a model that declares none
     # A span lane: its layers also lie on these workers' ggml-rpc-servers (rpc_servers, in order).
     workers: Annotated[tuple[SpanWorker, ...], FEW] = ()
+    # --mmproj: the multimodal projector the lane loads (None: text only), and where it runs:
+    # True --mmproj-offload (the lane's first device), False --no-mmproj-offload (host RAM).
+    mmproj_path: Text | None = None
+    mmproj_offload: bool | None = None
 
 
 class Unplaced(msgspec.Struct, frozen=True, gc=False, kw_only=True):
@@ -706,6 +741,8 @@ class ModelState(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     measured_load_s: Seconds | None = None
     # Its lanes serve /v1/embeddings only (the persona asks, or the file declares a pooling type).
     embeddings: bool = False
+    # Its lanes load a multimodal projector that reads images (--mmproj): image requests go to them.
+    vision: bool = False
 
 
 class ModelStates(_Msg, tag="model_states", kw_only=True):

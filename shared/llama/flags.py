@@ -94,6 +94,10 @@ def lane_args(spec: LaneSpec, caps: ServerCaps) -> tuple[str, ...]:
         args.append("--embeddings")
     if spec.pooling is not None:
         args += ["--pooling", spec.pooling]
+    if spec.mmproj_path is not None:
+        args += ["--mmproj", spec.mmproj_path]
+        if spec.mmproj_offload is not None:  # without it llama-server offloads to the first GPU it finds
+            args.append("--mmproj-offload" if spec.mmproj_offload else "--no-mmproj-offload")
     if spec.fit_off:
         args += ["-fit", "off"]
     if spec.n_ubatch != DEFAULT_N_UBATCH:  # the plan's compute and sliding-window sizes assume it
@@ -214,6 +218,7 @@ def parse_caps(help_text: str, version_text: str = "") -> ServerCaps:
         has_chat_template="--chat-template" in help_text,
         has_no_jinja="--no-jinja" in help_text,
         has_cache_ram="--cache-ram" in help_text,
+        has_mmproj="--no-mmproj-offload" in help_text,
     )
 
 
