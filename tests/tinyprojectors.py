@@ -87,3 +87,8 @@ def write_projector(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# The vocabulary pieces mtmd looks up for an idefics3 image (tools/mtmd/mtmd.cpp): a text model
+# paired with an idefics3 projector needs them (tinymodels.write_llama(special=...)).
+IDEFICS3_TOKENS = ("\n", "\n\n", "<fake_token_around_image>", "<global-img>")
