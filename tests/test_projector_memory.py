@@ -176,3 +176,17 @@ def test_lane_spec_fields_are_additive():
                     parallel=1)  # fmt: skip
     assert spec.mmproj_path is None and spec.mmproj_offload is None
     assert "--mmproj" not in lane_args(spec, ServerCaps())
+
+
+def test_a_wake_needs_the_projectors_bytes():
+    """On demand: the room a woken model needs (and so what eviction must free) includes its projector."""
+    from planner_svc.layouts import CPU_RESOURCE
+    from planner_svc.wake_placement import room_on
+
+    proj = _proj(weight_bytes=600 * MIB)
+    woken = Persona(model="vlm", ctx_min=4096, ctx_max=4096)
+    needs = {}
+    for label, facts in (("text", llama_1b("vlm")), ("vision", msgspec.structs.replace(llama_1b("vlm"), mmproj=proj))):
+        room, _ = room_on(host(models=(facts,)), FleetConfig(), woken, None, [woken], [])
+        needs[label] = room.needs[CPU_RESOURCE]
+    assert needs["vision"] - needs["text"] == 600 * MIB + projector_compute_bytes(proj, True)

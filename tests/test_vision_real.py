@@ -127,3 +127,38 @@ async def test_the_real_gemma_file_with_a_generated_projector(nats_server, tmp_p
         assert answer.choices[0].message is not None and answer.usage.prompt_tokens > 16
 
     await _vision_fleet(nats_server, tmp_path, llama_server, models, demand, check)
+
+
+async def test_an_image_wakes_an_unloaded_model_with_its_projector(nats_server, tmp_path, llama_server):
+    """On demand: the model unloaded after its idle_ttl still says it takes images; an image request
+    wakes a lane that loads the projector; a text-only model unloaded is refused at once, not woken."""
+    models = tmp_path / "models"
+    (models / "vlm").mkdir(parents=True)
+    write_llama(models / "vlm" / "vlm.gguf", n_layer=2, n_embd=256)
+    write_projector(models / "vlm" / "mmproj-f16.gguf", proj_type="gemma3", text_embd=256)
+    write_llama(models / "chat.gguf", n_layer=2, n_embd=256, seed=1)
+    demand = Demand(personas=(Persona(model="vlm", ctx_max=2048, idle_ttl=2.0), Persona(model="chat", ctx_max=2048, idle_ttl=2.0)))
+    gw = Gateway(GatewaySettings(port=0, load_timeout=300))
+    stop = asyncio.Event()
+    async with services(nats_server.url) as s, client(nats_server.url) as nc:
+        await _planner_with(nc, s, {}, demand)
+        s.start_agent(agent_config(tmp_path, "vis", models, llama_server))
+        task = asyncio.create_task(run_gateway(nats_server.url, stop, gateway=gw))
+        try:
+            await eventually(lambda: gw.view.routable("vlm") and gw.view.routable("chat"), timeout=180, what="loaded")
+            await eventually(lambda: not gw.view.lanes_for("vlm") and not gw.view.lanes_for("chat"), timeout=60,
+                             what="both unloaded after their idle_ttl")  # fmt: skip
+            ai = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+            listed = {m.id: m for m in (await ai.models.list()).data}
+            assert listed["vlm"].state == "unloaded" and "multimodal" in listed["vlm"].capabilities
+            with pytest.raises(openai.BadRequestError):
+                await ai.chat.completions.create(model="chat", messages=image_message(), max_tokens=4)
+            answer = await ai.chat.completions.create(model="vlm", messages=image_message(), max_tokens=4)
+            assert answer.usage.prompt_tokens > 16
+            lanes = {lane.lane_id: lane for lane in (await host_status(nc, "vis")).lanes if lane.state == "healthy"}
+            assert "--mmproj" in lanes["vlm-0"].argv and "chat-0" not in lanes
+            states = {m.name: m.state for m in (await fleet_status(nc)).models}
+            assert states["chat"] == "unloaded"  # the refusal woke nothing (vlm loaded meanwhile)
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 15)
