@@ -190,3 +190,20 @@ def test_a_wake_needs_the_projectors_bytes():
         room, _ = room_on(host(models=(facts,)), FleetConfig(), woken, None, [woken], [])
         needs[label] = room.needs[CPU_RESOURCE]
     assert needs["vision"] - needs["text"] == 600 * MIB + projector_compute_bytes(proj, True)
+
+
+def test_estimate_counts_a_projector(tmp_path):
+    """`lanes estimate MODEL --mmproj FILE`: the projector on the first device, or in RAM with --no-mmproj-offload."""
+    import sys
+
+    from shared.gguf_projector import projector_facts
+
+    model = write_llama(tmp_path / "m.gguf")
+    proj = projector_facts(write_projector(tmp_path / "mmproj-m.gguf"))
+    base = [sys.executable, "-m", "lanes.cli", "estimate", str(model), "--ctx", "2048", "--mmproj", proj.path,
+            "--flash-attn", "on", "--json"]  # fmt: skip
+    for extra, where in (([], 1), (["--gpus", "8GiB", "-ngl", "all"], 2), (["--gpus", "8GiB", "-ngl", "all", "--no-mmproj-offload"], 1)):
+        out = json.loads(subprocess.run(base + extra, capture_output=True, text=True, check=True).stdout)
+        per = [d["projector_bytes"] for d in out["devices"]]
+        assert per[where - 1] == out["projector_bytes"] == proj.weight_bytes + projector_compute_bytes(proj, True)
+        assert sum(per) == out["projector_bytes"]
