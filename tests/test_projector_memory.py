@@ -112,7 +112,8 @@ def test_the_projector_lands_on_host_ram_or_the_lanes_first_device():
     assert cpu.total_bytes - without.total_bytes == cpu.projector_bytes
     gpu = lane_memory(facts, LaneShape(ctx=4096, flash_attn=True, mmproj=True, mmproj_offload=True,
                                        n_gpu_layers="all", devices=("cuda", "cuda")))  # fmt: skip
-    assert [d.projector_bytes for d in gpu.devices] == [0, 401 * MIB + compute, 0]
+    image = 896 * 896 * 3 * 4  # the warm-up image stays in host memory
+    assert [d.projector_bytes for d in gpu.devices] == [image, 401 * MIB + compute, 0]
     kept = lane_memory(facts, LaneShape(ctx=4096, flash_attn=True, mmproj=True, mmproj_offload=False,
                                         n_gpu_layers="all", devices=("cuda",)))  # fmt: skip
     assert [d.projector_bytes for d in kept.devices] == [400 * MIB + compute, 0]
@@ -138,7 +139,10 @@ def test_the_plan_renders_mmproj_and_counts_it_in_the_window():
     gpu_lane = only_lane(plan([gpu_host], FleetConfig(), demand))
     assert gpu_lane.mmproj_offload is True and "--mmproj-offload" in lane_args(gpu_lane, ServerCaps())
     gpu0 = next(d for d in gpu_lane.memory.devices if d.index == 0)
-    assert gpu0.projector_bytes == gpu_lane.memory.projector_bytes > 600 * MIB
+    host_ram = next(d for d in gpu_lane.memory.devices if d.index == -1)
+    assert gpu0.projector_bytes == 600 * MIB + projector_compute_bytes(facts.mmproj, True)
+    assert host_ram.projector_bytes == 896 * 896 * 3 * 4  # the warm-up image, a graph input
+    assert gpu_lane.memory.projector_bytes == gpu0.projector_bytes + host_ram.projector_bytes
 
 
 def test_a_binary_without_the_flags_gets_no_projector():
@@ -205,5 +209,7 @@ def test_estimate_counts_a_projector(tmp_path):
     for extra, where in (([], 1), (["--gpus", "8GiB", "-ngl", "all"], 2), (["--gpus", "8GiB", "-ngl", "all", "--no-mmproj-offload"], 1)):
         out = json.loads(subprocess.run(base + extra, capture_output=True, text=True, check=True).stdout)
         per = [d["projector_bytes"] for d in out["devices"]]
-        assert per[where - 1] == out["projector_bytes"] == proj.weight_bytes + projector_compute_bytes(proj, True)
+        own = proj.weight_bytes + projector_compute_bytes(proj, True)
+        # offloaded, the warm-up image (a graph input) stays in host memory
+        assert per == ([224 * 224 * 3 * 4, own] if where == 2 else [own] + [0] * (len(per) - 1))
         assert sum(per) == out["projector_bytes"]

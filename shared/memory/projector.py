@@ -5,8 +5,8 @@ tools/mtmd/clip.cpp (b11434): the projector's tensors go into one buffer of its 
 reserved for the warm-up graph of one image of clip.vision.image_size pixels a side
 (`warmup with image size`, then `<buffer> compute buffer size = X MiB`). The backend is the
 lane's first device with --mmproj-offload (common/arg.cpp: -mmdev defaults to the first
---device), host RAM with --no-mmproj-offload. A GPU-resident projector also reserves a
-small host compute buffer for the graph's inputs.
+--device), host RAM with --no-mmproj-offload. A projector on a device also reserves a host
+compute buffer for the graph's input, the image (f32 RGB): measured with RPC devices.
 """
 
 from __future__ import annotations
@@ -70,4 +70,6 @@ def projector_bytes(
     dev = projector_device(placement, offload)
     pinned = dev != CPU and placement.backend(dev) in PINNED
     out[1 + dev] += (proj.weight_cuda_bytes if pinned else proj.weight_bytes) + projector_compute_bytes(proj, flash_attn)
+    if dev != CPU:  # the warm-up image, a graph input, stays in host memory
+        out[0] += proj.image_size * proj.image_size * 3 * F32
     return out
