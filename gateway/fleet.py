@@ -37,6 +37,7 @@ class LaneRoute:
     embeddings: bool = False  # started with --embeddings: it serves /v1/embeddings only
     adapters: tuple[str, ...] = ()  # its LoRA adapters (--lora order): it serves "alias:adapter" too
     reranking: bool = False  # started with --reranking: it serves /v1/rerank
+    vision: bool = False  # started with --mmproj (a projector that reads images)
 
     def adapter_id(self, adapter: str) -> int | None:
         """The adapter's id in this lane's --lora list (a request's `lora` ids), or None."""
@@ -182,6 +183,7 @@ class FleetView:
                     embeddings=spec.embeddings,
                     adapters=spec.adapters,
                     reranking=spec.reranking,
+                    vision=spec.mmproj_path is not None,
                 )
 
     def model_entry(self, name: str) -> ModelState | None:

@@ -187,10 +187,16 @@ async def _answer(
     request: web.Request, model: waking.ModelView, name: str, payload: object, body: bytes, started: float, label: str
 ) -> web.StreamResponse:
     app, view = request.app, request.app[VIEW]
+    images = prompts.takes_images(request.path, payload)
+    if images and model.state != "unknown" and not _takes_images(view, name):
+        return openai_error(400, f"model {name!r} takes no images: no multimodal projector (mmproj) is paired with "
+                            "it on its hosts (put a *mmproj*.gguf beside its file)", "images_not_supported")  # fmt: skip
     response = await _held(request, model) if model.state != "ready" else None
     if response is None:
         prompt = prompts.prompt_of(request.path, payload)
         refused, too_small, tokens = await _window_check(request, name, prompt, body)
+        if images:  # lanes without a projector cannot read it: as if too small for it
+            too_small |= {lane.key for lane in view.lanes_for(name) if not lane.vision}
         if refused is not None:
             response = _give_up(refused, app[SETTINGS])
         else:
@@ -205,6 +211,12 @@ async def _answer(
             shape = Shape(label, mark, too_small, tokens, streamed, kind)
             response = await _forward(request, name, body, started, shape)
     return response
+
+
+def _takes_images(view, name: str) -> bool:
+    """A lane of the model has a projector, or the planner says its lanes will (an unloaded model)."""
+    entry = view.model_entry(name)
+    return any(lane.vision for lane in view.lanes_for(name)) or bool(entry and entry.vision)
 
 
 async def _held(request: web.Request, model: waking.ModelView) -> web.Response | None:

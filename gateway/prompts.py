@@ -94,3 +94,20 @@ def prompt_of(path: str, payload: object) -> Prompt | None:
     if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
         return Prompt(text=_RS.join(value), kind=kind)
     return None  # token arrays and mixed inputs: nothing to hash or count
+
+
+def takes_images(path: str, payload: object) -> bool:
+    """The request carries an image (a chat content part of type image_url): only a lane started
+    with a projector (--mmproj) can read it."""
+    if not isinstance(payload, dict) or not path.endswith("/chat/completions"):
+        return False
+    messages = payload.get("messages")
+    if not isinstance(messages, list):
+        return False
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and any(
+            isinstance(part, dict) and (part.get("type") == "image_url" or "image_url" in part) for part in content
+        ):
+            return True
+    return False

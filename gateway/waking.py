@@ -101,6 +101,10 @@ def catalogue(view: FleetView) -> list[dict]:
             item["adapter"] = {"base": base, "name": adapter}
         else:
             item["adapters"] = sorted({a for lane in lanes for a in lane.adapters} | set(entry.adapters if entry else ()))
+        vision = any(lane.vision for lane in lanes) or bool(entry and entry.vision)
+        # as llama-server's own /v1/models says it (capabilities, architecture.input_modalities)
+        item["capabilities"] = ["completion", "multimodal"] if vision else ["completion"]
+        item["input_modalities"] = ["text", "image"] if vision else ["text"]
         if reason and state != "ready":
             item["reason"] = reason
         if entry is not None:

@@ -157,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-ram", type=int, default=8192,
                    help="prompt cache limit in MiB (llama-server --cache-ram; its default 8192; 0 off)")  # fmt: skip
     p.add_argument("--llama-server", help="follow this binary's KV layout, cache types and devices")
+    p.add_argument("--mmproj", help="a multimodal projector file the lane loads (llama-server --mmproj)")
+    p.add_argument("--no-mmproj-offload", action="store_true", help="the projector in host RAM, not on the first device")
     p.add_argument("--llama-build", type=_positive,
                    help="plan for this llama.cpp build's rules without the binary (b6325 -> 6325)")
     p.add_argument("--n-cpu-moe", "-ncmoe", type=_int_at_least(0, "must not be negative"), default=0,

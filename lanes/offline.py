@@ -93,7 +93,11 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
     try:
         facts = read_model_facts(args.model)
-    except ModelError as exc:
+        if args.mmproj:
+            from shared.gguf_projector import projector_facts
+
+            facts = msgspec.structs.replace(facts, mmproj=projector_facts(args.mmproj))
+    except (ModelError, ValueError, OSError) as exc:
         raise UserError(str(exc)) from None
     caps = ServerCaps()
     if args.llama_build and not args.llama_server:
@@ -145,6 +149,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         main_gpu=args.main_gpu, no_kv_offload=args.no_kv_offload, ngl_rule=caps.ngl_rule,
         n_cpu_moe=args.n_cpu_moe, tensor_overrides=overrides,
         cache_ram=args.cache_ram * 2**20, llama_build=caps.build or 0,
+        mmproj=bool(args.mmproj), mmproj_offload=bool(gpus) and not args.no_mmproj_offload,
     )  # fmt: skip
     try:
         mem = lane_memory(facts, shape, cpu_repack())
@@ -168,6 +173,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         ["compute (estimate)", mib(mem.compute_bytes)],
         ["process overhead", mib(mem.overhead_bytes)],
         ["prompt cache (--cache-ram)", mib(mem.prompt_cache_bytes)],
+        *([["projector (--mmproj)", mib(mem.projector_bytes)]] if args.mmproj else []),
         ["total", gib(mem.total_bytes)],
     ]  # fmt: skip
     print(f"{facts.name}: ctx {args.ctx}, {args.parallel} slot(s), kv layout '{caps.kv_layout}'; {flash.reason}")

@@ -170,6 +170,7 @@ def model_states(
     pooled: set[str] = set()
     ranked: set[str] = set()
     fitted: dict[str, set[str]] = {}  # model -> adapters some host holds for it
+    seeing: set[str] = set()  # models a projector that reads images is paired with
     for r in sorted(reports, key=lambda r: r.host_id):
         for m in r.models:
             holders.setdefault(m.name, []).append(r.host_id)
@@ -178,6 +179,8 @@ def model_states(
                 pooled.add(m.name)
             if m.pooling == "rank":
                 ranked.add(m.name)
+            if m.mmproj is not None and m.mmproj.vision:
+                seeing.add(m.name)
         for a in r.adapters:
             for base in a.bases:
                 fitted.setdefault(base, set()).add(a.name)
@@ -202,5 +205,6 @@ def model_states(
                               measured_load_s=measured.get(name),
                               embeddings=not reranking and (p.embeddings if p.embeddings is not None else p.model in pooled),
                               adapters=tuple(a for a in p.adapters if a in fitted.get(p.model, ())),
-                              reranking=reranking))  # fmt: skip
+                              reranking=reranking,
+                              vision=p.vision is not False and p.model in seeing))  # fmt: skip
     return ModelStates(models=tuple(out), evictions=dict(sorted(state.evictions.items()))), state

@@ -84,7 +84,14 @@ class _Lane:
             cache_ram=self.cache_ram,
             adapters=self.adapters,
             pooled=pooled(self.persona, self.facts, caps.has_reranking),
+            mmproj=self.loads_projector and caps.has_mmproj,
+            mmproj_offload=bool(self.layout.gpus),
         )
+
+    @property
+    def loads_projector(self) -> bool:
+        """--mmproj: the model has a projector and the persona does not turn it off."""
+        return self.facts.mmproj is not None and self.persona.vision is not False
 
     def memory(self, window: int, report: HostReport, n_ubatch: int) -> MemoryBreakdown:
         key = (_COST_KEYS.key(self, report, n_ubatch), window)
@@ -127,6 +134,7 @@ class _CostKeys:
             self.number(lane.facts), lane.layout, lane.persona.parallel, lane.persona.kv_unified, flags.cache_type_k,
             flags.cache_type_v, flags.flash_attn, self.number(report.server), devices, report.cpu_repack, lane.factor,
             n_ubatch, lane.cache_ram, lane.adapters, lane.persona.embeddings, lane.persona.reranking,
+            n_ubatch, lane.cache_ram, lane.persona.vision,
         )  # fmt: skip
         number = self.number(inputs, by_id=False)
         lane.cost_key = (report, n_ubatch, lane.cache_ram, number)

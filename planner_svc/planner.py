@@ -238,6 +238,11 @@ def _spec(report: HostReport, config: FleetConfig, lane: _Lane) -> LaneSpec:
     if embeddings:
         asked = "the persona asks for them" if lane.persona.embeddings else f"the model declares {lane.facts.pooling} pooling"
         reasons.append(f"embeddings only (--embeddings): {asked}" + ("; --pooling mean: the model declares none" if pooling else ""))
+    mmproj = lane.facts.mmproj if lane.loads_projector and caps.has_mmproj else None
+    if mmproj is not None:
+        where = "GPU0, the lane's first device" if lane.layout.gpus else "host RAM"
+        reasons.append(f"projector {mmproj.projector_type} (--mmproj {mmproj.path}) in {where}: "
+                       f"{memory.projector_bytes / MIB:.1f} MiB of weights and compute")  # fmt: skip
     return LaneSpec(
         lane_id=lane.lane_id,
         model=lane.persona.model,
@@ -273,6 +278,8 @@ def _spec(report: HostReport, config: FleetConfig, lane: _Lane) -> LaneSpec:
         adapters=tuple(a.name for a in lane.adapters),
         adapter_paths=tuple(a.path for a in lane.adapters),
         reranking=reranking,
+        mmproj_path=mmproj.path if mmproj is not None else None,
+        mmproj_offload=bool(lane.layout.gpus) if mmproj is not None else None,
     )
 
 

@@ -10,6 +10,8 @@ import os
 import re
 from pathlib import Path
 
+import msgspec
+
 from shared.gguf_scan import (
     ArrayLength,
     GGUFFormatError,
@@ -261,8 +263,6 @@ class FactsCache(dict):
         self.file = Path(file) if file else None
         self._saved: set = set()
         if self.file and self.file.is_file():
-            import msgspec
-
             try:
                 entries = msgspec.json.decode(self.file.read_bytes(), type=list[tuple[str, int, int, ModelFacts]])
             except (msgspec.DecodeError, msgspec.ValidationError, OSError):
@@ -274,8 +274,6 @@ class FactsCache(dict):
     def save(self) -> None:
         if self.file is None or set(self) == self._saved:
             return
-        import msgspec
-
         self.file.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.file.with_suffix(".tmp")
         tmp.write_bytes(msgspec.json.encode([(*k, v) for k, v in sorted(self.items(), key=lambda kv: kv[0])]))
@@ -287,14 +285,25 @@ def scan_models(
     folders: list[str | os.PathLike[str]], cache: dict[tuple[str, int, int], ModelFacts] | None = None
 ) -> tuple[list[ModelFacts], list[str]]:
     """Facts for every *.gguf under the folders, and one line per file that could not be read.
+    A projector (*mmproj*.gguf) is not a model: it goes into the facts of the model it pairs with.
 
     With a cache (keyed by path, size and mtime), an unchanged file is not read again.
     """
+    from shared.gguf_projector import is_projector_name, pair, projector_facts
+
     found: list[ModelFacts] = []
+    projectors = {}
     problems: list[str] = []
     seen: set[tuple[str, int, int]] = set()
     for folder in folders:
         for path in sorted(Path(folder).rglob("*.gguf")):
+            if is_projector_name(path):  # a header read, never cached: a few milliseconds
+                try:
+                    proj = projector_facts(path)
+                    projectors[proj.path] = proj
+                except (GGUFFormatError, OSError, ValueError) as exc:
+                    problems.append(f"{path}: not a projector lanes can read ({exc})")
+                continue
             try:
                 st = path.stat()
                 key = (str(path), st.st_size, st.st_mtime_ns)
@@ -309,6 +318,10 @@ def scan_models(
                 continue  # reported as an adapter (shared.adapters.scan_adapters)
             except (ModelError, OSError) as exc:
                 problems.append(str(exc))
+    pairs = pair([f.path for f in found], list(projectors))
+    found = [msgspec.structs.replace(f, mmproj=projectors[pairs[f.path]]) if f.path in pairs else f for f in found]
+    for path in sorted(set(projectors) - set(pairs.values())):
+        problems.append(f"{path}: a projector with no model beside it (name it after its model)")
     if isinstance(cache, FactsCache):
         for key in [k for k in cache if k not in seen]:  # gone, or changed since (a new key)
             del cache[key]

@@ -124,6 +124,7 @@ class ServerCaps(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     # them); --reranking (/v1/rerank).
     has_lora: bool = True
     has_reranking: bool = True
+    has_mmproj: bool = True  # --mmproj and --mmproj-offload/--no-mmproj-offload
 
 
 class LayerWeights(msgspec.Struct, frozen=True, gc=False, array_like=True):
@@ -145,6 +146,29 @@ class LayerWeights(msgspec.Struct, frozen=True, gc=False, array_like=True):
     # File ranges by repack key: (ggml type, rows multiple, first, end); ("", 0, ...) for tensors no
     # CPU repacks. A CPU maps only the range of what it does not repack (empty: from an older lanes).
     spans: Annotated[tuple[tuple[Label, Int32, Bytes, Bytes], ...], FEW] = ()
+
+
+class ProjectorFacts(msgspec.Struct, frozen=True, gc=False, kw_only=True):
+    """A multimodal projector (mmproj GGUF, general.architecture = clip) paired with a model:
+    what the memory model needs to plan its weights and compute buffer (tools/mtmd/clip.cpp)."""
+
+    path: Text
+    projector_type: Label  # clip.projector_type: gemma3, idefics3, qwen2vl_merger ...
+    vision: bool = True  # clip.has_vision_encoder: the model takes images
+    audio: bool = False  # clip.has_audio_encoder
+    weight_bytes: Bytes = 0  # its tensors, each padded to 32 bytes (CPU buffer)
+    weight_cuda_bytes: Bytes = 0  # as CUDA allocates them
+    file_weight_bytes: Bytes = 0  # the unpadded sum clip.cpp prints as "model size"
+    n_embd: Int32 = 0
+    n_ff: Int32 = 0
+    n_head: Int32 = 0
+    n_layer: Int32 = 0
+    image_size: Int32 = 0
+    patch_size: Int32 = 0
+    n_merge: Int32 = 0  # clip.vision.projector.scale_factor (0: the type's default)
+    n_mmproj_embd: Int32 = 0  # the text model's n_embd it feeds
+    file_bytes: Bytes = 0
+    file_mtime_ns: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] = 0
 
 
 class ModelFacts(msgspec.Struct, frozen=True, gc=False, kw_only=True):
@@ -189,6 +213,8 @@ class ModelFacts(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     # {arch}.pooling_type as llama.cpp names it (mean, cls, last, rank); "" when the file declares
     # none: a model that declares one is an embedding model and its lanes serve embeddings.
     pooling: Label = ""
+    # The multimodal projector paired with it (a *mmproj*.gguf beside it); None: text only.
+    mmproj: ProjectorFacts | None = None
 
 
 OUTPUT_LAYER = 65536  # an adapter's output tensors: the layer after its base's last block, whatever n_layer
@@ -348,6 +374,9 @@ class Persona(msgspec.Struct, frozen=True, gc=False, kw_only=True, forbid_unknow
     adapters: Annotated[tuple[Name, ...], FEW] = ()
     # Lanes serve /v1/rerank (llama-server --reranking); None: when the GGUF declares rank pooling.
     reranking: bool | None = None
+    # Lanes load the model's multimodal projector (--mmproj) and take images; None: when a
+    # projector is paired with the model file (a *mmproj*.gguf beside it); False: text only.
+    vision: bool | None = None
 
 
 class Demand(_Msg, tag="demand", forbid_unknown_fields=True, kw_only=True):
@@ -393,6 +422,7 @@ class DeviceMemory(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     index: Annotated[int, msgspec.Meta(ge=-1, le=1023)] = -1
     backend: Label = ""  # "cpu" for host RAM; cuda, rocm, metal, rpc, vulkan; "" not known
     adapter_bytes: Bytes = 0  # LoRA adapters' tensors (`LoRA buffer size` lines)
+    projector_bytes: Bytes = 0  # the multimodal projector's weights and compute buffer (--mmproj)
 
     def __post_init__(self) -> None:
         # Written by an older lanes (no index, no backend): the name is all there is.
@@ -405,7 +435,7 @@ class DeviceMemory(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     @property
     def total(self) -> int:
         return (self.model_bytes + self.kv_bytes + self.compute_bytes + self.output_bytes + self.recurrent_bytes
-                + self.prompt_cache_bytes + self.adapter_bytes)  # fmt: skip
+                + self.prompt_cache_bytes + self.adapter_bytes + self.projector_bytes)  # fmt: skip
 
 
 class MemoryBreakdown(msgspec.Struct, frozen=True, gc=False, kw_only=True):
@@ -425,6 +455,7 @@ class MemoryBreakdown(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     # Per device (CPU first); the totals above are their sums plus the process overhead.
     devices: Annotated[tuple[DeviceMemory, ...], FEW] = ()
     adapter_bytes: Bytes = 0  # LoRA adapters' tensors, summed over devices
+    projector_bytes: Bytes = 0  # the multimodal projector's weights and compute (in total_bytes)
 
 
 class LaneLayout(msgspec.Struct, frozen=True, gc=False):
@@ -523,6 +554,10 @@ class LaneSpec(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     adapters: Annotated[tuple[Name, ...], FEW] = ()
     adapter_paths: Annotated[tuple[Text, ...], FEW] = ()
     reranking: bool = False  # --reranking: the lane serves /v1/rerank only
+    # --mmproj: the multimodal projector the lane loads (None: text only), and where it runs:
+    # True --mmproj-offload (the lane's first device), False --no-mmproj-offload (host RAM).
+    mmproj_path: Text | None = None
+    mmproj_offload: bool | None = None
 
 
 class Unplaced(msgspec.Struct, frozen=True, gc=False, kw_only=True):
@@ -779,6 +814,8 @@ class ModelState(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     embeddings: bool = False
     adapters: Annotated[tuple[Name, ...], FEW] = ()  # the persona's LoRA adapters: "name:adapter" asks for one
     reranking: bool = False  # its lanes serve /v1/rerank
+    # Its lanes load a multimodal projector that reads images (--mmproj): image requests go to them.
+    vision: bool = False
 
 
 class ModelStates(_Msg, tag="model_states", kw_only=True):

@@ -57,8 +57,8 @@ def _argv(binary: str, model: str, key: str) -> list[str]:
     return argv
 
 
-def measure(binary: str, model: str, key: str, timeout: float = 120.0) -> dict:
-    argv = _argv(binary, model, key)
+def run_until_loaded(argv: list[str], timeout: float = 120.0) -> list[str]:
+    """The lines llama-server prints until it has loaded (or fails), then stops it."""
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     deadline = time.monotonic() + timeout
@@ -72,6 +72,12 @@ def measure(binary: str, model: str, key: str, timeout: float = 120.0) -> dict:
         proc.wait(10)
     except subprocess.TimeoutExpired:
         proc.kill()
+    return lines
+
+
+def measure(binary: str, model: str, key: str, timeout: float = 120.0) -> dict:
+    argv = _argv(binary, model, key)
+    lines = run_until_loaded(argv, timeout)
     text = "\n".join(lines)
     kv, swa_next = [], None
     for line in lines:

@@ -25,6 +25,7 @@ OTHER = {
     "threads": 4, "threads_batch": 4, "cpus": (0, 1), "poll": 50,
     "chat_template": "chatml", "cache_ram_mib": 256, "embeddings": True, "pooling": "mean",
     "adapter_paths": ("/models/a.gguf",), "reranking": True,
+    "mmproj_path": "/models/mmproj-m.gguf", "mmproj_offload": False,
     # not launch fields
     "lane_id": "m-1", "model": "n", "ctx_per_slot": 2048, "memory": MemoryBreakdown(kv_bytes=2**20),
     "args": ("--model", "/models/m.gguf"), "reasons": ("why",), "layout": LaneLayout("gpu", (0,)),

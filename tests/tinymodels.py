@@ -10,10 +10,12 @@ import numpy as np
 N_VOCAB = 259  # <unk> <s> </s> + 256 byte tokens: SPM needs every byte token
 
 
-def _tokenizer(writer: gguf.GGUFWriter, n_vocab: int = N_VOCAB) -> None:
-    """SPM vocabulary: the 259 tokens it needs, then filler pieces up to n_vocab (128k-262k like real models)."""
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+def _tokenizer(writer: gguf.GGUFWriter, n_vocab: int = N_VOCAB, special: tuple[str, ...] = ()) -> None:
+    """SPM vocabulary: the 259 tokens it needs, the `special` pieces (user-defined: a projector's
+    image markers), then filler pieces up to n_vocab (128k-262k like real models)."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + list(special)
     types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
+    types += [gguf.TokenType.USER_DEFINED] * len(special)
     extra = max(0, n_vocab - len(tokens))
     tokens += [f"\u2581t{i}" for i in range(extra)]
     types += [gguf.TokenType.NORMAL] * extra
@@ -55,6 +57,7 @@ def write_llama(
     pooling: int | None = None,
     cls_labels: tuple[str, ...] = (),
     matrix_type: str = "f16",
+    special: tuple[str, ...] = (),
 ) -> Path:
     """A llama (GQA) model, or with arch="gemma3" and n_swa > 0 a sliding-window one.
 
@@ -87,7 +90,7 @@ def write_llama(
         w.add_sliding_window(n_swa)
     if cls_labels:
         w.add_classifier_output_labels(list(cls_labels))
-    _tokenizer(w, n_vocab)
+    _tokenizer(w, n_vocab, special)
 
     q, kv = n_head * head_dim, n_head_kv * head_dim
     add_tensor = w.add_tensor
@@ -106,7 +109,7 @@ def write_llama(
             values = (rng.standard_normal((rows, cols)) * 0.02).astype(np.float32)
             w.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
 
-    n_vocab = max(n_vocab, N_VOCAB)
+    n_vocab = max(n_vocab, N_VOCAB + len(special))
     w.add_tensor("token_embd.weight", _mat(rng, n_vocab, n_embd))
     w.add_tensor("output_norm.weight", _ones(n_embd))
     if arch in ("llama", "qwen3") and not tied:

@@ -102,6 +102,10 @@ def lane_args(spec: LaneSpec, caps: ServerCaps, slot_dir: str | None = None) -> 
         # the launch scales to it; --lora-init-without-apply does not change that), and the gateway
         # sets `lora` to the one adapter a request names.
         args += ["--lora-scaled", ",".join(f"{path}:0" for path in spec.adapter_paths)]
+    if spec.mmproj_path is not None:
+        args += ["--mmproj", spec.mmproj_path]
+        if spec.mmproj_offload is not None:  # without it llama-server offloads to the first GPU it finds
+            args.append("--mmproj-offload" if spec.mmproj_offload else "--no-mmproj-offload")
     if spec.fit_off:
         args += ["-fit", "off"]
     if spec.n_ubatch != DEFAULT_N_UBATCH:  # the plan's compute and sliding-window sizes assume it
@@ -227,6 +231,7 @@ def parse_caps(help_text: str, version_text: str = "") -> ServerCaps:
         has_lora="--lora-scaled" in help_text,
         has_reranking="--reranking" in help_text,
         has_slot_save="--slot-save-path" in help_text,
+        has_mmproj="--no-mmproj-offload" in help_text,
     )
 
 

@@ -33,6 +33,11 @@ _BUFFER = re.compile(
 # A LoRA adapter's tensors, one line per buffer type (llama_adapter_lora_init_impl).
 _LORA_BUFFER = re.compile(r"(llama_adapter_lora_init\w*):\s+(\S+?)\s+(LoRA) buffer size =\s*([\d.]+) MiB")
 _OFFLOADED = re.compile(r"offloaded (\d+)/(\d+) layers")
+# The multimodal projector (tools/mtmd/clip.cpp): its backend, its weights, its warm-up compute buffer
+# (printed again when flash attention is turned off after a first try: the last one stands).
+_CLIP_USING = re.compile(r"CLIP using (\S+) backend")
+_CLIP_WEIGHTS = re.compile(r"load_hparams: model size:\s+([\d.]+) MiB")
+_CLIP_COMPUTE = re.compile(r"reserve_compute_meta:\s+(\S+) compute buffer size =\s*([\d.]+) MiB")
 _USING = re.compile(r"llama_prepare_model_devices: using device (\S+) \(([^)]*)\)")
 _HOST_BUFFER = re.compile(r"^(CPU\w*|\w+_Host|\w+_Mapped|\w+_REPACK)$")
 _DEVICE_BUFFER = re.compile(r"^(?:CUDA|RPC|Vulkan|ROCm|MTL|SYCL|CANN|OpenCL)(\d+)")
@@ -66,7 +71,8 @@ def is_kv_size_line(line: str) -> bool:
 def is_buffer_line(line: str) -> bool:
     """A line parse_buffers reads (buffer sizes, offloaded layers, and the devices in use, which
     number a pinned lane's devices from 0 and tell RPC servers apart by endpoint)."""
-    return any(p.search(line) is not None for p in (_BUFFER, _LORA_BUFFER, _OFFLOADED, _USING))
+    return any(p.search(line) is not None for p in (_BUFFER, _LORA_BUFFER, _OFFLOADED, _USING, _CLIP_USING,
+                                                    _CLIP_WEIGHTS, _CLIP_COMPUTE))  # fmt: skip
 
 
 def is_loaded_line(line: str) -> bool:
@@ -126,7 +132,17 @@ def parse_buffers(lines: Iterable[str]) -> DeviceBuffers:
     (each names its buffers RPC0[host:port]) is told apart by its endpoint."""
     out = DeviceBuffers()
     order: dict[str, int] = {}
+    clip_device, clip_weights, clip_compute = "CPU", 0.0, {}
     for line in lines:
+        if (m := _CLIP_USING.search(line)) is not None:
+            clip_device = _lane_device(m.group(1), order)
+            continue
+        if (m := _CLIP_WEIGHTS.search(line)) is not None:
+            clip_weights = float(m.group(1))
+            continue
+        if (m := _CLIP_COMPUTE.search(line)) is not None:
+            clip_compute[_lane_device(m.group(1), order)] = float(m.group(2))
+            continue
         if (m := _USING.search(line)) is not None:
             name, desc = m.groups()
             order.setdefault(f"{name}[{desc}]" if name.startswith("RPC") else name, len(order))
@@ -138,17 +154,27 @@ def parse_buffers(lines: Iterable[str]) -> DeviceBuffers:
         if m is None:
             continue
         _, buffer, kind, value = m.groups()
-        name = device_name(buffer)
-        if name != "CPU" and order:
-            key = buffer if buffer.startswith("RPC") else re.sub(r"_.*$", "", buffer)
-            rpc = _RPC_BUFFER.match(buffer)
-            if rpc:  # match the server by its endpoint, whatever index it gave itself
-                key = next((k for k in order if k.endswith(f"[{rpc.group(1)}]")), key)
-            if key in order:
-                name = f"GPU{order[key]}"
+        name = _lane_device(buffer, order)
         per = out.mib.setdefault(name, {})
         per[kind] = round(per.get(kind, 0.0) + float(value), 2)
+    for name, mib in [(clip_device, clip_weights), *clip_compute.items()]:
+        if mib:
+            per = out.mib.setdefault(name, {})
+            per["projector"] = round(per.get("projector", 0.0) + mib, 2)
     return out
+
+
+def _lane_device(buffer: str, order: dict[str, int]) -> str:
+    """CPU or GPU<i>, i the buffer's device among the ones the lane uses."""
+    name = device_name(buffer)
+    if name != "CPU" and order:
+        key = buffer if buffer.startswith("RPC") else re.sub(r"_.*$", "", buffer)
+        rpc = _RPC_BUFFER.match(buffer)
+        if rpc:  # match the server by its endpoint, whatever index it gave itself
+            key = next((k for k in order if k.endswith(f"[{rpc.group(1)}]")), key)
+        if key in order:
+            name = f"GPU{order[key]}"
+    return name
 
 
 def devices_from_lines(lines: Iterable[str]) -> tuple[DeviceMemory, ...]:
@@ -162,6 +188,7 @@ def devices_from_lines(lines: Iterable[str]) -> tuple[DeviceMemory, ...]:
             compute_bytes=round(printed.get(name, "compute") * MIB),
             output_bytes=round(printed.get(name, "output") * MIB),
             adapter_bytes=round(printed.get(name, "LoRA") * MIB),
+            projector_bytes=round(printed.get(name, "projector") * MIB),
         )
         for name in printed.devices()
     )

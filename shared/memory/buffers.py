@@ -32,6 +32,7 @@ from shared.llama.builds import fa_mask_is_f16, reserves_logits_per_token
 from shared.memory.cpu_repack import repack_rule
 from shared.memory.experts import cpu_expert_blocks
 from shared.memory.kv import DEFAULT_N_UBATCH, MIB, KvSize, MemoryModelError, kv_size
+from shared.memory.projector import projector_bytes
 from shared.memory.placement import (
     CPU,
     NglRule,
@@ -84,6 +85,8 @@ class LaneShape:
     llama_build: int = 0  # the build whose graph rules apply (shared.llama.builds); 0: the current rules
     adapters: tuple[AdapterFacts, ...] = ()  # LoRA adapters loaded with --lora
     pooled: bool = False  # --embeddings or --reranking: every ubatch token is an output (shared.memory.pooled)
+    mmproj: bool = False  # --mmproj: the model's projector (facts.mmproj) is loaded
+    mmproj_offload: bool = False  # --mmproj-offload: on the lane's first device (else host RAM)
 
 
 def placement_for(facts: ModelFacts, shape: LaneShape) -> Placement:
@@ -368,6 +371,8 @@ def lane_memory(
     output = output_bytes(facts, placement, shape.parallel)
     prompt_cache = prompt_cache_bytes(shape, placement)
     adapters = adapter_bytes(shape.adapters, placement)
+    projector = projector_bytes(facts.mmproj if shape.mmproj else None, placement, shape.mmproj_offload,
+                                shape.flash_attn)  # fmt: skip
     devices = []
     for i in range(1 + placement.n_devices):
         dev = CPU if i == 0 else i - 1
@@ -384,6 +389,7 @@ def lane_memory(
                 layers=len(placement.layers_on(dev)),
                 index=dev,
                 backend=placement.backend(dev),
+                projector_bytes=projector[i],
             )
         )
     total = sum(d.total for d in devices) + PROCESS_OVERHEAD
@@ -403,4 +409,5 @@ def lane_memory(
         total_bytes=total,
         devices=tuple(devices),
         adapter_bytes=sum(adapters),
+        projector_bytes=sum(projector),
     )

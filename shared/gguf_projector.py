@@ -1,0 +1,103 @@
+"""Multimodal projectors (mmproj GGUF files) read and paired with their models.
+
+Pairing follows llama.cpp's router mode reading --models-dir (common/preset.cpp,
+load_from_models_dir): in a folder, a *.gguf whose name contains "mmproj" is the
+projector of the model file beside it. A folder holding several models pairs a projector
+with the model whose base name it carries (mmproj-NAME-f16.gguf or NAME-mmproj-f16.gguf
+beside NAME-Q4_K_M.gguf): the name without "mmproj" and its type suffix.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+from shared.gguf_facts import _cuda_bytes
+from shared.gguf_scan import GGUFFormatError, GGUFHeader, read_header
+from shared.messages import ProjectorFacts
+
+PROJECTOR_ARCH = "clip"
+# A weight type or quantization at the end of a file's stem: -f16, .Q4_K_M, _bf16, -IQ3_XXS, -model-f16.
+_TYPE_SUFFIX = re.compile(r"([-_.](model|f16|f32|bf16|fp16|fp32|q\d[a-z0-9_]*|iq\d[a-z0-9_]*|mxfp4))+$")
+
+
+def is_projector_name(path: str | os.PathLike[str]) -> bool:
+    """llama.cpp's test: a .gguf whose name contains "mmproj"."""
+    name = Path(path).name
+    return name.endswith(".gguf") and "mmproj" in name
+
+
+def base_name(path: str | os.PathLike[str]) -> str:
+    """A file's model name for pairing: lowercased, without "mmproj" and the type suffix."""
+    stem = Path(path).name.lower().removesuffix(".gguf")
+    stem = re.sub(r"[-_.]*mmproj[-_.]*", "-", stem).strip("-_.")
+    stem = _TYPE_SUFFIX.sub("", stem)
+    return re.sub(r"[-_.]+", "-", stem)
+
+
+def is_projector(header: GGUFHeader) -> bool:
+    return header.fields.get("general.architecture") == PROJECTOR_ARCH
+
+
+def projector_facts(path: str | os.PathLike[str], header: GGUFHeader | None = None) -> ProjectorFacts:
+    """What the planner needs of a projector file (raises GGUFFormatError for another file)."""
+    path = Path(path)
+    header = header or read_header(path)
+    if not is_projector(header):
+        raise GGUFFormatError(f"{path}: not a projector (general.architecture is not {PROJECTOR_ARCH})")
+    f = header.fields
+
+    def u32(key: str) -> int:
+        value = f.get(key, 0)
+        return int(value) if isinstance(value, (int, float)) else 0
+
+    proj_type = f.get("clip.projector_type") or f.get("clip.vision.projector_type") or ""
+    st = path.stat()
+    proj = next((t for t in header.tensors if t.name in ("mm.input_projection.weight", "mm.model.fc.weight")), None)
+    mmproj_embd = 0
+    if proj is not None:  # clip_n_mmproj_embd for the types generated files and tests read
+        mmproj_embd = proj.shape[0] if proj.name == "mm.input_projection.weight" else proj.shape[1]
+    return ProjectorFacts(
+        path=os.path.abspath(path),
+        projector_type=str(proj_type),
+        vision=bool(f.get("clip.has_vision_encoder", False)),
+        audio=bool(f.get("clip.has_audio_encoder", False)),
+        weight_bytes=sum(-(-t.n_bytes // 32) * 32 for t in header.tensors),
+        weight_cuda_bytes=sum(_cuda_bytes(t) for t in header.tensors),
+        file_weight_bytes=sum(t.n_bytes for t in header.tensors),
+        n_embd=u32("clip.vision.embedding_length"),
+        n_ff=u32("clip.vision.feed_forward_length"),
+        n_head=u32("clip.vision.attention.head_count"),
+        n_layer=u32("clip.vision.block_count"),
+        image_size=u32("clip.vision.image_size"),
+        patch_size=u32("clip.vision.patch_size"),
+        n_merge=u32("clip.vision.projector.scale_factor"),
+        n_mmproj_embd=int(mmproj_embd),
+        file_bytes=st.st_size,
+        file_mtime_ns=st.st_mtime_ns,
+    )
+
+
+def pair(models: Iterable[str], projectors: Iterable[str]) -> dict[str, str]:
+    """{model path: projector path}. Pure over paths: a projector pairs with a model in its own
+    folder, by base name; failing that, with the folder's only model (the router's convention of
+    one model per folder). Of several candidates the first by name is taken."""
+    by_folder: dict[str, tuple[list[str], list[str]]] = {}
+    for m in models:
+        by_folder.setdefault(str(Path(m).parent), ([], []))[0].append(m)
+    for p in projectors:
+        by_folder.setdefault(str(Path(p).parent), ([], []))[1].append(p)
+    out: dict[str, str] = {}
+    for folder_models, folder_projectors in by_folder.values():
+        if not folder_models or not folder_projectors:
+            continue
+        folder_projectors = sorted(folder_projectors)
+        for m in sorted(folder_models):
+            named = [p for p in folder_projectors if base_name(p) == base_name(m)]
+            if named:
+                out[m] = named[0]
+            elif len(folder_models) == 1:
+                out[m] = folder_projectors[0]
+    return out

@@ -1,0 +1,75 @@
+"""The multimodal projector's memory (--mmproj), on the device where llama-server puts it. Pure.
+
+tools/mtmd/clip.cpp (b11434): the projector's tensors go into one buffer of its backend
+(each padded to the buffer's alignment, as the model's are), and a compute buffer is
+reserved for the warm-up graph of one image of clip.vision.image_size pixels a side
+(`warmup with image size`, then `<buffer> compute buffer size = X MiB`). The backend is the
+lane's first device with --mmproj-offload (common/arg.cpp: -mmdev defaults to the first
+--device), host RAM with --no-mmproj-offload. A projector on a device also reserves a host
+compute buffer for the graph's input, the image (f32 RGB): measured with RPC devices.
+"""
+
+from __future__ import annotations
+
+from shared.memory.placement import CPU, Placement
+from shared.messages import ProjectorFacts
+
+PINNED = frozenset({"cuda", "rocm"})
+F32 = 4
+
+
+def projector_device(placement: Placement, offload: bool) -> int:
+    """CPU (-1), or 0: the lane's first GPU-type device."""
+    return 0 if offload and placement.n_devices > 0 else CPU
+
+
+def projector_compute_bytes(proj: ProjectorFacts, flash_attn: bool) -> int:
+    """The compute buffer clip reserves for its warm-up image: the largest of the graph's peaks
+    (compute_peaks)."""
+    return max(compute_peaks(proj, flash_attn).values())
+
+
+def compute_peaks(proj: ProjectorFacts, flash_attn: bool) -> dict[str, int]:
+    """The warm-up graph's peaks, by name. ggml-alloc packs the graph (no closed form), so these
+    follow the tensors alive at each peak, fitted to the printed lines of SigLIP encoders with the
+    gemma3 and idefics3 heads (tests/record_projector_figures.py): with P patches a side, e (the
+    residual stream, n_embd x P^2 f32), f (the FFN activations, n_ff x P^2 f32), the f32 scores of
+    every head without flash attention (P^2 x P^2 x n_head), and for gemma3 the f16 copy of its
+    transposed input projection, which the graph computes first and holds to the end (n_embd x
+    the text model's n_embd). Exact on every recorded shape with flash attention (llama-server's
+    default, auto, turns it on for CPU and CUDA); without it the gemma3 figure is an upper bound
+    (at most 0.25 MiB above, tests/test_projector_memory.py)."""
+    side = proj.image_size // proj.patch_size if proj.patch_size else 0
+    n_pos = side * side
+    e = proj.n_embd * n_pos * F32
+    f = proj.n_ff * n_pos * F32
+    gemma3 = proj.projector_type == "gemma3"
+    c = proj.n_embd * proj.n_mmproj_embd * 2 if gemma3 else 0
+    peaks = {
+        # the image (f32 RGB) and its patches unrolled for the convolution (im2col, f16)
+        "patches": proj.image_size * proj.image_size * 3 * F32 + 3 * proj.patch_size**2 * n_pos * 2,
+        "ffn": f + 2 * e + c,
+    }
+    if proj.n_layer >= 2:  # a block's output stays alive while the next block's FFN runs
+        peaks["ffn_next"] = f + 3 * e
+    if flash_attn:
+        peaks["attention"] = 5 * e + (c if c > e else 0)
+    else:
+        kq = n_pos * n_pos * proj.n_head * F32
+        peaks["attention"] = kq + 4 * e + (max(min(2 * e, kq), e + c) if gemma3 else 0)
+    return peaks
+
+
+def projector_bytes(
+    proj: ProjectorFacts | None, placement: Placement, offload: bool, flash_attn: bool
+) -> list[int]:
+    """Weights and compute per device (host RAM at index 0, as the other buffers)."""
+    out = [0] * (1 + placement.n_devices)
+    if proj is None:
+        return out
+    dev = projector_device(placement, offload)
+    pinned = dev != CPU and placement.backend(dev) in PINNED
+    out[1 + dev] += (proj.weight_cuda_bytes if pinned else proj.weight_bytes) + projector_compute_bytes(proj, flash_attn)
+    if dev != CPU:  # the warm-up image, a graph input, stays in host memory
+        out[0] += proj.image_size * proj.image_size * 3 * F32
+    return out

@@ -1,0 +1,215 @@
+"""Vision: a projector (*mmproj*.gguf) is paired with its model as llama.cpp's router pairs them, its
+weights and compute buffer are planned where llama-server puts them, exact against the figures the
+real binary printed (tests/llama_figures.json, `mmproj|` keys, tests/record_projector_figures.py),
+and the plan renders --mmproj with the offload flag the binary's --help offers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import msgspec
+import pytest
+from test_planner import host, llama_1b, only_lane
+from tinymodels import write_llama
+from tinyprojectors import write_projector
+
+from planner_svc.layouts import with_layers
+from planner_svc.planner import plan
+from shared.gguf_facts import scan_models
+from shared.gguf_projector import base_name, pair
+from shared.llama.flags import lane_args, parse_caps
+from shared.llama.logs import devices_from_lines
+from shared.memory import LaneShape, lane_memory
+from shared.memory.projector import projector_compute_bytes
+from shared.messages import Demand, FleetConfig, GpuInfo, LaneSpec, Persona, ProjectorFacts, ServerCaps
+
+MIB = 2**20
+GIB = 2**30
+FIGURES = json.loads(Path(__file__).with_name("llama_figures.json").read_text())
+RECORDED = sorted(k for k in FIGURES if k.startswith("mmproj|"))
+
+
+def _facts(key: str) -> tuple[ProjectorFacts, bool]:
+    d = dict(part.split("=", 1) for part in key.split("|")[1:])
+    proj = ProjectorFacts(path="/m/mmproj.gguf", projector_type=d["type"], n_embd=int(d["n_embd"]), n_ff=int(d["n_ff"]),
+                          n_head=int(d["n_head"]), n_layer=int(d["n_layer"]), image_size=int(d["image"]),
+                          patch_size=int(d["patch"]), n_merge=int(d["merge"]), n_mmproj_embd=int(d["text_embd"]))  # fmt: skip
+    return proj, d["flash_attn"] == "on"
+
+
+def test_figures_were_recorded_for_two_projector_types():
+    assert {dict(p.split("=", 1) for p in k.split("|")[1:])["type"] for k in RECORDED} >= {"gemma3", "idefics3"}
+    assert all("error" not in FIGURES[k] for k in RECORDED)
+
+
+@pytest.mark.parametrize("key", RECORDED)
+def test_compute_buffer_matches_the_printed_line(key):
+    """With flash attention (llama-server's default on CPU and CUDA) the plan is the printed figure;
+    without it, never below it and at most 0.25 MiB above (ggml-alloc's packing of the scores)."""
+    proj, flash_attn = _facts(key)
+    printed = FIGURES[key]["compute_mib"]["CPU"]
+    planned = projector_compute_bytes(proj, flash_attn) / MIB
+    if flash_attn:
+        assert round(planned, 2) == printed
+    else:
+        assert printed <= round(planned, 2) <= printed + 0.25
+
+
+def test_weights_are_the_printed_model_size_padded_as_allocated(tmp_path):
+    """clip.cpp prints the unpadded sum ("model size"); the buffer pads each tensor to 32 bytes."""
+    for proj_type in ("gemma3", "idefics3"):
+        path = write_projector(tmp_path / f"mmproj-{proj_type}.gguf", proj_type=proj_type, n_embd=128, n_ff=256)
+        model = write_llama(tmp_path / f"{proj_type}.gguf")
+        found, _ = scan_models([tmp_path])
+        proj = next(f.mmproj for f in found if f.path == str(model))
+        assert proj is not None and proj.path == str(path) and proj.projector_type == proj_type
+        key = next(k for k in RECORDED if f"type={proj_type}|n_embd=128|n_ff=256|n_head=4|n_layer=2|image=224|" in k)
+        assert round(proj.file_weight_bytes / MIB, 2) == FIGURES[key]["weights_mib"]
+        assert 0 <= proj.weight_bytes - proj.file_weight_bytes < 32 * 40  # 40 tensors at most, each < 32 B of padding
+        (tmp_path / f"{proj_type}.gguf").unlink()
+        path.unlink()
+
+
+def test_pairing_follows_the_router_and_the_base_name(tmp_path):
+    """One model in a folder takes the projector beside it (llama.cpp's router: a *.gguf whose
+    name contains "mmproj"); a folder of several pairs each by base name; an orphan is reported."""
+    (tmp_path / "gemma").mkdir()
+    write_llama(tmp_path / "gemma" / "gemma-3-4b-it-Q4_K_M.gguf")
+    write_projector(tmp_path / "gemma" / "mmproj-F16.gguf")
+    write_llama(tmp_path / "SmolVLM-256M-Instruct-Q8_0.gguf")
+    write_projector(tmp_path / "mmproj-SmolVLM-256M-Instruct-Q8_0.gguf", proj_type="idefics3")
+    write_llama(tmp_path / "Qwen2.5-VL-3B-Instruct-q4_k_m.gguf")
+    write_projector(tmp_path / "Qwen2.5-VL-3B-Instruct-mmproj-f16.gguf")
+    write_llama(tmp_path / "plain.gguf")
+    write_projector(tmp_path / "mmproj-nobody.gguf")
+    found, problems = scan_models([tmp_path])
+    by_name = {f.name: f.mmproj.path.rsplit("/", 1)[-1] if f.mmproj else None for f in found}
+    assert by_name == {
+        "gemma-3-4b-it-Q4_K_M": "mmproj-F16.gguf",
+        "SmolVLM-256M-Instruct-Q8_0": "mmproj-SmolVLM-256M-Instruct-Q8_0.gguf",
+        "Qwen2.5-VL-3B-Instruct-q4_k_m": "Qwen2.5-VL-3B-Instruct-mmproj-f16.gguf",
+        "plain": None,
+    }
+    assert [p for p in problems if "mmproj-nobody" in p and "no model beside it" in p]
+    assert base_name("mmproj-gemma-3-4b-it-f16.gguf") == base_name("gemma-3-4b-it-Q4_K_M.gguf") == "gemma-3-4b-it"
+    assert pair(["/a/m.gguf", "/a/n.gguf"], ["/a/mmproj-x.gguf"]) == {}  # several models, no name: no guess
+
+
+def _proj(**kw) -> ProjectorFacts:
+    base = dict(path="/m/mmproj-m.gguf", projector_type="gemma3", weight_bytes=400 * MIB, weight_cuda_bytes=401 * MIB,
+                n_embd=1152, n_ff=4304, n_head=16, n_layer=27, image_size=896, patch_size=14, n_mmproj_embd=2048)  # fmt: skip
+    return ProjectorFacts(**(base | kw))
+
+
+def test_the_projector_lands_on_host_ram_or_the_lanes_first_device():
+    facts = with_layers(msgspec.structs.replace(llama_1b(), mmproj=_proj()))
+    compute = projector_compute_bytes(facts.mmproj, True)
+    cpu = lane_memory(facts, LaneShape(ctx=4096, flash_attn=True, mmproj=True))
+    assert cpu.devices[0].projector_bytes == 400 * MIB + compute == cpu.projector_bytes
+    without = lane_memory(facts, LaneShape(ctx=4096, flash_attn=True))
+    assert cpu.total_bytes - without.total_bytes == cpu.projector_bytes
+    gpu = lane_memory(facts, LaneShape(ctx=4096, flash_attn=True, mmproj=True, mmproj_offload=True,
+                                       n_gpu_layers="all", devices=("cuda", "cuda")))  # fmt: skip
+    image = 896 * 896 * 3 * 4  # the warm-up image stays in host memory
+    assert [d.projector_bytes for d in gpu.devices] == [image, 401 * MIB + compute, 0]
+    kept = lane_memory(facts, LaneShape(ctx=4096, flash_attn=True, mmproj=True, mmproj_offload=False,
+                                        n_gpu_layers="all", devices=("cuda",)))  # fmt: skip
+    assert [d.projector_bytes for d in kept.devices] == [400 * MIB + compute, 0]
+
+
+def test_the_plan_renders_mmproj_and_counts_it_in_the_window():
+    """The window search sizes the lane with the projector's bytes: with little RAM the lane's window
+    shrinks by what the projector takes; a GPU lane offloads it, a CPU lane keeps it in RAM."""
+    facts = msgspec.structs.replace(llama_1b("vlm"), mmproj=_proj(weight_bytes=600 * MIB, weight_cuda_bytes=600 * MIB))
+    demand = Demand(personas=(Persona(model="vlm", ctx_max=131072),))
+    small = host(ram_available=int(4.5 * GIB), ram_total=8 * GIB, models=(facts,))
+    lane = only_lane(plan([small], FleetConfig(), demand))
+    text_only = only_lane(plan([small], FleetConfig(), Demand(personas=(Persona(model="vlm", ctx_max=131072, vision=False),))))
+    assert lane.mmproj_path == "/m/mmproj-m.gguf" and lane.mmproj_offload is False
+    assert text_only.mmproj_path is None and text_only.memory.projector_bytes == 0
+    # flash attention auto: on for the CPU, as clip turns it on
+    assert lane.memory.projector_bytes == 600 * MIB + projector_compute_bytes(facts.mmproj, True)
+    assert lane.ctx_total < text_only.ctx_total  # the projector's bytes came out of the window
+    assert any("--mmproj" in r for r in lane.reasons)
+    args = lane_args(lane, ServerCaps())
+    assert args[args.index("--mmproj") + 1] == "/m/mmproj-m.gguf" and "--no-mmproj-offload" in args
+    gpu_host = host(models=(facts,), gpus=(GpuInfo(name="g", vram_total=24 * GIB, vram_free=24 * GIB, device="CUDA0"),))
+    gpu_lane = only_lane(plan([gpu_host], FleetConfig(), demand))
+    assert gpu_lane.mmproj_offload is True and "--mmproj-offload" in lane_args(gpu_lane, ServerCaps())
+    gpu0 = next(d for d in gpu_lane.memory.devices if d.index == 0)
+    host_ram = next(d for d in gpu_lane.memory.devices if d.index == -1)
+    assert gpu0.projector_bytes == 600 * MIB + projector_compute_bytes(facts.mmproj, True)
+    assert host_ram.projector_bytes == 896 * 896 * 3 * 4  # the warm-up image, a graph input
+    assert gpu_lane.memory.projector_bytes == gpu0.projector_bytes + host_ram.projector_bytes
+
+
+def test_a_binary_without_the_flags_gets_no_projector():
+    facts = msgspec.structs.replace(llama_1b("vlm"), mmproj=_proj())
+    old = host(models=(facts,), server=ServerCaps(has_mmproj=False))
+    lane = only_lane(plan([old], FleetConfig(), Demand(personas=(Persona(model="vlm"),))))
+    assert lane.mmproj_path is None and lane.memory.projector_bytes == 0
+
+
+def test_the_flags_come_from_the_binarys_help(llama_server):
+    """b11434 offers --mmproj-offload/--no-mmproj-offload (and -mmdev, which defaults to the first
+    --device: the device lanes plans the projector on)."""
+    help_text = subprocess.run([llama_server, "--help"], capture_output=True, text=True, timeout=60).stdout
+    assert parse_caps(help_text).has_mmproj and "--mmproj-device" in help_text
+    assert not parse_caps("--flash-attn [on|off|auto]\n--mmproj FILE\n").has_mmproj
+
+
+def test_the_printed_projector_lines_are_read_per_device():
+    lines = [
+        "clip_ctx: CLIP using CUDA0 backend",
+        "load_hparams: model size:         812.50 MiB",
+        "reserve_compute_meta:      CUDA0 compute buffer size =   103.81 MiB",
+        "reserve_compute_meta:        CPU compute buffer size =     9.19 MiB",
+        "llama_prepare_model_devices: using device CUDA0 (NVIDIA H200)",
+        "sched_reserve:      CUDA0 compute buffer size =    27.28 MiB",
+    ]
+    devices = {d.device: d for d in devices_from_lines(lines)}
+    assert devices["GPU0"].projector_bytes == round((812.50 + 103.81) * MIB)
+    assert devices["CPU"].projector_bytes == round(9.19 * MIB)
+    assert devices["GPU0"].compute_bytes == round(27.28 * MIB)
+
+
+def test_lane_spec_fields_are_additive():
+    spec = LaneSpec(lane_id="m-0", model="m", model_path="/m.gguf", alias="m", port=1, ctx_total=4096, ctx_per_slot=4096,
+                    parallel=1)  # fmt: skip
+    assert spec.mmproj_path is None and spec.mmproj_offload is None
+    assert "--mmproj" not in lane_args(spec, ServerCaps())
+
+
+def test_a_wake_needs_the_projectors_bytes():
+    """On demand: the room a woken model needs (and so what eviction must free) includes its projector."""
+    from planner_svc.layouts import CPU_RESOURCE
+    from planner_svc.wake_placement import room_on
+
+    proj = _proj(weight_bytes=600 * MIB)
+    woken = Persona(model="vlm", ctx_min=4096, ctx_max=4096)
+    needs = {}
+    for label, facts in (("text", llama_1b("vlm")), ("vision", msgspec.structs.replace(llama_1b("vlm"), mmproj=proj))):
+        room, _ = room_on(host(models=(facts,)), FleetConfig(), woken, None, [woken], [])
+        needs[label] = room.needs[CPU_RESOURCE]
+    assert needs["vision"] - needs["text"] == 600 * MIB + projector_compute_bytes(proj, True)
+
+
+def test_estimate_counts_a_projector(tmp_path):
+    """`lanes estimate MODEL --mmproj FILE`: the projector on the first device, or in RAM with --no-mmproj-offload."""
+    import sys
+
+    from shared.gguf_projector import projector_facts
+
+    model = write_llama(tmp_path / "m.gguf")
+    proj = projector_facts(write_projector(tmp_path / "mmproj-m.gguf"))
+    base = [sys.executable, "-m", "lanes.cli", "estimate", str(model), "--ctx", "2048", "--mmproj", proj.path,
+            "--flash-attn", "on", "--json"]  # fmt: skip
+    for extra, where in (([], 1), (["--gpus", "8GiB", "-ngl", "all"], 2), (["--gpus", "8GiB", "-ngl", "all", "--no-mmproj-offload"], 1)):
+        out = json.loads(subprocess.run(base + extra, capture_output=True, text=True, check=True).stdout)
+        per = [d["projector_bytes"] for d in out["devices"]]
+        own = proj.weight_bytes + projector_compute_bytes(proj, True)
+        # offloaded, the warm-up image (a graph input) stays in host memory
+        assert per == ([224 * 224 * 3 * 4, own] if where == 2 else [own] + [0] * (len(per) - 1))
+        assert sum(per) == out["projector_bytes"]

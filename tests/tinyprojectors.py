@@ -1,0 +1,94 @@
+"""Small random-weight multimodal projector files (mmproj GGUF) the real llama-server loads.
+
+A SigLIP-style vision encoder (tools/mtmd/clip.cpp: v.* tensors) with one of two projector
+heads llama.cpp's clip reads: `gemma3` (average pool, then mm.input_projection) and
+`idefics3` (SmolVLM: pixel shuffle, then mm.model.fc). The projector's output width must be
+the text model's n_embd (mtmd refuses a mismatch), so `text_embd` is the paired model's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+PROJECTOR_TYPES = ("gemma3", "idefics3")
+
+
+def write_projector(
+    path: str | Path,
+    *,
+    proj_type: str = "gemma3",
+    text_embd: int = 256,
+    n_embd: int = 128,
+    n_ff: int = 256,
+    n_head: int = 4,
+    n_layer: int = 2,
+    image_size: int = 224,
+    patch_size: int = 14,
+    scale_factor: int = 2,
+    seed: int = 0,
+) -> Path:
+    if proj_type not in PROJECTOR_TYPES:
+        raise ValueError(f"projector type {proj_type!r}: one of {PROJECTOR_TYPES}")
+    path = Path(path)
+    rng = np.random.default_rng(seed)
+    n_pos = (image_size // patch_size) ** 2
+
+    def mat(rows: int, cols: int) -> np.ndarray:  # ggml shape [cols, rows], f16 like real projectors
+        return (rng.standard_normal((rows, cols)) * 0.02).astype(np.float16)
+
+    def vec(n: int, value: float = 0.0) -> np.ndarray:
+        return np.full(n, value, dtype=np.float32)
+
+    w = gguf.GGUFWriter(str(path), "clip")
+    w.add_name(path.stem)
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_string("clip.projector_type", proj_type)
+    w.add_uint32("clip.vision.embedding_length", n_embd)
+    w.add_uint32("clip.vision.feed_forward_length", n_ff)
+    w.add_uint32("clip.vision.block_count", n_layer)
+    w.add_uint32("clip.vision.projection_dim", text_embd)
+    w.add_uint32("clip.vision.attention.head_count", n_head)
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    w.add_uint32("clip.vision.image_size", image_size)
+    w.add_uint32("clip.vision.patch_size", patch_size)
+    w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    w.add_bool("clip.use_gelu", True)
+    w.add_uint32("clip.vision.projector.scale_factor", scale_factor)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+
+    w.add_tensor("v.patch_embd.weight", (rng.standard_normal((n_embd, 3, patch_size, patch_size)) * 0.02).astype(np.float16))
+    w.add_tensor("v.patch_embd.bias", vec(n_embd))
+    w.add_tensor("v.position_embd.weight", (rng.standard_normal((n_pos, n_embd)) * 0.02).astype(np.float32))
+    for il in range(n_layer):
+        p = f"v.blk.{il}"
+        for t in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            w.add_tensor(f"{p}.{t}.weight", mat(n_embd, n_embd))
+            w.add_tensor(f"{p}.{t}.bias", vec(n_embd))
+        for t in ("ln1", "ln2"):
+            w.add_tensor(f"{p}.{t}.weight", vec(n_embd, 1.0))
+            w.add_tensor(f"{p}.{t}.bias", vec(n_embd))
+        w.add_tensor(f"{p}.ffn_up.weight", mat(n_ff, n_embd))
+        w.add_tensor(f"{p}.ffn_up.bias", vec(n_ff))
+        w.add_tensor(f"{p}.ffn_down.weight", mat(n_embd, n_ff))
+        w.add_tensor(f"{p}.ffn_down.bias", vec(n_embd))
+    w.add_tensor("v.post_ln.weight", vec(n_embd, 1.0))
+    w.add_tensor("v.post_ln.bias", vec(n_embd))
+    if proj_type == "gemma3":
+        w.add_tensor("mm.input_projection.weight", mat(n_embd, text_embd))
+        w.add_tensor("mm.soft_emb_norm.weight", vec(n_embd, 1.0))
+    else:
+        w.add_tensor("mm.model.fc.weight", mat(text_embd, n_embd * scale_factor * scale_factor))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# The vocabulary pieces mtmd looks up for an idefics3 image (tools/mtmd/mtmd.cpp): a text model
+# paired with an idefics3 projector needs them (tinymodels.write_llama(special=...)).
+IDEFICS3_TOKENS = ("\n", "\n\n", "<fake_token_around_image>", "<global-img>")
