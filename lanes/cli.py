@@ -78,7 +78,7 @@ def _env_name(text: str) -> str:
 def _add_lane_env(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lane-env", action="append", default=[], type=_env_name, metavar="NAME",
                    help="also pass this variable of the agent's environment to llama-server and ggml-rpc-server "
-                        "(repeatable; they get only an allow-list otherwise: see README, Security)")  # fmt: skip
+                        "(repeatable; they get only an allow-list otherwise: see docs/security.md)")  # fmt: skip
 
 
 def _add_admin_key(p: argparse.ArgumentParser) -> None:

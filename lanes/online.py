@@ -195,12 +195,17 @@ async def supervise_nats(server: NatsServer, stop: asyncio.Event, every: float =
     return None
 
 
+FIRST_PROMPT = "The three primary colors are"
+
+
 def _first_request(url: str, model_dirs: list[str]) -> str:
-    """One copy-paste chat request, for the first model the folders hold."""
+    """One copy-paste request for the first model the folders hold: a text completion, which
+    any GGUF does well (the demo model is pretrained, not instruction-tuned: it continues text
+    and does not chat)."""
     names = sorted(p.stem for d in model_dirs for p in Path(d).glob("*.gguf"))
     model = names[0] if names else "MODEL"
-    body = msgspec.json.encode({"model": model, "messages": [{"role": "user", "content": "Say hello."}]}).decode()
-    return f"  try: curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
+    body = msgspec.json.encode({"model": model, "prompt": FIRST_PROMPT, "max_tokens": 24}).decode()
+    return f"  try: curl -s {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'"
 
 
 async def _request(nc, subject: str, payload: bytes, timeout: float = 5.0) -> bytes:
