@@ -128,7 +128,10 @@ def _add_load_timeout(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from shared.version import VERSION
+
     parser = _Parser(prog="lanes", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"lanes {VERSION}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("models", help="facts of GGUF models (files or folders)")
@@ -290,15 +293,28 @@ def _attach_dash_values(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = _attach_dash_values(list(sys.argv[1:] if argv is None else argv))
-    args = build_parser().parse_args(argv)
     try:
-        return _dispatch(args)
+        argv = _attach_dash_values(list(sys.argv[1:] if argv is None else argv))
+        args = build_parser().parse_args(argv)
+        code = _dispatch(args)
+        sys.stdout.flush()  # a reader that left shows here, inside this try, not at the interpreter's exit
+        return code
     except UserError as exc:
         print(f"lanes: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _reader_gone() -> int:
+    """The reader of our output went away (`lanes status | head -1`): end quietly, as `cat` would.
+    stdout now points at /dev/null, so the interpreter's last flush finds no broken pipe either."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + 13  # SIGPIPE's exit status, what a shell reports for a writer killed by it
 
 
 def _dispatch(args: argparse.Namespace) -> int:

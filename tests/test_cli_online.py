@@ -12,6 +12,7 @@ import sys
 import urllib.request
 
 import psutil
+from closed_pipe import run_into_closed_pipe
 from fixtures_bus import fake_binary
 from waiting import eventually_blocking
 
@@ -64,6 +65,9 @@ def test_lanes_up_config_status_and_clean_stop(tmp_path, tiny_models):
         q8 = eventually_blocking(lambda: lane("healthy", "q8_0"), what="q8_0 lane healthy")
         assert q8["ctx_total"] > f16["ctx_total"]
 
+        for args in (["status"], ["status", "--json"], ["config", "get"], ["explain", "local"]):  # `| head -1`
+            gone = run_into_closed_pipe([*LANES, *args, "--nats", url])
+            assert (gone.returncode, gone.stderr) == (141, ""), args
         table = _lanes("status", "--nats", url)
         assert table.returncode == 0 and "q8_0/q8_0" in table.stdout and "healthy" in table.stdout
         explain = _lanes("explain", "--nats", url, "local")
