@@ -49,6 +49,18 @@ def threads_text(spec: LaneSpec) -> str:
     return f"{spec.threads} @ {cpu_ranges(spec.cpus)}" if spec.cpus else str(spec.threads)
 
 
+async def _agent_until_signal(agent) -> int:
+    """SIGTERM/SIGINT stop the agent and its lanes; SIGUSR1 makes it exit and leave its lanes serving
+    for the next agent to adopt (a restart or upgrade: deploy/systemd's unit sends it on restart)."""
+    task = asyncio.ensure_future(agent)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, task.cancel)
+    try:
+        await task
+    except asyncio.CancelledError:
+        print("lanes agent: exiting on SIGUSR1; its lanes keep serving for the next agent", file=sys.stderr, flush=True)
+    return 0
+
+
 def _stop_event() -> asyncio.Event:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -108,8 +120,7 @@ async def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "agent":
         cfg = agent_config(args, Path(args.data) if args.data else Path.home() / ".lanes" / "agent")
-        await run_agent(cfg, args.nats, _stop_event(), auth)
-        return 0
+        return await _agent_until_signal(run_agent(cfg, args.nats, _stop_event(), auth))
     return await _request_command(args, auth)
 
 
