@@ -52,9 +52,9 @@ def check_gpus(binary: str | None) -> Check:
     gpus = list(nvidia_gpus()) + (list(apple_gpus()) if sys.platform == "darwin" else [])
     if not gpus:
         if shutil.which("nvidia-smi"):
-            try:
-                import pynvml  # noqa: F401
-            except ImportError:
+            from importlib.util import find_spec
+
+            if find_spec("pynvml") is None:
                 return Check("gpus", "warn", "nvidia-smi is here but NVML is not importable: lanes plan for the CPU",
                              "pip install 'lanes[nvidia]' (nvidia-ml-py)")  # fmt: skip
             return Check("gpus", "warn", "nvidia-smi is here but NVML lists no GPU: lanes plan for the CPU",
@@ -66,7 +66,7 @@ def check_gpus(binary: str | None) -> Check:
     backend = gpu_backend_of(binary)
     wanted = {g.backend for g in gpus}
     if backend not in wanted:
-        return Check("gpus", "FAIL", f"{names}, but {binary} lists no {'/'.join(sorted(wanted))} device",
+        return Check("gpus", "warn", f"{names}, but {binary} lists no {'/'.join(sorted(wanted))} device: lanes run on the CPU",
                      "use a llama-server built with that backend (e.g. -DGGML_CUDA=ON) via --llama-server")  # fmt: skip
     return Check("gpus", "ok", f"{names}; the binary's backend: {backend}")
 

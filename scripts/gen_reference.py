@@ -32,11 +32,6 @@ def _commands(parser: argparse.ArgumentParser, prefix: str):
         yield from _commands(child, f"{prefix} {name}")
 
 
-def _help_of(parser: argparse.ArgumentParser, prefix: str) -> str:
-    """The one-line help its parent's subcommand list gives it."""
-    return getattr(parser, "_lanes_help", "") or ""
-
-
 def _option_row(action: argparse.Action) -> str:
     names = ", ".join(f"`{n}`" for n in action.option_strings) or f"`{action.dest}`"
     if action.option_strings and action.nargs != 0:
