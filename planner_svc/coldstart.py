@@ -5,7 +5,7 @@ LaneStatus.load_seconds); a host's read rate is the bytes of the model files its
 over the seconds they took, so it counts everything a load does on that host (reading or
 mapping the file, building the KV cache, the warm-up), warm page cache or cold as it happened.
 A host that has loaded nothing yet gets DEFAULT_READ_RATE. The page cache is not inspected:
-a file read just before loads faster than predicted (README, known limits).
+a file read just before loads faster than predicted (docs/on-demand.md, known limits).
 """
 
 from __future__ import annotations

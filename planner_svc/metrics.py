@@ -53,6 +53,13 @@ class _PlanCollector(Collector):
                                       "good spec, as agents report", labels=["host"])  # fmt: skip
         for host, status in sorted(state.statuses.items()):
             rollbacks.add_metric([status.host_id], sum(1 for f in status.feedback if f.last_good is not None))
+        lost = GaugeMetricFamily("lanes_host_lost", "1 while a host is lost (silent past host_lost_after)",
+                                 labels=["host"])  # fmt: skip
+        rejected = GaugeMetricFamily("lanes_host_plan_rejected", "1 while a host's agent refuses its latest plan",
+                                     labels=["host"])  # fmt: skip
+        for entry in state.liveness():
+            lost.add_metric([entry.host_id], 1 if entry.state == "lost" else 0)
+            rejected.add_metric([entry.host_id], 1 if entry.rejected else 0)
         hosts = GaugeMetricFamily("lanes_planner_hosts", "Hosts that reported")
         hosts.add_metric([], len(state.reports))
         revision = GaugeMetricFamily("lanes_planner_config_revision", "Revision of the fleet config planned with")
@@ -65,7 +72,7 @@ class _PlanCollector(Collector):
                                         "idle_ttl; wake: to make room for a woken model; scaled_down: a lane added by demand, given back)", labels=["reason"])  # fmt: skip
         for reason in ("idle", "wake", "abandoned", "scaled_down"):
             evictions.add_metric([reason], state.demand_state.evictions.get(reason, 0))
-        yield from (planned, kv, slots, budget, unplaced, ram, free, rollbacks, hosts, revision, replans, info, evictions)
+        yield from (planned, kv, slots, budget, unplaced, ram, free, rollbacks, lost, rejected, hosts, revision, replans, info, evictions)
 
 
 class PlannerMetrics:

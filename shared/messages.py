@@ -301,15 +301,25 @@ LogFiles = Annotated[int, msgspec.Meta(ge=1, le=100)]
 class FleetConfig(_Msg, tag="fleet_config", forbid_unknown_fields=True, kw_only=True):
     """Fleet-wide knobs. Unset cache types / flash_attn mean: pass no flag at all."""
 
+    # K and V cache type of every lane (--cache-type-k/-v); None: no cache-type flags (f16).
     kv_cache_type: CacheType | None = None
+    # The K cache type alone, over kv_cache_type.
     kv_cache_type_k: CacheType | None = None
+    # The V cache type alone, over kv_cache_type (a quantized V forces flash attention on).
     kv_cache_type_v: CacheType | None = None
+    # Flash attention for every lane (-fa); None: no flag (the binary's default).
     flash_attn: FlashAttn | None = None
+    # Memory left free on every host and device, in bytes (with headroom_fraction: the larger).
     headroom_bytes: Bytes = defaults.HEADROOM_BYTES
+    # Memory left free on every host and device, as a fraction of it.
     headroom_fraction: Annotated[float, msgspec.Meta(ge=0.0, le=0.9)] = 0.05
+    # A running lane keeps its window (and prompt cache) unless a replan moves it by more than this.
     min_gain_fraction: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.10
+    # llama-server's --ubatch-size, used by the sliding-window and compute sizing.
     n_ubatch: Annotated[int, msgspec.Meta(ge=1, le=65536)] = defaults.N_UBATCH
+    # Place a lane on the largest GPU when it fits there entirely.
     use_gpu: bool = True
+    # Serving lanes one agent restarts at a time for a change.
     max_restarts_per_host: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 1
     # Lanes of one model a fleet-wide change may take out of service at a time, across all hosts:
     # a count, or a fraction of the model's lanes (at least one); the next once they serve again.
@@ -339,10 +349,13 @@ class FleetConfig(_Msg, tag="fleet_config", forbid_unknown_fields=True, kw_only=
     # wait above scale_up_wait seconds this many reports in a row, and an added lane is removed
     # once its model had no queue and spare slots for scale_down_idle seconds.
     scale_up_wait: Annotated[float, msgspec.Meta(gt=0.0, le=3600.0)] = 2.0
+    # Reports in a row with a queue wait above scale_up_wait before a lane is added.
     scale_up_reports: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 3
+    # Seconds of calm (no queue, spare slots) before an added lane is removed, and between changes.
     scale_down_idle: Annotated[float, msgspec.Meta(ge=0.0, le=86400.0)] = 60.0
     # Each lane's log rotates at this size, keeping this many files (the current one included).
     lane_log_max_bytes: LogBytes = LANE_LOG_MAX_BYTES
+    # Files of a lane's log kept in all (the current one included).
     lane_log_files: LogFiles = LANE_LOG_FILES
     # Counts config changes (1, 2, 3 ...); the planner sets it on each `config set`.
     revision: Revision = 0
@@ -351,14 +364,21 @@ class FleetConfig(_Msg, tag="fleet_config", forbid_unknown_fields=True, kw_only=
 class Persona(msgspec.Struct, frozen=True, gc=False, kw_only=True, forbid_unknown_fields=True):
     """A model to serve. `model` matches a model's name (file stem) on the hosts."""
 
+    # A model's name: its file name without .gguf.
     model: Name
+    # Another name clients may ask for (the request's `model`).
     alias: Name | None = None
     # Lanes wanted fleet-wide; None means one on every host that holds the model.
     lanes: Annotated[int, msgspec.Meta(ge=0, le=10000)] | None = None
+    # Slots per lane (--parallel).
     parallel: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1
+    # One KV cache shared by the slots (--kv-unified) instead of one window per slot.
     kv_unified: bool = False
+    # The window floor per slot: a lane that cannot get it is not placed.
     ctx_min: Annotated[int, msgspec.Meta(ge=256, le=2**31 - 1)] = 2048
+    # The window ceiling per slot (also capped at the model's trained context); None: the trained context.
     ctx_max: Annotated[int, msgspec.Meta(ge=256, le=2**31 - 1)] | None = None
+    # Higher is placed first and evicted last.
     priority: Annotated[int, msgspec.Meta(ge=-1_000_000, le=1_000_000)] = 0
     # Seconds with no request before this model's lanes unload; None: the fleet's idle_ttl; 0: never.
     idle_ttl: Annotated[float, msgspec.Meta(ge=0.0, le=31_536_000.0)] | None = None

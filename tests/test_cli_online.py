@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
+import urllib.request
 
 import psutil
+from closed_pipe import run_into_closed_pipe
 from fixtures_bus import fake_binary
 from waiting import eventually_blocking
 
@@ -27,7 +30,7 @@ def test_lanes_up_config_status_and_clean_stop(tmp_path, tiny_models):
     binary = fake_binary(tmp_path / "bin")
     up = subprocess.Popen(
         [*LANES, "up", "--models", str(models), "--data", str(tmp_path / "data"), "--llama-server", binary,
-         "--nats-port", "0", "--host-id", "local", "--max-ram", "1GiB", "--port-base", "18400"],
+         "--nats-port", "0", "--gateway-port", "0", "--host-id", "local", "--max-ram", "1GiB", "--port-base", "18400"],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     try:
@@ -46,12 +49,25 @@ def test_lanes_up_config_status_and_clean_stop(tmp_path, tiny_models):
             return None
 
         f16 = eventually_blocking(lambda: lane("healthy"), what="f16 lane healthy")
+        # The printed first request is a text completion (what a pretrained model does well), and it answers.
+        try_line = next(line for line in iter(up.stdout.readline, "") if line.startswith("  try: "))
+        command = shlex.split(try_line.removeprefix("  try: "))
+        assert command[:2] == ["curl", "-s"] and command[2].endswith("/v1/completions")
+        body = json.loads(command[command.index("-d") + 1])
+        assert body["model"] == "llama8" and body["prompt"] and "messages" not in body
+        ask = urllib.request.Request(command[2], data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(ask, timeout=30) as answer:
+            assert answer.status == 200 and json.loads(answer.read())  # the fake's text; the real one: test_gateway
         changed = _lanes("config", "set", "--nats", url, "kv_cache_type=q8_0", "flash_attn=on")
         assert changed.returncode == 0, changed.stderr
         assert json.loads(changed.stdout)["kv_cache_type"] == "q8_0"
         q8 = eventually_blocking(lambda: lane("healthy", "q8_0"), what="q8_0 lane healthy")
         assert q8["ctx_total"] > f16["ctx_total"]
 
+        for args in (["status"], ["status", "--json"], ["config", "get"], ["explain", "local"]):  # `| head -1`
+            gone = run_into_closed_pipe([*LANES, *args, "--nats", url])
+            assert (gone.returncode, gone.stderr) == (141, ""), args
         table = _lanes("status", "--nats", url)
         assert table.returncode == 0 and "q8_0/q8_0" in table.stdout and "healthy" in table.stdout
         explain = _lanes("explain", "--nats", url, "local")

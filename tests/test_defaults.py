@@ -1,5 +1,6 @@
 """Each shared default (shared/defaults.py) is what the CLI's --help shows, what the messages
-and service settings default to, and what README's tables say."""
+and service settings default to, and what the docs' tables say (docs/gateway.md, docs/operations.md
+and the generated docs/reference/config.md)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ from shared import defaults as d
 from shared.memory import DEFAULT_N_UBATCH
 from shared.messages import FleetConfig, HostPlan, HostReport, LaneSpec, PlannerLease, RpcWorkerOffer
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+TABLE_PAGES = [DOCS / "gateway.md", DOCS / "operations.md", DOCS / "reference" / "config.md"]
 RPC_PORTS = f"{d.RPC_WORKER_PORT_BASE}:{d.RPC_WORKER_PORT_COUNT}"
 
 # (subcommands, option, the default)
@@ -30,8 +32,8 @@ CLI = [
     (("agent",), "--report-interval", d.REPORT_INTERVAL),
     (("agent",), "--probe-interval", d.PROBE_INTERVAL),
     (("agent",), "--probe-failures", d.PROBE_FAILURES),
-    (("agent", "report", "up"), "--port-base", d.LANE_PORT_BASE),
-    (("agent", "report"), "--port-count", d.LANE_PORT_COUNT),
+    (("agent", "report", "up", "doctor"), "--port-base", d.LANE_PORT_BASE),
+    (("agent", "report", "doctor"), "--port-count", d.LANE_PORT_COUNT),
     (("agent", "report"), "--rpc-worker-ports", RPC_PORTS),
     (("planner",), "--lease-ttl", d.LEASE_TTL),
     (("up",), "--nats-port", d.NATS_PORT),
@@ -74,8 +76,8 @@ FIELDS = [
     (Waker, "max_held", d.QUEUE_DEPTH),
 ]
 
-# README table rows: (first-column name, the default)
-README_ROWS = [
+# docs table rows: (first-column name, the default)
+DOC_ROWS = [
     ("--report-interval", d.REPORT_INTERVAL),
     ("--probe-interval", d.PROBE_INTERVAL),
     ("--probe-failures", d.PROBE_FAILURES),
@@ -126,18 +128,22 @@ def test_module_level_copies():
     assert DEFAULT_NATS.endswith(f":{d.NATS_PORT}")
 
 
-def _readme_defaults() -> dict[str, str]:
-    """Every table row's names (backticked, first column) with their defaults (second column,
-    one per name where the row lists as many)."""
+def _doc_defaults() -> dict[str, str]:
+    """Every table row's names (backticked, first column) with their defaults (the column headed
+    `default`, one per name where the row lists as many)."""
     found: dict[str, str] = {}
-    for line in README.read_text().splitlines():
+    lines = [line for page in TABLE_PAGES for line in page.read_text().splitlines()]
+    column = 1
+    for line in lines:
+        if line.startswith("| ") and "| default |" in line:
+            column = [c.strip() for c in line.strip("|").split("|")].index("default")
         if not line.startswith("|") or line.startswith("|---"):
             continue
         cells = [c.strip() for c in line.strip("|").split("|")]
         if len(cells) < 2:
             continue
         names = re.findall(r"`([^`]+)`", cells[0])
-        values = [v.strip() for v in cells[1].split(",")]
+        values = [v.strip().strip("`") for v in cells[column].split(",")]
         if len(names) == len(values):
             found.update(zip(names, values))
     return found
@@ -152,8 +158,8 @@ def _number(text: str) -> float | str:
         return text
 
 
-@pytest.mark.parametrize(("name", "value"), README_ROWS, ids=[n for n, _ in README_ROWS])
-def test_readme_tables(name, value):
-    table = _readme_defaults()
-    assert name in table, f"README has no table row for {name}"
+@pytest.mark.parametrize(("name", "value"), DOC_ROWS, ids=[n for n, _ in DOC_ROWS])
+def test_doc_tables(name, value):
+    table = _doc_defaults()
+    assert name in table, f"the docs have no table row for {name}"
     assert _number(table[name]) == (value if isinstance(value, str) else float(value))

@@ -1,15 +1,21 @@
-"""/metrics of the planner and the agent against real NATS (fake llama-server lanes: fast),
-and the renaming of llama-server's series."""
+"""/metrics of the planner, the agent and the gateway against real NATS (fake llama-server lanes:
+fast), the renaming of llama-server's series, and that every query of the Grafana board and every
+alert rule (deploy/) names a series these real services export."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import re
+from pathlib import Path
 
 import aiohttp
 from fixtures_bus import agent_config, client, fake_binary, free_port_base, host_status, lane_of
 from waiting import eventually
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.service import Gateway, run_gateway
+from gateway.settings import GatewaySettings
 from launcher_agent.service import run_agent
 from planner_svc.service import run_planner
 from shared.llama.endpoints import rename_llama_series
@@ -60,9 +66,11 @@ async def test_planner_and_agent_serve_metrics(nats_server, tmp_path, tiny_model
     cfg = agent_config(tmp_path, "h1", models, fake_binary(tmp_path / "bin"), metrics_port=agent_port,
                        metrics_host="127.0.0.1")  # fmt: skip
     stop = asyncio.Event()
+    gw = Gateway(GatewaySettings(port=0))
     tasks = [
         asyncio.create_task(run_planner(nats_server.url, stop, metrics_port=planner_port, metrics_host="127.0.0.1")),
         asyncio.create_task(run_agent(cfg, nats_server.url, stop)),
+        asyncio.create_task(run_gateway(nats_server.url, stop, gateway=gw)),
     ]
     try:
         async with client(nats_server.url) as nc:
@@ -101,6 +109,37 @@ async def test_planner_and_agent_serve_metrics(nats_server, tmp_path, tiny_model
         assert f"lanes_llama_requests_processing{{{labels}}}" in agent  # the lane's own series, renamed
         assert "llamacpp:" not in agent
         assert 'lanes_rollouts_halted_total{host="h1"} 0.0' in agent
+
+        # One request through the gateway, so its per-request series exist; then every metric the
+        # board and the alert rules name must be among the series the three services export.
+        await eventually(lambda: gw.view.routable("llama8"), timeout=30, what="lane routable at the gateway")
+        async with aiohttp.ClientSession() as http:
+            async with http.post(gw.url + "/v1/completions", json={"model": "llama8", "prompt": "hi"}) as answer:
+                assert answer.status == 200
+        exported = set().union(*(exported_names(text) for text in (planner, agent, await _get(gw.url + "/metrics"))))
+        named = deployed_metric_names()
+        assert len(named) >= 15 and named <= exported, f"not exported: {sorted(named - exported)}"
     finally:
         stop.set()
         await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
+
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+
+
+def deployed_metric_names() -> set[str]:
+    """Every lanes_* series named by a Grafana panel query or an alert rule expression."""
+    board = json.loads((DEPLOY / "grafana" / "lanes-dashboard.json").read_text())
+    exprs = [t["expr"] for panel in board["panels"] for t in panel["targets"]]
+    assert len(exprs) >= len(board["panels"]) and all(re.search(r"\blanes_", e) for e in exprs)
+    rules = (DEPLOY / "prometheus" / "lanes-rules.yml").read_text()
+    exprs += re.findall(r"expr: (?:>\n)?((?:.+\n)+?)\s+(?:for|labels):", rules)
+    return {name for e in exprs for name in re.findall(r"\b(lanes_[a-z0-9_]+)\b", e)}
+
+
+def exported_names(text: str) -> set[str]:
+    """The series names a /metrics page declares (# TYPE, a family with no sample yet included) or holds."""
+    names = {name for name, _ in samples(text)}
+    for name, kind in re.findall(r"^# TYPE (\S+) (\S+)$", text, re.MULTILINE):
+        names |= {"counter": {name, f"{name}_total"}, "histogram": {f"{name}_bucket", f"{name}_sum", f"{name}_count"}}.get(kind, {name})
+    return names
