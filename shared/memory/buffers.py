@@ -51,6 +51,12 @@ from shared.messages import (
 # What a llama-server process holds beyond its buffers (runtime, libraries, HTTP server):
 # measured 20-23 MiB of RSS above weights + KV on CPU builds (bench/results.md).
 PROCESS_OVERHEAD = 32 * MIB
+# The tokenizer's host memory, per vocabulary token (src/llama-vocab.cpp, llama_vocab::impl):
+# id_to_token's token_data (std::string text, float score, attr: 40 B), token_to_id's hash node
+# (std::string key, id, cached hash, next pointer: a 64 B malloc chunk) and its bucket (8 B),
+# cache_token_to_piece's std::string (32 B), plus heap text for the pieces longer than the 15 bytes
+# a std::string holds inline: 160 B. Measured: RSS grows 157 B a token from 259 to 262,144 tokens.
+VOCAB_BYTES_PER_TOKEN = 160
 PINNED_HOST_BACKENDS = frozenset({"cuda", "rocm"})  # their host buffer type comes first for CPU weights
 
 
@@ -315,6 +321,13 @@ def compute_bytes(facts: ModelFacts, placement: Placement, shape: LaneShape, kv:
     return out
 
 
+def overhead_bytes(facts: ModelFacts) -> int:
+    """What the process holds in RAM beyond its buffers: the runtime (PROCESS_OVERHEAD) and the
+    tokenizer's tables, n_vocab x VOCAB_BYTES_PER_TOKEN (40 MiB for a 262k vocabulary: without it a
+    Gemma 3 lane's RSS at load passed its plan once its slots' KV, all touched, replaced compute)."""
+    return PROCESS_OVERHEAD + facts.n_vocab * VOCAB_BYTES_PER_TOKEN
+
+
 def prompt_cache_bytes(shape: LaneShape, placement: Placement) -> list[int]:
     """llama-server's prompt cache (--cache-ram): past prompts' states, copied to host RAM as
     slots move on, up to the limit. Counted at its limit, in host memory whatever the layout:
@@ -359,7 +372,8 @@ def lane_memory(
                 backend=placement.backend(dev),
             )
         )
-    total = sum(d.total for d in devices) + PROCESS_OVERHEAD
+    overhead = overhead_bytes(facts)
+    total = sum(d.total for d in devices) + overhead
     return MemoryBreakdown(
         device="gpu" if placement.offloaded > 0 else "cpu",
         weights_bytes=sum(model),
@@ -371,7 +385,7 @@ def lane_memory(
         swa_cells=kv.swa_cells,
         recurrent_bytes=sum(recurrent),
         compute_bytes=sum(compute),
-        overhead_bytes=PROCESS_OVERHEAD,
+        overhead_bytes=overhead,
         prompt_cache_bytes=sum(prompt_cache),
         total_bytes=total,
         devices=tuple(devices),
