@@ -318,7 +318,39 @@ def compute_bytes(facts: ModelFacts, placement: Placement, shape: LaneShape, kv:
         out[0] = copies * all_masks + 4 * embd
         if pipeline:
             out[0] += (6 if shape.flash_attn else 10) * embd
+        out[0] = max(out[0], cpu_expert_peak(facts, placement, n_tokens, all_masks))
     return out
+
+
+def cpu_expert_peak(facts: ModelFacts, placement: Placement, n_tokens: int, masks: int) -> int:
+    """The CPU's compute buffer while it runs the expert matmuls of blocks whose experts stay in RAM
+    on a lane whose layers are all on devices (--n-cpu-moe, -ot exps=CPU). A backend without op
+    offload (RPC, Metal) leaves them to the CPU: ggml-backend.cpp's scheduler, pass 1, puts an op
+    with a weight on that weight's backend.
+
+    build_moe_ffn (src/llama-graph.cpp) then runs on the CPU, from a copy of the normed input
+    ([n_embd, n_tokens] f32) and of the chosen experts' ids: up and gate (mul_mat_id, [n_ff_exp,
+    n_expert_used, n_tokens] f32 each), swiglu into a third such tensor (GLU is not done in place,
+    ggml-alloc.c ggml_op_can_inplace), down ([n_embd, n_expert_used, n_tokens]); the weighting
+    and the sum go back to the device. Measured on RPC devices (b11434, four expert shapes):
+    with one device the buffer spans twice the input, three FFN tensors and down (ggml-alloc
+    does not fit down into the freed up/gate); with a later device whose first split copies the
+    masks after a CPU-expert block, the masks stay alive, and under them the input, the three FFN
+    tensors and what of down outgrows the freed up and gate."""
+    if not placement.cpu_experts or not facts.n_ff_exp or not facts.n_expert_used:
+        return 0
+    f32 = 4
+    used = facts.n_expert_used
+    inp = facts.n_embd * n_tokens * f32
+    ff = facts.n_ff_exp * used * n_tokens * f32
+    down = facts.n_embd * used * n_tokens * f32
+    ids = used * n_tokens * 4
+    peak = 2 * inp + ids + 3 * ff + down
+    devices = [d for d in sorted(set(placement.layer_device[: placement.n_layer])) if d != CPU]
+    last_start = placement.layer_device.index(devices[-1]) if devices else 0
+    if min(placement.cpu_experts) < last_start:  # the masks wait for the last device's first split
+        peak = max(peak, masks + inp + ids + 3 * ff + max(0, down - 2 * ff))
+    return peak
 
 
 def overhead_bytes(facts: ModelFacts) -> int:
