@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from shared.llama.builds import fa_mask_is_f16, reserves_logits_per_token
 from shared.memory.cpu_repack import repack_rule
 from shared.memory.experts import cpu_expert_blocks
-from shared.memory.kv import DEFAULT_N_UBATCH, MIB, KvSize, MemoryModelError, kv_size
+from shared.memory.kv import DEFAULT_N_UBATCH, MIB, QUANTIZED, KvSize, MemoryModelError, kv_size
 from shared.memory.placement import (
     CPU,
     NglRule,
@@ -315,11 +315,28 @@ def compute_bytes(facts: ModelFacts, placement: Placement, shape: LaneShape, kv:
         out[1 + offload_to] += op_offload_bytes(facts, placement, n_tokens)
     if not cpu_has_layers:
         # Full offload: the CPU still builds the graph inputs (masks) and gathers token embeddings.
-        out[0] = copies * all_masks + 4 * embd
+        out[0] = copies * (all_masks + rotation_inputs(facts, shape, kv)) + 4 * embd
         if pipeline:
             out[0] += (6 if shape.flash_attn else 10) * embd
         out[0] = max(out[0], cpu_expert_peak(facts, placement, n_tokens, all_masks))
     return out
+
+
+def rotation_inputs(facts: ModelFacts, shape: LaneShape, kv: KvSize) -> int:
+    """The Hadamard matrices a quantized cache rotates K (and V) with, graph inputs built on the CPU
+    (src/llama-kv-cache.cpp: attn_rot_k when type_k is quantized and the head size a multiple of
+    64, n_rot_k doubled from 64 while it divides the head size; attn_rot_v: 64; build_input_k_rot,
+    build_input_v_rot): one f32 n_rot x n_rot input per KV cache (a sliding-window model has two),
+    and like the masks one per pipeline copy. 2 MiB on Gemma 3 over two devices (K q8_0)."""
+    total = 0
+    if shape.type_k in QUANTIZED and facts.head_dim_k % 64 == 0:
+        n_rot = 64
+        while facts.head_dim_k % (2 * n_rot) == 0:
+            n_rot *= 2
+        total += n_rot * n_rot * 4
+    if shape.type_v in QUANTIZED and facts.head_dim_v % 64 == 0:
+        total += 64 * 64 * 4
+    return total * (2 if kv.swa_cells else 1)
 
 
 def cpu_expert_peak(facts: ModelFacts, placement: Placement, n_tokens: int, masks: int) -> int:
