@@ -107,6 +107,9 @@ def matrix(n_layer: int, quick: bool) -> list[Case]:
         if cache in QUANTIZED and fa == "off":
             continue
         cases.append(Case(ctx, par, fa, cache, ngl, n_dev, split))
+    # flash attention off with K quantized and V f16 (the V cache of flash attention off must not be
+    # quantized): the K rotation inputs, over one and two devices
+    cases += [Case(8192, 4, "off", "q8_0", ngl, n_dev, split, cache_v="f16") for ngl, n_dev, split in layouts[3:5]]
     return cases
 
 
@@ -126,7 +129,7 @@ def moe_matrix(n_layer: int, n_gpus: int = 2, backend: str = "rpc") -> list[Case
 
 def moe_models(folder: Path) -> list[Path]:
     """The MoE set: qwen3moe (F16 and Q4_0 experts), qwen2moe with a shared expert, a 152k
-    vocabulary, and gpt-oss (sliding-window and full layers alternating)."""
+    vocabulary, gpt-oss (sliding-window and full layers alternating), and a wide-expert qwen3moe."""
     import tinymodels
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -137,6 +140,8 @@ def moe_models(folder: Path) -> list[Path]:
         "qwen2moe_shexp.gguf": (tinymodels.write_moe, dict(arch="qwen2moe", n_layer=6)),
         "qwen3moe_v152k.gguf": (tinymodels.write_moe, dict(n_layer=6, n_vocab=151936)),
         "gpt_oss.gguf": (tinymodels.write_gpt_oss, dict(n_layer=6)),
+        # 8 of 16 experts used, 256 wide: with experts in RAM the CPU's expert matmuls outgrow its graph inputs
+        "qwen3moe_e8x256.gguf": (tinymodels.write_moe, dict(n_layer=6, n_expert=16, n_expert_used=8, n_ff_exp=256)),
     }  # fmt: skip
     for name, (write, kw) in specs.items():
         if not (folder / name).exists():

@@ -153,3 +153,33 @@ def test_estimate_cli_with_experts_in_ram_equals_the_binary(rpc_bin, endpoints, 
             assert round(d[field] / 2**20, 2) == pytest.approx(printed.get(d["device"], kind), abs=0.011), (d, kind)
         shown = printed.get(d["device"], "compute")
         assert abs(d["compute_bytes"] / 2**20 - shown) <= max(4.0, 0.03 * shown), (d, shown)
+
+
+WIDE_EXPERT_CASES = [
+    Case(8192, 1, "on", "f16", "all", 1, n_cpu_moe=1),
+    Case(8192, 1, "on", "f16", "all", 1, n_cpu_moe=1, ubatch=256),
+    Case(4096, 1, "on", "f16", "all", 1, overrides=("exps=CPU",)),
+    Case(8192, 4, "on", "q8_0", "all", 1, n_cpu_moe=4),
+    Case(8192, 1, "on", "f16", "all", 2, (1.0, 1.0), n_cpu_moe=2),
+]
+
+
+@pytest.mark.parametrize("case", WIDE_EXPERT_CASES, ids=str)
+@pytest.mark.parametrize("shape", ["e8x256", "e4x256_d1024"])
+def test_cpu_compute_with_wide_experts_in_ram_equals_the_binary(rpc_bin, endpoints, tmp_path_factory, shape, case):
+    """Experts in RAM, every layer on one or two RPC devices: the CPU runs the expert matmuls, and
+    its compute buffer holds their input, up, gate, swiglu and down (memory.buffers.cpu_expert_peak).
+    With 8 experts used of width 256 that is 17 MiB where the graph inputs alone are 10 (the miss
+    was 5-7 MiB): compute within the tolerances, weights, KV and output exact."""
+    dims = {"e8x256": dict(n_expert=16, n_expert_used=8, n_ff_exp=256),
+            "e4x256_d1024": dict(n_embd=1024, n_head=8, n_expert=8, n_expert_used=4, n_ff_exp=256)}[shape]
+    model = tmp_path_factory.getbasetemp() / f"moe_{shape}.gguf"
+    if not model.exists():
+        write_moe(model, **dims)
+    facts = read_model_facts(model)
+    result = run_case(rpc_bin, model, facts, case, endpoints)
+    assert result["started"], result["error"]
+    cpu = [c for c in result["checks"] if c["device"] == "CPU"]
+    assert {c["kind"] for c in cpu} >= {"model", "output", "compute"}
+    bad = [c for c in cpu if not c["ok"]] + [c for c in result["checks"] if c["kind"] != "compute" and not c["ok"]]
+    assert not bad, bad

@@ -10,12 +10,14 @@ plus cpu_repack, the matrix types a CPU backend repacks (also read by hardware d
 from shared.memory.buffers import (
     PINNED_HOST_BACKENDS,
     PROCESS_OVERHEAD,
+    VOCAB_BYTES_PER_TOKEN,
     LaneShape,
     compute_bytes,
     kv_bytes,
     lane_memory,
     model_bytes,
     output_bytes,
+    overhead_bytes,
     placement_for,
     recurrent_per_device,
 )
@@ -62,6 +64,6 @@ __all__ = [
     "NEON_DOTPROD_REPACK", "NEON_I8MM_REPACK", "PINNED_HOST_BACKENDS", "PROCESS_OVERHEAD", "QUANTIZED", "KvCache",
     "KvSize", "LaneShape", "LayerKv", "MemoryModelError", "NGpuLayers", "NglRule", "Placement", "PlacementError",
     "SplitMode", "compute_bytes", "kv_bytes", "kv_caches", "kv_cells", "kv_size", "lane_memory", "layer_kv",
-    "model_bytes", "ngl_count", "normalised_splits", "output_bytes", "pad", "place", "placement_for",
-    "recurrent_per_device", "repack_rule", "row_bytes", "swa_cells_for",
+    "model_bytes", "ngl_count", "normalised_splits", "output_bytes", "overhead_bytes", "pad", "place", "placement_for",
+    "recurrent_per_device", "repack_rule", "row_bytes", "swa_cells_for", "VOCAB_BYTES_PER_TOKEN",
 ]  # fmt: skip

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from shared.llama.builds import fa_mask_is_f16, reserves_logits_per_token
 from shared.memory.cpu_repack import repack_rule
 from shared.memory.experts import cpu_expert_blocks
-from shared.memory.kv import DEFAULT_N_UBATCH, MIB, KvSize, MemoryModelError, kv_size
+from shared.memory.kv import DEFAULT_N_UBATCH, MIB, QUANTIZED, KvSize, MemoryModelError, kv_size
 from shared.memory.projector import projector_bytes
 from shared.memory.placement import (
     CPU,
@@ -56,6 +56,12 @@ from shared.messages import (
 # What a llama-server process holds beyond its buffers (runtime, libraries, HTTP server):
 # measured 20-23 MiB of RSS above weights + KV on CPU builds (bench/results.md).
 PROCESS_OVERHEAD = 32 * MIB
+# The tokenizer's host memory, per vocabulary token (src/llama-vocab.cpp, llama_vocab::impl):
+# id_to_token's token_data (std::string text, float score, attr: 40 B), token_to_id's hash node
+# (std::string key, id, cached hash, next pointer: a 64 B malloc chunk) and its bucket (8 B),
+# cache_token_to_piece's std::string (32 B), plus heap text for the pieces longer than the 15 bytes
+# a std::string holds inline: 160 B. Measured: RSS grows 157 B a token from 259 to 262,144 tokens.
+VOCAB_BYTES_PER_TOKEN = 160
 PINNED_HOST_BACKENDS = frozenset({"cuda", "rocm"})  # their host buffer type comes first for CPU weights
 
 
@@ -318,9 +324,10 @@ def compute_bytes(facts: ModelFacts, placement: Placement, shape: LaneShape, kv:
         out[1 + offload_to] += op_offload_bytes(facts, placement, n_tokens)
     if not cpu_has_layers:
         # Full offload: the CPU still builds the graph inputs (masks) and gathers token embeddings.
-        out[0] = copies * all_masks + 4 * embd
+        out[0] = copies * (all_masks + rotation_inputs(facts, shape, kv)) + 4 * embd
         if pipeline:
             out[0] += (6 if shape.flash_attn else 10) * embd
+        out[0] = max(out[0], cpu_expert_peak(facts, placement, n_tokens, all_masks))
     return out
 
 
@@ -341,6 +348,61 @@ def adapter_bytes(adapters: Sequence[AdapterFacts], placement: Placement) -> lis
             cuda = dev != CPU and placement.backend(dev) in PINNED_HOST_BACKENDS
             out[1 + dev] += lw.cuda_bytes if cuda else lw.bytes
     return out
+
+
+def rotation_inputs(facts: ModelFacts, shape: LaneShape, kv: KvSize) -> int:
+    """The Hadamard matrices a quantized cache rotates K (and V) with, graph inputs built on the CPU
+    (src/llama-kv-cache.cpp: attn_rot_k when type_k is quantized and the head size a multiple of
+    64, n_rot_k doubled from 64 while it divides the head size; attn_rot_v: 64; build_input_k_rot,
+    build_input_v_rot): one f32 n_rot x n_rot input per KV cache (a sliding-window model has two),
+    and like the masks one per pipeline copy. 2 MiB on Gemma 3 over two devices (K q8_0)."""
+    total = 0
+    if shape.type_k in QUANTIZED and facts.head_dim_k % 64 == 0:
+        n_rot = 64
+        while facts.head_dim_k % (2 * n_rot) == 0:
+            n_rot *= 2
+        total += n_rot * n_rot * 4
+    if shape.type_v in QUANTIZED and facts.head_dim_v % 64 == 0:
+        total += 64 * 64 * 4
+    return total * (2 if kv.swa_cells else 1)
+
+
+def cpu_expert_peak(facts: ModelFacts, placement: Placement, n_tokens: int, masks: int) -> int:
+    """The CPU's compute buffer while it runs the expert matmuls of blocks whose experts stay in RAM
+    on a lane whose layers are all on devices (--n-cpu-moe, -ot exps=CPU). A backend without op
+    offload (RPC, Metal) leaves them to the CPU: ggml-backend.cpp's scheduler, pass 1, puts an op
+    with a weight on that weight's backend.
+
+    build_moe_ffn (src/llama-graph.cpp) then runs on the CPU, from a copy of the normed input
+    ([n_embd, n_tokens] f32) and of the chosen experts' ids: up and gate (mul_mat_id, [n_ff_exp,
+    n_expert_used, n_tokens] f32 each), swiglu into a third such tensor (GLU is not done in place,
+    ggml-alloc.c ggml_op_can_inplace), down ([n_embd, n_expert_used, n_tokens]); the weighting
+    and the sum go back to the device. Measured on RPC devices (b11434, four expert shapes):
+    with one device the buffer spans twice the input, three FFN tensors and down (ggml-alloc
+    does not fit down into the freed up/gate); with a later device whose first split copies the
+    masks after a CPU-expert block, the masks stay alive, and under them the input, the three FFN
+    tensors and what of down outgrows the freed up and gate."""
+    if not placement.cpu_experts or not facts.n_ff_exp or not facts.n_expert_used:
+        return 0
+    f32 = 4
+    used = facts.n_expert_used
+    inp = facts.n_embd * n_tokens * f32
+    ff = facts.n_ff_exp * used * n_tokens * f32
+    down = facts.n_embd * used * n_tokens * f32
+    ids = used * n_tokens * 4
+    peak = 2 * inp + ids + 3 * ff + down
+    devices = [d for d in sorted(set(placement.layer_device[: placement.n_layer])) if d != CPU]
+    last_start = placement.layer_device.index(devices[-1]) if devices else 0
+    if min(placement.cpu_experts) < last_start:  # the masks wait for the last device's first split
+        peak = max(peak, masks + inp + ids + 3 * ff + max(0, down - 2 * ff))
+    return peak
+
+
+def overhead_bytes(facts: ModelFacts) -> int:
+    """What the process holds in RAM beyond its buffers: the runtime (PROCESS_OVERHEAD) and the
+    tokenizer's tables, n_vocab x VOCAB_BYTES_PER_TOKEN (40 MiB for a 262k vocabulary: without it a
+    Gemma 3 lane's RSS at load passed its plan once its slots' KV, all touched, replaced compute)."""
+    return PROCESS_OVERHEAD + facts.n_vocab * VOCAB_BYTES_PER_TOKEN
 
 
 def prompt_cache_bytes(shape: LaneShape, placement: Placement) -> list[int]:
@@ -392,7 +454,8 @@ def lane_memory(
                 projector_bytes=projector[i],
             )
         )
-    total = sum(d.total for d in devices) + PROCESS_OVERHEAD
+    overhead = overhead_bytes(facts)
+    total = sum(d.total for d in devices) + overhead
     return MemoryBreakdown(
         device="gpu" if placement.offloaded > 0 else "cpu",
         weights_bytes=sum(model),
@@ -404,7 +467,7 @@ def lane_memory(
         swa_cells=kv.swa_cells,
         recurrent_bytes=sum(recurrent),
         compute_bytes=sum(compute),
-        overhead_bytes=PROCESS_OVERHEAD,
+        overhead_bytes=overhead,
         prompt_cache_bytes=sum(prompt_cache),
         total_bytes=total,
         devices=tuple(devices),
