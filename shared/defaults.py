@@ -35,3 +35,9 @@ METRICS_BIND = "127.0.0.1"  # the planner's and agents' /metrics listen here unl
 N_UBATCH = 512  # llama-server's --ubatch-size default: the SWA cache and compute buffers follow it
 QUEUE_DEPTH = 64  # requests a gateway holds waiting per model (then 503)
 HEADROOM_BYTES = 512 * MIB  # memory the planner leaves free on every host, beyond headroom_fraction
+
+# ------------------------------------------------------------------ speculative decoding
+
+# A persona's speculative decoding unless it says otherwise: auto turns it on only for the kinds of
+# lane where bench/spec_bench.py measured a gain (planner_svc/speculative.py holds the figures).
+SPECULATIVE = "auto"

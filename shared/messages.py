@@ -22,6 +22,10 @@ CacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"
 FlashAttn = Literal["on", "off", "auto"]
 FlashAttnForm = Literal["value", "switch"]
 KvLayout = Literal["streams", "shared"]
+# llama-server's --spec-type names lanes plans (shared/memory/speculative.py sizes each).
+SpecType = Literal["draft-simple", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache"]
+# A persona's `speculative`: off, auto (on where bench/spec_bench.py measured a gain), or a type.
+SpecMode = Literal["off", "auto"] | SpecType
 Device = Literal["cpu", "gpu"]
 # "unresponsive": a serving lane stopped answering /health; routers take it out at once.
 LaneState = Literal["starting", "loading", "healthy", "unresponsive", "mismatch", "crashed", "failed", "stopped"]
@@ -119,6 +123,10 @@ class ServerCaps(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     # --rpc works: built with the RPC backend (every build lists --rpc in --help; one without it
     # refuses it with "RPC not supported in this build"). Only such a host serves a span lane.
     has_rpc: bool = True
+    # --spec-type's values (empty: a binary without speculative decoding), and which of the draft
+    # flags lanes renders its --help lists, by their current long names (a removed one never shows).
+    spec_types: Annotated[tuple[Label, ...], FEW] = ()
+    spec_flags: Annotated[tuple[Label, ...], FEW] = ()
 
 
 class LayerWeights(msgspec.Struct, frozen=True, gc=False, array_like=True):
@@ -184,6 +192,9 @@ class ModelFacts(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     # {arch}.pooling_type as llama.cpp names it (mean, cls, last, rank); "" when the file declares
     # none: a model that declares one is an embedding model and its lanes serve embeddings.
     pooling: Label = ""
+    # The vocabulary's identity: a hash of tokenizer.ggml.model, pre and the token list ("": an
+    # older agent). A draft model must share it (and n_vocab) with its target.
+    vocab_id: Label = ""
 
 
 class RpcWorkerOffer(msgspec.Struct, frozen=True, gc=False, kw_only=True):
@@ -288,6 +299,8 @@ class FleetConfig(_Msg, tag="fleet_config", forbid_unknown_fields=True, kw_only=
     lane_log_files: LogFiles = LANE_LOG_FILES
     # Counts config changes (1, 2, 3 ...); the planner sets it on each `config set`.
     revision: Revision = 0
+    # Speculative decoding for personas that do not set it (planner_svc/speculative.py).
+    speculative: SpecMode = defaults.SPECULATIVE
 
 
 class Persona(msgspec.Struct, frozen=True, gc=False, kw_only=True, forbid_unknown_fields=True):
@@ -312,6 +325,10 @@ class Persona(msgspec.Struct, frozen=True, gc=False, kw_only=True, forbid_unknow
     # Lanes serve /v1/embeddings only (llama-server --embeddings); None: when the model's GGUF
     # declares a pooling type (an embedding model).
     embeddings: bool | None = None
+    # Speculative decoding: off, auto or a --spec-type; None: the fleet's `speculative`.
+    speculative: SpecMode | None = None
+    # The draft model for draft-simple (a model name on the host); None: found by shared vocabulary.
+    draft: Name | None = None
 
 
 class Demand(_Msg, tag="demand", forbid_unknown_fields=True, kw_only=True):
@@ -356,6 +373,10 @@ class DeviceMemory(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     # lane (LaneSpec.gpu_devices[k] on the host). Read this, never the name.
     index: Annotated[int, msgspec.Meta(ge=-1, le=1023)] = -1
     backend: Label = ""  # "cpu" for host RAM; cuda, rocm, metal, rpc, vulkan; "" not known
+    # Of the buffers above, the draft model's (its weights, KV and compute: llama-server prints them
+    # as lines of the same kinds); and the n-gram speculator's tables (host RAM, printed by none).
+    draft_bytes: Bytes = 0
+    speculator_bytes: Bytes = 0
 
     def __post_init__(self) -> None:
         # Written by an older lanes (no index, no backend): the name is all there is.
@@ -368,7 +389,7 @@ class DeviceMemory(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     @property
     def total(self) -> int:
         return (self.model_bytes + self.kv_bytes + self.compute_bytes + self.output_bytes + self.recurrent_bytes
-                + self.prompt_cache_bytes)  # fmt: skip
+                + self.prompt_cache_bytes + self.speculator_bytes)  # fmt: skip
 
 
 class MemoryBreakdown(msgspec.Struct, frozen=True, gc=False, kw_only=True):
@@ -387,6 +408,9 @@ class MemoryBreakdown(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     total_bytes: Bytes = 0
     # Per device (CPU first); the totals above are their sums plus the process overhead.
     devices: Annotated[tuple[DeviceMemory, ...], FEW] = ()
+    # Speculative decoding's share of the figures above: the draft model's buffers, the n-gram tables.
+    draft_bytes: Bytes = 0
+    speculator_bytes: Bytes = 0
 
 
 class LaneLayout(msgspec.Struct, frozen=True, gc=False):
@@ -481,6 +505,14 @@ class LaneSpec(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     pooling: Literal["mean", "cls", "last", "rank"] | None = None  # --pooling, for a model that declares none
     # A span lane: its layers also lie on these workers' ggml-rpc-servers (rpc_servers, in order).
     workers: Annotated[tuple[SpanWorker, ...], FEW] = ()
+    # Speculative decoding (--spec-type); with draft-simple, the draft model (--spec-draft-model),
+    # its layers on the lane's devices (--spec-draft-ngl) and its K/V types (-ctkd/-ctvd: None, f16).
+    spec_type: SpecType | None = None
+    draft_model: Name | None = None
+    draft_path: Text = ""
+    draft_n_gpu_layers: Annotated[int, msgspec.Meta(ge=0, le=65536)] = 0
+    draft_cache_type_k: CacheType | None = None
+    draft_cache_type_v: CacheType | None = None
 
 
 class Unplaced(msgspec.Struct, frozen=True, gc=False, kw_only=True):

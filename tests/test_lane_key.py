@@ -24,12 +24,14 @@ OTHER = {
     "cache_type_k": "q8_0", "cache_type_v": "q8_0", "flash_attn": "on", "fit_off": True, "n_cpu_moe": 3,
     "threads": 4, "threads_batch": 4, "cpus": (0, 1), "poll": 50,
     "chat_template": "chatml", "cache_ram_mib": 256, "embeddings": True, "pooling": "mean",
+    "spec_type": "ngram-mod", "draft_path": "/models/d.gguf", "draft_n_gpu_layers": 7, "draft_cache_type_k": "q8_0",
+    "draft_cache_type_v": "q8_0",
     # not launch fields
     "lane_id": "m-1", "model": "n", "ctx_per_slot": 2048, "memory": MemoryBreakdown(kv_bytes=2**20),
     "args": ("--model", "/models/m.gguf"), "reasons": ("why",), "layout": LaneLayout("gpu", (0,)),
-    "workers": (SpanWorker(host_id="w", endpoint="10.0.0.2:50052"),),
+    "workers": (SpanWorker(host_id="w", endpoint="10.0.0.2:50052"),), "draft_model": "d",
 }  # fmt: skip
-NOT_IN_KEY = ("lane_id", "model", "ctx_per_slot", "memory", "args", "reasons", "layout", "workers")
+NOT_IN_KEY = ("lane_id", "model", "ctx_per_slot", "memory", "args", "reasons", "layout", "workers", "draft_model")
 
 
 def test_every_field_is_placed():

@@ -78,6 +78,7 @@ class LaneShape:
     tensor_overrides: tuple[tuple[str, str], ...] = ()  # -ot PATTERN=BUFFER pairs (only =CPU on experts)
     cache_ram: int = 0  # bytes: the prompt cache's limit (--cache-ram), see prompt_cache_bytes
     llama_build: int = 0  # the build whose graph rules apply (shared.llama.builds); 0: the current rules
+    n_outputs: int = 0  # outputs the context reserves (speculative decoding: every drafted token); 0: one per slot
 
 
 def placement_for(facts: ModelFacts, shape: LaneShape) -> Placement:
@@ -254,7 +255,8 @@ def compute_bytes(facts: ModelFacts, placement: Placement, shape: LaneShape, kv:
     # Builds before PR 23861 reserve logits for every ubatch token; their output peak is those logits
     # and the normed hidden state they are computed from (public CUDA logs, tests/cuda_logs.py).
     per_token_logits = reserves_logits_per_token(shape.llama_build)
-    logits = facts.n_vocab * (n_tokens if per_token_logits else shape.parallel) * f32
+    logits = facts.n_vocab * (n_tokens if per_token_logits else min(n_tokens, shape.n_outputs) if shape.n_outputs
+                              else shape.parallel) * f32
     kv_layers = _kv_layers(facts)
 
     def attention(layers) -> tuple[int, int]:
