@@ -52,6 +52,7 @@ FIELDS = [
     (FleetConfig, "n_ubatch", d.N_UBATCH),
     (FleetConfig, "headroom_bytes", d.HEADROOM_BYTES),
     (FleetConfig, "drain_timeout", d.DRAIN_TIMEOUT),
+    (FleetConfig, "speculative", d.SPECULATIVE),
     (LaneSpec, "n_ubatch", d.N_UBATCH),
     (HostPlan, "drain_timeout", d.DRAIN_TIMEOUT),
     (PlannerLease, "ttl", d.LEASE_TTL),
@@ -90,6 +91,7 @@ README_ROWS = [
     ("n_ubatch", d.N_UBATCH),
     ("headroom_bytes", d.HEADROOM_BYTES),
     ("drain_timeout", d.DRAIN_TIMEOUT),
+    ("speculative", d.SPECULATIVE),
 ]
 
 

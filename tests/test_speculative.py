@@ -8,6 +8,7 @@ import pytest
 from tinymodels import write_llama
 
 from planner_svc import speculative
+from planner_svc.answers import explain_lines
 from planner_svc.planner import plan
 from shared.gguf_facts import read_model_facts
 from shared.llama.flags import lane_args, parse_caps
@@ -110,6 +111,16 @@ def test_a_draft_with_another_vocabulary_is_refused_with_the_reason(facts):
     assert spec.spec_type is None and spec.draft_path == ""
     assert any("draft other refused: its vocabulary has 4000 tokens, target's 32000" in r for r in spec.reasons)
     assert any("needs a draft model" in r for r in spec.reasons)
+
+
+def test_lanes_explain_says_why(facts):
+    fleet = plan([_report(facts)], FleetConfig(speculative="off"), Demand(personas=(
+        Persona(model="target", speculative="draft-simple", draft="other"),
+        Persona(model="draft", speculative="ngram-mod"),
+    )))  # fmt: skip
+    text = "\n".join(explain_lines(fleet.hosts[0], None))
+    assert "draft other refused: its vocabulary has 4000 tokens, target's 32000" in text
+    assert "speculative decoding: --spec-type ngram-mod" in text and "speculator 23.81 planned" in text
 
 
 def test_a_binary_without_spec_type_gets_no_speculation(facts):
