@@ -8,9 +8,10 @@ the binary's -lv 4 lines (tests/test_speculative_real.py):
   buffer's logits grow to min(n_ubatch, n_outputs_max) rows at load (printed), and its output
   buffer, printed at load for one output per slot, grows to n_outputs_max rows at the first
   drafted batch (output_reserve; not printed): that growth is `speculator_bytes`.
-- ngram-mod holds one hash table of 4M int32 entries (16 MiB) in host RAM, whatever the lane.
-  The other n-gram kinds keep maps that grow with the tokens seen; bench/spec_bench.py measures
-  them (RSS), and they are counted as measured per slot.
+- ngram-mod holds one hash table of 4M int32 entries (16 MiB) in host RAM, whatever the lane
+  (printed as "mod size=4194304 (16.000 MB)"). The other n-gram kinds keep maps of a few entries
+  per token seen: bench/spec_bench.py's RSS after its runs grew by less than the planned output
+  growth, so they get a 1 MiB allowance per slot (NGRAM_GROWTH_PER_SLOT), a bound, not a fit.
 - draft-simple loads a second model: its weights on the lane's devices (--spec-draft-ngl), a KV
   cache sized like the target's (the whole context over the same slots, upstream #28433) with its
   own K/V types, a compute buffer at the target's ubatch (#27569) and one output per slot.
@@ -34,7 +35,7 @@ N_MAX = {
 }  # fmt: skip
 DRAFT_KINDS = frozenset({"draft-simple"})
 NGRAM_MOD_TABLE = 4 * 1024 * 1024 * 4  # common_ngram_mod(n_match, 4M entries) of int32
-# Host RAM the growing n-gram maps held per slot after bench/spec_bench.py's longest run (rounded up).
+# An allowance per slot for the n-gram maps that grow with the tokens seen (see the docstring).
 NGRAM_GROWTH_PER_SLOT = {"ngram-simple": 0, "ngram-map-k": 1 * MIB, "ngram-map-k4v": 1 * MIB, "ngram-cache": 1 * MIB}
 DEFAULT_N_BATCH = 2048
 
