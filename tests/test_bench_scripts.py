@@ -102,3 +102,15 @@ def test_chaos_bench_short(tmp_path):
     assert r["services_that_exited_on_their_own"] == {}, r
     assert r["plan_revisions_down"] == [] and r["plan_entries_watched"] > 3 and r["plans_follow_the_last_config"], r
     assert "RSS at start" in out.read_text()
+
+
+def test_spec_bench_small(tmp_path, llama_server):
+    out = tmp_path / "spec.json"
+    result = run("spec_bench.py", "--skip-gemma", "--rounds", "1", "--tokens", "8", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    pair = json.loads(out.read_text())["pair"]
+    assert [r["spec"] for r in pair] == ["none", "draft-simple"]
+    drafted = pair[1]
+    assert drafted["tasks"]["free"]["drafted"] > 0  # the draft model drafted
+    for kind in ("model", "KV", "output"):  # planned as printed, the draft's lines included
+        assert abs(drafted["planned"][kind] - drafted["printed"][kind]) <= 0.011

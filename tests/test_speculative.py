@@ -9,7 +9,9 @@ from tinymodels import write_llama
 
 from planner_svc import speculative
 from planner_svc.answers import explain_lines
+from planner_svc.layouts import CPU_RESOURCE
 from planner_svc.planner import plan
+from planner_svc.wake_placement import room_on
 from shared.gguf_facts import read_model_facts
 from shared.llama.flags import lane_args, parse_caps
 from shared.memory import LaneShape, lane_memory
@@ -174,3 +176,17 @@ def test_messages_stay_compatible():
     """New fields at their defaults: a spec without them decodes, and round-trips."""
     assert msgspec.json.decode(b'{"model": "m"}', type=Persona).speculative is None
     assert FleetConfig().speculative == "off"  # the default bench/RESULTS.md argues for
+
+
+def test_waking_and_eviction_count_the_draft(facts):
+    """Loads on demand: what a woken lane needs (and what a lane frees when evicted) includes its
+    draft's buffers and the speculator's bytes."""
+    report = _report(facts)
+    config = FleetConfig(speculative="off")
+    plain = Persona(model="target", ctx_min=2048)
+    drafted = Persona(model="target", ctx_min=2048, speculative="draft-simple", draft="draft")
+    alone, _ = room_on(report, config, plain, None, [plain], ())
+    with_draft, _ = room_on(report, config, drafted, None, [drafted], ())
+    spec = plan([report], config, Demand(personas=(msgspec.structs.replace(drafted, ctx_max=2048),))).hosts[0].lanes[0]
+    assert spec.memory.draft_bytes > 0
+    assert with_draft.needs[CPU_RESOURCE] - alone.needs[CPU_RESOURCE] >= spec.memory.draft_bytes + spec.memory.speculator_bytes - MIB
