@@ -39,7 +39,7 @@ HEADROOM_BYTES = 512 * MIB  # memory the planner leaves free on every host, beyo
 # ------------------------------------------------------------------ speculative decoding
 
 # A persona's speculative decoding unless it says otherwise. Off: bench/spec_bench.py measured n-gram
-# speculators 1.7-3x faster on copy-heavy work, but each costs n_vocab x 4 bytes x 48-64 drafted
+# speculators up to 2.6x faster on copy-heavy work (ngram-simple), but each costs n_vocab x 4 bytes x 48-64 drafted
 # outputs per slot (48-64 MiB per slot for Gemma's 262k vocabulary) whatever the work, and the planner
 # cannot know a lane's work; `auto` (per persona or fleet) turns on what the figures favour.
 SPECULATIVE = "off"

@@ -80,7 +80,7 @@ def test_a_persona_key_turns_an_ngram_speculator_on(facts):
     assert argv[argv.index("--spec-type") + 1] == "ngram-mod"
     assert not any("draft-max" in a or a == "--draft" for a in argv)
     # its 16 MiB table and the outputs of 65 drafted tokens per slot, counted in host memory
-    assert spec.memory.speculator_bytes == 16 * MIB + 64 * 32000 * 4
+    assert spec.memory.speculator_bytes == 16 * MIB + 64 * 32000 * 4 + 12 * MIB  # + the RSS measured past them
     assert any("--spec-type ngram-mod" in r for r in spec.reasons)
 
 
@@ -122,7 +122,7 @@ def test_lanes_explain_says_why(facts):
     )))  # fmt: skip
     text = "\n".join(explain_lines(fleet.hosts[0], None))
     assert "draft other refused: its vocabulary has 4000 tokens, target's 32000" in text
-    assert "speculative decoding: --spec-type ngram-mod" in text and "speculator 23.81 planned" in text
+    assert "speculative decoding: --spec-type ngram-mod" in text and "speculator 35.81 planned" in text
 
 
 def test_a_binary_without_spec_type_gets_no_speculation(facts):
@@ -158,7 +158,8 @@ def test_outputs_and_unprinted_bytes():
     assert n_outputs("draft-simple", 4, 512) == 4 * (1 + N_MAX["draft-simple"])
     assert n_outputs("ngram-mod", 64, 512) == 2048  # capped at the batch
     assert speculator_host_bytes(None, 1000, 1, 512) == 0
-    assert speculator_host_bytes("ngram-simple", 1000, 2, 512) == 2 * 48 * 1000 * 4
+    assert speculator_host_bytes("ngram-simple", 1000, 2, 512) == 2 * 48 * 1000 * 4 + 2 * 12 * MIB
+    assert speculator_host_bytes("draft-simple", 1000, 2, 512) == 2 * 3 * 1000 * 4
 
 
 def test_the_draft_adds_to_the_devices_it_lands_on(facts):
@@ -170,6 +171,12 @@ def test_the_draft_adds_to_the_devices_it_lands_on(facts):
     assert cpu.kv_bytes == t.kv_bytes + d.kv_bytes and cpu.model_bytes == t.model_bytes + d.model_bytes
     assert cpu.draft_bytes == d.total and both.total_bytes == target.total_bytes + d.total
     assert both.kv_bytes == target.kv_bytes + draft.kv_bytes  # the KV lines the agent sums include the draft's
+
+
+def test_auto_with_todays_figures(facts):
+    """The recorded figures: on a CPU host auto picks ngram-simple (x2.61 copy-heavy, x1.51 free)."""
+    spec = _lane(facts, Persona(model="target", speculative="auto"))
+    assert spec.spec_type == "ngram-simple" and any("x2.61" in r for r in spec.reasons)
 
 
 def test_messages_stay_compatible():
