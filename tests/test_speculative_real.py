@@ -5,18 +5,22 @@ client), and their buffers per device exactly as the binary prints them."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
 
 import openai
 import psutil
-from fixtures_bus import agent_config, client, fleet_status, host_status, lane_of, services
+from fixtures_bus import agent_config, client, fleet_status, free_port_base, host_status, lane_of, services
 from test_real_llama import _planner_with
 from tinymodels import write_llama
 from waiting import eventually
 
 from gateway.service import Gateway, run_gateway
 from gateway.settings import GatewaySettings
-from shared.llama.logs import DeviceBuffers
+from shared.gguf_facts import read_model_facts
+from shared.llama.logs import DeviceBuffers, parse_buffers
 from shared.llama.printed import compare
+from shared.memory import LaneShape, lane_memory
+from shared.memory.speculative import draft_shape, speculator_host_bytes, target_shape, with_speculation
 from shared.messages import Demand, Persona
 
 MIB = 2**20
@@ -77,3 +81,39 @@ async def test_draft_and_ngram_lanes_serve_through_the_gateway(nats_server, tmp_
     argv = running[target.lane_id]
     assert argv[argv.index("--spec-draft-model") + 1] == target.draft_path
     assert target.memory.draft_bytes > 0 and ngram.memory.speculator_bytes >= 16 * MIB
+
+
+def test_a_draft_with_its_own_cache_types_is_planned_as_printed(tmp_path, llama_server):
+    """The draft's K/V types (-ctkd/-ctvd) size its cache: q8_0 for the draft, f16 for the target,
+    two slots, every printed buffer equal to the plan (shared/memory/speculative.py)."""
+    target = write_llama(tmp_path / "target.gguf", n_layer=4, n_embd=256, n_vocab=32000, seed=1)
+    draft = write_llama(tmp_path / "draft.gguf", n_layer=2, n_embd=256, n_vocab=32000, seed=2)
+    argv = [llama_server, "--model", str(target), "--host", "127.0.0.1", "--port", str(free_port_base(1)),
+            "--ctx-size", "4096", "--parallel", "2", "--n-gpu-layers", "0", "--flash-attn", "on", "-fit", "off",
+            "--spec-type", "draft-simple", "--spec-draft-model", str(draft), "--spec-draft-ngl", "0",
+            "--spec-draft-type-k", "q8_0", "--spec-draft-type-v", "q8_0", "--verbosity", "4"]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "model loaded" in line:
+                break
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert any("model loaded" in line for line in lines), lines[-5:]
+    base = LaneShape(ctx=4096, parallel=2, flash_attn=True)
+    planned = with_speculation(
+        lane_memory(read_model_facts(target), target_shape(base, "draft-simple")),
+        lane_memory(read_model_facts(draft), draft_shape(base, "q8_0", "q8_0")),
+        speculator_host_bytes("draft-simple", 32000, 2, base.n_ubatch),
+    )
+    checks = compare(planned.devices, parse_buffers(lines))
+    assert {c.kind for c in checks} == {"model", "KV", "compute", "output"}
+    assert all(c.ok for c in checks), checks
+    assert any("K (q8_0)" in line for line in lines)  # the draft's cache is the q8_0 one
