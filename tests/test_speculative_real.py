@@ -54,7 +54,13 @@ async def test_draft_and_ngram_lanes_serve_through_the_gateway(nats_server, tmp_
             await eventually(lambda: gw.view.routable("target") and gw.view.routable("ngram"), timeout=120,
                              what="both lanes routable")  # fmt: skip
             specs = {spec.alias: spec for spec in (await fleet_status(nc)).plans[0].lanes}
-            status = await host_status(nc, "spec")
+
+            async def printed():  # the agent reads a lane's buffer lines from its log: wait for both lanes'
+                got = await host_status(nc, "spec")
+                lanes = [lane_of(got, s.lane_id) for s in specs.values()]
+                return got if all(x is not None and x.devices and x.kv_bytes is not None for x in lanes) else None
+
+            status = await eventually(printed, timeout=60, what="both lanes' printed buffers")
             running = {lane.lane_id: psutil.Process(lane.pid).cmdline() for lane in status.lanes}
             ai = openai.AsyncOpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=60)
             for model in ("target", "ngram"):
