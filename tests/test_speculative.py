@@ -16,7 +16,7 @@ from shared.gguf_facts import read_model_facts
 from shared.llama.flags import lane_args, parse_caps
 from shared.memory import LaneShape, lane_memory
 from shared.memory.speculative import N_MAX, n_outputs, speculator_host_bytes, target_shape, with_speculation
-from shared.messages import Demand, FleetConfig, HostReport, Persona, ServerCaps
+from shared.messages import Demand, FleetConfig, GpuInfo, HostReport, Persona, ServerCaps
 
 GIB = 1024**3
 MIB = 1024**2
@@ -197,3 +197,16 @@ def test_waking_and_eviction_count_the_draft(facts):
     spec = plan([report], config, Demand(personas=(msgspec.structs.replace(drafted, ctx_max=2048),))).hosts[0].lanes[0]
     assert spec.memory.draft_bytes > 0
     assert with_draft.needs[CPU_RESOURCE] - alone.needs[CPU_RESOURCE] >= spec.memory.draft_bytes + spec.memory.speculator_bytes - MIB
+
+
+def test_on_a_gpu_lane_the_draft_goes_to_its_gpu(facts):
+    """Every target layer on the GPU: the draft's too (--spec-draft-ngl all of it), its bytes on that device."""
+    report = msgspec.structs.replace(_report(facts), gpus=(GpuInfo(name="g", vram_total=8 * GIB, vram_free=8 * GIB),))
+    persona = Persona(model="target", speculative="draft-simple", draft="draft", ctx_max=4096)
+    spec = plan([report], FleetConfig(), Demand(personas=(persona,))).hosts[0].lanes[0]
+    assert spec.gpu_devices == (0,) and spec.draft_n_gpu_layers == facts["draft"].n_layer + 1
+    gpu = next(d for d in spec.memory.devices if d.index == 0)
+    cpu = next(d for d in spec.memory.devices if d.index < 0)
+    assert gpu.draft_bytes > facts["draft"].weight_bytes // 2 and gpu.draft_bytes > cpu.draft_bytes
+    argv = lane_args(spec, CAPS)
+    assert argv[argv.index("--spec-draft-ngl") + 1] == str(facts["draft"].n_layer + 1)
