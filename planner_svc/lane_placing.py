@@ -6,6 +6,7 @@ best host. Pure; planner_svc/planner.py places every lane through `_place`.
 from __future__ import annotations
 
 from planner_svc.adapters import lane_adapters
+from planner_svc import speculative
 from planner_svc.lane_windows import _cost, _Lane, lane_id_for
 from planner_svc.layouts import (
     CPU_RESOURCE,
@@ -121,13 +122,15 @@ def _place(persona, candidates_, config, lanes, remaining, previous, feedback) -
             factor, factor_reasons = correction(fb)
 
         adapters, adapter_reasons = lane_adapters(persona, report, facts)
+        device = "gpu" if report.gpus and config.use_gpu else "cpu"
+        speculation, spec_reasons = speculative.decide(persona, config, facts, report.models, report.server, device)
         built: dict[tuple[Layout, bool], _Lane] = {}  # one lane per layout: its cost key is reused
 
         def lane_at(layout: Layout, f16: bool = False) -> _Lane:
             if (layout, f16) not in built:
                 f = _F16 if f16 else flags
                 built[layout, f16] = _Lane(host, persona, facts, index, f, layout, floor, ceiling, factor,
-                                           adapters=adapters)  # fmt: skip
+                                           adapters=adapters, speculation=speculation)  # fmt: skip
             return built[layout, f16]
 
         try:
@@ -149,6 +152,7 @@ def _place(persona, candidates_, config, lanes, remaining, previous, feedback) -
         lane.reasons = list(flags.reasons) + bound_reasons + factor_reasons
         lane.reasons.append(f"layout: {describe(layout, facts.n_layer)}")
         lane.reasons += adapter_reasons
+        lane.reasons += spec_reasons
         template_reason = chat_template_for(facts, report.server)[1]
         if template_reason:
             lane.reasons.append(template_reason)

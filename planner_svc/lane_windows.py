@@ -14,8 +14,10 @@ from planner_svc.adapters import pooled
 from planner_svc.layouts import CPU_RESOURCE, Layout, Resource, cost_vector, largest, layout_memory
 from planner_svc.policy import Flags, flash_attn_for
 from planner_svc.prompt_cache import MIB, plan_cache_ram
+from planner_svc.speculative import Speculation
 from shared.llama.flags import effective_cache_type
 from shared.memory import CTX_PAD, LaneShape, ngl_count
+from shared.memory.speculative import draft_shape, speculator_host_bytes, target_shape, with_speculation
 from shared.messages import (
     AdapterFacts,
     FleetConfig,
@@ -55,6 +57,7 @@ class _Lane:
     # (report, n_ubatch, cache_ram, number) of the last _CostKeys.key of this lane
     cost_key: tuple | None = field(default=None, repr=False, compare=False)
     adapters: tuple[AdapterFacts, ...] = ()  # LoRA adapters it loads (planner_svc/adapters.py)
+    speculation: Speculation | None = None  # speculative decoding (planner_svc/speculative.py)
 
     @property
     def lane_id(self) -> str:
@@ -98,8 +101,29 @@ class _Lane:
         memory = _MEMORY.get(key)
         if memory is None:
             base = self.shape(report, n_ubatch, self.total_ctx(window))
-            memory = _remember(_MEMORY, key, layout_memory(self.facts, self.layout, report, base))
+            memory = _remember(_MEMORY, key, self._with_speculation(base, report))
         return memory
+
+    def _with_speculation(self, base: LaneShape, report: HostReport) -> MemoryBreakdown:
+        """The target's buffers, plus the draft's on the devices it lands on and the speculator's
+        host bytes (shared/memory/speculative.py)."""
+        sp = self.speculation
+        if sp is None:
+            return layout_memory(self.facts, self.layout, report, base)
+        target = layout_memory(self.facts, self.layout, report, target_shape(base, sp.spec_type))
+        draft = None
+        if sp.draft is not None:
+            draft = layout_memory(sp.draft, draft_layout(self.layout), report, draft_shape(base))
+        host = speculator_host_bytes(sp.spec_type, self.facts.n_vocab, base.parallel, base.n_ubatch)
+        return with_speculation(target, draft, host)
+
+
+def draft_layout(layout: Layout) -> Layout:
+    """Where the draft goes: every layer on the lane's GPUs when the target's are (the draft's
+    --spec-draft-ngl all, on the devices the lane is pinned to), else on the CPU (-ngld 0)."""
+    if layout.kind in ("gpu", "split") and not layout.n_cpu_moe:
+        return Layout(layout.kind, layout.gpus, layout.shares, "all")
+    return Layout("cpu")
 
 
 def _cost(lane: _Lane, window: int, report: HostReport, n_ubatch: int) -> Mapping[Resource, int]:
@@ -134,7 +158,8 @@ class _CostKeys:
             self.number(lane.facts), lane.layout, lane.persona.parallel, lane.persona.kv_unified, flags.cache_type_k,
             flags.cache_type_v, flags.flash_attn, self.number(report.server), devices, report.cpu_repack, lane.factor,
             n_ubatch, lane.cache_ram, lane.adapters, lane.persona.embeddings, lane.persona.reranking,
-            n_ubatch, lane.cache_ram, lane.persona.vision,
+            lane.persona.vision,
+            lane.speculation and (lane.speculation.spec_type, lane.speculation.draft and self.number(lane.speculation.draft)),
         )  # fmt: skip
         number = self.number(inputs, by_id=False)
         lane.cost_key = (report, n_ubatch, lane.cache_ram, number)
@@ -272,6 +297,7 @@ def _same_shape(spec: LaneSpec, lane: _Lane, has_kv_unified: bool = True) -> boo
         and spec.gpu_devices == lane.layout.gpus
         and spec.n_gpu_layers == _n_gpu_layers(lane)
         and spec.n_cpu_moe == lane.layout.n_cpu_moe
+        and spec.spec_type == (lane.speculation.spec_type if lane.speculation else None)
     )
 
 

@@ -13,13 +13,14 @@ import msgspec
 from planner_svc.adapters import reranks
 from planner_svc.gc_pause import gc_paused
 from planner_svc.lane_placing import _place
-from planner_svc.lane_windows import _COST_KEYS, _cost, _grow_memo, _keep_stable, _Lane, _n_gpu_layers, _prompt_caches, lane_id_for
+from planner_svc.lane_windows import _COST_KEYS, _cost, _grow_memo, _keep_stable, _Lane, _n_gpu_layers, _prompt_caches, draft_layout, lane_id_for
 from planner_svc.layouts import CPU_RESOURCE, Resource, pins_for
 from planner_svc.policy import chat_template_for, host_budgets
 from planner_svc.prompt_cache import MIB
 from planner_svc.span_lanes import LaneKit, SpanBook, grow_spans, place_span
 from planner_svc.threads import with_threads
 from shared.llama.flags import lane_args
+from shared.memory import ngl_count
 from shared.messages import (
     Demand,
     FleetConfig,
@@ -280,7 +281,22 @@ def _spec(report: HostReport, config: FleetConfig, lane: _Lane) -> LaneSpec:
         reranking=reranking,
         mmproj_path=mmproj.path if mmproj is not None else None,
         mmproj_offload=bool(lane.layout.gpus) if mmproj is not None else None,
+        **_spec_fields(lane),
     )
+
+
+def _spec_fields(lane: _Lane) -> dict:
+    """LaneSpec's speculative decoding fields: the type, and the draft where the lane has one."""
+    sp = lane.speculation
+    if sp is None:
+        return {}
+    if sp.draft is None:
+        return {"spec_type": sp.spec_type}
+    layout = draft_layout(lane.layout)
+    return {
+        "spec_type": sp.spec_type, "draft_model": sp.draft.name, "draft_path": sp.draft.path,
+        "draft_n_gpu_layers": ngl_count(layout.n_gpu_layers, sp.draft.n_layer) if layout.gpus else 0,
+    }  # fmt: skip
 
 
 def _assign_ports(

@@ -44,3 +44,11 @@ STANDARD_CEILING = 0.9  # share of QUEUE_DEPTH a standard request may find waiti
 SHEDDABLE_CEILING = 0.5  # ... a sheddable one
 HEADROOM_BYTES = 512 * MIB  # memory the planner leaves free on every host, beyond headroom_fraction
 SLOT_CACHE_BYTES = 4096 * MIB  # disk per host for saved slots (a lane's hot prompts across restarts); 0: none
+
+# ------------------------------------------------------------------ speculative decoding
+
+# A persona's speculative decoding unless it says otherwise. Off: bench/spec_bench.py measured n-gram
+# speculators up to 2.6x faster on copy-heavy work (ngram-simple), but each costs n_vocab x 4 bytes x 48-64 drafted
+# outputs per slot (48-64 MiB per slot for Gemma's 262k vocabulary) whatever the work, and the planner
+# cannot know a lane's work; `auto` (per persona or fleet) turns on what the figures favour.
+SPECULATIVE = "off"

@@ -6,6 +6,7 @@ so the real Gemma 3 270M file (262k tokens) reads in well under 0.1 s.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from pathlib import Path
@@ -141,7 +142,21 @@ def read_model_facts(path: str | os.PathLike[str]) -> ModelFacts:
         expert_weights=experts,
         has_chat_template=isinstance(_value(reader, "tokenizer.chat_template"), str),
         pooling=_POOLING.get(int(key("pooling_type", 0) or 0), ""),
+        vocab_id=vocab_id(reader),
     )
+
+
+def vocab_id(header: GGUFHeader) -> str:
+    """The vocabulary's identity: tokenizer model, pre-tokenizer and the token list's bytes (a short
+    list is hashed from its items). Two models draft for each other only when theirs are equal."""
+    tokens = _value(header, "tokenizer.ggml.tokens")
+    if isinstance(tokens, ArrayLength):
+        listed = tokens.digest
+    elif isinstance(tokens, list):
+        listed = hashlib.blake2b("\0".join(tokens).encode(), digest_size=8).hexdigest()
+    else:
+        return ""
+    return f"{_value(header, 'tokenizer.ggml.model') or ''}/{_value(header, 'tokenizer.ggml.pre') or ''}/{listed}"
 
 
 # llama.cpp's enum llama_pooling_type as GGUFs store it (0: none, -1: unspecified).

@@ -8,6 +8,7 @@ Type sizes come from the gguf package (GGML_QUANT_SIZES), not from a table of ou
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import struct
@@ -43,6 +44,7 @@ class ArrayLength:
     """A long array (a vocabulary, its scores): only its length is read."""
 
     length: int
+    digest: str = ""  # of a string array: a hash of its bytes (a vocabulary's identity)
 
 
 @dataclass(frozen=True)
@@ -138,12 +140,13 @@ def _parse(buf, size: int) -> GGUFHeader:
         if item_type == GGUFValueType.STRING:
             if length <= SMALL_ARRAY:
                 return [string() for _ in range(length)]
+            start = pos
             for _ in range(length):  # walk the length prefixes only
                 need(8)
                 (n,) = unpack("<Q", buf, pos)
                 pos += 8 + n
             need(0)
-            return ArrayLength(length)
+            return ArrayLength(length, hashlib.blake2b(buf[start:pos], digest_size=8).hexdigest())
         if item_type not in _SCALAR:
             raise GGUFFormatError(f"unsupported array item type {item_type}")
         fmt = _SCALAR[item_type]

@@ -27,6 +27,7 @@ KEY_FIELDS = (
     "threads", "threads_batch", "cpus", "poll",
     "chat_template", "cache_ram_mib", "embeddings", "pooling",
     "adapter_paths", "reranking", "mmproj_path", "mmproj_offload",
+    "spec_type", "draft_path", "draft_n_gpu_layers", "draft_cache_type_k", "draft_cache_type_v",
 )  # fmt: skip
 _DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(LaneSpec)}
 

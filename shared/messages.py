@@ -22,6 +22,10 @@ CacheType = Literal["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"
 FlashAttn = Literal["on", "off", "auto"]
 FlashAttnForm = Literal["value", "switch"]
 KvLayout = Literal["streams", "shared"]
+# llama-server's --spec-type names lanes plans (shared/memory/speculative.py sizes each).
+SpecType = Literal["draft-simple", "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache"]
+# A persona's `speculative`: off, auto (on where bench/spec_bench.py measured a gain), or a type.
+SpecMode = Literal["off", "auto"] | SpecType
 Device = Literal["cpu", "gpu"]
 # "unresponsive": a serving lane stopped answering /health; routers take it out at once.
 LaneState = Literal["starting", "loading", "healthy", "unresponsive", "mismatch", "crashed", "failed", "stopped"]
@@ -125,6 +129,10 @@ class ServerCaps(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     has_lora: bool = True
     has_reranking: bool = True
     has_mmproj: bool = True  # --mmproj and --mmproj-offload/--no-mmproj-offload
+    # --spec-type's values (empty: a binary without speculative decoding), and which of the draft
+    # flags lanes renders its --help lists, by their current long names (a removed one never shows).
+    spec_types: Annotated[tuple[Label, ...], FEW] = ()
+    spec_flags: Annotated[tuple[Label, ...], FEW] = ()
 
 
 class LayerWeights(msgspec.Struct, frozen=True, gc=False, array_like=True):
@@ -215,6 +223,9 @@ class ModelFacts(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     pooling: Label = ""
     # The multimodal projector paired with it (a *mmproj*.gguf beside it); None: text only.
     mmproj: ProjectorFacts | None = None
+    # The vocabulary's identity: a hash of tokenizer.ggml.model, pre and the token list ("": an
+    # older agent). A draft model must share it (and n_vocab) with its target.
+    vocab_id: Label = ""
 
 
 OUTPUT_LAYER = 65536  # an adapter's output tensors: the layer after its base's last block, whatever n_layer
@@ -359,6 +370,8 @@ class FleetConfig(_Msg, tag="fleet_config", forbid_unknown_fields=True, kw_only=
     lane_log_files: LogFiles = LANE_LOG_FILES
     # Counts config changes (1, 2, 3 ...); the planner sets it on each `config set`.
     revision: Revision = 0
+    # Speculative decoding for personas that do not set it (planner_svc/speculative.py).
+    speculative: SpecMode = defaults.SPECULATIVE
 
 
 class Persona(msgspec.Struct, frozen=True, gc=False, kw_only=True, forbid_unknown_fields=True):
@@ -397,6 +410,10 @@ class Persona(msgspec.Struct, frozen=True, gc=False, kw_only=True, forbid_unknow
     # Lanes load the model's multimodal projector (--mmproj) and take images; None: when a
     # projector is paired with the model file (a *mmproj*.gguf beside it); False: text only.
     vision: bool | None = None
+    # Speculative decoding: off, auto or a --spec-type; None: the fleet's `speculative`.
+    speculative: SpecMode | None = None
+    # The draft model for draft-simple (a model name on the host); None: found by shared vocabulary.
+    draft: Name | None = None
 
 
 class Demand(_Msg, tag="demand", forbid_unknown_fields=True, kw_only=True):
@@ -443,6 +460,10 @@ class DeviceMemory(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     backend: Label = ""  # "cpu" for host RAM; cuda, rocm, metal, rpc, vulkan; "" not known
     adapter_bytes: Bytes = 0  # LoRA adapters' tensors (`LoRA buffer size` lines)
     projector_bytes: Bytes = 0  # the multimodal projector's weights and compute buffer (--mmproj)
+    # Of the buffers above, the draft model's (its weights, KV and compute: llama-server prints them
+    # as lines of the same kinds); and the n-gram speculator's tables (host RAM, printed by none).
+    draft_bytes: Bytes = 0
+    speculator_bytes: Bytes = 0
 
     def __post_init__(self) -> None:
         # Written by an older lanes (no index, no backend): the name is all there is.
@@ -455,7 +476,8 @@ class DeviceMemory(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     @property
     def total(self) -> int:
         return (self.model_bytes + self.kv_bytes + self.compute_bytes + self.output_bytes + self.recurrent_bytes
-                + self.prompt_cache_bytes + self.adapter_bytes + self.projector_bytes)  # fmt: skip
+                + self.prompt_cache_bytes + self.adapter_bytes + self.projector_bytes
+                + self.speculator_bytes)  # fmt: skip
 
 
 class MemoryBreakdown(msgspec.Struct, frozen=True, gc=False, kw_only=True):
@@ -476,6 +498,9 @@ class MemoryBreakdown(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     devices: Annotated[tuple[DeviceMemory, ...], FEW] = ()
     adapter_bytes: Bytes = 0  # LoRA adapters' tensors, summed over devices
     projector_bytes: Bytes = 0  # the multimodal projector's weights and compute (in total_bytes)
+    # Speculative decoding's share of the figures above: the draft model's buffers, the n-gram tables.
+    draft_bytes: Bytes = 0
+    speculator_bytes: Bytes = 0
 
 
 class LaneLayout(msgspec.Struct, frozen=True, gc=False):
@@ -578,6 +603,14 @@ class LaneSpec(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     # True --mmproj-offload (the lane's first device), False --no-mmproj-offload (host RAM).
     mmproj_path: Text | None = None
     mmproj_offload: bool | None = None
+    # Speculative decoding (--spec-type); with draft-simple, the draft model (--spec-draft-model),
+    # its layers on the lane's devices (--spec-draft-ngl) and its K/V types (-ctkd/-ctvd: None, f16).
+    spec_type: SpecType | None = None
+    draft_model: Name | None = None
+    draft_path: Text = ""
+    draft_n_gpu_layers: Annotated[int, msgspec.Meta(ge=0, le=65536)] = 0
+    draft_cache_type_k: CacheType | None = None
+    draft_cache_type_v: CacheType | None = None
 
 
 class Unplaced(msgspec.Struct, frozen=True, gc=False, kw_only=True):

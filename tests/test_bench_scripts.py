@@ -113,3 +113,13 @@ def test_fairness_bench_small(tmp_path, llama_server):
     assert set(data) >= {"capacity", "alone", "fifo", "fair", "shed", "checks"}
     assert data["shed"]["light"]["refused"] == 0 and data["fair"]["light"]["requests"] >= 1
     assert "| fair | light |" in out.read_text()
+def test_spec_bench_small(tmp_path, llama_server):
+    out = tmp_path / "spec.json"
+    result = run("spec_bench.py", "--skip-gemma", "--rounds", "1", "--tokens", "8", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    pair = json.loads(out.read_text())["pair"]
+    assert [r["spec"] for r in pair] == ["none", "draft-simple"]
+    drafted = pair[1]
+    assert drafted["tasks"]["free"]["drafted"] > 0  # the draft model drafted
+    for kind in ("model", "KV", "output"):  # planned as printed, the draft's lines included
+        assert abs(drafted["planned"][kind] - drafted["printed"][kind]) <= 0.011

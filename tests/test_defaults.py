@@ -56,6 +56,7 @@ FIELDS = [
     (FleetConfig, "drain_timeout", d.DRAIN_TIMEOUT),
     (FleetConfig, "slot_cache_bytes", d.SLOT_CACHE_BYTES),
     (HostPlan, "slot_cache_bytes", d.SLOT_CACHE_BYTES),
+    (FleetConfig, "speculative", d.SPECULATIVE),
     (LaneSpec, "n_ubatch", d.N_UBATCH),
     (HostPlan, "drain_timeout", d.DRAIN_TIMEOUT),
     (PlannerLease, "ttl", d.LEASE_TTL),
@@ -95,6 +96,7 @@ DOC_ROWS = [
     ("headroom_bytes", d.HEADROOM_BYTES),
     ("drain_timeout", d.DRAIN_TIMEOUT),
     ("slot_cache_bytes", d.SLOT_CACHE_BYTES),
+    ("speculative", d.SPECULATIVE),
 ]
 
 
@@ -145,7 +147,8 @@ def _doc_defaults() -> dict[str, str]:
         names = re.findall(r"`([^`]+)`", cells[0])
         values = [v.strip().strip("`") for v in cells[column].split(",")]
         if len(names) == len(values):
-            found.update(zip(names, values))
+            for name, value in zip(names, values):
+                found.setdefault(name, value)  # the first table wins: the fleet's keys come before a persona's
     return found
 
 

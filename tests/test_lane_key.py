@@ -26,12 +26,15 @@ OTHER = {
     "chat_template": "chatml", "cache_ram_mib": 256, "embeddings": True, "pooling": "mean",
     "adapter_paths": ("/models/a.gguf",), "reranking": True,
     "mmproj_path": "/models/mmproj-m.gguf", "mmproj_offload": False,
+    "spec_type": "ngram-mod", "draft_path": "/models/d.gguf", "draft_n_gpu_layers": 7, "draft_cache_type_k": "q8_0",
+    "draft_cache_type_v": "q8_0",
     # not launch fields
     "lane_id": "m-1", "model": "n", "ctx_per_slot": 2048, "memory": MemoryBreakdown(kv_bytes=2**20),
     "args": ("--model", "/models/m.gguf"), "reasons": ("why",), "layout": LaneLayout("gpu", (0,)),
-    "workers": (SpanWorker(host_id="w", endpoint="10.0.0.2:50052"),), "adapters": ("a",),
+    "workers": (SpanWorker(host_id="w", endpoint="10.0.0.2:50052"),), "adapters": ("a",), "draft_model": "d",
 }  # fmt: skip
-NOT_IN_KEY = ("lane_id", "model", "ctx_per_slot", "memory", "args", "reasons", "layout", "workers", "adapters")
+NOT_IN_KEY = ("lane_id", "model", "ctx_per_slot", "memory", "args", "reasons", "layout", "workers", "adapters",
+              "draft_model")
 
 
 def test_every_field_is_placed():

@@ -112,12 +112,29 @@ def lane_args(spec: LaneSpec, caps: ServerCaps, slot_dir: str | None = None) -> 
         if spec.n_ubatch > DEFAULT_N_BATCH:
             args += ["--batch-size", str(spec.n_ubatch)]
         args += ["--ubatch-size", str(spec.n_ubatch)]
+    args += spec_args(spec, caps)
     args += thread_args(spec)
     if slot_dir is not None and caps.has_slot_save:
         args += ["--slot-save-path", slot_dir]
     # Verbosity 4 makes llama-server print its KV size, which the agent checks against the plan.
     args += ["--verbosity", "4"]
     return tuple(args)
+
+
+def spec_args(spec: LaneSpec, caps: ServerCaps) -> list[str]:
+    """Speculative decoding: --spec-type, and for a draft model the draft's file, layers and K/V
+    types (only the planned ones: the plan sized the draft with f16 for an unset type). The planner
+    sets spec_type only for a binary whose --help lists it and these flags."""
+    if spec.spec_type is None or "--spec-type" not in caps.spec_flags:
+        return []
+    args = ["--spec-type", spec.spec_type]
+    if spec.draft_path:
+        args += ["--spec-draft-model", spec.draft_path, "--spec-draft-ngl", str(spec.draft_n_gpu_layers)]
+        if spec.draft_cache_type_k is not None:
+            args += ["--spec-draft-type-k", spec.draft_cache_type_k]
+        if spec.draft_cache_type_v is not None:
+            args += ["--spec-draft-type-v", spec.draft_cache_type_v]
+    return args
 
 
 def thread_args(spec: LaneSpec) -> list[str]:
@@ -232,7 +249,26 @@ def parse_caps(help_text: str, version_text: str = "") -> ServerCaps:
         has_reranking="--reranking" in help_text,
         has_slot_save="--slot-save-path" in help_text,
         has_mmproj="--no-mmproj-offload" in help_text,
+        spec_types=_spec_types(help_text),
+        spec_flags=tuple(f for f in SPEC_FLAGS if re.search(rf"(^|[\s,]){re.escape(f)}[\s,=]", help_text, re.M)),
     )
+
+
+# The draft flags lanes renders, by the current long names (b11434: --draft-max and friends were
+# renamed to --spec-draft-*; a removed name is never rendered, since --help no longer lists it).
+SPEC_FLAGS = (
+    "--spec-type", "--spec-draft-model", "--spec-draft-ngl", "--spec-draft-type-k", "--spec-draft-type-v",
+    "--spec-draft-device",
+)  # fmt: skip
+_SPEC_TYPE = re.compile(r"--spec-type\s+\[?([a-z0-9|,\-\[\]]+)")
+
+
+def _spec_types(help_text: str) -> tuple[str, ...]:
+    """--spec-type's values as --help lists them ([none|draft-simple|...|ngram-cache])."""
+    match = _SPEC_TYPE.search(help_text)
+    if match is None:
+        return ()
+    return tuple(t for t in re.split(r"[|,\[\]]+", match.group(1)) if t and t != "none")
 
 
 def _version_line(text: str) -> str:

@@ -63,5 +63,7 @@ def device_lines(spec, printed_devices=()) -> list[str]:
             f", kv {pair(d.kv_bytes, r and r.kv_bytes)}, compute {pair(d.compute_bytes, r and r.compute_bytes)}"
             f", output {pair(d.output_bytes, r and r.output_bytes)}"
             + (f", LoRA {pair(d.adapter_bytes, r and r.adapter_bytes)}" if d.adapter_bytes else "")
+            + (f" (the draft model's {d.draft_bytes / MIB:.2f} among them)" if d.draft_bytes else "")
+            + (f", speculator {d.speculator_bytes / MIB:.2f} planned (printed by no line)" if d.speculator_bytes else "")
         )
     return out

@@ -93,6 +93,7 @@ class LaneShape:
     pooled: bool = False  # --embeddings or --reranking: every ubatch token is an output (shared.memory.pooled)
     mmproj: bool = False  # --mmproj: the model's projector (facts.mmproj) is loaded
     mmproj_offload: bool = False  # --mmproj-offload: on the lane's first device (else host RAM)
+    n_outputs: int = 0  # outputs the context reserves (speculative decoding: every drafted token); 0: one per slot
 
 
 def placement_for(facts: ModelFacts, shape: LaneShape) -> Placement:
@@ -269,7 +270,8 @@ def compute_bytes(facts: ModelFacts, placement: Placement, shape: LaneShape, kv:
     # Builds before PR 23861 reserve logits for every ubatch token; their output peak is those logits
     # and the normed hidden state they are computed from (public CUDA logs, tests/cuda_logs.py).
     per_token_logits = reserves_logits_per_token(shape.llama_build)
-    logits = facts.n_vocab * (n_tokens if per_token_logits else shape.parallel) * f32
+    logits = facts.n_vocab * (n_tokens if per_token_logits else min(n_tokens, shape.n_outputs) if shape.n_outputs
+                              else shape.parallel) * f32
     kv_layers = _kv_layers(facts)
 
     def attention(layers) -> tuple[int, int]:
