@@ -252,6 +252,7 @@ async def _forward(
                 )
                 if (shape.streamed or shape.assembled) and upstream.status == 200:
                     first = await upstream.content.readany()  # the first token: the prefill is done
+                    lease.prefilled()
         except aiohttp.ClientConnectionError as exc:  # refused, reset, closed before answering
             _drop(upstream, lease)
             how = Failure.UNREACHABLE if isinstance(exc, aiohttp.ClientConnectorError) else Failure.DROPPED
@@ -309,12 +310,14 @@ def _lane_failed(view: FleetView, attempt: Attempt, history: list[Attempt]) -> N
     history.append(attempt)
 
 
-def _count_usage(app: web.Application, lane, found: usage.Usage | None) -> None:
+def _count_usage(app: web.Application, lease: Lease, found: usage.Usage | None) -> None:
     if found is not None:
-        counts = app[ADMISSION].counts
+        lane, admission = lease.lane, app[ADMISSION]
+        counts = admission.counts
         counts.note_prompt(lane.alias, f"{lane.host_id}/{lane.lane_id}", found.prompt, found.cached)
         if found.prefill_rate is not None:
             counts.note_prefill(lane.key, found.prefill_rate)
+        admission.measured(lease, found.prompt, found.cached)
 
 
 def _give_up(step: GiveUp, settings: GatewaySettings) -> web.Response:
@@ -386,7 +389,7 @@ async def _relay(
                         kept_bytes -= len(kept.pop(0))
             finished = True
             if counting and (streamed or kept_bytes <= limit):
-                _count_usage(app, lane, usage.prompt_usage(b"".join(kept), streamed))
+                _count_usage(app, lease, usage.prompt_usage(b"".join(kept), streamed))
         except (aiohttp.ClientError, asyncio.TimeoutError, _Stalled, _TimeUp) as exc:
             # Bytes went out: routing ends the answer with its error, whatever other lanes there are.
             end = _broken(app, lane, exc)
@@ -437,7 +440,7 @@ async def _assembled(
         status = parts.error.get("error", {}).get("code") if isinstance(parts.error.get("error"), dict) else None
         return web.json_response(parts.error, status=status if isinstance(status, int) and 400 <= status < 600 else 500)
     body = msgspec.json.encode(parts.result())
-    _count_usage(app, lane, usage.prompt_usage(body, False))
+    _count_usage(app, lease, usage.prompt_usage(body, False))
     app[METRICS].ttfb.labels(lane.alias).observe(time.perf_counter() - started)
     return web.Response(body=body, content_type="application/json",
                         headers={"X-Lanes-Lane": f"{lane.host_id}/{lane.lane_id}"})  # fmt: skip
