@@ -151,6 +151,7 @@ class Admission:
 
     def __post_init__(self) -> None:
         self.view.listeners.append(self._fleet_changed)
+        self._fleet_changed()  # the lanes' index budgets, for a view already filled
 
     def _fleet_changed(self) -> None:
         lanes = list(self.view.lanes())
