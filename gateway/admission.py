@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway import affinity, token_cost
@@ -145,6 +146,9 @@ class Admission:
     counts: LaneCounts = field(default_factory=LaneCounts)
     index: AffinityIndex = field(default_factory=AffinityIndex)
     use_affinity: bool = True  # False: most free slots only (the benchmark's baseline)
+    # Told of every entry recorded or corrected (lane, model, stored, removed, reused chunks): the
+    # shared view publishes them to the other gateways (gateway/shared_view.py).
+    on_prefix: Callable[[LaneKey, str, tuple[int, ...], tuple[int, ...], int], None] | None = None
     _queues: dict[str, deque[_Waiter]] = field(default_factory=dict)
     _turns: itertools.count = field(default_factory=itertools.count)
     _waited: dict[str, float] = field(default_factory=dict)  # name -> longest queue wait ended since the last report
@@ -170,7 +174,9 @@ class Admission:
             return
         self.counts.note_chars(lease.lane.model, mark.chars, prompt)
         reused = int(cached * mark.chars / prompt) // affinity.CHUNK_CHARS
-        self.index.correct(lease.lane.key, mark.hashes, lease.chunks, lease.stamp, reused)
+        fix = self.index.correct(lease.lane.key, mark.hashes, lease.chunks, lease.stamp, reused)
+        if self.on_prefix is not None and (fix.dropped or fix.confirmed > lease.chunks):
+            self.on_prefix(lease.lane.key, lease.lane.model, (), fix.dropped, fix.confirmed)
 
     async def acquire(
         self, name: str, exclude: frozenset[LaneKey] = frozenset(), prompt: Fingerprint | None = None
@@ -266,6 +272,8 @@ class Admission:
             lease.pending = max(0, round((prompt.chars - lease.chunks * affinity.CHUNK_CHARS) / cpt))
             counts.pending[lane.key] = counts.pending.get(lane.key, 0) + lease.pending
             self.index.record(lane.key, prompt.hashes)
+            if self.on_prefix is not None:
+                self.on_prefix(lane.key, lane.model, prompt.hashes, (), 0)
         counts.routes[(lane.alias, choice.reason)] = counts.routes.get((lane.alias, choice.reason), 0) + 1
         counts.in_flight[lane.key] = counts.busy(lane.key) + 1
         return lease, choice

@@ -116,6 +116,10 @@ def _add_gateway_options(p: argparse.ArgumentParser) -> None:
                    help="seconds with no byte in the middle of a stream before its lane counts as stalled")
     p.add_argument("--no-affinity", action="store_true",
                    help="route by most free slots only, not to the lane holding the prompt's prefix")  # fmt: skip
+    p.add_argument("--no-shared-prefix", action="store_true",
+                   help="keep this gateway's prefix index to itself (not shared over JetStream stream LANES_PREFIX)")
+    p.add_argument("--kv-events", action="store_true",
+                   help="also publish the prefix events in vLLM's KVEventBatch form on lanes.kvevents.<host>.<lane>")
     _add_load_timeout(p)
 
 

@@ -80,6 +80,8 @@ def gateway_settings(args: argparse.Namespace) -> GatewaySettings:
         admin_key=getattr(args, "admin_key", None) or None,
         load_timeout=getattr(args, "load_timeout", base.load_timeout),
         affinity=not getattr(args, "no_affinity", False),
+        shared_prefix=not getattr(args, "no_shared_prefix", False),
+        kv_events=getattr(args, "kv_events", False),
         gateway_id=getattr(args, "gateway_id", None) or base.gateway_id,
     )
 

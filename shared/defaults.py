@@ -19,6 +19,7 @@ LEASE_TTL = 5.0  # a stand-by planner takes over after the lease stood still thi
 KEY_REREAD = 30.0  # a followed KV key (an agent's plan) is read again this often, written or not
 DRAIN_TIMEOUT = 30.0  # a draining lane's requests in flight may finish within this
 QUEUE_WAIT = 30.0  # a gateway request waits this long for a slot (then 503)
+PREFIX_MAX_AGE = 3600.0  # the shared prefix view's events are kept this long (stream LANES_PREFIX)
 
 # ------------------------------------------------------------------ ports
 
@@ -34,4 +35,5 @@ METRICS_BIND = "127.0.0.1"  # the planner's and agents' /metrics listen here unl
 
 N_UBATCH = 512  # llama-server's --ubatch-size default: the SWA cache and compute buffers follow it
 QUEUE_DEPTH = 64  # requests a gateway holds waiting per model (then 503)
+PREFIX_HISTORY = 2048  # prefix events kept per lane (one a request): what a late gateway replays
 HEADROOM_BYTES = 512 * MIB  # memory the planner leaves free on every host, beyond headroom_fraction
