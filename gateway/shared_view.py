@@ -150,7 +150,7 @@ class SharedView:
                 return
             self.apply(event, msg.metadata.sequence.stream)
 
-        sub = await js.subscribe(subjects.ALL_PREFIX, cb=on_msg, ordered_consumer=True,
+        sub = await js.subscribe(subjects.ALL_PREFIX, stream=subjects.PREFIX_STREAM, cb=on_msg, ordered_consumer=True,
                                  deliver_policy=DeliverPolicy.ALL)  # fmt: skip
         try:
             await self.publish_forever(nc)
