@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
+import nats.errors
 import structlog
 from nats.js.api import DeliverPolicy, StreamConfig, StorageType
 
@@ -38,6 +39,7 @@ from shared.messages import PREFIX_EVENT_HASHES, PrefixEvent, decode, encode
 
 log = structlog.get_logger("lanes.gateway.shared_view")
 
+PUBLISH_TIMEOUT = 1.0  # seconds the stream has to store an event before it is sent again
 OUTBOX = 4096  # events waiting to be published; past it they are dropped (and counted)
 _TOP = 2**63
 
@@ -159,10 +161,21 @@ class SharedView:
                 await sub.unsubscribe()
 
     async def publish_forever(self, nc) -> None:
-        """Until cancelled: each event on its lane's subject (and as a KVEventBatch, if asked)."""
+        """Until cancelled: each event on its lane's subject (and as a KVEventBatch, if asked), in
+        order, each stored by the stream before the next (an event published while NATS or its
+        JetStream is away would be lost: it is sent again until the stream has it)."""
+        js = nc.jetstream()
         while True:
             event = await self.outbox.get()
-            await nc.publish(subjects.prefix_subject(event.host_id, event.lane_id), encode(event))
+            data = encode(event)
+            while True:
+                try:
+                    await js.publish(subjects.prefix_subject(event.host_id, event.lane_id), data,
+                                     stream=subjects.PREFIX_STREAM, timeout=PUBLISH_TIMEOUT)  # fmt: skip
+                    break
+                except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                    log.info("prefix event not stored yet; again", error=str(exc) or type(exc).__name__)
+                    await asyncio.sleep(PUBLISH_TIMEOUT)
             if self.kv_events:
                 await nc.publish(subjects.kv_events_subject(event.host_id, event.lane_id),
                                  kv_event_batch(event, time.time()))  # fmt: skip

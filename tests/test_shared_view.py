@@ -5,6 +5,7 @@ prompt cached; a gateway started mid-run replays the stream and routes the same.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from contextlib import AsyncExitStack
 
@@ -13,22 +14,27 @@ import nats
 from test_gateway import ALIAS, SYSTEMS, _openai, fleet, gateway  # noqa: F401 (fleet: the module's fixture)
 from waiting import eventually
 
+from gateway.admission import Admission
 from gateway.affinity import CHUNK_CHARS
-from gateway.shared_view import KVEventBatch, from_wire, kv_event_batch, to_wire
+from gateway.fleet import FleetView
+from gateway.shared_view import KVEventBatch, SharedView, from_wire, kv_event_batch, to_wire
 from shared import subjects
 from shared.messages import PrefixEvent
+from shared.natsserver import NatsServer
 
 
 async def _last_sequence(js) -> int:
     return (await js.stream_info(subjects.PREFIX_STREAM)).state.last_seq
 
 
-async def _synced(js, gateways) -> bool:
-    """Every gateway has applied the stream up to its last event (and published all it learnt)."""
-    if any(not gw.shared.outbox.empty() for gw in gateways):
+async def _synced(js, views) -> bool:
+    """Every gateway (its SharedView) has applied the stream up to its last event, and published
+    all it learnt."""
+    views = [getattr(v, "shared", None) or v for v in views]
+    if any(not v.outbox.empty() for v in views):
         return False
     last = await _last_sequence(js)
-    return all(gw.shared.applied == last for gw in gateways)
+    return all(v.applied == last for v in views)
 
 
 def _held(gw) -> dict:
@@ -95,3 +101,56 @@ def test_events_round_trip_and_read_as_vllm_kv_events():
     assert removed.block_hashes == [3]
     # On the wire as vLLM writes it: arrays, the event's tag first.
     assert msgspec.msgpack.decode(kv_event_batch(event, 1.0))[1][0][0] == "BlockStored"
+
+
+async def _agree(js, views) -> bool:
+    """Synced, and every one holds the same non-empty index."""
+    return await _synced(js, views) and bool(_held(views[0])) and all(_held(v) == _held(views[0]) for v in views)
+
+
+def _route(view: SharedView, lane, hashes) -> None:
+    """What the admission does when it sends a prompt to a lane: record it, tell the others."""
+    view.admission.index.record(lane, hashes)
+    view.learnt(lane, "m", tuple(hashes), (), 0)
+
+
+async def test_gateways_cut_off_from_nats_converge_when_it_comes_back(tmp_path):
+    server = NatsServer(tmp_path / "nats").start()
+    lane_x, lane_y = ("h", "x"), ("h", "y")
+    async with AsyncExitStack() as stack:
+        stack.callback(server.stop)
+        views, tasks = [], []
+
+        async def gateway_view(name: str) -> SharedView:
+            nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+            stack.push_async_callback(nc.close)
+            view = SharedView(Admission(FleetView()), name)
+            task = asyncio.create_task(view.start(nc))
+            stack.callback(task.cancel)
+            views.append(view)
+            tasks.append(task)
+            return view
+
+        one, two = await gateway_view("one"), await gateway_view("two")
+        nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+        stack.push_async_callback(nc.close)
+        js = nc.jetstream()
+        await eventually(lambda: _synced(js, views), what="the stream made")
+        _route(one, lane_x, [1, 2, 3])
+        _route(two, lane_y, [7, 8])
+        await eventually(lambda: _agree(js, views), what="synced")
+        assert _held(one) == {lane_x: {1, 2, 3}, lane_y: {7, 8}}
+
+        server.stop()  # both cut off: each routes alone, and one finds an entry gone
+        _route(one, lane_x, [1, 2, 3, 4, 5])
+        _route(two, lane_y, [7, 8, 9])
+        two.admission.index.drop(lane_x, [1])
+        two.learnt(lane_x, "m", (), (1,), 0)
+        assert _held(one) != _held(two)
+        server.start()
+        await eventually(lambda: _agree(js, views), timeout=60, what="converged")
+        assert _held(one) == {lane_x: {2, 3, 4, 5}, lane_y: {7, 8, 9}}
+        # A gateway that starts now replays the stream: the same index at once.
+        three = await gateway_view("three")
+        await eventually(lambda: _synced(js, views), timeout=60, what="the late one replayed")
+        assert _held(three) == _held(one)
