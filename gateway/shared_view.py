@@ -113,16 +113,21 @@ class SharedView:
 
     def learnt(self, lane: LaneKey, model: str, stored: tuple[int, ...], removed: tuple[int, ...],
                reused: int) -> None:  # fmt: skip
-        """The admission recorded or corrected a lane's entries: tell the others (never waits)."""
+        """The admission recorded or corrected a lane's entries: tell the others. On the request's
+        path, so it only queues; the publishing loop builds and sends the events."""
+        try:
+            self.outbox.put_nowait((lane, model, stored, removed, reused))
+        except asyncio.QueueFull:
+            self.dropped += 1
+
+    def events(self, lane: LaneKey, model: str, stored: tuple[int, ...], removed: tuple[int, ...],
+               reused: int) -> list[PrefixEvent]:  # fmt: skip
+        """What one learnt change goes out as: a long removal in several events."""
         host, lane_id = lane
-        for i, part in enumerate(_pieces(removed)):
-            event = PrefixEvent(gateway=self.gateway_id, model=model, host_id=host, lane_id=lane_id,
-                                stored=tuple(to_wire(h) for h in stored) if i == 0 else (),
-                                removed=tuple(to_wire(h) for h in part), reused=reused)  # fmt: skip
-            try:
-                self.outbox.put_nowait(event)
-            except asyncio.QueueFull:
-                self.dropped += 1
+        return [PrefixEvent(gateway=self.gateway_id, model=model, host_id=host, lane_id=lane_id,
+                            stored=tuple(to_wire(h) for h in stored) if i == 0 else (),
+                            removed=tuple(to_wire(h) for h in part), reused=reused)
+                for i, part in enumerate(_pieces(removed))]  # fmt: skip
 
     def apply(self, event: PrefixEvent, sequence: int) -> None:
         """One event of the stream, in its order, whoever published it."""
@@ -166,16 +171,19 @@ class SharedView:
         JetStream is away would be lost: it is sent again until the stream has it)."""
         js = nc.jetstream()
         while True:
-            event = await self.outbox.get()
-            data = encode(event)
-            while True:
-                try:
-                    await js.publish(subjects.prefix_subject(event.host_id, event.lane_id), data,
-                                     stream=subjects.PREFIX_STREAM, timeout=PUBLISH_TIMEOUT)  # fmt: skip
-                    break
-                except (nats.errors.Error, asyncio.TimeoutError) as exc:
-                    log.info("prefix event not stored yet; again", error=str(exc) or type(exc).__name__)
-                    await asyncio.sleep(PUBLISH_TIMEOUT)
-            if self.kv_events:
-                await nc.publish(subjects.kv_events_subject(event.host_id, event.lane_id),
-                                 kv_event_batch(event, time.time()))  # fmt: skip
+            for event in self.events(*await self.outbox.get()):
+                await self._store(js, event)
+                if self.kv_events:
+                    await nc.publish(subjects.kv_events_subject(event.host_id, event.lane_id),
+                                     kv_event_batch(event, time.time()))  # fmt: skip
+
+    async def _store(self, js, event: PrefixEvent) -> None:
+        data = encode(event)
+        while True:
+            try:
+                await js.publish(subjects.prefix_subject(event.host_id, event.lane_id), data,
+                                 stream=subjects.PREFIX_STREAM, timeout=PUBLISH_TIMEOUT)  # fmt: skip
+                return
+            except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                log.info("prefix event not stored yet; again", error=str(exc) or type(exc).__name__)
+                await asyncio.sleep(PUBLISH_TIMEOUT)
