@@ -162,7 +162,8 @@ class Admission:
         self.index.keep_only(lane.key for lane in lanes)
         for lane in lanes:
             if lane.cache_tokens > 0:
-                self.index.set_budget(lane.key, budget_chunks(lane.cache_tokens, self.counts.cpt(lane.model),
+                # At the fixed characters per token, not the measured: every gateway the same budget.
+                self.index.set_budget(lane.key, budget_chunks(lane.cache_tokens, affinity.CHARS_PER_TOKEN,
                                                               affinity.CHUNK_CHARS))  # fmt: skip
         self.poke()
 
@@ -175,7 +176,7 @@ class Admission:
         self.counts.note_chars(lease.lane.model, mark.chars, prompt)
         reused = int(cached * mark.chars / prompt) // affinity.CHUNK_CHARS
         fix = self.index.correct(lease.lane.key, mark.hashes, lease.chunks, lease.stamp, reused)
-        if self.on_prefix is not None and (fix.dropped or fix.confirmed > lease.chunks):
+        if self.on_prefix is not None and fix.dropped:
             self.on_prefix(lease.lane.key, lease.lane.model, (), fix.dropped, fix.confirmed)
 
     async def acquire(
