@@ -90,6 +90,19 @@ async def ask(http: aiohttp.ClientSession, base: str, messages: list, max_tokens
             "prompt": usage["prompt_tokens"], "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}  # fmt: skip
 
 
+async def route_choices(http, bases: list[str]) -> dict[str, float]:
+    """The gateways' route choices so far, by reason, summed."""
+    choices: dict[str, float] = {}
+    for base in bases:
+        async with http.get(base + "/metrics") as resp:
+            text = await resp.text()
+        for line in text.splitlines():
+            if line.startswith("lanes_gateway_route_choices_total{"):
+                reason = line.split('reason="')[1].split('"')[0]
+                choices[reason] = choices.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
+    return choices
+
+
 async def run_trace(http, bases: list[str], mode: str, args, workers: int) -> dict:
     """The trace through `bases` (gateways): a conversation's turns alternate between them."""
     rng = random.Random(args.seed)
@@ -105,6 +118,7 @@ async def run_trace(http, bases: list[str], mode: str, args, workers: int) -> di
     done = [0] * args.convs
     results: list[dict] = []
     lock = asyncio.Lock()
+    before = await route_choices(http, bases)  # a gateway may have served an earlier mode
     began = time.perf_counter()
 
     async def next_conv() -> int | None:
@@ -131,14 +145,8 @@ async def run_trace(http, bases: list[str], mode: str, args, workers: int) -> di
 
     await asyncio.gather(*(client() for _ in range(workers)))
     wall = time.perf_counter() - began
-    choices: dict[str, float] = {}
-    for base in bases:
-        async with http.get(base + "/metrics") as resp:
-            text = await resp.text()
-        for line in text.splitlines():
-            if line.startswith("lanes_gateway_route_choices_total{"):
-                reason = line.split('reason="')[1].split('"')[0]
-                choices[reason] = choices.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
+    after = await route_choices(http, bases)
+    choices = {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0) > 0}  # this run's
     later = [r for r in results if r["turn"] > 0]
     per_lane: dict[str, int] = {}
     for r in results:
