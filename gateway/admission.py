@@ -159,7 +159,8 @@ class Admission:
 
     def _fleet_changed(self) -> None:
         lanes = list(self.view.lanes())
-        self.index.keep_only(lane.key for lane in lanes)
+        if self.view.synced:  # (while the bucket is read, a lane not read yet has not left)
+            self.index.keep_only(lane.key for lane in lanes)
         for lane in lanes:
             if lane.cache_tokens > 0:
                 # At the fixed characters per token, not the measured: every gateway the same budget.
