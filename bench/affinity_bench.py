@@ -51,7 +51,11 @@ WORDS = ("lane slot cache prompt model token window host memory queue river ston
          "engine signal harbor letter winter summer forest valley bridge lantern copper violet orbit").split()  # fmt: skip
 
 
-def system_prompt(mode: str, i: int, words: int, rng: random.Random) -> str:
+def system_prompt(mode: str, i: int, words: int, rng: random.Random, shared: str = "") -> str:
+    """A conversation's own system prompt; with `shared` (the hot-spot trace) one long text every
+    conversation starts with, and only a short line of its own after it."""
+    if shared:
+        return f"{shared} You are assistant {i}."
     body = " ".join(rng.choice(WORDS) for _ in range(words))
     return f"You are assistant {i} of the {mode} run. Keep answers short. Background notes: {body}"
 
@@ -86,15 +90,35 @@ async def ask(http: aiohttp.ClientSession, base: str, messages: list, max_tokens
             "prompt": usage["prompt_tokens"], "cached": (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)}  # fmt: skip
 
 
-async def run_trace(http, base: str, mode: str, args, workers: int) -> dict:
+async def route_choices(http, bases: list[str]) -> dict[str, float]:
+    """The gateways' route choices so far, by reason, summed."""
+    choices: dict[str, float] = {}
+    for base in bases:
+        async with http.get(base + "/metrics") as resp:
+            text = await resp.text()
+        for line in text.splitlines():
+            if line.startswith("lanes_gateway_route_choices_total{"):
+                reason = line.split('reason="')[1].split('"')[0]
+                choices[reason] = choices.get(reason, 0.0) + float(line.rsplit(" ", 1)[1])
+    return choices
+
+
+async def run_trace(http, bases: list[str], mode: str, args, workers: int) -> dict:
+    """The trace through `bases` (gateways): a conversation's turns alternate between them."""
     rng = random.Random(args.seed)
-    convs = [[{"role": "system", "content": system_prompt(mode, i, args.system_words, rng)}] for i in range(args.convs)]
+    shared = ""
+    if args.hot_spot:
+        shared = f"You serve the {mode} run. Keep answers short. Notes: " + " ".join(
+            rng.choice(WORDS) for _ in range(args.system_words))
+    convs = [[{"role": "system", "content": system_prompt(mode, i, args.system_words, rng, shared)}]
+             for i in range(args.convs)]  # fmt: skip
     order = [i for i in range(args.convs) for _ in range(args.turns)]
     rng.shuffle(order)
     busy: set[int] = set()
     done = [0] * args.convs
     results: list[dict] = []
     lock = asyncio.Lock()
+    before = await route_choices(http, bases)  # a gateway may have served an earlier mode
     began = time.perf_counter()
 
     async def next_conv() -> int | None:
@@ -113,7 +137,7 @@ async def run_trace(http, base: str, mode: str, args, workers: int) -> dict:
         while (i := await next_conv()) is not None:
             turn = done[i]
             convs[i].append({"role": "user", "content": f"Question {turn + 1}: say something about {rng.choice(WORDS)}."})
-            got = await ask(http, base, convs[i], args.max_tokens)
+            got = await ask(http, bases[(i + turn) % len(bases)], convs[i], args.max_tokens)
             convs[i].append({"role": "assistant", "content": got["text"]})
             results.append({"conv": i, "turn": turn, **{k: v for k, v in got.items() if k != "text"}})
             done[i] += 1
@@ -121,10 +145,8 @@ async def run_trace(http, base: str, mode: str, args, workers: int) -> dict:
 
     await asyncio.gather(*(client() for _ in range(workers)))
     wall = time.perf_counter() - began
-    async with http.get(base + "/metrics") as resp:
-        text = await resp.text()
-    choices = {line.split('reason="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
-               for line in text.splitlines() if line.startswith("lanes_gateway_route_choices_total{")}  # fmt: skip
+    after = await route_choices(http, bases)
+    choices = {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0) > 0}  # this run's
     later = [r for r in results if r["turn"] > 0]
     per_lane: dict[str, int] = {}
     for r in results:
@@ -155,6 +177,10 @@ async def main() -> int:
     ap.add_argument("--slots", type=int, default=2)
     ap.add_argument("--ctx", type=int, default=4096, help="tokens per slot")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--modes", default="baseline,affinity,two",
+                    help="baseline (most free slots), affinity (one gateway), two (two gateways, turns alternating)")
+    ap.add_argument("--hot-spot", action="store_true",
+                    help="one long system prompt shared by every conversation (a short line of its own after it)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "affinity_results.md"))
     args = ap.parse_args()
     setup_logging("warning")
@@ -174,6 +200,12 @@ async def main() -> int:
              "--queue-wait", "600", "--queue-depth", "256", "--no-affinity"],
             stdout=subprocess.DEVNULL, stderr=open(Path(tmp) / "baseline.log", "wb"),
         )  # fmt: skip
+        second_url = f"http://127.0.0.1:{port + 1}"
+        second = subprocess.Popen(
+            [str(Path(sys.executable).parent / "lanes"), "gateway", "--nats", fleet.nats.url, "--port", str(port + 1),
+             "--queue-wait", "600", "--queue-depth", "256"],
+            stdout=subprocess.DEVNULL, stderr=open(Path(tmp) / "second.log", "wb"),
+        )  # fmt: skip
         try:
             persona = Persona(model="gemma-3-270m-q4_k_m", alias=ALIAS, lanes=args.lanes, parallel=args.slots,
                               ctx_min=args.ctx, ctx_max=args.ctx)  # fmt: skip
@@ -187,20 +219,26 @@ async def main() -> int:
 
             await _until(lambda: ready(fleet.gateway_url), 600, "lanes routable (affinity gateway)")
             await _until(lambda: ready(baseline_url), 60, "lanes routable (baseline gateway)")
+            await _until(lambda: ready(second_url), 60, "lanes routable (second affinity gateway)")
             results["lane_args"] = [list(lane.argv) for lane in await fleet.lanes()]
             timeout = aiohttp.ClientTimeout(total=900)
             async with aiohttp.ClientSession(timeout=timeout) as http:
                 workers = args.lanes * args.slots
-                results["most_free_slots"] = await run_trace(http, baseline_url, "baseline", args, workers)
-                print("most free slots:", json.dumps(results["most_free_slots"]), flush=True)
-                results["affinity"] = await run_trace(http, fleet.gateway_url, "affinity", args, workers)
-                print("affinity:", json.dumps(results["affinity"]), flush=True)
+                runs = {"baseline": ("most_free_slots", [baseline_url]), "affinity": ("affinity", [fleet.gateway_url]),
+                        "two": ("two_gateways", [fleet.gateway_url, second_url])}  # fmt: skip
+                for mode in args.modes.split(","):
+                    name, bases = runs[mode]
+                    results[name] = await run_trace(http, bases, mode, args, workers)
+                    print(f"{name}:", json.dumps(results[name]), flush=True)
         finally:
-            baseline.terminate()
-            baseline.wait(20)
+            for process in (baseline, second):
+                process.terminate()
+                process.wait(20)
             await fleet.close()
-    a, b = results["affinity"], results["most_free_slots"]
-    results["ttft_later_speedup"] = b["ttft_p50_later_s"] / a["ttft_p50_later_s"]
+    b = results.get("most_free_slots")
+    for name in ("affinity", "two_gateways"):
+        if b and name in results:
+            results[f"ttft_later_speedup_{name}"] = b["ttft_p50_later_s"] / results[name]["ttft_p50_later_s"]
     Path(args.out).with_suffix(".json").write_text(json.dumps(results, indent=2))
     Path(args.out).write_text(render(results))
     print(render(results))
@@ -208,35 +246,42 @@ async def main() -> int:
 
 
 def render(r: dict) -> str:
-    a, b = r["affinity"], r["most_free_slots"]
     args = r["args"]
     cmd = (f".venv/bin/python bench/affinity_bench.py --convs {args['convs']} --turns {args['turns']}"
-           f" --system-words {args['system_words']} --lanes {args['lanes']} --slots {args['slots']}")  # fmt: skip
+           f" --system-words {args['system_words']} --lanes {args['lanes']} --slots {args['slots']}"
+           f" --modes {args['modes']}{' --hot-spot' if args['hot_spot'] else ''}")  # fmt: skip
+    names = [n for n in ("most_free_slots", "affinity", "two_gateways") if n in r]
+    heads = {"most_free_slots": "most free slots", "affinity": "by tokens, one gateway",
+             "two_gateways": "by tokens, two gateways alternating"}  # fmt: skip
     rows = [
-        ("cached-token ratio, turns 2+", f"{b['cached_ratio_later_turns']:.3f}", f"{a['cached_ratio_later_turns']:.3f}"),
-        ("cached-token ratio, all turns", f"{b['cached_ratio_all']:.3f}", f"{a['cached_ratio_all']:.3f}"),
-        ("p50 time to first token, turns 2+", f"{b['ttft_p50_later_s']:.3f} s", f"{a['ttft_p50_later_s']:.3f} s"),
-        ("p50 time to first token, first turns", f"{b['ttft_p50_first_s']:.3f} s", f"{a['ttft_p50_first_s']:.3f} s"),
-        ("later turns on another lane than the turn before", str(b["turns_moved_lane"]), str(a["turns_moved_lane"])),
-        ("requests per lane, max / mean", f"{b['max_over_mean_load']:.2f}", f"{a['max_over_mean_load']:.2f}"),
-        ("wall time", f"{b['wall_s']:.1f} s", f"{a['wall_s']:.1f} s"),
+        ("cached-token ratio, turns 2+", lambda x: f"{x['cached_ratio_later_turns']:.3f}"),
+        ("cached-token ratio, all turns", lambda x: f"{x['cached_ratio_all']:.3f}"),
+        ("p50 time to first token, turns 2+", lambda x: f"{x['ttft_p50_later_s']:.3f} s"),
+        ("p50 time to first token, first turns", lambda x: f"{x['ttft_p50_first_s']:.3f} s"),
+        ("later turns on another lane than the turn before", lambda x: str(x["turns_moved_lane"])),
+        ("requests per lane, max / mean", lambda x: f"{x['max_over_mean_load']:.2f}"),
+        ("wall time", lambda x: f"{x['wall_s']:.1f} s"),
+        ("route choices", lambda x: ", ".join(f"{k} {int(v)}" for k, v in sorted(x["route_choices"].items()))),
     ]
     lines = [
-        "# Prefix affinity against most free slots (bench/affinity_bench.py)",
+        "# Routing by tokens against most free slots (bench/affinity_bench.py)",
         "",
         f"{r['when']}, {r['machine']}; `{cmd}`",
         f"{args['lanes']} lanes x {args['slots']} slots of Gemma 3 270M Q4_K_M, {args['ctx']} tokens per slot,"
         f" {args['convs']} conversations x {args['turns']} turns, {args['max_tokens']} tokens per answer,"
-        f" {args['lanes'] * args['slots']} client loops; lane argv: `{' '.join(r['lane_args'][0][1:]) if r['lane_args'] else '-'}`",
+        f" {args['lanes'] * args['slots']} client loops{'; one system prompt shared by all (hot spot)' if args['hot_spot'] else ''};"
+        f" lane argv: `{' '.join(r['lane_args'][0][1:]) if r['lane_args'] else '-'}`",
         "",
-        "| | most free slots | prefix affinity |",
-        "|---|---|---|",
-        *[f"| {name} | {x} | {y} |" for name, x, y in rows],
-        "",
-        f"p50 time to first token of the later turns: {r['ttft_later_speedup']:.2f}x better with affinity.",
+        "| | " + " | ".join(heads[n] for n in names) + " |",
+        "|---" * (len(names) + 1) + "|",
+        *[f"| {label} | " + " | ".join(f(r[n]) for n in names) + " |" for label, f in rows],
         "",
     ]
-    return "\n".join(lines)
+    for name in ("affinity", "two_gateways"):
+        if f"ttft_later_speedup_{name}" in r:
+            lines.append(f"p50 time to first token of the later turns, {heads[name]}: "
+                         f"{r[f'ttft_later_speedup_{name}']:.2f}x better than most free slots.")  # fmt: skip
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

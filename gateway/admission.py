@@ -21,10 +21,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gateway import affinity, fairness
+from gateway import affinity, fairness, token_cost
 from gateway.affinity import AffinityIndex, Fingerprint, LaneLoad
+from gateway.prefix_index import budget_chunks
 from gateway.fleet import FleetView, LaneKey, LaneRoute
 from gateway.tenants import Tenant, refusal_ceiling
 from shared import defaults
@@ -75,6 +77,9 @@ class LaneCounts:
     prefill_rate: dict[LaneKey, float] = field(default_factory=dict)  # prompt tokens per second, from timings
     tenant_in_flight: dict[tuple[str, str], int] = field(default_factory=dict)  # (model, tenant) -> holding a slot
     tenant_queued: dict[tuple[str, str], int] = field(default_factory=dict)  # (model, tenant) -> waiting
+    pending: dict[LaneKey, int] = field(default_factory=dict)  # uncached prompt tokens sent, no first token yet
+    hold: dict[LaneKey, float] = field(default_factory=dict)  # seconds a request holds a slot (moving average)
+    chars_per_token: dict[str, float] = field(default_factory=dict)  # model -> its prompts' characters per token
 
     def tenant_load(self, tenant: str) -> int:
         """Requests of a tenant holding a slot or waiting, every model together (its concurrency)."""
@@ -94,6 +99,20 @@ class LaneCounts:
         self.prompt_tokens[(model, lane)] = self.prompt_tokens.get((model, lane), 0) + prompt
         self.cached_tokens[(model, lane)] = self.cached_tokens.get((model, lane), 0) + cached
 
+    def note_hold(self, key: LaneKey, seconds: float) -> None:
+        before = self.hold.get(key)
+        self.hold[key] = seconds if before is None else 0.8 * before + 0.2 * seconds
+
+    def note_chars(self, model: str, chars: int, tokens: int) -> None:
+        """A prompt of `chars` rendered characters was `tokens` tokens (its answer's prompt_n + cache_n)."""
+        if chars > 0 and tokens > 0:
+            before = self.chars_per_token.get(model)
+            ratio = chars / tokens
+            self.chars_per_token[model] = ratio if before is None else 0.8 * before + 0.2 * ratio
+
+    def cpt(self, model: str) -> float:
+        return self.chars_per_token.get(model, affinity.CHARS_PER_TOKEN)
+
     def load(self, key: LaneKey) -> int:
         """Requests on the lane: ours, or all its busy slots when /slots says more (other clients)."""
         return max(self.in_flight.get(key, 0), self.reported.get(key, 0))
@@ -108,10 +127,26 @@ class Lease:
     released: bool = False
     tenant: str = ""
     name: str = ""  # the requested model name
+    mark: Fingerprint | None = None  # the prompt's chunk hashes
+    chunks: int = 0  # of them the lane's index held when it was sent (the prediction its answer corrects)
+    stamp: int = 0  # the index entry that match rested on
+    pending: int = 0  # uncached prompt tokens counted on the lane until its first token
+    since: float = 0.0  # loop time it was given
+
+    def prefilled(self) -> None:
+        """The first token came: its prompt is no longer prefill ahead of the lane's next request."""
+        if self.pending:
+            pending = self.admission.counts.pending
+            left = pending.get(self.lane.key, 0) - self.pending
+            pending[self.lane.key] = max(0, left)
+            self.pending = 0
 
     def release(self) -> None:
         if not self.released:
             self.released = True
+            self.prefilled()
+            if self.since:
+                self.admission.counts.note_hold(self.lane.key, asyncio.get_running_loop().time() - self.since)
             self.admission._release(self.lane.key, self)
 
 
@@ -142,16 +177,39 @@ class Admission:
     fair: bool = True  # False: first come first served (the fairness benchmark's baseline)
     ledger: fairness.Ledger = field(default_factory=fairness.Ledger)
     _arrivals: itertools.count = field(default_factory=itertools.count)
+    # Told of every entry recorded or corrected (lane, model, stored, removed, reused chunks): the
+    # shared view publishes them to the other gateways (gateway/shared_view.py).
+    on_prefix: Callable[[LaneKey, str, tuple[int, ...], tuple[int, ...], int], None] | None = None
     _queues: dict[str, deque[_Waiter]] = field(default_factory=dict)
     _turns: itertools.count = field(default_factory=itertools.count)
     _waited: dict[str, float] = field(default_factory=dict)  # name -> longest queue wait ended since the last report
 
     def __post_init__(self) -> None:
         self.view.listeners.append(self._fleet_changed)
+        self._fleet_changed()  # the lanes' index budgets, for a view already filled
 
     def _fleet_changed(self) -> None:
-        self.index.keep_only(lane.key for lane in self.view.lanes())
+        lanes = list(self.view.lanes())
+        if self.view.synced:  # (while the bucket is read, a lane not read yet has not left)
+            self.index.keep_only(lane.key for lane in lanes)
+        for lane in lanes:
+            if lane.cache_tokens > 0:
+                # At the fixed characters per token, not the measured: every gateway the same budget.
+                self.index.set_budget(lane.key, budget_chunks(lane.cache_tokens, affinity.CHARS_PER_TOKEN,
+                                                              affinity.CHUNK_CHARS))  # fmt: skip
         self.poke()
+
+    def measured(self, lease: Lease, prompt: int, cached: int) -> None:
+        """The lane's answer said it read `prompt` tokens, `cached` of them reused: correct the
+        index (confirm the reused prefix, drop what the lane had evicted) and the token estimate."""
+        mark = lease.mark
+        if mark is None or not mark.hashes or prompt <= 0 or not self.use_affinity:
+            return
+        self.counts.note_chars(lease.lane.model, mark.chars, prompt)
+        reused = int(cached * mark.chars / prompt) // affinity.CHUNK_CHARS
+        fix = self.index.correct(lease.lane.key, mark.hashes, lease.chunks, lease.stamp, reused)
+        if self.on_prefix is not None and fix.dropped:
+            self.on_prefix(lease.lane.key, lease.lane.model, (), fix.dropped, fix.confirmed)
 
     async def acquire(
         self, name: str, exclude: frozenset[LaneKey] = frozenset(), prompt: Fingerprint | None = None,
@@ -171,7 +229,11 @@ class Admission:
         self._make_room(name, queue, who)
         waiter = _Waiter(name, exclude, loop.create_future(), prompt, since=loop.time(), tenant=who.name,
                          priority=who.priority, weight=who.weight, seq=next(self._arrivals))  # fmt: skip
-        if choice.matched:
+        if choice.patience > 0:
+            wait = min(choice.patience, self.max_wait / 2)
+            waiter.patient_until, waiter.waiting_for = loop.time() + wait, choice.wait_for
+            loop.call_later(wait, self.poke)
+        elif choice.matched:
             wait = affinity.patience(choice.matched, self._prefill_rate(name), self.max_wait)
             waiter.patient_until, waiter.waiting_for = loop.time() + wait, choice.wait_for
             loop.call_later(wait, self.poke)  # then any free lane will do
@@ -267,15 +329,42 @@ class Admission:
         # A prompt shorter than a chunk has no prefix worth keeping: equals rotate, as without one.
         key = prompt.key if prompt is not None and prompt.hashes and self.use_affinity else None
         held = {x.key: self.index.held(x.key) for x in candidates} if key is not None else None
-        choice = affinity.choose(candidates, matched, key, next(self._turns), held=held, patient=patient)
+        cpt = counts.cpt(routable[0].model) if routable else affinity.CHARS_PER_TOKEN
+        if key is not None and prompt is not None:
+            by_tokens = self._by_tokens(candidates, matched, prompt, cpt, name, asking)
+            choice = token_cost.choose_by_cost(by_tokens, round(prompt.chars / cpt), key, held, patient)
+        else:
+            choice = affinity.choose(candidates, matched, key, next(self._turns), held=held, patient=patient)
         if choice.lane is None:
             return None, choice
         lane = next(lane for lane in routable if lane.key == choice.lane)
+        lease = Lease(lane, self, since=asyncio.get_running_loop().time())
         if prompt is not None:
+            lease.mark, lease.chunks = prompt, matched.get(lane.key, 0)
+            lease.stamp = self.index.stamp(lane.key, prompt.hashes, lease.chunks)
+            lease.pending = max(0, round((prompt.chars - lease.chunks * affinity.CHUNK_CHARS) / cpt))
+            counts.pending[lane.key] = counts.pending.get(lane.key, 0) + lease.pending
             self.index.record(lane.key, prompt.hashes)
+            if self.on_prefix is not None:
+                self.on_prefix(lane.key, lane.model, prompt.hashes, (), 0)
         counts.routes[(lane.alias, choice.reason)] = counts.routes.get((lane.alias, choice.reason), 0) + 1
         counts.in_flight[lane.key] = counts.busy(lane.key) + 1
-        return Lease(lane, self), choice
+        return lease, choice
+
+    def _by_tokens(self, lanes: list[LaneLoad], matched: dict[LaneKey, int], prompt: Fingerprint, cpt: float,
+                   name: str, asking: _Waiter | None) -> list[token_cost.LaneTokens]:  # fmt: skip
+        """Each lane's prefill ahead (sent and awaited) and its match of this prompt, in tokens."""
+        counts, ahead = self.counts, dict(self.counts.pending)
+        for waiter in self._queues.get(name, ()):
+            if waiter.waiting_for is not None and waiter is not asking and waiter.prompt is not None \
+                    and not waiter.future.done():
+                done = self.index.matched(waiter.waiting_for, waiter.prompt.hashes) * affinity.CHUNK_CHARS
+                ahead[waiter.waiting_for] = ahead.get(waiter.waiting_for, 0) + round(
+                    max(0, waiter.prompt.chars - done) / cpt)
+        return [token_cost.LaneTokens(
+            x.key, x.slots, x.busy, x.waiting, ahead.get(x.key, 0), counts.prefill_rate.get(x.key),
+            counts.hold.get(x.key), round(min(prompt.chars, matched.get(x.key, 0) * affinity.CHUNK_CHARS) / cpt),
+            matched.get(x.key, 0)) for x in lanes]  # fmt: skip
 
     def _release(self, key: LaneKey, lease: Lease | None = None) -> None:
         counts = self.counts

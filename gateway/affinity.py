@@ -44,15 +44,14 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from gateway.fleet import LaneKey
+from gateway.prefix_index import PrefixIndex
 
 CHUNK_CHARS = 256
 MAX_CHUNKS = 512  # 128k characters (about 32k tokens): longer prompts match on this much
-LANE_CAPACITY = 16384  # chunk hashes remembered per lane: 4M characters, above what its slots and cache hold
 LOAD_BOUND = 1.25  # a warm lane's load may reach 125% of its fair share
 MIN_CAP = 2  # ... or two requests: one other request on it costs less than a cold prefill at low load
 CHARS_PER_TOKEN = 4  # to turn matched characters into the tokens a cold lane would prefill
@@ -70,6 +69,7 @@ class Fingerprint:
 
     hashes: tuple[int, ...]
     key: int  # the first chunk's hash, or the whole short text's
+    chars: int = 0  # the rendered prompt's length: its tokens, at the lane's characters per token
 
 
 def fingerprint(model: str, text: str, chunk: int = CHUNK_CHARS, max_chunks: int = MAX_CHUNKS) -> Fingerprint:
@@ -81,42 +81,10 @@ def fingerprint(model: str, text: str, chunk: int = CHUNK_CHARS, max_chunks: int
         previous = _h(previous.to_bytes(8, "little") + text[i * chunk : (i + 1) * chunk].encode())
         hashes.append(previous)
     key = hashes[0] if hashes else _h(seed.to_bytes(8, "little") + text.encode())
-    return Fingerprint(tuple(hashes), key)
+    return Fingerprint(tuple(hashes), key, len(text))
 
 
-@dataclass
-class AffinityIndex:
-    """Per lane, the chunk hashes sent there, least recently sent first; bounded per lane."""
-
-    capacity: int = LANE_CAPACITY
-    lanes: dict[LaneKey, OrderedDict[int, None]] = field(default_factory=dict)
-
-    def record(self, lane: LaneKey, hashes: Sequence[int]) -> None:
-        held = self.lanes.setdefault(lane, OrderedDict())
-        for h in hashes:
-            held[h] = None
-            held.move_to_end(h)
-        while len(held) > self.capacity:
-            held.popitem(last=False)
-
-    def matched(self, lane: LaneKey, hashes: Sequence[int]) -> int:
-        """Leading chunks of the prompt the lane was sent: hash i stands for the whole prefix up to i."""
-        held = self.lanes.get(lane)
-        if not held:
-            return 0
-        for i in range(len(hashes) - 1, -1, -1):
-            if hashes[i] in held:
-                return i + 1
-        return 0
-
-    def held(self, lane: LaneKey) -> int:
-        return len(self.lanes.get(lane, ()))
-
-    def keep_only(self, lanes: Iterable[LaneKey]) -> None:
-        """Forget lanes that left the fleet."""
-        keep = set(lanes)
-        for lane in [k for k in self.lanes if k not in keep]:
-            del self.lanes[lane]
+AffinityIndex = PrefixIndex  # the name the rest of the gateway knew it by
 
 
 @dataclass(frozen=True)
@@ -139,6 +107,7 @@ class Choice:
     reason: str
     matched: int = 0  # chunks the chosen (or awaited) lane holds
     wait_for: LaneKey | None = None  # reason "wait": the lane
+    patience: float = 0.0  # reason "wait", by tokens (gateway/token_cost.py): seconds it may wait for it
 
 
 def within_bound(lane: LaneLoad, lanes: Sequence[LaneLoad], bound: float = LOAD_BOUND, min_cap: int = MIN_CAP) -> bool:

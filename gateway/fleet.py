@@ -38,6 +38,7 @@ class LaneRoute:
     adapters: tuple[str, ...] = ()  # its LoRA adapters (--lora order): it serves "alias:adapter" too
     reranking: bool = False  # started with --reranking: it serves /v1/rerank
     vision: bool = False  # started with --mmproj (a projector that reads images)
+    cache_tokens: int = 0  # prompt tokens it keeps: its slots' windows and its --cache-ram; 0 not known
 
     def adapter_id(self, adapter: str) -> int | None:
         """The adapter's id in this lane's --lora list (a request's `lora` ids), or None."""
@@ -63,6 +64,18 @@ def lane_address(status: HostStatus | None, bind: str, host_id: str) -> str:
     if bind not in WILDCARD_BINDS:
         return bind
     return host_id
+
+
+def kept_tokens(spec) -> int:
+    """Prompt tokens llama-server keeps for a lane: each slot's last prompt (its window) and what
+    its host-RAM prompt cache (--cache-ram MiB; None: the binary's 8192) holds at the KV bytes a
+    token takes (the plan's KV over its cells). 0 where the plan does not say."""
+    slots = spec.parallel * spec.ctx_per_slot
+    memory = spec.memory
+    per_token = memory.kv_bytes / memory.kv_cells if memory.kv_cells > 0 and memory.kv_bytes > 0 else 0.0
+    ram = 8192 if spec.cache_ram_mib is None else spec.cache_ram_mib
+    cached = int(ram * 2**20 / per_token) if per_token > 0 else 0
+    return slots + cached
 
 
 def _url(address: str, port: int) -> str:
@@ -184,6 +197,7 @@ class FleetView:
                     adapters=spec.adapters,
                     reranking=spec.reranking,
                     vision=spec.mmproj_path is not None,
+                    cache_tokens=kept_tokens(spec),
                 )
 
     def model_entry(self, name: str) -> ModelState | None:

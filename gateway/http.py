@@ -315,6 +315,7 @@ async def _forward(
                 )
                 if (shape.streamed or shape.assembled) and upstream.status == 200:
                     first = await upstream.content.readany()  # the first token: the prefill is done
+                    lease.prefilled()
         except aiohttp.ClientConnectionError as exc:  # refused, reset, closed before answering
             _drop(upstream, lease)
             how = Failure.UNREACHABLE if isinstance(exc, aiohttp.ClientConnectorError) else Failure.DROPPED
@@ -381,10 +382,12 @@ def _count_usage(app: web.Application, lease: Lease, found: usage.Usage | None, 
             lease.tenant)
         app[METRICS].tenant_tokens.labels(tenant.name, tenant.klass, "prompt").inc(found.prompt)
         app[METRICS].tenant_tokens.labels(tenant.name, tenant.klass, "output").inc(output)
-        counts = app[ADMISSION].counts
+        admission = app[ADMISSION]
+        counts = admission.counts
         counts.note_prompt(lane.alias, f"{lane.host_id}/{lane.lane_id}", found.prompt, found.cached)
         if found.prefill_rate is not None:
             counts.note_prefill(lane.key, found.prefill_rate)
+        admission.measured(lease, found.prompt, found.cached)
 
 
 def _give_up(step: GiveUp, settings: GatewaySettings) -> web.Response:

@@ -29,6 +29,7 @@ from gateway.fleet import FleetView, LaneRoute
 from gateway.http import KEYS, METRICS, USAGE, admission_for, build_app
 from gateway.lane_load import SlotsPoll
 from gateway.settings import GatewaySettings
+from gateway.shared_view import SharedView
 from gateway.usage_sync import share_usage
 from shared import defaults, subjects
 from shared.bus import NatsAuth, connect, kv_bucket, quietly, run_until, watch_forever
@@ -55,6 +56,7 @@ class Gateway:
     waker: waking.Waker = field(init=False)  # requests held while their model loads
     slots: SlotsPoll = field(init=False)  # each lane's /slots: its load, and whether its loop answers
     gateway_id: str = ""
+    shared: SharedView | None = None  # the prefix index shared with the other gateways (settings.shared_prefix)
     loops: Loops = field(default_factory=lambda: Loops("gateway"))  # its supervised loops (shared.supervise)
     usage_task: asyncio.Task | None = None  # tenants' usage shared over NATS (gateway/usage_sync.py)
 
@@ -67,6 +69,8 @@ class Gateway:
         self.app = build_app(self.view, self.settings, admission=self.admission, waker=self.waker)
         self.app[METRICS].registry.register(self.loops)
         self.dashboard = DashboardHub(self.view, self.admission.counts)
+        if self.settings.shared_prefix and self.settings.affinity:
+            self.shared = SharedView(self.admission, self.gateway_id, kv_events=self.settings.kv_events)
         self.slots = SlotsPoll(self.admission, self.settings.probe_timeout, self.settings.slots_stall_after)
         add_dashboard(self.app, self.dashboard, nc_getter=lambda: self.nc, admin_key=self.settings.admin_key)
 
@@ -193,6 +197,10 @@ async def _bus_side(gw: Gateway, servers: str, auth: NatsAuth, stop: asyncio.Eve
     await nc.subscribe(subjects.ALL_EVENTS, cb=on_event)
     gw.usage_task = gw.loops.task("usage", lambda: share_usage(nc, gw.app[USAGE], gw.admission, gw.gateway_id,
                                                                  stop), stop)  # fmt: skip
+    if gw.shared is not None:
+        gw.shared.gateway_id = gw.gateway_id  # (its NATS user, where auth is on)
+        prefix = asyncio.create_task(gw.loops.run("prefix", lambda: gw.shared.start(nc), stop))
+        stack.push_async_callback(quietly(lambda: _stop_task(prefix)))
     while not stop.is_set():
         try:
             kv = await kv_bucket(nc)
@@ -204,6 +212,11 @@ async def _bus_side(gw: Gateway, servers: str, auth: NatsAuth, stop: asyncio.Eve
         return
     await gw.loops.run("watch", lambda: watch_forever(kv, WATCHED_KEYS, gw.on_entry, resync=resync, stop=stop,
                                                       on_caught_up=gw.on_caught_up), stop)  # fmt: skip
+
+
+async def _stop_task(task: asyncio.Task) -> None:
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 async def run_gateway(

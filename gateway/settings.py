@@ -37,6 +37,8 @@ class GatewaySettings:
     probe_timeout: float = 1.0
     slots_interval: float = 0.5  # seconds between reads of each lane's /slots (its load from every client)
     affinity: bool = True  # prefix affinity; False routes by most free slots alone
+    shared_prefix: bool = True  # share the prefix index with every gateway over JetStream (docs/routing.md)
+    kv_events: bool = False  # also publish it as vLLM KVEventBatch on lanes.kvevents.<host>.<lane>
     retry_after: int = 1  # seconds, in the Retry-After header of a 503
     admin_key: str | None = None  # set: the dashboard accepts fleet config changes from a viewer who has it
     # Models on demand (gateway/waking.py): seconds a request for a model with no ready lane is

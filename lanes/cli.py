@@ -119,6 +119,10 @@ def _add_gateway_options(p: argparse.ArgumentParser) -> None:
                    help="route by most free slots only, not to the lane holding the prompt's prefix")  # fmt: skip
     p.add_argument("--no-fair", action="store_true",
                    help="serve each model's queue first come first served, not token-fair between tenants")  # fmt: skip
+    p.add_argument("--no-shared-prefix", action="store_true",
+                   help="keep this gateway's prefix index to itself (not shared over JetStream stream LANES_PREFIX)")
+    p.add_argument("--kv-events", action="store_true",
+                   help="also publish the prefix events in vLLM's KVEventBatch form on lanes.kvevents.<host>.<lane>")
     _add_load_timeout(p)
 
 

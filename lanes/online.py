@@ -94,6 +94,8 @@ def gateway_settings(args: argparse.Namespace) -> GatewaySettings:
         load_timeout=getattr(args, "load_timeout", base.load_timeout),
         affinity=not getattr(args, "no_affinity", False),
         fair=not getattr(args, "no_fair", False),
+        shared_prefix=not getattr(args, "no_shared_prefix", False),
+        kv_events=getattr(args, "kv_events", False),
         gateway_id=getattr(args, "gateway_id", None) or base.gateway_id,
         keys_file=_keys_file(getattr(args, "keys_file", None)),
     )

@@ -25,6 +25,7 @@ FAIR_HALF_LIFE = 60.0  # a tenant's consumed tokens count half after this long (
 OUTPUT_WEIGHT = 2.0  # an output token costs this many prompt tokens (fairness and token limits)
 USAGE_SYNC_INTERVAL = 1.0  # seconds between a gateway's writes of its tenants' usage to NATS
 KEYS_REREAD = 1.0  # seconds between checks of the keys file for a change
+PREFIX_MAX_AGE = 3600.0  # the shared prefix view's events are kept this long (stream LANES_PREFIX)
 
 # ------------------------------------------------------------------ ports
 
@@ -42,6 +43,7 @@ N_UBATCH = 512  # llama-server's --ubatch-size default: the SWA cache and comput
 QUEUE_DEPTH = 64  # requests a gateway holds waiting per model (then 503)
 STANDARD_CEILING = 0.9  # share of QUEUE_DEPTH a standard request may find waiting and still join (then 429)
 SHEDDABLE_CEILING = 0.5  # ... a sheddable one
+PREFIX_HISTORY = 2048  # prefix events kept per lane (one a request): what a late gateway replays
 HEADROOM_BYTES = 512 * MIB  # memory the planner leaves free on every host, beyond headroom_fraction
 SLOT_CACHE_BYTES = 4096 * MIB  # disk per host for saved slots (a lane's hot prompts across restarts); 0: none
 

@@ -92,6 +92,18 @@ def activity_subject(gateway: str) -> str:
     return f"{PREFIX}.activity.{host_token(gateway)}"
 
 
+def prefix_subject(host_id: str, lane_id: str) -> str:
+    """What gateways learnt of one lane's prompt cache (PrefixEvent), in stream PREFIX_STREAM."""
+    return f"{PREFIX}.prefix.{host_token(host_id)}.{host_token(lane_id)}"
+
+
+def kv_events_subject(host_id: str, lane_id: str) -> str:
+    """The same events in vLLM's KVEventBatch form (msgpack), for Dynamo- or llm-d-style indexers."""
+    return f"{PREFIX}.kvevents.{host_token(host_id)}.{host_token(lane_id)}"
+
+
+PREFIX_STREAM = "LANES_PREFIX"  # JetStream stream of every lane's prefix subject
+ALL_PREFIX = f"{PREFIX}.prefix.>"
 ALL_WAKES = f"{PREFIX}.wake.*"
 ALL_ACTIVITY = f"{PREFIX}.activity.*"
 ALL_EVENTS = f"{PREFIX}.event.>"

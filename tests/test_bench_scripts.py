@@ -68,7 +68,7 @@ def test_affinity_bench_small(tmp_path, llama_server):
                  timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     data = json.loads(out.with_suffix(".json").read_text())
-    assert data["affinity"]["requests"] == data["most_free_slots"]["requests"] == 6
+    assert data["affinity"]["requests"] == data["most_free_slots"]["requests"] == data["two_gateways"]["requests"] == 6
     assert "cached-token ratio, turns 2+" in out.read_text()
 
 
