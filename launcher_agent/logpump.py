@@ -64,6 +64,7 @@ class Writer:
             if self.size >= self.max_bytes:  # whole lines only: no line is split between two files
                 self.close()
                 rotate(self.path, self.files)
+                self.write(b"")  # LOG_PATH exists again at once, even when no line follows
         except OSError:
             self.close()
 

@@ -100,10 +100,19 @@ def test_the_log_rotates_by_size_keeps_its_files_and_splits_no_line(tmp_path):
     kept_lines = kept.splitlines()
     assert kept.endswith("\n") and kept_lines == lines[-len(kept_lines) :]  # the newest, whole and in order
     assert len(kept_lines) < len(lines)
-    # appended, not truncated: a second run adds to the current file
+    # appended, not truncated: a second run adds to the current file (with room in it: how full the
+    # first run left it depends on how the pipe's reads fell, and a write that fills it rotates it)
     before = log.stat().st_size
-    _pump(tmp_path, b"one more\n", 64 * 1024, 3)
+    _pump(tmp_path, b"one more\n", 1 << 20, 3)
     assert log.stat().st_size == before + len(b"one more\n")
+
+
+def test_the_log_file_exists_again_at_once_after_a_rotation(tmp_path):
+    """Input that fills the file exactly at its end rotates it with no line after: the lane's log
+    path is there all the same (empty), for the agent's reader and for the next append."""
+    log = _pump(tmp_path, b"".join(b"line %04d\n" % i for i in range(10)), 100, 3)
+    assert log.exists() and log.stat().st_size == 0
+    assert log.with_name("lane.log.1").read_bytes().endswith(b"line 0009\n")
 
 
 def test_a_log_that_cannot_be_written_loses_lines_never_the_lane(tmp_path):
