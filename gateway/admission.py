@@ -12,8 +12,8 @@ tenant with the least decayed tokens per weight, then first come). Each priority
 fill only its share of the queue (its ceiling): past it a request is refused with 429, or a
 waiting request of a lower class is refused in its place. No sockets: asyncio futures only.
 
-Admission owns the request counts (`LaneCounts`); the FleetView holds only what the bus
-said, so the dashboard and the metrics read the fleet from one and the load from the other.
+Admission owns the request counts (`LaneCounts`, gateway/lane_counts.py); the FleetView holds
+only what the bus said, so the dashboard and the metrics read the fleet from one and the load from the other.
 """
 
 from __future__ import annotations
@@ -25,144 +25,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway import affinity, fairness, token_cost
+from gateway.admission_errors import AdmissionError, QueueFull, QueueTimeout, Refused, UnknownModel
 from gateway.affinity import AffinityIndex, Fingerprint, LaneLoad
+from gateway.fleet import FleetView, LaneKey
+from gateway.lane_counts import LaneCounts
+from gateway.lease import Lease, _Waiter
 from gateway.prefix_index import budget_chunks
-from gateway.fleet import FleetView, LaneKey, LaneRoute
 from gateway.tenants import Tenant, refusal_ceiling
 from shared import defaults
 
-
-class AdmissionError(Exception):
-    """A request that gets no lane; the HTTP edge turns it into an OpenAI error."""
-
-    status = 503
-    code = "unavailable"
-
-
-class UnknownModel(AdmissionError):
-    status = 404
-    code = "model_not_found"
-
-
-class QueueFull(AdmissionError):
-    code = "queue_full"
-
-
-class QueueTimeout(AdmissionError):
-    code = "queue_timeout"
-
-
-class Refused(AdmissionError):
-    """Refused for its tenant or its class, before it used a slot: 429 with Retry-After and the reason."""
-
-    status = 429
-
-    def __init__(self, message: str, code: str, retry_after: int = 1) -> None:
-        super().__init__(message)
-        self.code, self.retry_after = code, retry_after
-
-
-@dataclass
-class LaneCounts:
-    """This gateway's load: written by its admission only, read by the dashboard and the metrics."""
-
-    in_flight: dict[LaneKey, int] = field(default_factory=dict)  # requests holding a slot of each lane
-    served: dict[LaneKey, int] = field(default_factory=dict)  # requests each lane has finished (dashboard rates)
-    queued: dict[str, int] = field(default_factory=dict)  # requested model name -> waiting requests
-    reported: dict[LaneKey, int] = field(default_factory=dict)  # busy slots each lane's /slots last said
-    routes: dict[tuple[str, str], int] = field(default_factory=dict)  # (model, affinity reason) -> requests
-
-    prompt_tokens: dict[tuple[str, str], int] = field(default_factory=dict)  # (model, "host/lane") -> tokens read
-    cached_tokens: dict[tuple[str, str], int] = field(default_factory=dict)  # ... of them reused from its cache
-    prefill_rate: dict[LaneKey, float] = field(default_factory=dict)  # prompt tokens per second, from timings
-    tenant_in_flight: dict[tuple[str, str], int] = field(default_factory=dict)  # (model, tenant) -> holding a slot
-    tenant_queued: dict[tuple[str, str], int] = field(default_factory=dict)  # (model, tenant) -> waiting
-    pending: dict[LaneKey, int] = field(default_factory=dict)  # uncached prompt tokens sent, no first token yet
-    hold: dict[LaneKey, float] = field(default_factory=dict)  # seconds a request holds a slot (moving average)
-    chars_per_token: dict[str, float] = field(default_factory=dict)  # model -> its prompts' characters per token
-
-    def tenant_load(self, tenant: str) -> int:
-        """Requests of a tenant holding a slot or waiting, every model together (its concurrency)."""
-        return sum(n for (_, t), n in self.tenant_in_flight.items() if t == tenant) + sum(
-            n for (_, t), n in self.tenant_queued.items() if t == tenant)
-
-    def busy(self, key: LaneKey) -> int:
-        return self.in_flight.get(key, 0)
-
-    def note_prefill(self, key: LaneKey, tokens_per_second: float) -> None:
-        """A lane's prompt processing speed, as its answers time it (a moving average)."""
-        before = self.prefill_rate.get(key)
-        self.prefill_rate[key] = tokens_per_second if before is None else 0.8 * before + 0.2 * tokens_per_second
-
-    def note_prompt(self, model: str, lane: str, prompt: int, cached: int) -> None:
-        """A lane's answer said it read `prompt` tokens, `cached` of them from its cache."""
-        self.prompt_tokens[(model, lane)] = self.prompt_tokens.get((model, lane), 0) + prompt
-        self.cached_tokens[(model, lane)] = self.cached_tokens.get((model, lane), 0) + cached
-
-    def note_hold(self, key: LaneKey, seconds: float) -> None:
-        before = self.hold.get(key)
-        self.hold[key] = seconds if before is None else 0.8 * before + 0.2 * seconds
-
-    def note_chars(self, model: str, chars: int, tokens: int) -> None:
-        """A prompt of `chars` rendered characters was `tokens` tokens (its answer's prompt_n + cache_n)."""
-        if chars > 0 and tokens > 0:
-            before = self.chars_per_token.get(model)
-            ratio = chars / tokens
-            self.chars_per_token[model] = ratio if before is None else 0.8 * before + 0.2 * ratio
-
-    def cpt(self, model: str) -> float:
-        return self.chars_per_token.get(model, affinity.CHARS_PER_TOKEN)
-
-    def load(self, key: LaneKey) -> int:
-        """Requests on the lane: ours, or all its busy slots when /slots says more (other clients)."""
-        return max(self.in_flight.get(key, 0), self.reported.get(key, 0))
-
-
-@dataclass
-class Lease:
-    """One request's hold on one slot of one lane; release exactly once."""
-
-    lane: LaneRoute
-    admission: Admission
-    released: bool = False
-    tenant: str = ""
-    name: str = ""  # the requested model name
-    mark: Fingerprint | None = None  # the prompt's chunk hashes
-    chunks: int = 0  # of them the lane's index held when it was sent (the prediction its answer corrects)
-    stamp: int = 0  # the index entry that match rested on
-    pending: int = 0  # uncached prompt tokens counted on the lane until its first token
-    since: float = 0.0  # loop time it was given
-
-    def prefilled(self) -> None:
-        """The first token came: its prompt is no longer prefill ahead of the lane's next request."""
-        if self.pending:
-            pending = self.admission.counts.pending
-            left = pending.get(self.lane.key, 0) - self.pending
-            pending[self.lane.key] = max(0, left)
-            self.pending = 0
-
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self.prefilled()
-            if self.since:
-                self.admission.counts.note_hold(self.lane.key, asyncio.get_running_loop().time() - self.since)
-            self.admission._release(self.lane.key, self)
-
-
-@dataclass
-class _Waiter:
-    name: str
-    exclude: frozenset[LaneKey]
-    future: asyncio.Future
-    prompt: Fingerprint | None = None
-    patient_until: float = 0.0  # loop time until which it waits for its warm lane rather than a cold one
-    waiting_for: LaneKey | None = None  # that lane, while it does
-    since: float = 0.0  # loop time it joined the queue
-    tenant: str = ""
-    priority: int = 0
-    weight: float = 1.0
-    seq: int = 0  # arrival order (first come first served within a tenant)
+# Kept importable from here (the HTTP edge, the service, tests):
+__all__ = ["Admission", "AdmissionError", "LaneCounts", "Lease", "QueueFull", "QueueTimeout", "Refused", "UnknownModel"]
 
 
 @dataclass
