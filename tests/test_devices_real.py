@@ -84,7 +84,7 @@ GEMMA_CASES = [
     Case(32768, 4, "on", "q8_0", "all", 2, (1.0, 1.0)),
     Case(8192, 2, "on", "q4_0", 12, 3, (2.0, 1.0, 1.0)),
     # flash attention off, K q8_0 / V f16, pipelined over two devices: the CPU holds the K rotation
-    # inputs (one per cache, per pipeline copy: memory.buffers.rotation_inputs); 5 MiB low without
+    # inputs (one per cache, per pipeline copy: memory.compute.rotation_inputs); 5 MiB low without
     Case(8192, 4, "off", "q8_0", "all", 2, (1.0, 1.0), cache_v="f16"),
     Case(16384, 4, "off", "q8_0", "all", 2, (3.0, 1.0), cache_v="f16"),
 ]

@@ -168,7 +168,7 @@ WIDE_EXPERT_CASES = [
 @pytest.mark.parametrize("shape", ["e8x256", "e4x256_d1024"])
 def test_cpu_compute_with_wide_experts_in_ram_equals_the_binary(rpc_bin, endpoints, tmp_path_factory, shape, case):
     """Experts in RAM, every layer on one or two RPC devices: the CPU runs the expert matmuls, and
-    its compute buffer holds their input, up, gate, swiglu and down (memory.buffers.cpu_expert_peak).
+    its compute buffer holds their input, up, gate, swiglu and down (memory.compute.cpu_expert_peak).
     With 8 experts used of width 256 that is 17 MiB where the graph inputs alone are 10 (the miss
     was 5-7 MiB): compute within the tolerances, weights, KV and output exact."""
     dims = {"e8x256": dict(n_expert=16, n_expert_used=8, n_ff_exp=256),

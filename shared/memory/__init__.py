@@ -2,25 +2,24 @@
 
 - kv: the KV cache, K and V of each layer for a shape (every KV total is their sum);
 - placement: which device each layer lands on (load_tensors' rule);
-- buffers: every buffer on every device (`lane_memory`, the one builder of a MemoryBreakdown);
+- buffers: every buffer on every device (`lane_memory`, the one builder of a MemoryBreakdown),
+  with compute (the compute buffer) and overhead (the process beyond its buffers);
 
 plus cpu_repack, the matrix types a CPU backend repacks (also read by hardware detection).
 """
 
 from shared.memory.buffers import (
     PINNED_HOST_BACKENDS,
-    PROCESS_OVERHEAD,
-    VOCAB_BYTES_PER_TOKEN,
     LaneShape,
-    compute_bytes,
     kv_bytes,
     lane_memory,
     model_bytes,
     output_bytes,
-    overhead_bytes,
     placement_for,
     recurrent_per_device,
 )
+from shared.memory.compute import compute_bytes
+from shared.memory.overhead import PROCESS_OVERHEAD, VOCAB_BYTES_PER_TOKEN, overhead_bytes
 from shared.memory.cpu_repack import (
     AVX2_REPACK,
     AVX512_REPACK,
