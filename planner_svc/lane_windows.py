@@ -1,6 +1,7 @@
 """A lane as the planner sizes it: its cost per device at a window, and the windows of a host's
-lanes (elastic growth, a running lane's window kept when a change is not worth a restart, the
-prompt cache from the RAM the lanes leave). Pure; planner_svc/planner.py drives it.
+lanes (elastic growth, the prompt cache from the RAM the lanes leave; a running lane's window
+kept when a change is not worth a restart: planner_svc/kept_windows.py). Pure; planner_svc/planner.py
+drives it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from shared.messages import (
     FleetConfig,
     HostPlan,
     HostReport,
-    LaneSpec,
     MemoryBreakdown,
     ModelFacts,
     Persona,
@@ -240,36 +240,6 @@ def _grow_memo(lanes: list[_Lane], budget: Mapping[Resource, int], cost, keys: l
         lane.window = window
 
 
-def _keep_stable(
-    pool: list[_Lane], budget: Mapping[Resource, int], cost, prev: HostPlan | None, config: FleetConfig,
-    has_kv_unified: bool = True,
-) -> None:
-    """Keep a running lane's window when the replan would move it by less than min_gain."""
-    if prev is None:
-        return
-    old = {s.lane_id: s for s in prev.lanes}
-    for lane in pool:
-        before = old.get(lane.lane_id)
-        if before is None or not _same_shape(before, lane, has_kv_unified):
-            continue
-        old_window = before.ctx_total // before.parallel
-        if old_window == lane.window or not lane.floor <= old_window <= lane.ceiling:
-            continue
-        change = abs(lane.window - old_window) / old_window
-        if change >= config.min_gain_fraction:
-            continue
-        proposed = lane.window
-        lane.window = old_window
-        total = _sum_costs(cost(x, x.window) for x in pool)
-        if any(b > budget.get(r, 0) for r, b in total.items()):
-            lane.window = proposed
-            continue
-        lane.reasons.append(
-            f"kept window {old_window}: the replan's {proposed} differs by {change:.0%},"
-            f" under the {config.min_gain_fraction:.0%} worth a restart"
-        )
-
-
 def _prompt_caches(pool: list[_Lane], budget: Mapping[Resource, int], cost, prev: HostPlan | None,
                    config: FleetConfig, has_cache_ram: bool) -> None:  # fmt: skip
     """Each lane's --cache-ram from the host RAM its buffers leave (planner_svc/prompt_cache.py)."""
@@ -284,21 +254,6 @@ def _prompt_caches(pool: list[_Lane], budget: Mapping[Resource, int], cost, prev
         mib, reason = planned[lane.lane_id]
         lane.cache_ram = mib * MIB
         lane.reasons.append(reason)
-
-
-def _same_shape(spec: LaneSpec, lane: _Lane, has_kv_unified: bool = True) -> bool:
-    return (
-        spec.model_path == lane.facts.path
-        and spec.parallel == lane.persona.parallel
-        and spec.kv_unified == (lane.persona.kv_unified and has_kv_unified)  # as _spec renders it
-        and spec.cache_type_k == lane.flags.cache_type_k
-        and spec.cache_type_v == lane.flags.cache_type_v
-        and spec.flash_attn == lane.flags.flash_attn
-        and spec.gpu_devices == lane.layout.gpus
-        and spec.n_gpu_layers == _n_gpu_layers(lane)
-        and spec.n_cpu_moe == lane.layout.n_cpu_moe
-        and spec.spec_type == (lane.speculation.spec_type if lane.speculation else None)
-    )
 
 
 def _n_gpu_layers(lane: _Lane) -> int:

@@ -1,7 +1,8 @@
 """The pure lane planner: host reports + fleet config + demand -> one plan per host.
 
 Deterministic (same inputs, byte-identical plans), no I/O, no clock. Every flag
-llama-server gets is decided here and nowhere else; each decision leaves a reason.
+llama-server gets is decided here (each lane's LaneSpec rendered by planner_svc/lane_specs.py)
+and nowhere else; each decision leaves a reason.
 """
 
 from __future__ import annotations
@@ -10,17 +11,16 @@ from collections.abc import Mapping, Sequence
 
 import msgspec
 
-from planner_svc.adapters import reranks
 from planner_svc.gc_pause import gc_paused
 from planner_svc.lane_placing import _place
-from planner_svc.lane_windows import _COST_KEYS, _cost, _grow_memo, _keep_stable, _Lane, _n_gpu_layers, _prompt_caches, draft_layout, lane_id_for
-from planner_svc.layouts import CPU_RESOURCE, Resource, pins_for
-from planner_svc.policy import chat_template_for, host_budgets
-from planner_svc.prompt_cache import MIB
+from planner_svc.kept_windows import _keep_stable
+from planner_svc.lane_specs import _spec
+from planner_svc.lane_windows import _COST_KEYS, _cost, _grow_memo, _Lane, _prompt_caches, lane_id_for
+from planner_svc.layouts import CPU_RESOURCE, Resource
+from planner_svc.policy import host_budgets
 from planner_svc.span_lanes import LaneKit, SpanBook, grow_spans, place_span
 from planner_svc.threads import with_threads
 from shared.llama.flags import lane_args
-from shared.memory import ngl_count
 from shared.messages import (
     Demand,
     FleetConfig,
@@ -217,86 +217,6 @@ def _asked(plan: HostPlan) -> HostPlan:
         for s in plan.lanes
     )  # fmt: skip
     return msgspec.structs.replace(plan, lanes=lanes)
-
-
-def _spec(report: HostReport, config: FleetConfig, lane: _Lane) -> LaneSpec:
-    caps = report.server
-    report = lane.span.report if lane.span is not None else report  # a span sees its workers as devices
-    memory = lane.memory(lane.window, report, config.n_ubatch)
-    pins = pins_for(lane.layout, report)
-    window_reason = f"window {lane.window} tokens per slot x {lane.persona.parallel} on {lane.device}: " + (
-        "the ceiling" if lane.window == lane.ceiling else "the largest multiple of 256 that fits the budget"
-    )
-    reasons = [window_reason, *lane.reasons]
-    reranking = reranks(lane.persona, lane.facts) and caps.has_reranking
-    embeddings = not reranking and (
-        lane.persona.embeddings if lane.persona.embeddings is not None else bool(lane.facts.pooling)
-    )
-    pooling = "mean" if embeddings and not lane.facts.pooling else None
-    if reranking:
-        asked = "the persona asks for it" if lane.persona.reranking else "the model declares rank pooling"
-        reasons.append(f"reranking only (--reranking, /v1/rerank): {asked}")
-    if embeddings:
-        asked = "the persona asks for them" if lane.persona.embeddings else f"the model declares {lane.facts.pooling} pooling"
-        reasons.append(f"embeddings only (--embeddings): {asked}" + ("; --pooling mean: the model declares none" if pooling else ""))
-    mmproj = lane.facts.mmproj if lane.loads_projector and caps.has_mmproj else None
-    if mmproj is not None:
-        where = "GPU0, the lane's first device" if lane.layout.gpus else "host RAM"
-        reasons.append(f"projector {mmproj.projector_type} (--mmproj {mmproj.path}) in {where}: "
-                       f"{memory.projector_bytes / MIB:.1f} MiB of weights and compute")  # fmt: skip
-    return LaneSpec(
-        lane_id=lane.lane_id,
-        model=lane.persona.model,
-        model_path=lane.facts.path,
-        alias=lane.persona.alias or lane.persona.model,
-        port=report.port_base,  # placeholder until ports are assigned
-        bind=report.lane_bind,
-        ctx_total=lane.total_ctx(lane.window),
-        ctx_per_slot=lane.window if not lane.persona.kv_unified else lane.total_ctx(lane.window),
-        parallel=lane.persona.parallel,
-        kv_unified=lane.persona.kv_unified and caps.has_kv_unified,
-        n_gpu_layers=_n_gpu_layers(lane),
-        gpu_devices=pins.gpu_devices,
-        device_names=pins.device_names,
-        split_mode=pins.split_mode,
-        main_gpu=pins.main_gpu,
-        tensor_split=pins.tensor_split,
-        rpc_servers=pins.rpc_servers,
-        cache_type_k=lane.flags.cache_type_k,
-        cache_type_v=lane.flags.cache_type_v,
-        flash_attn=lane.flags.flash_attn,
-        fit_off=caps.has_fit,
-        n_ubatch=config.n_ubatch,
-        memory=memory,
-        reasons=tuple(reasons),
-        layout=lane.layout,
-        n_cpu_moe=lane.layout.n_cpu_moe,
-        chat_template=chat_template_for(lane.facts, caps)[0],
-        cache_ram_mib=lane.cache_ram // MIB if caps.has_cache_ram else None,
-        embeddings=embeddings,
-        pooling=pooling,
-        workers=lane.span_workers,
-        adapters=tuple(a.name for a in lane.adapters),
-        adapter_paths=tuple(a.path for a in lane.adapters),
-        reranking=reranking,
-        mmproj_path=mmproj.path if mmproj is not None else None,
-        mmproj_offload=bool(lane.layout.gpus) if mmproj is not None else None,
-        **_spec_fields(lane),
-    )
-
-
-def _spec_fields(lane: _Lane) -> dict:
-    """LaneSpec's speculative decoding fields: the type, and the draft where the lane has one."""
-    sp = lane.speculation
-    if sp is None:
-        return {}
-    if sp.draft is None:
-        return {"spec_type": sp.spec_type}
-    layout = draft_layout(lane.layout)
-    return {
-        "spec_type": sp.spec_type, "draft_model": sp.draft.name, "draft_path": sp.draft.path,
-        "draft_n_gpu_layers": ngl_count(layout.n_gpu_layers, sp.draft.n_layer) if layout.gpus else 0,
-    }  # fmt: skip
 
 
 def _assign_ports(
