@@ -37,7 +37,8 @@ from gateway.tenants import KeysFile, Tenant
 from gateway.tokens import count_tokens
 
 # Kept importable from here (gateway/service.py, gateway/dashboard.py, tests):
-__all__ = ["KEYS", "METRICS", "TENANT", "USAGE", "admission_for", "build_app", "openai_error", "signing_keys", "tenant_of"]
+__all__ = ["KEYS", "METRICS", "TENANT", "USAGE", "admission_for", "build_app", "openai_error", "signing_keys",
+           "tenant_of"]  # fmt: skip
 
 log = structlog.get_logger("lanes.gateway")
 

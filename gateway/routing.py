@@ -1,6 +1,6 @@
 """What a request does after each failure: try a lane again, or give up with which error.
 
-Pure: the HTTP edge (gateway/http.py) performs the tries and records each failure as an
+Pure: the HTTP edge (gateway/forward.py) performs the tries and records each failure as an
 `Attempt`; `decide` reads the candidates and that history and answers the next step. The
 lane itself is picked by admission (most free slots, a bounded wait): routing only says
 which lanes a try must avoid. llama.cpp's server keeps slot choice apart from HTTP the same way.

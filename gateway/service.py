@@ -234,7 +234,7 @@ async def run_gateway(
     # On stop: no new connections, and requests in flight get SHUTDOWN_GRACE seconds to finish.
     # handler_cancellation: a client that hangs up cancels its handler, so it leaves the queue
     # (admission), stops being held for a loading model (waking) and closes its connection to
-    # the lane, which then stops generating and frees the slot (gateway/http.py).
+    # the lane, which then stops generating and frees the slot (gateway/forward.py, gateway/relay.py).
     runner = web.AppRunner(gw.app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, gw.settings.host, gw.settings.port)
