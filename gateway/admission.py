@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,6 +56,7 @@ class Admission:
     on_prefix: Callable[[LaneKey, str, tuple[int, ...], tuple[int, ...], int], None] | None = None
     _queues: dict[str, deque[_Waiter]] = field(default_factory=dict)
     _turns: itertools.count = field(default_factory=itertools.count)
+    _absent: dict[LaneKey, float] = field(default_factory=dict)  # lanes out of the plan: since when
     _waited: dict[str, float] = field(default_factory=dict)  # name -> longest queue wait ended since the last report
 
     def __post_init__(self) -> None:
@@ -64,8 +66,21 @@ class Admission:
     def _fleet_changed(self) -> None:
         lanes = list(self.view.lanes())
         if self.view.synced:  # (while the bucket is read, a lane not read yet has not left)
-            self.index.keep_only(lane.key for lane in lanes)
+            # A lane that left the plan keeps its entries a while: one scaled down or evicted and started
+            # again restores its saved slots (launcher_agent/slot_cache.py), and where it did not, its first
+            # answers correct the index. Gone for longer than the shared view keeps events: forgotten.
+            now = time.monotonic()
+            present = {lane.key for lane in lanes}
+            for key in present:
+                self._absent.pop(key, None)
+            for key in set(self.index.lanes) - present:
+                self._absent.setdefault(key, now)
+            for key in [k for k, since in self._absent.items() if now - since > defaults.PREFIX_MAX_AGE]:
+                del self._absent[key]
+            self.index.keep_only(present | set(self._absent))
         for lane in lanes:
+            if lane.state != "healthy":  # a lane (re)starting holds nothing its last /slots read said
+                self.counts.reported.pop(lane.key, None)
             if lane.cache_tokens > 0:
                 # At the fixed characters per token, not the measured: every gateway the same budget.
                 self.index.set_budget(lane.key, budget_chunks(lane.cache_tokens, affinity.CHARS_PER_TOKEN,

@@ -99,6 +99,10 @@ async def test_a_rolling_restart_keeps_each_conversations_cache_and_a_cache_type
             await _config(nc, {"threads": threads})
             await eventually(_restarted_with(nc, f"--threads {threads}"), timeout=180, what="both lanes restarted")
             await eventually(lambda: len(gw.view.routable("m")) == 2, timeout=60, what="both lanes routable again")
+            # The gateway sees both new lanes idle (its /slots reads of them, not of the processes before):
+            # the round measures where a quiet fleet sends each conversation's next turn.
+            await eventually(lambda: all(gw.admission.counts.busy(x.key) == 0 for x in gw.view.routable("m")),
+                             timeout=30, what="both lanes idle in the gateway's view")  # fmt: skip
             after = await _round(http, gw.url, prompts, rng)
             saved = [e for e in events if e.event == "slots_saved"]
             restored = [e for e in events if e.event == "slots_restored"]
