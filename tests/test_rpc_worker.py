@@ -18,6 +18,7 @@ import pytest
 from waiting import eventually_blocking
 
 from launcher_agent.rpc_worker import RESTART_AFTER, Running, RpcWorkers, WorkerSettings, decide, spec_problem, worker_argv
+from shared.memory.overhead import PROCESS_OVERHEAD, overhead_bytes
 from shared.messages import RpcWorkerSpec
 from shared.span_check import SPAN_FAILED, span_problem
 
@@ -178,7 +179,8 @@ def test_a_planned_span_over_two_loopback_workers_prints_what_the_plan_says(rpc_
     caps = probe(str(rpc_bin / "llama-server"))
     facts = read_model_facts(gemma_model)
     config = FleetConfig(headroom_bytes=0, headroom_fraction=0.0)
-    alone = 330 * mib  # about what the model needs at its floor on one host: no host has it
+    vocab = overhead_bytes(facts) - PROCESS_OVERHEAD  # the tokenizer's tables, on the serving host
+    alone = 330 * mib + vocab  # about what the model needs at its floor on one host: no host has it
 
     def report(host_id: str, ram: int, **kw) -> HostReport:
         return HostReport(host_id=host_id, cpu_cores=2, ram_total=ram, ram_available=ram, server=caps,
@@ -187,7 +189,7 @@ def test_a_planned_span_over_two_loopback_workers_prints_what_the_plan_says(rpc_
     bases = [_free_port_block(2), None]
     bases[1] = _free_port_block(2) if bases[0] else None
     reports = [
-        report("serve", 235 * mib, models=(facts,)),
+        report("serve", 235 * mib + vocab, models=(facts,)),
         report("w1", 184 * mib, rpc_worker=RpcWorkerOffer(address="127.0.0.1", port_base=bases[0], port_count=1)),
         report("w2", 400 * mib, rpc_worker=RpcWorkerOffer(address="127.0.0.1", port_base=bases[1], port_count=1)),
     ]
