@@ -316,18 +316,36 @@ async def test_real_llama_server_lanes_get_no_secret(nats_server, tmp_path, mode
         assert lane.kv_bytes is not None  # its load-time lines were read through the log writer
 
 
+def _listening(port: int, popen: subprocess.Popen, timeout: float = 30.0) -> bool:
+    """The server accepts connections on its port (True), or exited first (False)."""
+    import socket
+    import time
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and popen.poll() is None:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return True
+        time.sleep(0.05)
+    return False
+
+
 def test_real_ggml_rpc_servers_get_no_secret(tmp_path, rpc_bin, monkeypatch):
     from launcher_agent.rpc_worker import RpcWorkers, WorkerSettings
     from shared.messages import RpcWorkerSpec
 
     monkeypatch.setenv(SECRET, "s3cr3t")
     monkeypatch.setenv(NAMED, "given")
-    port = free_port_base(1)
-    settings = WorkerSettings(str(rpc_bin / "ggml-rpc-server"), "127.0.0.1", port, 1, tmp_path / "rpc-cache",
-                              env_names=(NAMED,))  # fmt: skip
-    workers = RpcWorkers(settings, tmp_path / "rpc-workers.json")
-    spec = RpcWorkerSpec(lane_id="m-0", serving_host="h", bind="127.0.0.1", port=port)
-    asyncio.run(workers.apply([spec], now=0))
+    for _ in range(3):  # a port found free may be taken before the server binds it: it exits, try another
+        port = free_port_base(1)
+        settings = WorkerSettings(str(rpc_bin / "ggml-rpc-server"), "127.0.0.1", port, 1, tmp_path / "rpc-cache",
+                                  env_names=(NAMED,))  # fmt: skip
+        workers = RpcWorkers(settings, tmp_path / "rpc-workers.json")
+        spec = RpcWorkerSpec(lane_id="m-0", serving_host="h", bind="127.0.0.1", port=port)
+        asyncio.run(workers.apply([spec], now=0))
+        if _listening(port, workers.procs[port].popen):
+            break
+        asyncio.run(workers.stop_all())
     try:
         pid = workers.procs[port].pid
         assert Path(psutil.Process(pid).exe()).name == "ggml-rpc-server"
