@@ -33,6 +33,7 @@ from gateway.fleet import FleetView, LaneKey
 from gateway.http import openai_error, signing_keys
 from shared import subjects
 from shared.messages import ConfigSet, LaneEvent, encode
+from shared.supervise import running
 
 log = structlog.get_logger("lanes.dashboard")
 STATIC = Path(__file__).with_name("static")
@@ -69,7 +70,7 @@ class DashboardHub:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Push on every change (settled), and at least every RATE_SECONDS for the request rates."""
-        while not stop.is_set():
+        while running(stop):
             try:
                 await asyncio.wait_for(self._changed.wait(), RATE_SECONDS)
                 await asyncio.sleep(PUSH_SETTLE_SECONDS)

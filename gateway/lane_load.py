@@ -25,6 +25,7 @@ import msgspec
 from gateway.admission import Admission
 from gateway.fleet import LaneKey, LaneRoute
 from shared.llama.endpoints import SLOTS, LoopWork, busy_slots, loop_work
+from shared.supervise import running
 
 # ("busy", busy slots, their counters), ("timeout", 0, ()), ("unknown", 0, ())
 SlotsRead = tuple[Literal["busy", "timeout", "unknown"], int, LoopWork]
@@ -111,7 +112,7 @@ class SlotsPoll:
 
     async def forever(self, interval: float, stop: asyncio.Event) -> None:
         async with aiohttp.ClientSession() as session:
-            while not stop.is_set():
+            while running(stop):
                 await self.once(session)
                 try:
                     await asyncio.wait_for(stop.wait(), interval)

@@ -35,7 +35,7 @@ from shared import defaults, subjects
 from shared.bus import NatsAuth, connect, kv_bucket, quietly, run_until, watch_forever
 from shared.llama.endpoints import connect_host
 from shared.messages import GatewayActivity, ModelWake, TenantActivity, encode
-from shared.supervise import Loops
+from shared.supervise import Loops, cancel_and_wait, running
 
 log = structlog.get_logger("lanes.gateway")
 
@@ -135,7 +135,7 @@ class Gateway:
 
 async def _probe_loop(gw: Gateway, stop: asyncio.Event) -> None:
     async with aiohttp.ClientSession() as session:
-        while not stop.is_set():
+        while running(stop):
             await gw.probe_once(session)  # a failure ends the loop: its supervisor logs, counts, restarts it
             try:
                 await asyncio.wait_for(stop.wait(), gw.settings.probe_interval)
@@ -146,7 +146,7 @@ async def _probe_loop(gw: Gateway, stop: asyncio.Event) -> None:
 async def _demand_loop(gw: Gateway, stop: asyncio.Event) -> None:
     """Repeat wakes for held requests, and tell the planner what each model is doing."""
     next_activity = 0.0
-    while not stop.is_set():
+    while running(stop):
         # A failure ends the loop: its supervisor (shared.supervise) logs, counts and restarts it.
         for name in gw.waker.wanted():
             await gw.waker.wake(name)
@@ -162,7 +162,7 @@ async def _demand_loop(gw: Gateway, stop: asyncio.Event) -> None:
 async def _keys_loop(gw: Gateway, stop: asyncio.Event) -> None:
     """Reread the keys file when it changes; a malformed one keeps the last good keys (one log line)."""
     keys = gw.app[KEYS]
-    while not stop.is_set():
+    while running(stop):
         said = keys.check() if keys is not None else None  # no keys file: nothing to reread
         if said:
             (log.warning if keys.error else log.info)("keys file", detail=said)
@@ -178,7 +178,7 @@ async def _bus_side(gw: Gateway, servers: str, auth: NatsAuth, stop: asyncio.Eve
     async def on_reconnect() -> None:
         resync.set()
 
-    while not stop.is_set():
+    while running(stop):
         try:
             nc = await connect(servers, name="lanes-gateway", auth=auth, on_reconnect=on_reconnect,
                                inbox_prefix=subjects.gateway_inbox(gw.gateway_id))  # fmt: skip
@@ -201,7 +201,7 @@ async def _bus_side(gw: Gateway, servers: str, auth: NatsAuth, stop: asyncio.Eve
         gw.shared.gateway_id = gw.gateway_id  # (its NATS user, where auth is on)
         prefix = asyncio.create_task(gw.loops.run("prefix", lambda: gw.shared.start(nc), stop))
         stack.push_async_callback(quietly(lambda: _stop_task(prefix)))
-    while not stop.is_set():
+    while running(stop):
         try:
             kv = await kv_bucket(nc)
             break
@@ -215,8 +215,7 @@ async def _bus_side(gw: Gateway, servers: str, auth: NatsAuth, stop: asyncio.Eve
 
 
 async def _stop_task(task: asyncio.Task) -> None:
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+    await cancel_and_wait([task])
 
 
 async def run_gateway(

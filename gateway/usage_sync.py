@@ -22,6 +22,7 @@ from gateway.quota import UsageBook
 from shared import defaults, subjects
 from shared.bus import watch_forever
 from shared.messages import TenantUsage, decode, encode
+from shared.supervise import cancel_and_wait, running
 
 log = structlog.get_logger("lanes.gateway")
 
@@ -65,7 +66,7 @@ async def share_usage(nc, book: UsageBook, admission: Admission, gateway: str, s
     watch = asyncio.create_task(watch_forever(kv, subjects.USAGE_KEYS, on_entry, resync=asyncio.Event(), stop=stop,
                                               on_caught_up=on_caught_up))  # fmt: skip
     try:
-        while not stop.is_set():
+        while running(stop):
             if caught_up.is_set():
                 for u in book.take_dirty():
                     await kv.put(subjects.usage_key(u.tenant, u.gateway), encode(u))
@@ -76,4 +77,4 @@ async def share_usage(nc, book: UsageBook, admission: Admission, gateway: str, s
         for u in book.take_dirty():  # the last counts, for the next start
             await kv.put(subjects.usage_key(u.tenant, u.gateway), encode(u))
     finally:
-        watch.cancel()
+        await cancel_and_wait([watch])

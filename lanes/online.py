@@ -38,7 +38,7 @@ from shared.messages import (
     encode,
 )
 from shared.natsserver import NatsServer, NatsServerError
-from shared.supervise import LoopGaveUp
+from shared.supervise import LoopGaveUp, running
 
 log = structlog.get_logger("lanes.up")
 
@@ -201,7 +201,7 @@ async def supervise_nats(server: NatsServer, stop: asyncio.Event, every: float =
     """Restart `lanes up`'s nats-server on the same port and store if it dies; lanes keep serving
     meanwhile (the services reconnect). If it cannot come back, stop everything and say why."""
     failures = 0
-    while not stop.is_set():
+    while running(stop):
         try:
             await asyncio.wait_for(stop.wait(), every)
             return None

@@ -35,7 +35,7 @@ from shared.bus import NatsAuth, connect, follow_key, kv_bucket, logged_endpoint
 from shared.gguf_facts import FactsCache
 from shared.messages import HostPlan, HostReport, LaneEvent, PlanRejected, encode
 from shared.metrics_http import serve_metrics
-from shared.supervise import Loops
+from shared.supervise import Loops, running
 
 log = structlog.get_logger("lanes.agent")
 STARTING_TICK = 0.02
@@ -171,7 +171,7 @@ async def _nats_side(agent: Agent, servers: str, auth: NatsAuth, stop: asyncio.E
         agent._plan_seen = None  # a rejection sent meanwhile may be lost: say it again
         agent.resync.set()
 
-    while not stop.is_set():
+    while running(stop):
         try:
             agent.nc = await connect(
                 servers,
@@ -192,7 +192,7 @@ async def _nats_side(agent: Agent, servers: str, auth: NatsAuth, stop: asyncio.E
 
 async def _serve_bus(agent: Agent, stop: asyncio.Event) -> None:
     """The bucket, the micro endpoints and the plan watch on the connection made (restartable)."""
-    while not stop.is_set():
+    while running(stop):
         try:
             agent.kv = await kv_bucket(agent.nc)
             break
@@ -235,7 +235,7 @@ async def _serve_bus(agent: Agent, stop: asyncio.Event) -> None:
 
 
 async def _report_loop(agent: Agent, stop: asyncio.Event) -> None:
-    while not stop.is_set():
+    while running(stop):
         try:
             await asyncio.wait_for(stop.wait(), agent.cfg.report_interval)
         except asyncio.TimeoutError:
@@ -244,7 +244,7 @@ async def _report_loop(agent: Agent, stop: asyncio.Event) -> None:
 
 
 async def _control_loop(agent: Agent, stop: asyncio.Event) -> None:
-    while not stop.is_set():
+    while running(stop):
         agent.sup.wake.clear()  # before the pass: a wake-up set during it starts the next at once
         now = time.monotonic()
         # A pass that raises ends the loop: its supervisor (shared.supervise) logs, counts and restarts it.

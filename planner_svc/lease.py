@@ -19,6 +19,7 @@ from nats.js.kv import KeyValue
 
 from shared import defaults, subjects
 from shared.messages import PlannerLease, encode
+from shared.supervise import running
 
 log = structlog.get_logger("lanes.planner")
 DEFAULT_TTL = defaults.LEASE_TTL
@@ -102,7 +103,7 @@ class Lease:
 
     async def run(self, stop: asyncio.Event) -> None:
         try:
-            while not stop.is_set():
+            while running(stop):
                 await self.step()
                 try:
                     await asyncio.wait_for(stop.wait(), self.ttl / 3)

@@ -31,7 +31,7 @@ from shared.bus import NatsAuth, connect, kv_bucket, leader_view, quietly, run_u
 from shared.llama.flags import cache_pair
 from shared.messages import FleetHosts, GatewayActivity, HostPlan, ModelWake, PlanRejected, encode
 from shared.metrics_http import serve_metrics
-from shared.supervise import Loops
+from shared.supervise import Loops, running
 
 log = structlog.get_logger("lanes.planner")
 
@@ -104,7 +104,7 @@ class PlannerService:
 
     async def liveness_loop(self, stop: asyncio.Event, every: float = 1.0) -> None:
         written: bytes | None = None
-        while not stop.is_set():
+        while running(stop):
             if self.state.check_liveness():
                 self.dirty.set()
             self.state.demand_state, due = self.state.demand_due()
@@ -138,7 +138,7 @@ class PlannerService:
         self.dirty.set()
 
     async def replan_loop(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
+        while running(stop):
             await self.dirty.wait()
             # Let a burst of changes settle into one replan; a big fleet waits as long as a
             # replan takes, so the planner never spends more than half its time planning.

@@ -15,6 +15,7 @@ from nats.micro.request import Request, ServiceError
 from shared import defaults
 from shared.nats_auth import NatsAuth, add_auth_arguments, auth_from_args  # noqa: F401  (re-exported)
 from shared.subjects import BUCKET, kv_subject
+from shared.supervise import cancel_and_wait, running
 
 log = structlog.get_logger("lanes.bus")
 STORE_LAG_TRIES = 8  # reads of a key, 10 ms apart and growing, until it holds a write just seen
@@ -123,12 +124,12 @@ async def watch_forever(
     Each new watch starts with a full snapshot, which suits level-triggered reconciling.
     on_entry gets (key, value or None when deleted, revision).
     """
-    while not stop.is_set():
+    while running(stop):
         resync.clear()
         watcher = None
         try:
             watcher = await kv.watch(keys)
-            while not stop.is_set() and not resync.is_set():
+            while running(stop) and not resync.is_set():
                 try:
                     entry = await watcher.updates(timeout=1.0)
                 except nats.errors.TimeoutError:
@@ -193,7 +194,7 @@ async def follow_key(
 
     sub = await nc.subscribe(kv_subject(key), cb=on_msg)
     try:
-        while not stop.is_set():
+        while running(stop):
             resync.clear()
             written.clear()
             try:
@@ -204,7 +205,7 @@ async def follow_key(
                 continue
             loop = asyncio.get_running_loop()
             until = loop.time() + every
-            while not stop.is_set() and not resync.is_set() and not written.is_set() and loop.time() < until:
+            while running(stop) and not resync.is_set() and not written.is_set() and loop.time() < until:
                 try:
                     await asyncio.wait_for(written.wait(), min(1.0, max(0.01, until - loop.time())))
                 except TimeoutError:
@@ -267,9 +268,7 @@ async def run_until(stop: asyncio.Event, tasks: list[asyncio.Task]) -> None:
         await stopping
     finally:
         stopping.cancel()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(tasks)
 
 
 async def _sleep_or(event: asyncio.Event, seconds: float) -> None:

@@ -35,6 +35,33 @@ class RestartPolicy:
 DEFAULT_POLICY = RestartPolicy()  # the one place the defaults live (tests swap it for a faster one)
 
 
+def cancel_requested() -> bool:
+    """True once this task was asked to cancel, even when the request got lost on the way.
+
+    On Python 3.11, asyncio.wait_for returns its inner result and drops a cancel that lands
+    as that result arrives (gh-86296, fixed in 3.12); every NATS request is such a wait. A
+    loop that checked only its stop event then ran on after its service was stopped: a
+    killed planner kept its lease loop alive and its stop hung."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+def running(stop: asyncio.Event) -> bool:
+    """The condition of every long-running loop: not stopped, and not asked to cancel."""
+    return not stop.is_set() and not cancel_requested()
+
+
+async def cancel_and_wait(tasks: list[asyncio.Task], every: float = 1.0) -> None:
+    """Cancel the tasks and wait for them all; cancel again those still running after `every`
+    seconds, so that a cancel lost in a wait_for (see cancel_requested) cannot hang a stop."""
+    pending = {t for t in tasks if not t.done()}
+    while pending:
+        for t in pending:
+            t.cancel()
+        _, pending = await asyncio.wait(pending, timeout=every)
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 @dataclass(frozen=True)
 class Verdict:
     failures: tuple[float, ...]  # failure times still inside the window, this one last
@@ -72,12 +99,16 @@ class Loops(Collector):
         while True:
             try:
                 await start()
+                if cancel_requested():
+                    raise asyncio.CancelledError
                 if stop.is_set():
                     return
                 log.error("loop ended while its service runs", service=self.service, loop=name)
             except asyncio.CancelledError:
                 raise
             except Exception:
+                if cancel_requested():
+                    raise asyncio.CancelledError from None
                 if stop.is_set():
                     log.info("loop failed while stopping", service=self.service, loop=name, exc_info=True)
                     return

@@ -26,7 +26,7 @@ from planner_svc.service import run_planner
 from planner_svc.state import PlannerState
 from shared import subjects, supervise
 from shared.bus import connect
-from shared.supervise import LoopGaveUp, Loops, RestartPolicy, after_failure
+from shared.supervise import LoopGaveUp, Loops, RestartPolicy, after_failure, cancel_and_wait, running
 
 FAST = RestartPolicy(base=0.01, cap=0.05, max_failures=3, window=60.0)
 
@@ -159,6 +159,47 @@ async def test_a_loop_that_returns_early_is_restarted():
     stop.set()
     await asyncio.wait_for(task, 5)
     assert loops.restarts == {"work": 1}
+
+
+def _answer_and_cancel(answer: asyncio.Future, task: asyncio.Task) -> None:
+    """A NATS answer and a cancel landing together: Python 3.11's wait_for returns the answer
+    and drops the cancel (gh-86296). A killed planner's lease loop ran on this way, renewing
+    a lease and rewriting plans from a stale view (test_on_demand failed in CI)."""
+    answer.set_result(None)
+    task.cancel()
+
+
+async def test_a_cancel_dropped_by_wait_for_still_ends_a_supervised_loop():
+    stop = asyncio.Event()
+    answers: list[asyncio.Future] = []
+
+    async def body():
+        while running(stop):
+            answers.append(asyncio.get_running_loop().create_future())
+            await asyncio.wait_for(answers[-1], 30)
+
+    loops = Loops("test", FAST)
+    task = loops.task("work", body, stop)
+    await eventually(lambda: answers, what="the first wait")
+    _answer_and_cancel(answers[-1], task)
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 5)
+    assert len(answers) == 1 and loops.restarts == {"work": 0}  # no second wait, no restart
+
+
+async def test_a_stop_cancels_again_a_task_that_dropped_its_cancel():
+    answers: list[asyncio.Future] = []
+
+    async def unaware():  # a loop that does not look at running(): the stop must still end it
+        while True:
+            answers.append(asyncio.get_running_loop().create_future())
+            await asyncio.wait_for(answers[-1], 30)
+
+    task = asyncio.create_task(unaware())
+    await eventually(lambda: answers, what="the first wait")
+    answers[-1].set_result(None)
+    await asyncio.wait_for(cancel_and_wait([task], every=0.05), 5)
+    assert task.cancelled()
 
 
 # ---------------------------------------------------------------- over real NATS
