@@ -38,13 +38,17 @@ def _text(rng: random.Random, chars: int) -> str:
     return out[:chars]
 
 
-async def _turn(http: aiohttp.ClientSession, url: str, prompt: str) -> tuple[int, int]:
-    """One turn through the gateway: (prompt tokens prefilled, tokens taken from the cache)."""
+async def _turn(http: aiohttp.ClientSession, url: str, prompt: str) -> tuple[int, int, str]:
+    """One turn through the gateway: (prompt tokens prefilled, tokens taken from the cache, the lane)."""
     body = {"model": "m", "prompt": prompt, "max_tokens": 4, "temperature": 0}
     async with http.post(url + "/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=120)) as resp:
         answer = await resp.json()
         assert resp.status == 200, answer
-    return answer["timings"]["prompt_n"], answer["timings"]["cache_n"]
+        lane = resp.headers.get("X-Lanes-Lane", "?")
+    return answer["timings"]["prompt_n"], answer["timings"]["cache_n"], lane
+
+
+ROUNDS: list[str] = []  # each round's routing, conversation by conversation: said when a ratio is off
 
 
 async def _round(http, url: str, prompts: list[str], rng: random.Random) -> float:
@@ -52,7 +56,12 @@ async def _round(http, url: str, prompts: list[str], rng: random.Random) -> floa
     for i in range(len(prompts)):
         prompts[i] += "\nuser: " + _text(rng, 40)
     results = await asyncio.gather(*(_turn(http, url, p) for p in prompts))
-    return sum(c for _, c in results) / sum(p + c for p, c in results)
+    ROUNDS.append(" ".join(f"{i}@{lane}:{c}/{p + c}" for i, (p, c, lane) in enumerate(results)))
+    return sum(c for _, c, _ in results) / sum(p + c for p, c, _ in results)
+
+
+def _routes() -> str:
+    return "; rounds (conversation@lane:cached/prompt): " + " | ".join(ROUNDS)
 
 
 async def _config(nc, changes: dict) -> None:
@@ -91,7 +100,7 @@ async def test_a_rolling_restart_keeps_each_conversations_cache_and_a_cache_type
             prompts = [f"conversation {i}\nsystem: " + _text(rng, 600) for i in range(CONVERSATIONS)]
             for _ in range(3):
                 warm = await _round(http, gw.url, prompts, rng)
-            assert warm >= 0.8, f"later turns before any restart cached at {warm:.2f}"
+            assert warm >= 0.8, f"later turns before any restart cached at {warm:.2f}{_routes()}"
 
             lanes = [lane for st in (await fleet_status(nc)).statuses for lane in st.lanes]
             now = {m.group(1) for x in lanes if (m := re.search(r"--threads (\d+)", " ".join(x.argv)))}
@@ -107,9 +116,9 @@ async def test_a_rolling_restart_keeps_each_conversations_cache_and_a_cache_type
             saved = [e for e in events if e.event == "slots_saved"]
             restored = [e for e in events if e.event == "slots_restored"]
             print(f"cached ratio: before the restart {warm:.3f}, first turn after it {after:.3f}; "
-                  f"saved: {[e.detail for e in saved]}; restored: {[e.detail for e in restored]}")  # fmt: skip
+                  f"saved: {[e.detail for e in saved]}; restored: {[e.detail for e in restored]}{_routes()}")  # fmt: skip
             assert {e.lane_id for e in saved} == {e.lane_id for e in restored} == {x.lane_id for x in lanes}
-            assert after >= 0.8, f"the first turn after the rolling restart was cached at {after:.2f}"
+            assert after >= 0.8, f"the first turn after the rolling restart was cached at {after:.2f}{_routes()}"
             assert list((cfg.data_dir / "slots").glob("*.slot")) == []  # restored files are consumed
 
             await _round(http, gw.url, prompts, rng)  # the slots hold the conversations again
@@ -176,5 +185,5 @@ async def test_a_lane_scaled_down_gets_its_conversations_back_when_it_returns(na
                   f"restored {[e.detail for e in restored]}; next turn cached {after:.3f}")  # fmt: skip
             assert saved and restored and files
             assert list((cfg.data_dir / "slots").glob("*.slot")) == []
-            assert after >= 0.8, f"the turn after the lane came back was cached at {after:.2f}"
+            assert after >= 0.8, f"the turn after the lane came back was cached at {after:.2f}{_routes()}"
         await sub.unsubscribe()
