@@ -8,6 +8,7 @@ The dashboard reads the same object, so what it shows is what routes.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -102,6 +103,26 @@ class FleetView:
     bad_entries: int = 0
     listeners: list[Callable[[], None]] = field(default_factory=list)
     _lanes: list[LaneRoute] | None = None
+    _read: asyncio.Event | None = None  # set with `synced` (made on the loop, once something waits)
+
+    def mark_synced(self) -> None:
+        self.synced = True
+        if self._read is not None:
+            self._read.set()
+
+    async def wait_synced(self, timeout: float) -> bool:
+        """Until the first snapshot is read, at most `timeout` seconds: whether it was. A request
+        that came before would be told its model is not served (404) when the fleet is merely
+        not read yet (a gateway just started, or the planner not up: it waits for the bucket)."""
+        if self.synced:
+            return True
+        if self._read is None:
+            self._read = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._read.wait(), timeout)
+        except TimeoutError:
+            pass
+        return self.synced
 
     # ------------------------------------------------------------ input
 

@@ -36,6 +36,17 @@ class Shape:
     assembled: str | None = None  # plain, asked of the lane as a stream and put together (gateway/assemble.py)
 
 
+def lane_headers(accept: str, streamed: bool) -> dict[str, str]:
+    """A request's headers to its lane. A streamed answer's connection is not kept: llama-server
+    closes it after the last chunk though its headers say keep-alive (measured, b11434), and a
+    pooled one sent the next request down a dead socket (ServerDisconnectedError, a retry, a
+    warning). Asked with `Connection: close`, the lane says so and aiohttp pools nothing."""
+    headers = {"Content-Type": "application/json", "Accept": accept}
+    if streamed:
+        headers["Connection"] = "close"
+    return headers
+
+
 async def _forward(
     request: web.Request, name: str, body: bytes, started: float, shape: Shape = Shape()
 ) -> web.StreamResponse:
@@ -75,7 +86,7 @@ async def _forward(
                 upstream = await app[SESSION].post(
                     lane.url + request.path,
                     data=adapters.body_for(body, name, lane),
-                    headers={"Content-Type": "application/json", "Accept": request.headers.get("Accept", "*/*")},
+                    headers=lane_headers(request.headers.get("Accept", "*/*"), bool(shape.streamed or shape.assembled)),
                     timeout=aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout),
                 )
                 if (shape.streamed or shape.assembled) and upstream.status == 200:

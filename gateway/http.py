@@ -35,6 +35,7 @@ from gateway.settings import GatewaySettings
 from gateway.tenant_edge import _errors_and_keys, _tenant_refusal, signing_keys, tenant_of
 from gateway.tenants import KeysFile, Tenant
 from gateway.tokens import count_tokens
+from shared import defaults
 
 # Kept importable from here (gateway/service.py, gateway/dashboard.py, tests):
 __all__ = ["KEYS", "METRICS", "TENANT", "USAGE", "admission_for", "build_app", "openai_error", "signing_keys",
@@ -82,6 +83,9 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
         return openai_error(400, f"request body is not JSON: {exc}", "invalid_json")
     name = payload.get("model") if isinstance(payload, dict) else None
     view, metrics = app[VIEW], app[METRICS]
+    if not await view.wait_synced(defaults.FLEET_SYNC_WAIT):
+        return openai_error(503, "the gateway has not read the fleet from NATS yet (is NATS up, and the planner?)",
+                            "fleet_not_read", app[SETTINGS].retry_after)  # fmt: skip
     if not isinstance(name, str) or not name:
         # As llama-server itself: a fleet of one model serves a request that names none.
         name, why = waking.only_model(waking.catalogue(view))

@@ -112,7 +112,7 @@ class Gateway:
     async def on_caught_up(self) -> None:
         if not self.view.synced:
             log.info("fleet read from NATS", lanes=len(self.view.lanes()))
-        self.view.synced = True
+        self.view.mark_synced()
 
     async def probe_once(self, session: aiohttp.ClientSession) -> None:
         targets = self.view.probe_targets()

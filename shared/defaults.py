@@ -25,6 +25,7 @@ FAIR_HALF_LIFE = 60.0  # a tenant's consumed tokens count half after this long (
 OUTPUT_WEIGHT = 2.0  # an output token costs this many prompt tokens (fairness and token limits)
 USAGE_SYNC_INTERVAL = 1.0  # seconds between a gateway's writes of its tenants' usage to NATS
 KEYS_REREAD = 1.0  # seconds between checks of the keys file for a change
+FLEET_SYNC_WAIT = 10.0  # a request to a gateway that has not read the fleet yet waits this long for it (then 503)
 PREFIX_MAX_AGE = 3600.0  # the shared prefix view's events are kept this long (stream LANES_PREFIX)
 
 # ------------------------------------------------------------------ ports

@@ -14,6 +14,7 @@ import urllib.request
 import psutil
 from closed_pipe import run_into_closed_pipe
 from fixtures_bus import fake_binary
+from ops_helpers import kill_lanes_under
 from waiting import eventually_blocking
 
 LANES = [sys.executable, "-m", "lanes.cli"]
@@ -82,8 +83,13 @@ def test_lanes_up_config_status_and_clean_stop(tmp_path, tiny_models):
         for child in children:
             assert not child.is_running() or child.status() == psutil.STATUS_ZOMBIE
     finally:
-        if up.poll() is None:
-            up.kill()
+        if up.poll() is None:  # a failed check: stop it as Ctrl-C does, else kill it and what it left
+            up.send_signal(signal.SIGINT)
+            try:
+                up.wait(30)
+            except subprocess.TimeoutExpired:
+                up.kill()
+        kill_lanes_under(tmp_path)  # (none after a clean stop)
 
 
 def _nats_servers_on(store: str) -> list[psutil.Process]:
@@ -101,7 +107,6 @@ def _nats_servers_on(store: str) -> list[psutil.Process]:
 
 def test_lanes_up_killed_with_sigkill_comes_back_on_its_folder_and_adopts_its_lane(tmp_path, tiny_models):
     from fixtures_bus import free_port_base
-    from ops_helpers import kill_lanes_under
 
     models = tmp_path / "models"
     models.mkdir()

@@ -59,6 +59,7 @@ def lane(tiny_models):
 def one_slot(gw: Gateway, port: int) -> None:
     put_plan(gw.view, "h1", spec("gemma-0", port=port, parallel=1))
     put_status(gw.view, "h1", healthy("gemma-0", port))
+    gw.view.mark_synced()  # the fleet, as if read from NATS: requests do not wait for it
 
 
 @asynccontextmanager
