@@ -22,7 +22,7 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from gateway import waking
+from gateway import lane_probe, waking
 from gateway.admission import Admission
 from gateway.dashboard import DashboardHub, add_dashboard
 from gateway.fleet import FleetView, LaneRoute
@@ -59,6 +59,7 @@ class Gateway:
     shared: SharedView | None = None  # the prefix index shared with the other gateways (settings.shared_prefix)
     loops: Loops = field(default_factory=lambda: Loops("gateway"))  # its supervised loops (shared.supervise)
     usage_task: asyncio.Task | None = None  # tenants' usage shared over NATS (gateway/usage_sync.py)
+    probe_misses: dict = field(default_factory=dict)  # lane -> its /health misses in a row (gateway/lane_probe.py)
 
     def __post_init__(self) -> None:
         self.admission = admission_for(self.view, self.settings)
@@ -121,15 +122,20 @@ class Gateway:
 
     async def _probe(self, session: aiohttp.ClientSession, lane: LaneRoute) -> None:
         timeout = aiohttp.ClientTimeout(total=self.settings.probe_timeout)
+        outcome: lane_probe.Outcome = "ok"
         try:
             async with session.get(lane.url + "/health", timeout=timeout) as resp:
-                ok = resp.status == 200
-                reason = "" if ok else f"/health answered {resp.status}"
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            ok, reason = False, f"/health: {type(exc).__name__} {exc}".strip()
-        if ok:
+                if resp.status != 200:
+                    outcome, reason = "slow", f"/health answered {resp.status}"
+        except asyncio.TimeoutError:
+            outcome, reason = "slow", f"/health: no answer within {self.settings.probe_timeout:g} s"
+        except aiohttp.ClientError as exc:
+            outcome, reason = "unreachable", f"/health: {type(exc).__name__} {exc}".strip()
+        verdict = lane_probe.judge(outcome, self.probe_misses.get(lane.key, 0))
+        self.probe_misses[lane.key] = verdict.misses
+        if verdict.back:
             self.view.mark_reachable(lane.key)
-        else:
+        elif verdict.out:
             self.view.mark_unreachable(lane.key, reason)
 
 

@@ -1,0 +1,25 @@
+"""The gateway's /health probe of a lane (gateway/lane_probe.py): a lane not connected to is out
+at once; one that answers late or not 200 only after PROBE_FAILURES misses in a row."""
+
+from __future__ import annotations
+
+from gateway.lane_probe import judge
+from shared import defaults
+
+
+def test_a_lane_not_connected_to_is_out_at_once():
+    assert judge("unreachable", 0).out
+
+
+def test_slow_answers_take_a_lane_out_only_after_the_agents_count_in_a_row():
+    misses, outs = 0, []
+    for _ in range(defaults.PROBE_FAILURES):
+        verdict = judge("slow", misses)
+        misses, outs = verdict.misses, outs + [verdict.out]
+    assert outs == [False] * (defaults.PROBE_FAILURES - 1) + [True]
+
+
+def test_an_answer_brings_it_back_and_starts_the_count_again():
+    verdict = judge("ok", defaults.PROBE_FAILURES - 1)
+    assert verdict.back and not verdict.out and verdict.misses == 0
+    assert not judge("slow", verdict.misses).out
