@@ -60,6 +60,12 @@ def judge(
     return Verdict(parallel, since, stalled)
 
 
+def still_busy(read_busy: int, ended_meanwhile: int) -> int:
+    """A lane's busy slots, from a /slots read during which `ended_meanwhile` of this gateway's
+    requests to it ended (they may have been counted busy in it)."""
+    return max(0, read_busy - ended_meanwhile)
+
+
 async def read_slots(session: aiohttp.ClientSession, lane: LaneRoute, timeout: float) -> SlotsRead:
     try:
         async with session.get(lane.url + SLOTS, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
@@ -87,9 +93,11 @@ class SlotsPoll:
         # Stalled lanes are read too (not routable, but their /slots tells when they are back).
         lanes = [lane for lane in view.lanes()
                  if lane.state == "healthy" and not lane.draining and lane.key not in view.unreachable]  # fmt: skip
+        counts = self.admission.counts
+        served = dict(counts.served)
         found = await asyncio.gather(*(read_slots(session, lane, self.timeout) for lane in lanes))
         now = asyncio.get_running_loop().time()
-        reported = self.admission.counts.reported
+        reported = counts.reported
         before = dict(reported)
         reported.clear()
         for lane, read in zip(lanes, found):
@@ -98,7 +106,11 @@ class SlotsPoll:
             if read[0] == "busy":
                 self.work[lane.key] = read[2]
             if verdict.reported is not None:
-                reported[lane.key] = verdict.reported
+                # Requests of ours that ended while the read was on its way may be in it: their slots
+                # are free now. Counted busy, a lane looked full for a whole interval after its answers
+                # and a conversation's next turn went cold to another lane (test_slot_save_real, CI).
+                ended = counts.served.get(lane.key, 0) - served.get(lane.key, 0)
+                reported[lane.key] = still_busy(verdict.reported, ended) if read[0] == "busy" else verdict.reported
             if verdict.unanswered_since is None:
                 self.unanswered.pop(lane.key, None)
             else:

@@ -9,6 +9,7 @@ import asyncio
 
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
+from stub_http import serve
 from test_gateway_core import healthy, put_plan, put_status, spec
 
 from gateway.fleet import FleetView
@@ -22,11 +23,7 @@ async def _stub_lane() -> tuple[web.AppRunner, int]:
 
     app = web.Application()
     app.router.add_post("/v1/completions", completion)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, site._server.sockets[0].getsockname()[1]
+    return await serve(app)
 
 
 async def _ask(view: FleetView):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import aiohttp
 from aiohttp import web
+from stub_http import serve
 
 from gateway.forward import lane_headers
 
@@ -33,11 +34,7 @@ async def _server() -> tuple[web.AppRunner, str, list[int]]:
     app = web.Application()
     app.router.add_post("/stream", stream)
     app.router.add_post("/plain", plain)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    runner, port = await serve(app)
     return runner, f"http://127.0.0.1:{port}", peers
 
 

@@ -1,0 +1,14 @@
+"""A small aiohttp server on a free port, for tests that stand in for a lane."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+
+async def serve(app: web.Application) -> tuple[web.AppRunner, int]:
+    """Start `app` on 127.0.0.1 and a free port: (its runner, to clean up; the port)."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]
