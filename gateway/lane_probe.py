@@ -1,7 +1,7 @@
 """The gateway's own /health probe of each lane: what one answer (or its absence) means. Pure.
 
-A lane that cannot be connected to (refused, reset, no route) is out of rotation at once: a
-dead process or host. One that answers late or not 200 is out only after PROBE_FAILURES
+A lane that cannot be connected to (refused, no route) is out of rotation at once: a
+dead process or host. One that answers late, not 200, or drops the connection is out only after PROBE_FAILURES
 misses in a row, as its agent judges it: a host busy prefilling answers /health late but
 serves (llama-server answers it from an HTTP thread, and with every HTTP thread held by a
 stream it waits for one), and taking it out on one slow answer sent its conversations cold

@@ -129,8 +129,10 @@ class Gateway:
                     outcome, reason = "slow", f"/health answered {resp.status}"
         except asyncio.TimeoutError:
             outcome, reason = "slow", f"/health: no answer within {self.settings.probe_timeout:g} s"
-        except aiohttp.ClientError as exc:
+        except aiohttp.ClientConnectorError as exc:  # not connected at all: out at once
             outcome, reason = "unreachable", f"/health: {type(exc).__name__} {exc}".strip()
+        except aiohttp.ClientError as exc:  # connected, then cut (a pooled connection the lane closed): a miss
+            outcome, reason = "slow", f"/health: {type(exc).__name__} {exc}".strip()
         verdict = lane_probe.judge(outcome, self.probe_misses.get(lane.key, 0))
         self.probe_misses[lane.key] = verdict.misses
         if verdict.back:
