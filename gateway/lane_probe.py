@@ -1,11 +1,11 @@
 """The gateway's own /health probe of each lane: what one answer (or its absence) means. Pure.
 
 A lane that cannot be connected to (refused, no route) is out of rotation at once: a
-dead process or host. One that answers late, not 200, or drops the connection is out only after PROBE_FAILURES
-misses in a row, as its agent judges it: a host busy prefilling answers /health late but
-serves (llama-server answers it from an HTTP thread, and with every HTTP thread held by a
-stream it waits for one), and taking it out on one slow answer sent its conversations cold
-to another lane (test_slot_save_real, 0.48 cached in CI where it measures 0.94)."""
+dead process or host. One that answers late, not 200, or drops the connection is out only
+after PROBE_FAILURES misses in a row, as its agent judges it: a host busy prefilling answers
+/health late but serves (llama-server answers it from an HTTP thread, and with every HTTP
+thread held by a stream it waits for one). Taken out on one slow answer, a lane left rotation
+in the middle of a rolling change (test_rollout_live, CI: one lane of three serving)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Literal
 
 from shared import defaults
 
-Outcome = Literal["ok", "unreachable", "slow"]  # answered 200; not connected; late, or not 200
+Outcome = Literal["ok", "unreachable", "slow"]  # answered 200; not connected; late, not 200, or dropped
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from aiohttp import web
 from gateway import lane_probe, waking
 from gateway.admission import Admission
 from gateway.dashboard import DashboardHub, add_dashboard
-from gateway.fleet import FleetView, LaneRoute
+from gateway.fleet import FleetView, LaneKey, LaneRoute
 from gateway.http import KEYS, METRICS, USAGE, admission_for, build_app
 from gateway.lane_load import SlotsPoll
 from gateway.settings import GatewaySettings
@@ -59,7 +59,7 @@ class Gateway:
     shared: SharedView | None = None  # the prefix index shared with the other gateways (settings.shared_prefix)
     loops: Loops = field(default_factory=lambda: Loops("gateway"))  # its supervised loops (shared.supervise)
     usage_task: asyncio.Task | None = None  # tenants' usage shared over NATS (gateway/usage_sync.py)
-    probe_misses: dict = field(default_factory=dict)  # lane -> its /health misses in a row (gateway/lane_probe.py)
+    probe_misses: dict[LaneKey, int] = field(default_factory=dict)  # its /health misses in a row (lane_probe.py)
 
     def __post_init__(self) -> None:
         self.admission = admission_for(self.view, self.settings)
