@@ -35,7 +35,8 @@ import nats  # noqa: E402
 import psutil  # noqa: E402
 from tinymodels import write_llama  # noqa: E402
 
-from launcher_agent.service import AgentConfig, run_agent  # noqa: E402
+from launcher_agent.config import AgentConfig  # noqa: E402
+from launcher_agent.service import run_agent  # noqa: E402
 from shared import subjects  # noqa: E402
 from shared.bus import kv_bucket  # noqa: E402
 from shared.logs import setup_logging  # noqa: E402

@@ -29,7 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from planner_svc.demand import DemandState, plan_on_demand  # noqa: E402
+from planner_svc.demand import plan_on_demand  # noqa: E402
+from planner_svc.demand_state import DemandState  # noqa: E402
 from planner_svc.eviction import Candidate, NoRoom, Placement, covers, deficit  # noqa: E402
 from shared.messages import (  # noqa: E402
     Demand,

@@ -28,8 +28,9 @@ from measure import load_and_stop  # noqa: E402
 from shared.gguf_facts import read_model_facts  # noqa: E402
 from shared.llama.logs import parse_buffers  # noqa: E402
 from shared.llama.printed import compare  # noqa: E402
-from shared.memory import QUANTIZED, LaneShape, NGpuLayers, lane_memory  # noqa: E402
+from shared.memory import QUANTIZED, LaneShape, lane_memory  # noqa: E402
 from shared.memory.experts import parse_override  # noqa: E402
+from shared.messages import NGpuLayers  # noqa: E402
 
 
 @dataclass(frozen=True)

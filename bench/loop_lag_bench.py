@@ -76,7 +76,8 @@ async def agent_mode(args: argparse.Namespace, sampler: LagSampler) -> dict:
     import msgspec
     import tinymodels
 
-    from launcher_agent.service import AgentConfig, run_agent
+    from launcher_agent.config import AgentConfig
+    from launcher_agent.service import run_agent
     from shared import subjects
     from shared.bus import connect, kv_bucket
     from shared.messages import HostReport, ServerCaps

@@ -3,7 +3,7 @@
 Run from the repository root:  .venv/bin/python bench/ttfb_profile.py [--rounds 400] [--prompt-chars 2000]
 
 A stub lane (aiohttp, SSE: its first chunk at once, then the last chunk with llama-server's
-`timings`) and the gateway's own app (gateway/http.py, routing by tokens, no NATS: the view
+`timings`) and the gateway's own app (gateway/edge/app.py, routing by tokens, no NATS: the view
 is filled by hand) in one process, one stream at a time, max_tokens 1. Rounds alternate
 direct and through the gateway (the order flipped each round); the added time is the median
 of the per-round differences of time to first byte. Then the gateway's rounds again under

@@ -22,17 +22,16 @@ import msgspec
 import structlog
 from aiohttp import web
 
-from gateway import lane_probe, waking
-from gateway.admission import Admission
+from gateway import fleet
+from gateway.admission import Admission, Waker, activity, persona_of
 from gateway.dashboard import DashboardHub, add_dashboard
+from gateway.edge import KEYS, METRICS, USAGE, admission_for, build_app
 from gateway.fleet import FleetView, LaneKey, LaneRoute
-from gateway.http import KEYS, METRICS, USAGE, admission_for, build_app
-from gateway.lane_load import SlotsPoll
 from gateway.settings import GatewaySettings
-from gateway.shared_view import SharedView
-from gateway.usage_sync import share_usage
+from gateway.sync import SharedView, SlotsPoll, share_usage
 from shared import defaults, subjects
-from shared.bus import NatsAuth, connect, kv_bucket, quietly, run_until, watch_forever
+from shared.bus import connect, kv_bucket, quietly, run_until, watch_forever
+from shared.nats_auth import NatsAuth
 from shared.llama.endpoints import connect_host
 from shared.messages import GatewayActivity, ModelWake, TenantActivity, encode
 from shared.supervise import Loops, cancel_and_wait, running
@@ -53,17 +52,17 @@ class Gateway:
     started: asyncio.Event = field(default_factory=asyncio.Event)
     dashboard: DashboardHub = field(init=False)
     nc: object | None = None  # the NATS connection once made (the dashboard's admin changes use it)
-    waker: waking.Waker = field(init=False)  # requests held while their model loads
+    waker: Waker = field(init=False)  # requests held while their model loads
     slots: SlotsPoll = field(init=False)  # each lane's /slots: its load, and whether its loop answers
     gateway_id: str = ""
     shared: SharedView | None = None  # the prefix index shared with the other gateways (settings.shared_prefix)
     loops: Loops = field(default_factory=lambda: Loops("gateway"))  # its supervised loops (shared.supervise)
-    usage_task: asyncio.Task | None = None  # tenants' usage shared over NATS (gateway/usage_sync.py)
-    probe_misses: dict[LaneKey, int] = field(default_factory=dict)  # its /health misses in a row (lane_probe.py)
+    usage_task: asyncio.Task | None = None  # tenants' usage shared over NATS (gateway/sync/usage.py)
+    probe_misses: dict[LaneKey, int] = field(default_factory=dict)  # its /health misses in a row (gateway/fleet/probe.py)
 
     def __post_init__(self) -> None:
         self.admission = admission_for(self.view, self.settings)
-        self.waker = waking.Waker(self.view, max_held=self.settings.queue_depth, publish=self.publish_wake)
+        self.waker = Waker(self.view, max_held=self.settings.queue_depth, publish=self.publish_wake)
         self.gateway_id = subjects.host_token(
             self.settings.gateway_id or f"{socket.gethostname().split('.')[0]}-{os.getpid()}-{id(self) % 10000}"
         )
@@ -85,7 +84,7 @@ class Gateway:
         if self.nc is None or not self.nc.is_connected:
             return
         now = time.monotonic()  # the loop's clock too: queue waits are measured on it
-        models = waking.activity(self.view, self.admission.counts, self.waker.counts(), self.waker.last_request,
+        models = activity(self.view, self.admission.counts, self.waker.counts(), self.waker.last_request,
                                  now, self.admission.take_queue_waits(now))  # fmt: skip
         models = tuple(msgspec.structs.replace(m, tenants=self._tenants_of(m.name)) for m in models)
         msg = GatewayActivity(gateway=self.gateway_id, interval=self.settings.activity_interval, models=models)
@@ -99,7 +98,7 @@ class Gateway:
         queued: dict[str, int] = {}
         for table, into in ((counts.tenant_in_flight, flying), (counts.tenant_queued, queued)):
             for (asked, t), n in table.items():
-                if waking.persona_of(self.view, asked) == name:
+                if persona_of(self.view, asked) == name:
                     into[t] = into.get(t, 0) + n
         return tuple(TenantActivity(tenant=t, priority=known[t].priority if t in known else 0,
                                     in_flight=flying.get(t, 0), queued=queued.get(t, 0))
@@ -122,7 +121,7 @@ class Gateway:
 
     async def _probe(self, session: aiohttp.ClientSession, lane: LaneRoute) -> None:
         timeout = aiohttp.ClientTimeout(total=self.settings.probe_timeout)
-        outcome: lane_probe.Outcome = "ok"
+        outcome: fleet.Outcome = "ok"
         try:
             async with session.get(lane.url + "/health", timeout=timeout) as resp:
                 if resp.status != 200:
@@ -133,7 +132,7 @@ class Gateway:
             outcome, reason = "unreachable", f"/health: {type(exc).__name__} {exc}".strip()
         except aiohttp.ClientError as exc:  # connected, then cut (a pooled connection the lane closed): a miss
             outcome, reason = "slow", f"/health: {type(exc).__name__} {exc}".strip()
-        verdict = lane_probe.judge(outcome, self.probe_misses.get(lane.key, 0))
+        verdict = fleet.judge(outcome, self.probe_misses.get(lane.key, 0))
         self.probe_misses[lane.key] = verdict.misses
         if verdict.back:
             self.view.mark_reachable(lane.key)
@@ -241,7 +240,7 @@ async def run_gateway(
     # On stop: no new connections, and requests in flight get SHUTDOWN_GRACE seconds to finish.
     # handler_cancellation: a client that hangs up cancels its handler, so it leaves the queue
     # (admission), stops being held for a loading model (waking) and closes its connection to
-    # the lane, which then stops generating and frees the slot (gateway/forward.py, gateway/relay.py).
+    # the lane, which then stops generating and frees the slot (gateway/edge/forward.py, gateway/edge/relay.py).
     runner = web.AppRunner(gw.app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, gw.settings.host, gw.settings.port)

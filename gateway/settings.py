@@ -15,7 +15,7 @@ class GatewaySettings:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT  # 0 picks a free port (tests)
     api_keys: tuple[str, ...] = ()  # empty: no key needed
-    # The keys file (TOML, gateway/tenants.py): each key's tenant, priority class, models and limits;
+    # The keys file (TOML, gateway/tenants/keys.py): each key's tenant, priority class, models and limits;
     # reread on change. With it, the api_keys above are tenant "default".
     keys_file: str | None = None
     critical_wait: float = defaults.CRITICAL_QUEUE_WAIT  # seconds a critical request waits for a slot
@@ -29,10 +29,10 @@ class GatewaySettings:
     connect_timeout: float = 3.0  # reaching a lane; past it the request goes to another lane
     # Seconds a streamed answer may take to its first token; past it the lane counts as stalled and
     # the request goes to another. None: from the prompt's size and the lane's measured prefill
-    # speed, never under 30 s (gateway/routing.py, first_byte_timeout).
+    # speed, never under 30 s (gateway/routing/tries.py, first_byte_timeout).
     first_byte_timeout: float | None = None
     stream_idle_timeout: float = 120.0  # seconds with no byte mid-stream: the lane stalled
-    slots_stall_after: float = 60.0  # seconds of unanswered /slots reads: the lane stalled (gateway/lane_load.py)
+    slots_stall_after: float = 60.0  # seconds of unanswered /slots reads: the lane stalled (gateway/sync/slots.py)
     probe_interval: float = 1.0  # seconds between the gateway's own /health checks of each lane
     probe_timeout: float = 1.0
     slots_interval: float = 0.5  # seconds between reads of each lane's /slots (its load from every client)
@@ -41,7 +41,7 @@ class GatewaySettings:
     kv_events: bool = False  # also publish it as vLLM KVEventBatch on lanes.kvevents.<host>.<lane>
     retry_after: int = 1  # seconds, in the Retry-After header of a 503
     admin_key: str | None = None  # set: the dashboard accepts fleet config changes from a viewer who has it
-    # Models on demand (gateway/waking.py): seconds a request for a model with no ready lane is
+    # Models on demand (gateway/admission/waking.py): seconds a request for a model with no ready lane is
     # held while it loads, before 503 with Retry-After; None: the planner's predicted load time
     # plus a margin (waking.load_bound), 120 s where nothing is predicted.
     load_timeout: float | None = None

@@ -1,4 +1,4 @@
-"""`lanes keys add/list/revoke`: edit the gateway's keys file (gateway/tenants.py) in place.
+"""`lanes keys add/list/revoke`: edit the gateway's keys file (gateway/tenants/keys.py) in place.
 
 A new key is printed once and stored as its SHA-256 only. Edits keep every other entry and its
 comments as they were, are checked by the gateway's own parser before they are written, and

@@ -87,8 +87,8 @@ def _shares(text: str) -> tuple[float, ...]:
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     from launcher_agent.hardware import cpu_repack, gpu_backend_of
+    from shared.gguf_weights import EXPERT_TENSOR
     from shared.memory import LaneShape, PlacementError, lane_memory
-    from shared.gguf_facts import EXPERT_TENSOR
     from shared.memory.experts import parse_override
 
     try:

@@ -24,7 +24,7 @@ from launcher_agent.service import run_agent
 from planner_svc.service import run_planner
 from planner_svc.threads import cpu_ranges
 from shared import subjects
-from shared.bus import NatsAuth, auth_from_args, connect
+from shared.bus import connect
 from shared.llama.flags import cache_pair
 from shared.llama.printed import device_lines
 from shared.logs import setup_logging
@@ -37,6 +37,7 @@ from shared.messages import (
     LaneSpec,
     encode,
 )
+from shared.nats_auth import NatsAuth, auth_from_args
 from shared.natsserver import NatsServer, NatsServerError
 from shared.supervise import LoopGaveUp, running
 
@@ -291,7 +292,7 @@ async def _request_command(args: argparse.Namespace, auth: NatsAuth) -> int:
 
 async def tenant_lines(nc) -> list[str]:
     """One line per tenant: its tokens this minute and today over every gateway (KV bucket lanes-usage)."""
-    from gateway.quota import UsageBook
+    from gateway.tenants import UsageBook
     from shared.messages import TenantUsage, decode
 
     try:

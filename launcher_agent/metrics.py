@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from launcher_agent.report import VERSION
+from shared.version import VERSION
 from launcher_agent.supervisor import Supervisor
 from shared.llama import endpoints
 

@@ -27,20 +27,20 @@ from launcher_agent import cores as host_cores
 from launcher_agent.config import AgentConfig
 from launcher_agent.lane import Lane
 from launcher_agent.metrics import AgentMetrics
-from launcher_agent.report import VERSION, host_report
+from launcher_agent.report import host_report
+from shared.version import VERSION
 from launcher_agent.rpc_worker import RpcWorkers, WorkerSettings
 from launcher_agent.supervisor import Supervisor
 from shared import subjects
-from shared.bus import NatsAuth, connect, follow_key, kv_bucket, logged_endpoint, quietly, run_until
+from shared.bus import connect, follow_key, kv_bucket, logged_endpoint, quietly, run_until
 from shared.gguf_facts import FactsCache
 from shared.messages import HostPlan, HostReport, LaneEvent, PlanRejected, encode
 from shared.metrics_http import serve_metrics
+from shared.nats_auth import NatsAuth
 from shared.supervise import Loops, running
 
 log = structlog.get_logger("lanes.agent")
 STARTING_TICK = 0.02
-
-__all__ = ["AgentConfig", "run_agent"]
 
 
 @dataclass

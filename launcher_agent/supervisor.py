@@ -35,8 +35,6 @@ from shared.span_check import span_problem
 
 log = structlog.get_logger("lanes.agent")
 
-__all__ = ["AgentConfig", "Lane", "Supervisor"]
-
 
 @dataclass
 class Supervisor:

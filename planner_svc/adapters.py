@@ -35,7 +35,7 @@ def reranks(persona: Persona, facts: ModelFacts) -> bool:
 
 
 def pooled(persona: Persona, facts: ModelFacts, reranking_ok: bool = True) -> bool:
-    """Whether the lane runs pooled (--reranking, or --embeddings as lane_specs._spec decides it)."""
+    """Whether the lane runs pooled (--reranking, or --embeddings as lane_specs.lane_spec decides it)."""
     if reranks(persona, facts) and reranking_ok:
         return True
     return persona.embeddings if persona.embeddings is not None else bool(facts.pooling)

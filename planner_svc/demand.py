@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from planner_svc.coldstart import measured_loads, predicted_seconds, read_rates
-from planner_svc.demand_state import FAILED_TTL, WAKE_TTL, DemandState, Outcome
+from planner_svc.demand_state import DemandState, Outcome
 from planner_svc.eviction import choose
 from planner_svc.idle import due, unload_idle
 from planner_svc.personas import lanes_by_name, persona_name, servable
@@ -41,8 +41,6 @@ from shared.messages import (
     ModelState,
     ModelStates,
 )
-
-__all__ = ["FAILED_TTL", "WAKE_TTL", "DemandState", "Outcome", "demand_due", "model_states", "plan_on_demand"]
 
 
 def plan_on_demand(

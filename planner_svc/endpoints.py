@@ -5,7 +5,9 @@ fleet status and info. An active and a stand-by planner answer alike, from the s
 folds; a change is written to the bucket (compare-and-set on the config key, which
 `ensure_config` creates at start), never to the state: the watch brings it back. The pure
 answers are in planner_svc/answers.py. Subscriptions: plan rejections, wakes and gateway
-activity are decoded here and handed to planner_svc.service, which applies them.
+activity are decoded here and handed to planner_svc.service, which applies them. The service
+is seen through `ServingPlanner`, what these handlers read of it, so this module does not import
+the service that calls it.
 """
 
 from __future__ import annotations
@@ -14,16 +16,20 @@ import asyncio
 import time
 from contextlib import AsyncExitStack
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import msgspec
 import nats
 import structlog
+from nats.aio.client import Client
 from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
+from nats.js.kv import KeyValue
 from nats.micro import add_service
 from nats.micro.request import Request, ServiceError
 
 from planner_svc.answers import config_problem, explain_lines, merged_config
+from planner_svc.lease import Lease
+from planner_svc.state import PlannerState
 from shared import subjects
 from shared.bus import logged_endpoint, quietly
 from shared.messages import (
@@ -40,13 +46,29 @@ from shared.messages import (
 )
 from shared.version import VERSION
 
-if TYPE_CHECKING:
-    from planner_svc.service import PlannerService
-
 log = structlog.get_logger("lanes.planner")
 
 
-async def ensure_config(svc: PlannerService, patience: float = 60.0) -> None:
+class ServingPlanner(Protocol):
+    """What the endpoints and subscriptions read of the planner service (planner_svc.service)."""
+
+    nc: Client
+    kv: KeyValue
+    leader_kv: KeyValue
+    state: PlannerState
+    lease: Lease
+    ready: asyncio.Event
+    id: str
+    replans: int
+
+    async def on_rejected(self, rejection: PlanRejected) -> None: ...
+
+    async def on_wake(self, wake: ModelWake) -> None: ...
+
+    async def on_activity(self, activity: GatewayActivity) -> None: ...
+
+
+async def ensure_config(svc: ServingPlanner, patience: float = 60.0) -> None:
     """Create the config key if missing. A bucket another planner is creating right now (its
     replicas still forming) has no responders yet: wait for it rather than exit."""
     deadline = time.monotonic() + patience
@@ -67,11 +89,11 @@ async def ensure_config(svc: PlannerService, patience: float = 60.0) -> None:
             await asyncio.sleep(0.5)
 
 
-async def _config_get(svc: PlannerService, req: Request) -> None:
+async def _config_get(svc: ServingPlanner, req: Request) -> None:
     await req.respond(encode(svc.state.config))
 
 
-async def _config_set(svc: PlannerService, req: Request) -> None:
+async def _config_set(svc: ServingPlanner, req: Request) -> None:
     try:
         change = msgspec.json.decode(req.data, type=ConfigSet)
         new = merged_config(svc.state.config, change, svc.state.config_revision + 1)
@@ -90,7 +112,7 @@ async def _config_set(svc: PlannerService, req: Request) -> None:
     await req.respond(encode(new))
 
 
-async def _demand_set(svc: PlannerService, req: Request) -> None:
+async def _demand_set(svc: ServingPlanner, req: Request) -> None:
     try:
         demand = msgspec.json.decode(req.data, type=Demand)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -99,7 +121,7 @@ async def _demand_set(svc: PlannerService, req: Request) -> None:
     await req.respond(encode(demand))
 
 
-def _host_plan(svc: PlannerService, req: Request) -> HostPlan:
+def _host_plan(svc: ServingPlanner, req: Request) -> HostPlan:
     try:
         query = msgspec.json.decode(req.data, type=HostQuery)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -110,17 +132,17 @@ def _host_plan(svc: PlannerService, req: Request) -> HostPlan:
     return found
 
 
-async def _plan_get(svc: PlannerService, req: Request) -> None:
+async def _plan_get(svc: ServingPlanner, req: Request) -> None:
     await req.respond(encode(_host_plan(svc, req)))
 
 
-async def _plan_explain(svc: PlannerService, req: Request) -> None:
+async def _plan_explain(svc: ServingPlanner, req: Request) -> None:
     found = _host_plan(svc, req)
     lines = explain_lines(found, svc.state.statuses.get(found.host_id))
     await req.respond("\n".join(lines).encode())
 
 
-async def _fleet_status(svc: PlannerService, req: Request) -> None:
+async def _fleet_status(svc: ServingPlanner, req: Request) -> None:
     s = svc.state
     await req.respond(
         encode(
@@ -139,7 +161,7 @@ async def _fleet_status(svc: PlannerService, req: Request) -> None:
     )
 
 
-async def _info(svc: PlannerService, req: Request) -> None:
+async def _info(svc: ServingPlanner, req: Request) -> None:
     s = svc.state
     info = {
         "version": VERSION,
@@ -155,7 +177,7 @@ async def _info(svc: PlannerService, req: Request) -> None:
     await req.respond(msgspec.json.encode(info))
 
 
-async def add_endpoints(svc: PlannerService, stack: AsyncExitStack) -> None:
+async def add_endpoints(svc: ServingPlanner, stack: AsyncExitStack) -> None:
     """Serve the endpoints until `stack` closes."""
     micro = await add_service(
         svc.nc,
@@ -194,7 +216,7 @@ def _on_its_subject(msg, kind: type, field: str, subject_of, what: str):
     return decoded
 
 
-async def subscribe(svc: PlannerService, stack: AsyncExitStack) -> None:
+async def subscribe(svc: ServingPlanner, stack: AsyncExitStack) -> None:
     """Hand the service what agents and gateways publish, decoded: plan rejections, wakes and
     activity (a malformed message, or one on another sender's subject, is dropped here)."""
     for subject, kind, field, subject_of, what, handler in (

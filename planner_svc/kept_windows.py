@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from planner_svc.lane_windows import _Lane, _n_gpu_layers, _sum_costs
+from planner_svc.lane_windows import PlannedLane, spec_n_gpu_layers, sum_costs
 from planner_svc.layouts import Resource
 from shared.messages import FleetConfig, HostPlan, LaneSpec
 
 
-def _keep_stable(
-    pool: list[_Lane], budget: Mapping[Resource, int], cost, prev: HostPlan | None, config: FleetConfig,
+def keep_stable_windows(
+    pool: list[PlannedLane], budget: Mapping[Resource, int], cost, prev: HostPlan | None, config: FleetConfig,
     has_kv_unified: bool = True,
 ) -> None:
     """Keep a running lane's window when the replan would move it by less than min_gain."""
@@ -30,7 +30,7 @@ def _keep_stable(
             continue
         proposed = lane.window
         lane.window = old_window
-        total = _sum_costs(cost(x, x.window) for x in pool)
+        total = sum_costs(cost(x, x.window) for x in pool)
         if any(b > budget.get(r, 0) for r, b in total.items()):
             lane.window = proposed
             continue
@@ -40,16 +40,16 @@ def _keep_stable(
         )
 
 
-def _same_shape(spec: LaneSpec, lane: _Lane, has_kv_unified: bool = True) -> bool:
+def _same_shape(spec: LaneSpec, lane: PlannedLane, has_kv_unified: bool = True) -> bool:
     return (
         spec.model_path == lane.facts.path
         and spec.parallel == lane.persona.parallel
-        and spec.kv_unified == (lane.persona.kv_unified and has_kv_unified)  # as _spec renders it
+        and spec.kv_unified == (lane.persona.kv_unified and has_kv_unified)  # as lane_spec renders it
         and spec.cache_type_k == lane.flags.cache_type_k
         and spec.cache_type_v == lane.flags.cache_type_v
         and spec.flash_attn == lane.flags.flash_attn
         and spec.gpu_devices == lane.layout.gpus
-        and spec.n_gpu_layers == _n_gpu_layers(lane)
+        and spec.n_gpu_layers == spec_n_gpu_layers(lane)
         and spec.n_cpu_moe == lane.layout.n_cpu_moe
         and spec.spec_type == (lane.speculation.spec_type if lane.speculation else None)
     )

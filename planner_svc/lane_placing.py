@@ -1,13 +1,13 @@
 """Where one lane goes: its flags and window bounds on each candidate host, the layout that fits
 there at its floor window (the previous one first, so steady inputs never alternate), and the
-best host. Pure; planner_svc/planner.py places every lane through `_place`.
+best host. Pure; planner_svc/planner.py places every lane through `place_lane`.
 """
 
 from __future__ import annotations
 
 from planner_svc.adapters import lane_adapters
 from planner_svc import speculative
-from planner_svc.lane_windows import _cost, _Lane, lane_id_for
+from planner_svc.lane_windows import PlannedLane, lane_cost, lane_id_for
 from planner_svc.layouts import (
     CPU_RESOURCE,
     Layout,
@@ -69,9 +69,9 @@ def _choose_layout(lane_at, report, remaining, config, prev_layout) -> tuple[Lay
 
     def layout_cost(layout: Layout) -> dict[Resource, int]:
         lane = lane_at(layout)
-        floor_cost = _cost(lane, lane.floor, report, config.n_ubatch)
+        floor_cost = lane_cost(lane, lane.floor, report, config.n_ubatch)
         # The layout is chosen with f16 costs, so the cache type only moves the window.
-        f16 = _cost(lane_at(layout, f16=True), lane.floor, report, config.n_ubatch)
+        f16 = lane_cost(lane_at(layout, f16=True), lane.floor, report, config.n_ubatch)
         return {r: max(b, f16.get(r, 0)) for r, b in floor_cost.items()}
 
     tried = []
@@ -91,7 +91,7 @@ def _choose_layout(lane_at, report, remaining, config, prev_layout) -> tuple[Lay
     return (Layout("cpu"), c) if fits(c, remaining) else None
 
 
-def _place(persona, candidates_, config, lanes, remaining, previous, feedback) -> tuple[bool, str]:
+def place_lane(persona, candidates_, config, lanes, remaining, previous, feedback) -> tuple[bool, str]:
     """Put one lane of persona on the best candidate host where it fits at its floor."""
     options = []
     why = "does not fit"
@@ -124,13 +124,13 @@ def _place(persona, candidates_, config, lanes, remaining, previous, feedback) -
         adapters, adapter_reasons = lane_adapters(persona, report, facts)
         device = "gpu" if report.gpus and config.use_gpu else "cpu"
         speculation, spec_reasons = speculative.decide(persona, config, facts, report.models, report.server, device)
-        built: dict[tuple[Layout, bool], _Lane] = {}  # one lane per layout: its cost key is reused
+        built: dict[tuple[Layout, bool], PlannedLane] = {}  # one lane per layout: its cost key is reused
 
-        def lane_at(layout: Layout, f16: bool = False) -> _Lane:
+        def lane_at(layout: Layout, f16: bool = False) -> PlannedLane:
             if (layout, f16) not in built:
                 f = _F16 if f16 else flags
-                built[layout, f16] = _Lane(host, persona, facts, index, f, layout, floor, ceiling, factor,
-                                           adapters=adapters, speculation=speculation)  # fmt: skip
+                built[layout, f16] = PlannedLane(host, persona, facts, index, f, layout, floor, ceiling, factor,
+                                                 adapters=adapters, speculation=speculation)  # fmt: skip
             return built[layout, f16]
 
         try:
@@ -139,7 +139,7 @@ def _place(persona, candidates_, config, lanes, remaining, previous, feedback) -
             why = str(exc)
             continue
         if chosen is None:
-            at_floor = _cost(lane_at(Layout("cpu")), floor, report, config.n_ubatch)[CPU_RESOURCE]
+            at_floor = lane_cost(lane_at(Layout("cpu")), floor, report, config.n_ubatch)[CPU_RESOURCE]
             why = (
                 f"does not fit at its floor of {floor} tokens per slot: needs {_gib(at_floor)} on the CPU,"
                 f" {_gib(remaining[host][CPU_RESOURCE])} RAM left"

@@ -4,7 +4,7 @@ reason (window, pooling, projector, speculative decoding). Pure; planner_svc/pla
 from __future__ import annotations
 
 from planner_svc.adapters import reranks
-from planner_svc.lane_windows import _Lane, _n_gpu_layers, draft_layout
+from planner_svc.lane_windows import PlannedLane, draft_layout, spec_n_gpu_layers
 from planner_svc.layouts import pins_for
 from planner_svc.policy import chat_template_for
 from planner_svc.prompt_cache import MIB
@@ -12,7 +12,7 @@ from shared.memory import ngl_count
 from shared.messages import FleetConfig, HostReport, LaneSpec
 
 
-def _spec(report: HostReport, config: FleetConfig, lane: _Lane) -> LaneSpec:
+def lane_spec(report: HostReport, config: FleetConfig, lane: PlannedLane) -> LaneSpec:
     caps = report.server
     report = lane.span.report if lane.span is not None else report  # a span sees its workers as devices
     memory = lane.memory(lane.window, report, config.n_ubatch)
@@ -48,7 +48,7 @@ def _spec(report: HostReport, config: FleetConfig, lane: _Lane) -> LaneSpec:
         ctx_per_slot=lane.window if not lane.persona.kv_unified else lane.total_ctx(lane.window),
         parallel=lane.persona.parallel,
         kv_unified=lane.persona.kv_unified and caps.has_kv_unified,
-        n_gpu_layers=_n_gpu_layers(lane),
+        n_gpu_layers=spec_n_gpu_layers(lane),
         gpu_devices=pins.gpu_devices,
         device_names=pins.device_names,
         split_mode=pins.split_mode,
@@ -78,7 +78,7 @@ def _spec(report: HostReport, config: FleetConfig, lane: _Lane) -> LaneSpec:
     )
 
 
-def _spec_fields(lane: _Lane) -> dict:
+def _spec_fields(lane: PlannedLane) -> dict:
     """LaneSpec's speculative decoding fields: the type, and the draft where the lane has one."""
     sp = lane.speculation
     if sp is None:

@@ -38,7 +38,7 @@ def lane_id_for(model: str, index: int) -> str:
 
 
 @dataclass(slots=True)
-class _Lane:
+class PlannedLane:
     host_id: str
     persona: Persona
     facts: ModelFacts
@@ -126,7 +126,7 @@ def draft_layout(layout: Layout) -> Layout:
     return Layout("cpu")
 
 
-def _cost(lane: _Lane, window: int, report: HostReport, n_ubatch: int) -> Mapping[Resource, int]:
+def lane_cost(lane: PlannedLane, window: int, report: HostReport, n_ubatch: int) -> Mapping[Resource, int]:
     """Bytes per resource (layouts.cost_vector), shared with every lane of the same key: read it, never change it."""
     key = (_COST_KEYS.key(lane, report, n_ubatch), window)
     cost = _COSTS.get(key)
@@ -146,7 +146,7 @@ class _CostKeys:
         self.by_id: dict[int, tuple[object, int]] = {}
         self.counter = itertools.count()  # never reused, even after a clear: a lane may hold an old one
 
-    def key(self, lane: _Lane, report: HostReport, n_ubatch: int) -> int:
+    def key(self, lane: PlannedLane, report: HostReport, n_ubatch: int) -> int:
         last = lane.cost_key
         if last is not None and last[0] is report and last[1] == n_ubatch and last[2] == lane.cache_ram:
             return last[3]
@@ -197,7 +197,12 @@ _GROWN: dict[tuple, list[int]] = {}
 _COST_KEYS = _CostKeys()
 
 
-def _sum_costs(costs) -> dict[Resource, int]:
+def cost_key(lane: PlannedLane, report: HostReport, n_ubatch: int) -> int:
+    """The small number for what the lane's memory and cost depend on besides its window (_CostKeys)."""
+    return _COST_KEYS.key(lane, report, n_ubatch)
+
+
+def sum_costs(costs) -> dict[Resource, int]:
     total: dict[Resource, int] = {}
     for c in costs:
         for r, b in c.items():
@@ -205,7 +210,7 @@ def _sum_costs(costs) -> dict[Resource, int]:
     return total
 
 
-def _grow(lanes: list[_Lane], budget: Mapping[Resource, int], cost: Callable[[_Lane, int], dict]) -> None:
+def _grow(lanes: list[PlannedLane], budget: Mapping[Resource, int], cost: Callable[[PlannedLane, int], dict]) -> None:
     """Elastic windows: one common growth fraction t for every lane of a host.
 
     Each lane's window is monotone in t and the largest feasible t is monotone in the
@@ -220,14 +225,14 @@ def _grow(lanes: list[_Lane], budget: Mapping[Resource, int], cost: Callable[[_L
         return [lane.floor + CTX_PAD * (s * t // _T_SCALE) for lane, s in zip(lanes, steps)]
 
     def fits(t: int) -> bool:
-        total = _sum_costs(cost(lane, w) for lane, w in zip(lanes, windows(t)))
+        total = sum_costs(cost(lane, w) for lane, w in zip(lanes, windows(t)))
         return all(b <= budget.get(r, 0) for r, b in total.items())
 
     for lane, w in zip(lanes, windows(largest(fits, 0, _T_SCALE))):
         lane.window = w
 
 
-def _grow_memo(lanes: list[_Lane], budget: Mapping[Resource, int], cost, keys: list[int]) -> None:
+def grow_windows(lanes: list[PlannedLane], budget: Mapping[Resource, int], cost, keys: list[int]) -> None:
     """_grow, remembered: hosts with the same lanes (cost keys, floors, ceilings) and budgets get
     the same windows, so a fleet of alike hosts searches once per kind of host."""
     key = (tuple(zip(keys, [lane.floor for lane in lanes], [lane.ceiling for lane in lanes])),
@@ -240,8 +245,8 @@ def _grow_memo(lanes: list[_Lane], budget: Mapping[Resource, int], cost, keys: l
         lane.window = window
 
 
-def _prompt_caches(pool: list[_Lane], budget: Mapping[Resource, int], cost, prev: HostPlan | None,
-                   config: FleetConfig, has_cache_ram: bool) -> None:  # fmt: skip
+def size_prompt_caches(pool: list[PlannedLane], budget: Mapping[Resource, int], cost, prev: HostPlan | None,
+                       config: FleetConfig, has_cache_ram: bool) -> None:  # fmt: skip
     """Each lane's --cache-ram from the host RAM its buffers leave (planner_svc/prompt_cache.py)."""
     if not pool or not has_cache_ram:
         return
@@ -256,6 +261,6 @@ def _prompt_caches(pool: list[_Lane], budget: Mapping[Resource, int], cost, prev
         lane.reasons.append(reason)
 
 
-def _n_gpu_layers(lane: _Lane) -> int:
+def spec_n_gpu_layers(lane: PlannedLane) -> int:
     """-ngl as the spec carries it (the wire's int)."""
     return ngl_count(lane.layout.n_gpu_layers, lane.facts.n_layer) if lane.layout.gpus else 0

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from shared.memory import LaneShape, NglRule, NGpuLayers, Placement, lane_memory, place
+from shared.memory import LaneShape, NglRule, Placement, lane_memory, place
 from shared.memory.buffers import with_cpu_experts
 from shared.memory.experts import cpu_expert_blocks
 from shared.messages import (
@@ -30,6 +30,7 @@ from shared.messages import (
     LayerWeights,
     MemoryBreakdown,
     ModelFacts,
+    NGpuLayers,
 )
 
 MIB = 1024 * 1024

@@ -12,10 +12,10 @@ from collections.abc import Mapping, Sequence
 import msgspec
 
 from planner_svc.gc_pause import gc_paused
-from planner_svc.lane_placing import _place
-from planner_svc.kept_windows import _keep_stable
-from planner_svc.lane_specs import _spec
-from planner_svc.lane_windows import _COST_KEYS, _cost, _grow_memo, _Lane, _prompt_caches, lane_id_for
+from planner_svc.lane_placing import place_lane
+from planner_svc.kept_windows import keep_stable_windows
+from planner_svc.lane_specs import lane_spec
+from planner_svc.lane_windows import PlannedLane, cost_key, grow_windows, lane_cost, lane_id_for, size_prompt_caches
 from planner_svc.layouts import CPU_RESOURCE, Resource
 from planner_svc.policy import host_budgets
 from planner_svc.span_lanes import LaneKit, SpanBook, grow_spans, place_span
@@ -71,7 +71,7 @@ def plan(
         remaining[r.host_id] = host_budgets(r, config)
         if r.server is None:
             host_reasons[r.host_id].append("no lanes: no usable llama-server binary on this host")
-    lanes: dict[str, list[_Lane]] = {r.host_id: [] for r in reports}
+    lanes: dict[str, list[PlannedLane]] = {r.host_id: [] for r in reports}
     span_book = SpanBook()
     deferred = []  # (persona, candidates, why, target host) of lanes that fit no single host
 
@@ -86,7 +86,7 @@ def plan(
         wanted = len(holders) if persona.lanes is None else persona.lanes
         for i in range(wanted):
             candidates = holders if persona.lanes is not None else [holders[i]]
-            placed, why = _place(persona, candidates, config, lanes, remaining, previous, feedback)
+            placed, why = place_lane(persona, candidates, config, lanes, remaining, previous, feedback)
             if not placed:
                 target = candidates[0][0].host_id if len(candidates) == 1 else None
                 deferred += [(persona, candidates, why, target)] * (wanted - i if persona.lanes is not None else 1)
@@ -140,21 +140,21 @@ def _host_plan(
     grow_budget[CPU_RESOURCE] = grow_budget.get(CPU_RESOURCE, 0) - span_book.lent.get(report.host_id, 0)
     for lane in lanes:
         if lane.span is not None:
-            used = _cost(lane, lane.window, lane.span.report, config.n_ubatch)
+            used = lane_cost(lane, lane.window, lane.span.report, config.n_ubatch)
             grow_budget[CPU_RESOURCE] -= used.get(CPU_RESOURCE, 0)
     single = [lane for lane in lanes if lane.span is None]
     specs: list[LaneSpec] = []
     if report.server is not None:
 
-        def cost(lane: _Lane, window: int) -> dict[Resource, int]:
-            return _cost(lane, window, report, config.n_ubatch)
+        def cost(lane: PlannedLane, window: int) -> dict[Resource, int]:
+            return lane_cost(lane, window, report, config.n_ubatch)
 
-        _grow_memo(single, grow_budget, cost, [_COST_KEYS.key(lane, report, config.n_ubatch) for lane in single])
-        _keep_stable(single, grow_budget, cost, prev, config, report.server.has_kv_unified)
+        grow_windows(single, grow_budget, cost, [cost_key(lane, report, config.n_ubatch) for lane in single])
+        keep_stable_windows(single, grow_budget, cost, prev, config, report.server.has_kv_unified)
         # A span lane's cache stays 0: its host's RAM went to the lanes and what it lends.
-        _prompt_caches(single, grow_budget, cost, prev, config, report.server.has_cache_ram)
+        size_prompt_caches(single, grow_budget, cost, prev, config, report.server.has_cache_ram)
         busy = {fb.port: fb.detail for fb in feedback if fb.kind == "port_busy" and fb.port}
-        specs, no_port = _assign_ports(report, [_spec(report, config, lane) for lane in lanes], prev, busy)
+        specs, no_port = _assign_ports(report, [lane_spec(report, config, lane) for lane in lanes], prev, busy)
         specs = with_threads(report, config, specs, prev)
         if not report.renders_argv:  # an agent too old to render argv itself reads it from the plan
             specs = [msgspec.structs.replace(s, args=lane_args(s, report.server)) for s in specs]
@@ -250,4 +250,4 @@ def _assign_ports(
     return out, dropped
 
 
-_KIT = LaneKit(_Lane, _cost, lane_id_for)  # what the span step (planner_svc.span_lanes) builds lanes with
+_KIT = LaneKit(PlannedLane, lane_cost, lane_id_for)  # what the span step (planner_svc.span_lanes) builds lanes with

@@ -1,22 +1,43 @@
 """A planning job: a snapshot of the planner state's inputs, planned later off the event loop.
 
 `planning_job` reads the state on the event loop and changes nothing; the job it returns runs
-in a thread, and planner_svc.service applies its `Planned`.
+in a thread, and planner_svc.service applies its `Planned`. It reads the state as
+`PlanningInputs` (what planner_svc.state.PlannerState holds), so it does not import the state
+that calls it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import msgspec
 
-from planner_svc.demand import Outcome, plan_on_demand
+from planner_svc.demand import plan_on_demand
+from planner_svc.demand_state import DemandState, Outcome
 from shared import subjects
-from shared.messages import HostPlan
+from shared.messages import Demand, FleetConfig, HostPlan, HostReport, HostStatus
 
-if TYPE_CHECKING:
-    from planner_svc.state import PlannerState
+
+class PlanningInputs(Protocol):
+    """What a planning job reads of the planner's state (planner_svc.state.PlannerState)."""
+
+    config: FleetConfig
+    config_revision: int
+    demand: Demand | None
+    demand_state: DemandState
+    reports: dict[str, HostReport]
+    rpc_hosts: set[str]
+    statuses: dict[str, HostStatus]
+    plans: dict[str, HostPlan]
+    plan_seen: dict[str, int]
+    lost: set[str]
+    replan_all: bool
+    replan_hosts: set[str]
+    planner_id: str
+    clock: Callable[[], float]
+
+    def demand_engaged(self) -> bool: ...
 
 
 class Planned(NamedTuple):
@@ -26,7 +47,7 @@ class Planned(NamedTuple):
     outcome: Outcome
 
 
-def planning_job(state: PlannerState) -> Callable[[], Planned]:
+def planning_job(state: PlanningInputs) -> Callable[[], Planned]:
     """A snapshot of the inputs, planned later off the event loop (the watch keeps
     changing the live dicts meanwhile).
 

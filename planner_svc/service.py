@@ -27,10 +27,11 @@ from planner_svc.lease import DEFAULT_TTL, Lease
 from planner_svc.metrics import PlannerMetrics
 from planner_svc.state import PlannerState
 from shared import subjects
-from shared.bus import NatsAuth, connect, kv_bucket, leader_view, quietly, run_until, watch_forever
+from shared.bus import connect, kv_bucket, leader_view, quietly, run_until, watch_forever
 from shared.llama.flags import cache_pair
 from shared.messages import FleetHosts, GatewayActivity, HostPlan, ModelWake, PlanRejected, encode
 from shared.metrics_http import serve_metrics
+from shared.nats_auth import NatsAuth
 from shared.supervise import Loops, running
 
 log = structlog.get_logger("lanes.planner")

@@ -18,7 +18,8 @@ from collections.abc import Callable
 import msgspec
 import structlog
 
-from planner_svc.demand import DemandState, Outcome, demand_due, engaged, model_states, rescaled
+from planner_svc.demand import demand_due, engaged, model_states, rescaled
+from planner_svc.demand_state import DemandState, Outcome
 from planner_svc.planning import Planned, planning_job
 from planner_svc.scaling import Change
 from shared import defaults, subjects

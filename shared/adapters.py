@@ -15,8 +15,9 @@ from pathlib import Path
 
 import msgspec
 
-from shared.gguf_facts import _group, model_name
+from shared.gguf_facts import model_name
 from shared.gguf_scan import GGUFFormatError, GGUFHeader, TensorInfo, read_header
+from shared.gguf_weights import group_weights
 from shared.messages import OUTPUT_LAYER, AdapterFacts, ModelFacts
 
 _OUTPUT = ("output.",)
@@ -67,7 +68,7 @@ def read_adapter(path: str | os.PathLike[str], header: GGUFHeader | None = None)
         file_bytes=path.stat().st_size,
         alpha=float(alpha) if isinstance(alpha, (int, float)) else 0.0,
         rank=rank,
-        layer_weights=tuple(_group(layer, groups[layer], header.data_offset) for layer in sorted(groups)),
+        layer_weights=tuple(group_weights(layer, groups[layer], header.data_offset) for layer in sorted(groups)),
     )
 
 

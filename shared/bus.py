@@ -13,7 +13,7 @@ from nats.js.kv import KeyValue
 from nats.micro.request import Request, ServiceError
 
 from shared import defaults
-from shared.nats_auth import NatsAuth, add_auth_arguments, auth_from_args  # noqa: F401  (re-exported)
+from shared.nats_auth import NatsAuth
 from shared.subjects import BUCKET, kv_subject
 from shared.supervise import cancel_and_wait, running
 

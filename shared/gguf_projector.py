@@ -14,8 +14,8 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from shared.gguf_facts import _cuda_bytes
 from shared.gguf_scan import GGUFFormatError, GGUFHeader, read_header
+from shared.gguf_weights import cuda_bytes
 from shared.messages import ProjectorFacts
 
 PROJECTOR_ARCH = "clip"
@@ -65,7 +65,7 @@ def projector_facts(path: str | os.PathLike[str], header: GGUFHeader | None = No
         vision=bool(f.get("clip.has_vision_encoder", False)),
         audio=bool(f.get("clip.has_audio_encoder", False)),
         weight_bytes=sum(-(-t.n_bytes // 32) * 32 for t in header.tensors),
-        weight_cuda_bytes=sum(_cuda_bytes(t) for t in header.tensors),
+        weight_cuda_bytes=sum(cuda_bytes(t) for t in header.tensors),
         file_weight_bytes=sum(t.n_bytes for t in header.tensors),
         n_embd=u32("clip.vision.embedding_length"),
         n_ff=u32("clip.vision.feed_forward_length"),

@@ -809,7 +809,7 @@ class TenantActivity(msgspec.Struct, frozen=True, gc=False, kw_only=True):
 class TenantUsage(_Msg, tag="tenant_usage", kw_only=True):
     """KV bucket lanes-usage, key usage.<tenant>.<gateway>: the tokens one gateway counted for one
     tenant in the current calendar minute and day (UTC). Gateways add up every gateway's key to
-    enforce one limit (gateway/quota.py); the key outlives a gateway restart."""
+    enforce one limit (gateway/tenants/quota.py); the key outlives a gateway restart."""
 
     tenant: Name
     gateway: Name
@@ -891,7 +891,7 @@ class PlannerLease(_Msg, tag="planner_lease", kw_only=True):
 
 # ---------------------------------------------------------------- the shared prefix view
 
-# A prompt chunk's chained hash (gateway/affinity.py), its 64 bits read as a signed integer.
+# A prompt chunk's chained hash (gateway/routing/affinity.py), its 64 bits read as a signed integer.
 Hash64 = Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
 PREFIX_EVENT_HASHES = 4096  # hashes per event: a longer removal goes in several
 PrefixHashes = Annotated[tuple[Hash64, ...], msgspec.Meta(max_length=PREFIX_EVENT_HASHES)]

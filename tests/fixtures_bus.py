@@ -15,8 +15,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from launcher_agent.config import AgentConfig
 from launcher_agent.probe import probe
-from launcher_agent.service import AgentConfig, run_agent
+from launcher_agent.service import run_agent
 from planner_svc.service import run_planner
 from shared import subjects
 from shared.bus import connect, kv_bucket

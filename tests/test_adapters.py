@@ -12,8 +12,8 @@ import pytest
 from record_lora_figures import CASES, FIGURES, measure, write_case
 from tinymodels import write_llama, write_lora
 
-from gateway import adapters as gw_adapters
-from gateway.fleet import LaneRoute
+import gateway.edge.adapters as gw_adapters
+from gateway.fleet.view import LaneRoute
 from planner_svc.adapters import lane_adapters, reranks
 from planner_svc.planner import plan
 from shared.adapters import read_adapter, scan_adapters

@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from gateway import routing
-from gateway.admission import Admission
-from gateway.affinity import (
+import gateway.routing.tries as routing
+from gateway.admission.queue import Admission
+from gateway.routing.affinity import (
     CHUNK_CHARS,
     DEFAULT_PREFILL_RATE,
     PATIENCE_FACTOR,
@@ -22,9 +22,9 @@ from gateway.affinity import (
     patience,
     within_bound,
 )
-from gateway.fleet import FleetView
-from gateway.prompts import TEMPLATE_TOKENS, TEMPLATE_TOKENS_PER_MESSAGE, prompt_of
-from gateway.usage import prompt_usage
+from gateway.fleet.view import FleetView
+from gateway.routing.prompts import TEMPLATE_TOKENS, TEMPLATE_TOKENS_PER_MESSAGE, prompt_of
+from gateway.tenants.usage import prompt_usage
 from test_gateway_core import healthy, put_plan, put_status, spec
 
 A, B, C = ("h", "a"), ("h", "b"), ("h", "c")

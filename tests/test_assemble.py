@@ -1,10 +1,10 @@
-"""A plain answer asked of the lane as a stream and put back together (gateway/assemble.py)."""
+"""A plain answer asked of the lane as a stream and put back together (gateway/edge/assemble.py)."""
 
 from __future__ import annotations
 
 import json
 
-from gateway.assemble import Assembler, kind_of, streamed_body
+from gateway.edge.assemble import Assembler, kind_of, streamed_body
 
 # The real binary's stream for {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 5} (b11434),
 # and its plain answer to the same request.

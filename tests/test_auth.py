@@ -28,8 +28,9 @@ from waiting import eventually
 from launcher_agent.service import run_agent
 from planner_svc.service import run_planner
 from shared import subjects
-from shared.bus import NatsAuth, connect, kv_bucket
+from shared.bus import connect, kv_bucket
 from shared.messages import ConfigSet, HostReport, HostStatus, encode
+from shared.nats_auth import NatsAuth
 from shared.natsserver import NatsServer
 
 REPO = Path(__file__).resolve().parent.parent

@@ -43,8 +43,9 @@ import pytest
 from waiting import eventually
 
 from shared import subjects
-from shared.bus import NatsAuth, connect, kv_bucket, leader_view
+from shared.bus import connect, kv_bucket, leader_view
 from shared.messages import FleetConfig, FleetHosts, HostPlan, HostStatus
+from shared.nats_auth import NatsAuth
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "lanes-live-"  # compose project names of this test: leftovers are recognised by it

@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgspec
 from test_planner import GIB, host, llama_1b, llama_8b
 
-from gateway.admission import LaneCounts
-from gateway.dashboard_model import EventFeed, dashboard_snapshot
-from gateway.fleet import FleetView
+from gateway.admission.counts import LaneCounts
+from gateway.dashboard.model import EventFeed, dashboard_snapshot
+from gateway.fleet.view import FleetView
 from planner_svc.planner import plan
 from shared.lane_key import lane_key
 from shared.messages import FleetConfig, HostStatus, LaneEvent, LaneStatus, encode
@@ -155,7 +155,7 @@ def test_page_assets_ship_in_the_package_and_fetch_nothing_from_the_network() ->
     import tomllib
     from pathlib import Path
 
-    from gateway.dashboard import STATIC
+    from gateway.dashboard.hub import STATIC
 
     names = {p.name for p in STATIC.iterdir()}
     assert {"index.html", "app.js", "style.css"} <= names
@@ -165,13 +165,13 @@ def test_page_assets_ship_in_the_package_and_fetch_nothing_from_the_network() ->
         assert not re.search(r"""(fetch|EventSource)\(["'`]https?:""", text), name
         assert "@import" not in text and "url(http" not in text, name
     pyproject = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
-    assert "static/*" in pyproject["tool"]["setuptools"]["package-data"]["gateway"]
+    assert "static/*" in pyproject["tool"]["setuptools"]["package-data"]["gateway.dashboard"]
 
 
 def test_requests_per_second_from_finished_requests() -> None:
     import asyncio
 
-    from gateway.dashboard import RATE_SECONDS, DashboardHub
+    from gateway.dashboard.hub import RATE_SECONDS, DashboardHub
 
     async def run() -> dict:
         view = FleetView()

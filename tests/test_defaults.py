@@ -11,9 +11,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from gateway.admission import Admission
+from gateway.admission.queue import Admission
 from gateway.settings import GatewaySettings
-from gateway.waking import Waker
+from gateway.admission.waking import Waker
 from lanes.cli import DEFAULT_NATS, build_parser
 from lanes.tables import parse_size
 from launcher_agent.config import AgentConfig

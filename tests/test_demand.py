@@ -9,7 +9,8 @@ import pytest
 from record_golden_plans import load_inputs, run
 from test_planner import GIB, host, llama_1b
 
-from planner_svc.demand import FAILED_TTL, WAKE_TTL, DemandState, model_states, plan_on_demand
+from planner_svc.demand import model_states, plan_on_demand
+from planner_svc.demand_state import FAILED_TTL, WAKE_TTL, DemandState
 from planner_svc.idle import due
 from planner_svc.planner import plan
 from shared.messages import Demand, FleetConfig, GatewayActivity, ModelActivity, Persona

@@ -23,10 +23,10 @@ from test_metrics import samples
 import time
 from waiting import eventually
 
-from gateway.http import USAGE
+from gateway.edge.app_keys import USAGE
 from gateway.service import Gateway, run_gateway
 from gateway.settings import GatewaySettings
-from gateway.tenants import digest
+from gateway.tenants.keys import digest
 from lanes.online import tenant_lines
 from shared import subjects
 from shared.messages import GatewayActivity, decode
@@ -253,6 +253,6 @@ async def _status_of(http, url, tenant):
 
 
 def _keys_error(gw: Gateway) -> bool:
-    from gateway.http import KEYS
+    from gateway.edge.app_keys import KEYS
 
     return bool(gw.app[KEYS].error)

@@ -23,9 +23,9 @@ from fixtures_bus import Services, agent_config, client, free_port_base, host_st
 from waiting import eventually
 from test_metrics import samples
 
-from gateway import prompts
+import gateway.routing.prompts as prompts
 from gateway.service import Gateway, run_gateway
-from gateway.tokens import count_tokens
+from gateway.routing.tokens import count_tokens
 from gateway.settings import GatewaySettings
 from shared import subjects
 from shared.messages import ConfigSet, Demand, Persona, encode

@@ -11,8 +11,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from gateway import access
-from gateway.dashboard import STATIC
+import gateway.edge.access as access
+from gateway.dashboard.hub import STATIC
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
 

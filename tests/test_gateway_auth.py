@@ -19,8 +19,8 @@ from gateway.settings import GatewaySettings
 from launcher_agent.service import run_agent
 from planner_svc.service import run_planner
 from shared import subjects
-from shared.bus import NatsAuth
 from shared.messages import ConfigSet, GatewayActivity, ModelWake, TenantUsage, encode
+from shared.nats_auth import NatsAuth
 
 
 async def test_gateway_user_reads_plans_status_reports_config_and_writes_nothing(

@@ -6,8 +6,9 @@ import asyncio
 
 import pytest
 
-from gateway.admission import Admission, QueueFull, QueueTimeout, UnknownModel
-from gateway.fleet import FleetView
+from gateway.admission.queue import Admission
+from gateway.refusals import QueueFull, QueueTimeout, UnknownModel
+from gateway.fleet.view import FleetView
 from shared import subjects
 from shared.messages import FleetConfig, HostPlan, HostStatus, LaneSpec, LaneStatus, encode
 
@@ -228,7 +229,7 @@ def test_api_keys_are_checked_against_every_key():
 
 
 def test_a_slots_read_that_times_out_counts_against_the_lane_then_stalls_it():
-    from gateway.lane_load import judge
+    from gateway.sync.slots import judge
 
     working = ((40, 2049, 1, 0),)  # a busy slot's counters, as the binary shows them mid-prefill
     answered = judge(("busy", 1, working), 4, unanswered_since=None, now=10.0, stall_after=60)
@@ -245,7 +246,7 @@ def test_a_slots_read_that_times_out_counts_against_the_lane_then_stalls_it():
 
 
 def test_an_answer_brings_a_stalled_lane_back_only_when_its_loop_moved_or_idles():
-    from gateway.lane_load import judge
+    from gateway.sync.slots import judge
 
     frozen = ((40, 5979, 5467, 0),)
     assert not judge(("busy", 1, frozen), 4, None, 0.0, 60, before=frozen).progressing  # answers, but stuck

@@ -12,8 +12,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from stub_http import serve
 from test_gateway_core import healthy, put_plan, put_status, spec
 
-from gateway.fleet import FleetView
-from gateway.http import build_app
+from gateway.fleet.view import FleetView
+from gateway.edge.app import build_app
 from shared import defaults
 
 

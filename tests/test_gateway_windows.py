@@ -16,7 +16,7 @@ from test_real_llama import _planner_with
 from tinymodels import write_llama
 from waiting import eventually
 
-import gateway.http
+import gateway.edge.app
 from gateway.service import Gateway, run_gateway
 from gateway.settings import GatewaySettings
 from shared.messages import Demand, Persona
@@ -33,7 +33,7 @@ async def test_a_long_prompt_goes_to_the_lane_with_the_larger_window(nats_server
         async def no_count(*_args, **_kw):
             return None
 
-        monkeypatch.setattr(gateway.http, "count_tokens", no_count)
+        monkeypatch.setattr(gateway.edge.app, "count_tokens", no_count)
     models = tmp_path / "models"
     models.mkdir()
     write_llama(models / "m.gguf", n_layer=2, n_ctx_train=8192)

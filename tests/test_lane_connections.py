@@ -12,7 +12,7 @@ import aiohttp
 from aiohttp import web
 from stub_http import serve
 
-from gateway.forward import lane_headers
+from gateway.edge.forward import lane_headers
 
 
 async def _server() -> tuple[web.AppRunner, str, list[int]]:

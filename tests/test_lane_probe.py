@@ -1,9 +1,9 @@
-"""The gateway's /health probe of a lane (gateway/lane_probe.py): a lane not connected to is out
+"""The gateway's /health probe of a lane (gateway/fleet/probe.py): a lane not connected to is out
 at once; one that answers late or not 200 only after PROBE_FAILURES misses in a row."""
 
 from __future__ import annotations
 
-from gateway.lane_probe import judge
+from gateway.fleet.probe import judge
 from shared import defaults
 
 

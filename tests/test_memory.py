@@ -416,7 +416,8 @@ def test_experts_in_ram_on_cuda_charge_one_expert_copy_to_the_first_gpu(tmp_path
     from tinymodels import write_moe
 
     from shared.memory import LaneShape, lane_memory
-    from shared.memory.buffers import op_offload_bytes, placement_for
+    from shared.memory import placement_for
+    from shared.memory.compute import op_offload_bytes
 
     facts = read_model_facts(write_moe(tmp_path / "moe.gguf", n_layer=6))
     for n_gpus in (1, 2):

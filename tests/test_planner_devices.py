@@ -60,11 +60,11 @@ def test_partial_offload_when_no_gpu_holds_it():
     assert cpu.layers + gpu0.layers == 33 and cpu.layers > 0
     assert any("layers on GPU0, the rest in RAM" in r for r in lane.reasons)
     # as many layers as fit: one more would not fit the GPU at the floor window
-    from planner_svc.lane_windows import _Lane
+    from planner_svc.lane_windows import PlannedLane
     from planner_svc.policy import Flags
 
-    probe = _Lane(report.host_id, Persona(model="llama-8b"), llama_8b(), 0, Flags(None, None, None, ()),
-                    Layout("partial", (0,), (), lane.n_gpu_layers + 1), 2048, 131072, 1.0)  # fmt: skip
+    probe = PlannedLane(report.host_id, Persona(model="llama-8b"), llama_8b(), 0, Flags(None, None, None, ()),
+                          Layout("partial", (0,), (), lane.n_gpu_layers + 1), 2048, 131072, 1.0)  # fmt: skip
     more = cost_vector(probe.memory(2048, report, 512), probe.layout, report)
     assert gpu0.total + GPU_CONTEXT_BYTES["cuda"] <= fleet.hosts[0].budget_gpus[0] < more[("gpu", 0)]
 
@@ -93,13 +93,13 @@ def test_window_is_the_largest_that_fits_every_device():
     w = window(lane)
     assert w < 131072  # bounded by memory, not the ceiling
     from planner_svc.lane_placing import _previous_layout
-    from planner_svc.lane_windows import _Lane
+    from planner_svc.lane_windows import PlannedLane
     from planner_svc.policy import Flags, host_budgets
 
     layout = _previous_layout(hp, lane.lane_id)
     facts = llama_8b()
     flags = Flags(lane.cache_type_k, lane.cache_type_v, lane.flash_attn, ())
-    probe = _Lane(report.host_id, Persona(model="llama-8b", ctx_min=2048), facts, 0, flags, layout, 2048, 131072, 1.0)
+    probe = PlannedLane(report.host_id, Persona(model="llama-8b", ctx_min=2048), facts, 0, flags, layout, 2048, 131072, 1.0)
     budgets = host_budgets(report, FleetConfig())
     at = cost_vector(probe.memory(w, report, 512), layout, report)
     beyond = cost_vector(probe.memory(w + 256, report, 512), layout, report)

@@ -9,7 +9,7 @@ import pytest
 from test_planner import GIB, MIB, check_invariants, host, llama_8b, only_lane
 from test_planner_devices import arg, gpu
 
-from planner_svc.lane_windows import _Lane
+from planner_svc.lane_windows import PlannedLane
 from planner_svc.layouts import GPU_CONTEXT_BYTES, Layout, cost_vector, describe, rank
 from planner_svc.planner import plan
 from planner_svc.policy import Flags
@@ -37,8 +37,8 @@ def qwen3_30b_a3b(name: str = "qwen3-30b-a3b") -> ModelFacts:
 
 
 def _probe_cost(report, lane, n_cpu_moe: int):
-    probe = _Lane(report.host_id, Persona(model=lane.model), qwen3_30b_a3b(), 0, Flags(None, None, None, ()),
-                    Layout("gpu", lane.gpu_devices, (), "all", n_cpu_moe), 2048, 40960, 1.0)  # fmt: skip
+    probe = PlannedLane(report.host_id, Persona(model=lane.model), qwen3_30b_a3b(), 0, Flags(None, None, None, ()),
+                          Layout("gpu", lane.gpu_devices, (), "all", n_cpu_moe), 2048, 40960, 1.0)  # fmt: skip
     return cost_vector(probe.memory(2048, report, 512), probe.layout, report)
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway import routing
-from gateway.routing import (
+import gateway.routing.tries as routing
+from gateway.routing.tries import (
     DROPPED_CONNECTION_RETRIES,
     Attempt,
     Failure,
@@ -220,7 +220,7 @@ def stalled(lane) -> Attempt:
 
 
 def test_a_stalled_lane_is_left_for_another_and_marked_stalled_not_unreachable():
-    from gateway.routing import stalled_reason
+    from gateway.routing.tries import stalled_reason
 
     assert next_step([A, B], stalled(A)) == Try(frozenset({A}), retry=True)
     assert stalled_reason(stalled(A)) == "lane h1/a-0 stalled: no first token within 30 s"
@@ -240,7 +240,7 @@ def test_two_stalled_lanes_end_the_request():
 
 
 def test_the_first_byte_timeout():
-    from gateway.routing import ASSUMED_PREFILL_RATE, FIRST_BYTE_FLOOR, FIRST_BYTE_MARGIN, first_byte_timeout
+    from gateway.routing.tries import ASSUMED_PREFILL_RATE, FIRST_BYTE_FLOOR, FIRST_BYTE_MARGIN, first_byte_timeout
 
     assert first_byte_timeout(5.0, 100_000, 10.0, total=600) == 5.0  # the operator's setting wins
     assert first_byte_timeout(900.0, None, None, total=600) == 600  # never past the request's own time

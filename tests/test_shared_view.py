@@ -14,10 +14,10 @@ import nats
 from test_gateway import ALIAS, SYSTEMS, _openai, fleet, gateway  # noqa: F401 (fleet: the module's fixture)
 from waiting import eventually
 
-from gateway.admission import Admission
-from gateway.affinity import CHUNK_CHARS
-from gateway.fleet import FleetView
-from gateway.shared_view import KVEventBatch, SharedView, from_wire, kv_event_batch, to_wire
+from gateway.admission.queue import Admission
+from gateway.routing.affinity import CHUNK_CHARS
+from gateway.fleet.view import FleetView
+from gateway.sync.shared_view import KVEventBatch, SharedView, from_wire, kv_event_batch, to_wire
 from shared import subjects
 from shared.messages import PrefixEvent
 from shared.natsserver import NatsServer

@@ -1,5 +1,5 @@
 """A /slots read answered while this gateway's own requests to the lane end: the slots they held
-are free, not busy until the next read (gateway/lane_load.py). A lane that looked full for a whole
+are free, not busy until the next read (gateway/sync/slots.py). A lane that looked full for a whole
 read interval after its answers sent a conversation's next turn cold to another lane: seen as
 0.48 cached in CI where test_slot_save_real measures 0.94."""
 
@@ -12,9 +12,9 @@ from aiohttp import web
 from stub_http import serve
 from test_gateway_core import healthy, put_plan, put_status, spec
 
-from gateway.admission import Admission
-from gateway.fleet import FleetView
-from gateway.lane_load import SlotsPoll, still_busy
+from gateway.admission.queue import Admission
+from gateway.fleet.view import FleetView
+from gateway.sync.slots import SlotsPoll, still_busy
 
 
 def test_slots_that_ended_during_the_read_are_not_counted_busy():

@@ -1,4 +1,4 @@
-"""Keys that say who and what (gateway/tenants.py, lanes keys) and token-fair queueing (gateway/fairness.py)."""
+"""Keys that say who and what (gateway/tenants/keys.py, lanes keys) and token-fair queueing (gateway/tenants/fairness.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway import fairness
-from gateway.quota import UsageBook
-from gateway.tenants import KeysFile, Tenant, digest, parse
+import gateway.tenants.fairness as fairness
+from gateway.tenants.quota import UsageBook
+from gateway.tenants.keys import KeysFile, Tenant, digest, parse
 from lanes.cli import main
 
 EXAMPLE = f"""
@@ -217,7 +217,7 @@ def test_token_limits_count_every_gateway_and_name_the_limit():
 
 
 def test_an_answers_output_tokens_are_read_for_its_tenants_cost():
-    from gateway.usage import output_tokens
+    from gateway.tenants.usage import output_tokens
 
     assert output_tokens(b'{"timings": {"prompt_n": 10, "cache_n": 5, "predicted_n": 7}}', False) == 7
     assert output_tokens(b'{"usage": {"prompt_tokens": 4, "completion_tokens": 9}}', False) == 9
@@ -232,7 +232,8 @@ def test_an_answers_output_tokens_are_read_for_its_tenants_cost():
 async def test_critical_waits_past_the_others_limit_and_tenant_counts_come_back_to_zero():
     import asyncio
 
-    from gateway.admission import Admission, QueueTimeout
+    from gateway.admission.queue import Admission
+    from gateway.refusals import QueueTimeout
     from test_gateway_core import fleet
 
     adm = Admission(fleet(("h1", 8080)), max_queue=4, max_wait=0.05, critical_wait=60)

@@ -8,11 +8,11 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.admission import Admission
-from gateway.affinity import CHUNK_CHARS, DEFAULT_PREFILL_RATE, fingerprint
-from gateway.fleet import FleetView
-from gateway.prefix_index import MIN_CHUNKS, PrefixIndex, budget_chunks
-from gateway.token_cost import LaneTokens, choose_by_cost, first_token_cost
+from gateway.admission.queue import Admission
+from gateway.routing.affinity import CHUNK_CHARS, DEFAULT_PREFILL_RATE, fingerprint
+from gateway.fleet.view import FleetView
+from gateway.routing.prefix_index import MIN_CHUNKS, PrefixIndex, budget_chunks
+from gateway.routing.token_cost import LaneTokens, choose_by_cost, first_token_cost
 from test_gateway_core import healthy, put_plan, put_status, spec
 
 A, B, C = ("h", "a"), ("h", "b"), ("h", "c")

@@ -1,4 +1,4 @@
-"""The gateway's hold-and-wake core (gateway/waking.py): states, the model list, activity, held requests."""
+"""The gateway's hold-and-wake core (gateway/admission/waking.py): states, the model list, activity, held requests."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import asyncio
 import pytest
 from test_gateway_core import healthy, put_plan, put_status, spec
 
-from gateway import waking
-from gateway.admission import LaneCounts
-from gateway.fleet import FleetView
+import gateway.admission.waking as waking
+from gateway.admission.counts import LaneCounts
+from gateway.fleet.view import FleetView
 from shared import subjects
 from shared.messages import LaneStatus, ModelState, ModelStates, encode
 
@@ -154,7 +154,7 @@ def test_activity_reports_the_longest_queue_wait_per_persona():
 
 
 async def test_admission_measures_queue_waits_ended_and_still_waiting():
-    from gateway.admission import Admission
+    from gateway.admission.queue import Admission
 
     view = fleet()  # chat has one lane of two slots
     admission = Admission(view, max_wait=5.0)

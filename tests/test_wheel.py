@@ -38,6 +38,6 @@ def test_wheel_installs_alone(tmp_path, gemma_model):
     assert json.loads(estimate.stdout)["kv_bytes"] > 0
     # The dashboard's files ship in the package.
     static = _run([str(venv / "bin" / "python"), "-c",
-                   "import gateway, pathlib; print(sorted(p.name for p in (pathlib.Path(gateway.__file__).parent / 'static').iterdir()))"],
+                   "import gateway.dashboard, pathlib; print(sorted(p.name for p in (pathlib.Path(gateway.dashboard.__file__).parent / 'static').iterdir()))"],
                   cwd=tmp_path, env=env)  # fmt: skip
-    assert static.stdout.strip() == str(sorted(p.name for p in (ROOT / "gateway" / "static").iterdir()))
+    assert static.stdout.strip() == str(sorted(p.name for p in (ROOT / "gateway" / "dashboard" / "static").iterdir()))

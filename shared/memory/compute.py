@@ -5,15 +5,12 @@ cache's rotation inputs and the CPU's expert matmuls. lane_memory (shared.memory
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
 
 from shared.llama.builds import fa_mask_is_f16, reserves_logits_per_token
 from shared.memory.kv import QUANTIZED, KvSize
 from shared.memory.placement import CPU, Placement
+from shared.memory.shape import LaneShape
 from shared.messages import ModelFacts
-
-if TYPE_CHECKING:
-    from shared.memory.buffers import LaneShape
 
 
 def ffn_width(facts: ModelFacts) -> int:

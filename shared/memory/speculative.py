@@ -25,8 +25,8 @@ import dataclasses
 
 import msgspec
 
-from shared.memory.buffers import LaneShape
 from shared.memory.kv import MIB, MemoryModelError
+from shared.memory.shape import LaneShape
 from shared.messages import MemoryBreakdown
 
 # The longest draft of each kind at llama-server's defaults (common/common.h): draft.n_max 3,

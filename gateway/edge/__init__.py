@@ -1,0 +1,13 @@
+"""The HTTP edge (aiohttp): the routes, the checks before a request is forwarded, the tries,
+the answer relayed or assembled, keys and the dashboard's cookie, errors in OpenAI's shape."""
+
+from gateway.edge.access import COOKIE, COOKIE_PATH, SESSION_PATH, SESSION_SECONDS, session_token
+from gateway.edge.app import admission_for, build_app
+from gateway.edge.app_keys import KEYS, METRICS, USAGE
+from gateway.edge.openai_errors import openai_error
+from gateway.edge.tenancy import signing_keys
+
+__all__ = [
+    "COOKIE", "COOKIE_PATH", "KEYS", "METRICS", "SESSION_PATH", "SESSION_SECONDS", "USAGE", "admission_for",
+    "build_app", "openai_error", "session_token", "signing_keys",
+]  # fmt: skip

@@ -1,0 +1,22 @@
+"""The typed keys of the gateway's aiohttp app and requests, shared by the HTTP edge's modules."""
+
+from __future__ import annotations
+
+import aiohttp
+from aiohttp import web
+
+from gateway.admission import Admission, Waker
+from gateway.fleet import FleetView
+from gateway.metrics import GatewayMetrics
+from gateway.settings import GatewaySettings
+from gateway.tenants import Tenant, UsageBook
+
+VIEW = web.AppKey("view", FleetView)
+ADMISSION = web.AppKey("admission", Admission)
+METRICS = web.AppKey("metrics", GatewayMetrics)
+SETTINGS = web.AppKey("settings", GatewaySettings)
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+WAKER = web.AppKey("waker", Waker)
+KEYS = web.AppKey("keys", object)  # a KeysFile, or None without --keys-file
+USAGE = web.AppKey("usage", UsageBook)  # tenants' tokens this minute and day, every gateway's
+TENANT = web.RequestKey("tenant", Tenant)  # the request's Tenant, as its key said

@@ -1,0 +1,150 @@
+"""Forwarding a request: lanes tried until one answers or routing gives up (gateway/routing/tries.py
+decides; this performs the tries, records each failure, and hands the answer to gateway/edge/relay.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, replace
+
+import aiohttp
+import structlog
+from aiohttp import web
+
+from gateway import routing
+from gateway.admission import Lease
+from gateway.edge import adapters
+from gateway.edge.app_keys import ADMISSION, METRICS, SESSION, SETTINGS, TENANT, VIEW
+from gateway.edge.openai_errors import give_up, openai_error
+from gateway.edge.relay import assembled, relay
+from gateway.fleet import FleetView
+from gateway.refusals import AdmissionError, Refused
+from gateway.routing import Attempt, Failure, Fingerprint, GiveUp
+from gateway.tenants import Tenant
+
+log = structlog.get_logger("lanes.gateway")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the edge read of a request that decides how it is forwarded."""
+
+    label: str = ""  # the model's metric label
+    mark: Fingerprint | None = None  # the prompt's chunk hashes (prefix affinity)
+    too_small: frozenset = frozenset()  # lanes whose window cannot hold it
+    tokens: int | None = None  # its prompt's tokens (counted, or their upper bound)
+    streamed: bool = False  # "stream": true: the first token's time is the first byte's
+    assembled: str | None = None  # plain, asked of the lane as a stream and put together (gateway/edge/assemble.py)
+
+
+def lane_headers(accept: str, streamed: bool) -> dict[str, str]:
+    """A request's headers to its lane. A streamed answer's connection is not kept: llama-server
+    closes it after the last chunk though its headers say keep-alive (measured, b11434), and a
+    pooled one sent the next request down a dead socket (ServerDisconnectedError, a retry, a
+    warning). Asked with `Connection: close`, the lane says so and aiohttp pools nothing."""
+    headers = {"Content-Type": "application/json", "Accept": accept}
+    if streamed:
+        headers["Connection"] = "close"
+    return headers
+
+
+async def forward(
+    request: web.Request, name: str, body: bytes, started: float, shape: Shape = Shape()
+) -> web.StreamResponse:
+    """Tries lanes until one answers or routing gives up; each failure goes into the history it decides on."""
+    app = request.app
+    view, admission, settings = app[VIEW], app[ADMISSION], app[SETTINGS]
+    history: list[Attempt] = []
+    while True:
+        step = routing.decide([lane.key for lane in view.lanes_for(name) if lane.key not in shape.too_small], history,
+                              request_timeout=settings.request_timeout)  # fmt: skip
+        if isinstance(step, GiveUp):
+            return give_up(step, settings)
+        if step.retry:
+            app[METRICS].retries.labels(name).inc()
+        tenant: Tenant = request.get(TENANT) or Tenant()
+        try:
+            lease = await admission.acquire(name, exclude=step.exclude | shape.too_small, prompt=shape.mark,
+                                            who=tenant)  # fmt: skip
+        except Refused as exc:  # its class's ceiling, or its tenant's limit: named, with when to come back
+            app[METRICS].refusals.labels(tenant.name, tenant.klass, exc.code).inc()
+            return openai_error(429, str(exc), exc.code, exc.retry_after)
+        except AdmissionError as exc:
+            history.append(Attempt(None, Failure.NO_SLOT, str(exc), exc.status, exc.code))
+            continue
+        if not history:
+            app[METRICS].queue_wait.labels(shape.label or name).observe(time.perf_counter() - started)
+            app[METRICS].tenant_queue_wait.labels(tenant.name, tenant.klass).observe(time.perf_counter() - started)
+        lane = lease.lane
+        remaining = max(0.001, settings.request_timeout - (time.perf_counter() - started))
+        wait = remaining
+        if shape.streamed or shape.assembled:
+            wait = routing.first_byte_timeout(settings.first_byte_timeout, shape.tokens,
+                                              admission.counts.prefill_rate.get(lane.key), total=remaining)  # fmt: skip
+        upstream, first = None, b""
+        try:
+            async with asyncio.timeout(wait):
+                upstream = await app[SESSION].post(
+                    lane.url + request.path,
+                    data=adapters.body_for(body, name, lane),
+                    headers=lane_headers(request.headers.get("Accept", "*/*"), bool(shape.streamed or shape.assembled)),
+                    timeout=aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout),
+                )
+                if (shape.streamed or shape.assembled) and upstream.status == 200:
+                    first = await upstream.content.readany()  # the first token: the prefill is done
+                    lease.prefilled()
+        except aiohttp.ClientConnectionError as exc:  # refused, reset, closed before answering
+            _drop(upstream, lease)
+            how = Failure.UNREACHABLE if isinstance(exc, aiohttp.ClientConnectorError) else Failure.DROPPED
+            _lane_failed(view, Attempt(lane.key, how, f"{type(exc).__name__} {exc}"), history)
+            continue
+        except asyncio.TimeoutError:
+            _drop(upstream, lease)  # closing the connection stops the lane's work on it
+            if wait < remaining:  # no first token in the time its prefill should take: stalled, try another
+                _lane_failed(view, Attempt(lane.key, Failure.STALLED, f"no first token within {wait:g} s"), history)
+            else:  # the request's own time is up
+                history.append(Attempt(lane.key, Failure.TIMEOUT))
+            continue
+        except BaseException:
+            _drop(upstream, lease)
+            raise
+        if upstream.status in routing.RETRY_STATUSES:
+            upstream.release()
+            lease.release()
+            history.append(Attempt(lane.key, Failure.STATUS, status=upstream.status))
+            continue
+        if upstream.status == 400 and (upstream.content_length or routing.REFUSAL_BYTES + 1) <= routing.REFUSAL_BYTES:
+            first = await upstream.read()  # relayed as the answer's first chunk unless it is a window refusal
+            tokens = routing.context_refusal(first)
+            if tokens is not None:
+                windows = {x.key: x.window for x in view.lanes_for(name)}
+                smaller = routing.too_small(windows, tokens) | {lane.key}
+                refused = routing.context_exceeded(windows, tokens)
+                if refused is not None or set(windows) - smaller:
+                    upstream.release()
+                    lease.release()
+                    if refused is not None:
+                        return give_up(refused, settings)
+                    shape = replace(shape, too_small=shape.too_small | smaller, tokens=tokens)
+                    continue  # counted now: to a lane whose window holds it
+        sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+        if shape.assembled and upstream.status == 200 and sse:  # (a lane that answers plain is relayed as it is)
+            return await assembled(request, upstream, lease, started, first, shape.assembled)
+        return await relay(request, upstream, lease, started, first)
+
+
+def _drop(upstream: aiohttp.ClientResponse | None, lease: Lease) -> None:
+    if upstream is not None:
+        upstream.close()
+    lease.release()
+
+
+def _lane_failed(view: FleetView, attempt: Attempt, history: list[Attempt]) -> None:
+    """Log a lane's failure, take the lane out of rotation where routing says so, and remember it."""
+    host, lane = attempt.lane
+    log.warning("lane failed before answering", lane=lane, host=host, error=routing.describe(attempt))
+    if reason := routing.unreachable_reason(attempt):
+        view.mark_unreachable(attempt.lane, reason)
+    if reason := routing.stalled_reason(attempt):
+        view.mark_stalled(attempt.lane, reason)
+    history.append(attempt)

@@ -1,0 +1,164 @@
+"""An answer from the lane to the client: relayed chunk by chunk as it arrives, or (a plain answer
+asked as a stream) put together first; a break or stall mid-answer ends it with routing's error."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import aiohttp
+import msgspec
+import structlog
+from aiohttp import web
+
+from gateway import routing
+from gateway.admission import Lease
+from gateway.edge import assemble
+from gateway.edge.app_keys import METRICS, SETTINGS, VIEW, WAKER
+from gateway.edge.openai_errors import give_up, openai_error, sse_error
+from gateway.edge.tenancy import count_usage
+from gateway.routing import Attempt, Failure, GiveUp
+from gateway.tenants import PLAIN_BODY_BYTES, STREAM_TAIL_BYTES, output_tokens, prompt_usage
+
+log = structlog.get_logger("lanes.gateway")
+
+
+class _Stalled(Exception):
+    """No byte from the lane for the idle timeout, mid-answer."""
+
+
+class _TimeUp(Exception):
+    """The request's own time ran out while its answer still flowed: the lane is not to blame."""
+
+
+async def _chunks(upstream: aiohttp.ClientResponse, first: bytes, idle: float, deadline: float) -> AsyncIterator[bytes]:
+    """The lane's answer chunk by chunk, each within `idle` seconds and all before `deadline` (loop time)."""
+    loop = asyncio.get_running_loop()
+    if first:
+        yield first
+    while True:
+        left = deadline - loop.time()
+        if left <= 0:
+            raise _TimeUp
+        try:
+            async with asyncio.timeout(min(idle, left)):
+                chunk = await upstream.content.readany()
+        except TimeoutError:
+            raise (_TimeUp if idle >= left else _Stalled) from None
+        if not chunk:
+            return
+        yield chunk
+
+
+async def relay(
+    request: web.Request, upstream: aiohttp.ClientResponse, lease: Lease, started: float, first_chunk: bytes = b""
+) -> web.StreamResponse:
+    """Copy the lane's answer as it arrives; a break after the first byte ends the stream with an error.
+
+    A stream that reaches the request timeout while it still flows is ended, and its lane stays in
+    rotation; one whose lane sends nothing for --stream-idle-timeout marks the lane stalled.
+    """
+    app, lane, settings = request.app, lease.lane, request.app[SETTINGS]
+    resp = web.StreamResponse(status=upstream.status)
+    for header in ("Content-Type", "Content-Encoding", "Cache-Control"):
+        if header in upstream.headers:
+            resp.headers[header] = upstream.headers[header]
+    if upstream.content_length is not None:
+        resp.content_length = upstream.content_length
+    resp.headers["X-Lanes-Lane"] = f"{lane.host_id}/{lane.lane_id}"
+    finished = False
+    streamed = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+    kept, kept_bytes = [], 0  # the answer (plain) or its tail (stream), for its prompt usage
+    limit = STREAM_TAIL_BYTES if streamed else PLAIN_BODY_BYTES
+    counting = upstream.status == 200 and not request.path.endswith("/embeddings")  # vectors: nothing cached
+    deadline = asyncio.get_running_loop().time() + settings.request_timeout - (time.perf_counter() - started)
+    try:
+        await resp.prepare(request)
+        first = True
+        try:
+            async for chunk in _chunks(upstream, first_chunk, settings.stream_idle_timeout, deadline):
+                if first:
+                    app[METRICS].ttfb.labels(lane.alias).observe(time.perf_counter() - started)
+                    first = False
+                await resp.write(chunk)
+                if counting and (streamed or kept_bytes <= limit):
+                    kept.append(chunk)
+                    kept_bytes += len(chunk)
+                    while streamed and len(kept) > 1 and kept_bytes - len(kept[0]) >= limit:
+                        kept_bytes -= len(kept.pop(0))
+            finished = True
+            if counting and (streamed or kept_bytes <= limit):
+                answer = b"".join(kept)
+                count_usage(app, lease, prompt_usage(answer, streamed), output_tokens(answer, streamed))
+        except (aiohttp.ClientError, asyncio.TimeoutError, _Stalled, _TimeUp) as exc:
+            # Bytes went out: routing ends the answer with its error, whatever other lanes there are.
+            end = _broken(app, lane, exc)
+            if streamed:
+                await resp.write(sse_error(end))
+            else:
+                raise  # a plain answer cut short: drop the connection, the client sees it incomplete
+        await resp.write_eof()
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+        pass  # the client left; closing upstream below stops the lane's generation
+    finally:
+        if finished:
+            upstream.release()
+        else:
+            upstream.close()
+        lease.release()
+        app[WAKER].touch(lane.alias)  # the answer's end counts as use too: a long stream is not idle time
+    return resp
+
+
+async def assembled(
+    request: web.Request, upstream: aiohttp.ClientResponse, lease: Lease, started: float, first_chunk: bytes, kind: str
+) -> web.Response:
+    """A plain answer put together from the lane's stream: a client that leaves closes that stream
+    (the lane stops generating), and a lane that breaks off or stalls is answered as an error,
+    since nothing has reached the client yet."""
+    app, lane, settings = request.app, lease.lane, request.app[SETTINGS]
+    deadline = asyncio.get_running_loop().time() + settings.request_timeout - (time.perf_counter() - started)
+    parts = assemble.Assembler(kind)
+    finished = False
+    try:
+        async for chunk in _chunks(upstream, first_chunk, settings.stream_idle_timeout, deadline):
+            parts.feed(chunk)
+        finished = True
+    except (aiohttp.ClientError, asyncio.TimeoutError, _Stalled, _TimeUp) as exc:
+        return give_up(_broken(app, lane, exc), settings)
+    except ValueError as exc:  # not the stream llama-server sends
+        return openai_error(502, f"lane {lane.host_id}/{lane.lane_id} sent a stream that is not JSON: {exc}",
+                            "lane_failed")  # fmt: skip
+    finally:
+        if finished:
+            upstream.release()
+        else:
+            upstream.close()  # the lane stops generating
+        lease.release()
+        app[WAKER].touch(lane.alias)
+    if parts.error is not None:
+        status = parts.error.get("error", {}).get("code") if isinstance(parts.error.get("error"), dict) else None
+        return web.json_response(parts.error, status=status if isinstance(status, int) and 400 <= status < 600 else 500)
+    body = msgspec.json.encode(parts.result())
+    count_usage(app, lease, prompt_usage(body, False), output_tokens(body, False))
+    app[METRICS].ttfb.labels(lane.alias).observe(time.perf_counter() - started)
+    return web.Response(body=body, content_type="application/json",
+                        headers={"X-Lanes-Lane": f"{lane.host_id}/{lane.lane_id}"})  # fmt: skip
+
+
+def _broken(app: web.Application, lane, exc: BaseException) -> GiveUp:
+    """The error that ends an answer cut short, and what it says of the lane."""
+    settings = app[SETTINGS]
+    if isinstance(exc, _TimeUp):  # a long answer, still progressing: the lane did nothing wrong
+        return GiveUp(504, f"the answer did not finish within the request timeout of {settings.request_timeout:g} s",
+                      "timeout")  # fmt: skip
+    if isinstance(exc, _Stalled):
+        failed = Attempt(lane.key, Failure.STALLED, f"no byte for {settings.stream_idle_timeout:g} s mid-answer")
+        app[VIEW].mark_stalled(lane.key, routing.stalled_reason(failed))
+    else:
+        failed = Attempt(lane.key, Failure.BROKE, f"{type(exc).__name__} {exc}")
+        app[VIEW].mark_unreachable(lane.key, routing.unreachable_reason(failed))
+    end = routing.decide((), [failed], request_timeout=settings.request_timeout)
+    log.warning("stream broke", lane=lane.lane_id, host=lane.host_id, error=end.message)
+    return end

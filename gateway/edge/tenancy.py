@@ -1,0 +1,86 @@
+"""Who a request is and what it may do: the key check (middleware), its tenant, the tenant's
+refusals (403, 429) and what an answer costs it (usage counting)."""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from gateway.admission import Lease
+from gateway.edge import access
+from gateway.edge.app_keys import ADMISSION, KEYS, METRICS, SETTINGS, TENANT, USAGE
+from gateway.edge.openai_errors import openai_error
+from gateway.settings import GatewaySettings
+from gateway.tenants import PLAIN, KeysFile, Tenant, Usage
+
+
+@web.middleware
+async def errors_and_keys(request: web.Request, handler):
+    settings = request.app[SETTINGS]
+    keyed = bool(settings.api_keys) or request.app[KEYS] is not None
+    if keyed and access.needs_key(request.path) and not _key_presented(request, settings):
+        return openai_error(401, "missing or invalid API key (Authorization: Bearer ...)", "invalid_api_key")
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if not request.path.startswith("/v1/") or exc.status < 400:
+            raise
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status)
+        return openai_error(exc.status, exc.reason if exc.status != 413 else exc.text or exc.reason, code)
+
+
+def _key_presented(request: web.Request, settings: GatewaySettings) -> bool:
+    """A valid bearer key, or (dashboard paths only) a valid session cookie (gateway/edge/access.py)."""
+    scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() == "bearer":
+        tenant = tenant_of(request.app, presented.strip())
+        if tenant is not None:
+            request[TENANT] = tenant
+            return True
+    token = request.cookies.get(access.COOKIE)
+    return bool(token) and access.cookie_may_open(request.path) and access.session_ok(
+        signing_keys(request.app), token, time.time())
+
+
+def tenant_of(app: web.Application, presented: str) -> Tenant | None:
+    """The tenant a bearer key names (keys file, then --api-key as tenant `default`); None: no such key."""
+    keys: KeysFile | None = app[KEYS]
+    if keys is not None:
+        return keys.table.find(presented)
+    return Tenant(PLAIN) if app[SETTINGS].key_ok(presented) else None
+
+
+def signing_keys(app: web.Application) -> tuple[str, ...]:
+    """What the dashboard's session cookie is signed with: the plain keys and the keys file's digests."""
+    keys: KeysFile | None = app[KEYS]
+    return app[SETTINGS].api_keys + (tuple(sorted(keys.table.by_digest)) if keys is not None else ())
+
+
+def tenant_refusal(app: web.Application, tenant: Tenant, name: str) -> web.Response | None:
+    """403 for a model the key may not use; 429 naming the token limit the tenant is over."""
+    if not tenant.may_use(name):
+        app[METRICS].refusals.labels(tenant.name, tenant.klass, "model_not_allowed").inc()
+        return openai_error(403, f"the key of tenant {tenant.name!r} may not use model {name!r}", "model_not_allowed")
+    over = app[USAGE].check(tenant, time.time())
+    if over is not None:
+        app[METRICS].refusals.labels(tenant.name, tenant.klass, over.code).inc()
+        return openai_error(429, str(over), over.code, over.retry_after)
+    return None
+
+
+def count_usage(app: web.Application, lease: Lease, found: Usage | None, output: int = 0) -> None:
+    if found is not None:
+        lane = lease.lane
+        tokens = app[ADMISSION].charge(lease.tenant, found.prompt, output)  # its fair share
+        app[USAGE].add(lease.tenant, tokens, time.time())  # its token limits
+        tenant: Tenant = app[KEYS].table.tenants().get(lease.tenant, Tenant(lease.tenant)) if app[KEYS] else Tenant(
+            lease.tenant)
+        app[METRICS].tenant_tokens.labels(tenant.name, tenant.klass, "prompt").inc(found.prompt)
+        app[METRICS].tenant_tokens.labels(tenant.name, tenant.klass, "output").inc(output)
+        admission = app[ADMISSION]
+        counts = admission.counts
+        counts.note_prompt(lane.alias, f"{lane.host_id}/{lane.lane_id}", found.prompt, found.cached)
+        if found.prefill_rate is not None:
+            counts.note_prefill(lane.key, found.prefill_rate)
+        admission.measured(lease, found.prompt, found.cached)

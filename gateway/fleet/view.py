@@ -1,0 +1,240 @@
+"""The gateway's view of the fleet: lanes from plans and status, as the bus tells them.
+
+Pure: no sockets, no clock. The bus adapter feeds it KV entries (`apply_entry`), and the
+health prober and failed requests mark lanes the gateway cannot reach. It holds facts
+only: the load (requests in flight, queues) is the admission's (gateway/admission/queue.py).
+The dashboard reads the same object, so what it shows is what routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from shared import subjects
+from shared.llama.endpoints import WILDCARD_BINDS
+from shared.messages import FleetConfig, FleetHosts, HostPlan, HostReport, HostStatus, ModelState, ModelStates
+
+LaneKey = tuple[str, str]  # (host_id, lane_id)
+
+
+@dataclass(frozen=True)
+class LaneRoute:
+    """One lane as the gateway routes to it."""
+
+    host_id: str
+    lane_id: str
+    model: str
+    alias: str
+    url: str  # http://address:port, no trailing slash
+    parallel: int
+    state: str  # the agent's state for it ("pending" until the agent reports it)
+    draining: bool = False
+    unreachable: str = ""  # why the gateway's own probe or a request could not reach it
+    window: int = 0  # tokens per slot (the plan's ctx_per_slot); 0 where the plan does not say
+    embeddings: bool = False  # started with --embeddings: it serves /v1/embeddings only
+    adapters: tuple[str, ...] = ()  # its LoRA adapters (--lora order): it serves "alias:adapter" too
+    reranking: bool = False  # started with --reranking: it serves /v1/rerank
+    vision: bool = False  # started with --mmproj (a projector that reads images)
+    cache_tokens: int = 0  # prompt tokens it keeps: its slots' windows and its --cache-ram; 0 not known
+
+    def adapter_id(self, adapter: str) -> int | None:
+        """The adapter's id in this lane's --lora list (a request's `lora` ids), or None."""
+        return self.adapters.index(adapter) if adapter in self.adapters else None
+
+    @property
+    def key(self) -> LaneKey:
+        return (self.host_id, self.lane_id)
+
+    @property
+    def routable(self) -> bool:
+        return self.state == "healthy" and not self.draining and not self.unreachable
+
+    def serves(self, name: str) -> bool:
+        base, _, adapter = name.partition(":")
+        return base in (self.alias, self.model) and (not adapter or adapter in self.adapters)
+
+
+def lane_address(status: HostStatus | None, bind: str, host_id: str) -> str:
+    """Where a lane is reached: the agent's advertised address, its bind, or the host's name."""
+    if status is not None and status.address:
+        return status.address
+    if bind not in WILDCARD_BINDS:
+        return bind
+    return host_id
+
+
+def kept_tokens(spec) -> int:
+    """Prompt tokens llama-server keeps for a lane: each slot's last prompt (its window) and what
+    its host-RAM prompt cache (--cache-ram MiB; None: the binary's 8192) holds at the KV bytes a
+    token takes (the plan's KV over its cells). 0 where the plan does not say."""
+    slots = spec.parallel * spec.ctx_per_slot
+    memory = spec.memory
+    per_token = memory.kv_bytes / memory.kv_cells if memory.kv_cells > 0 and memory.kv_bytes > 0 else 0.0
+    ram = 8192 if spec.cache_ram_mib is None else spec.cache_ram_mib
+    cached = int(ram * 2**20 / per_token) if per_token > 0 else 0
+    return slots + cached
+
+
+def _url(address: str, port: int) -> str:
+    host = f"[{address}]" if ":" in address else address
+    return f"http://{host}:{port}"
+
+
+@dataclass
+class FleetView:
+    """Everything the gateway knows of the fleet; one per gateway process."""
+
+    plans: dict[str, HostPlan] = field(default_factory=dict)
+    statuses: dict[str, HostStatus] = field(default_factory=dict)
+    reports: dict[str, HostReport] = field(default_factory=dict)
+    config: FleetConfig | None = None
+    unreachable: dict[LaneKey, str] = field(default_factory=dict)
+    # Lanes whose inference loop seems stuck (no first token in time, /slots unanswered): out of
+    # rotation until their /slots answers again; their /health answering does not bring them back.
+    stalled: dict[LaneKey, str] = field(default_factory=dict)
+    host_states: dict[str, str] = field(default_factory=dict)  # host token -> "live" | "lost", from the planner
+    # Every servable model and its load state, from the planner (KV key `models`); None: not yet written.
+    catalogue: ModelStates | None = None
+    synced: bool = False  # the first full snapshot of the bucket has been read
+    bad_entries: int = 0
+    listeners: list[Callable[[], None]] = field(default_factory=list)
+    _lanes: list[LaneRoute] | None = None
+    _read: asyncio.Event | None = None  # set with `synced` (made on the loop, once something waits)
+
+    def mark_synced(self) -> None:
+        self.synced = True
+        if self._read is not None:
+            self._read.set()
+
+    async def wait_synced(self, timeout: float) -> bool:
+        """Until the first snapshot is read, at most `timeout` seconds: whether it was. A request
+        that came before would be told its model is not served (404) when the fleet is merely
+        not read yet (a gateway just started, or the planner not up: it waits for the bucket)."""
+        if self.synced:
+            return True
+        if self._read is None:
+            self._read = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._read.wait(), timeout)
+        except TimeoutError:
+            pass
+        return self.synced
+
+    # ------------------------------------------------------------ input
+
+    def apply_entry(self, key: str, value: bytes | None) -> str | None:
+        """Fold one KV entry in; returns why it was dropped, or None."""
+        kind, _, host = key.partition(".")
+        tables = {"plan": (self.plans, HostPlan), "status": (self.statuses, HostStatus),
+                  "report": (self.reports, HostReport)}  # fmt: skip
+        try:
+            if key == subjects.MODELS_KEY:
+                self.catalogue = None if value is None else msgspec.json.decode(value, type=ModelStates)
+                self.changed()
+                return None
+            if key == subjects.HOSTS_KEY:
+                hosts = FleetHosts() if value is None else msgspec.json.decode(value, type=FleetHosts)
+                self.host_states = {subjects.host_token(h.host_id): h.state for h in hosts.hosts}
+                self.changed()
+                return None
+            if key == subjects.CONFIG_KEY:
+                if value is not None:
+                    self.config = msgspec.json.decode(value, type=FleetConfig)
+            elif kind in tables and host:
+                table, type_ = tables[kind]
+                if value is None:
+                    table.pop(host, None)
+                else:
+                    msg = msgspec.json.decode(value, type=type_)
+                    if subjects.host_token(msg.host_id) != host:
+                        raise ValueError(f"{kind} for {msg.host_id!r} under key {key!r}")
+                    table[host] = msg
+            else:
+                return None  # demand and keys the gateway does not use
+        except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
+            self.bad_entries += 1
+            return f"{key}: {exc}"
+        if kind in ("plan", "status", "report") or key == subjects.CONFIG_KEY:  # the dashboard shows them all
+            self.changed()
+        return None
+
+    def mark_unreachable(self, key: LaneKey, reason: str) -> None:
+        if self.unreachable.get(key) != reason:
+            self.unreachable[key] = reason
+            self.changed()
+
+    def mark_reachable(self, key: LaneKey) -> None:
+        if self.unreachable.pop(key, None) is not None:
+            self.changed()
+
+    def mark_stalled(self, key: LaneKey, reason: str) -> None:
+        if self.stalled.get(key) != reason:
+            self.stalled[key] = reason
+            self.changed()
+
+    def mark_progressing(self, key: LaneKey) -> None:
+        """Its /slots answered: the inference loop runs."""
+        if self.stalled.pop(key, None) is not None:
+            self.changed()
+
+    def changed(self) -> None:
+        self._lanes = None
+        for listener in self.listeners:
+            listener()
+
+    # ------------------------------------------------------------ lanes
+
+    def lanes(self) -> list[LaneRoute]:
+        """Every planned lane, with what its agent last said of it."""
+        if self._lanes is None:
+            self._lanes = list(self._build_lanes())
+        return self._lanes
+
+    def _build_lanes(self):
+        for host, plan in sorted(self.plans.items()):
+            status = self.statuses.get(host)
+            running = {lane.lane_id: lane for lane in status.lanes} if status else {}
+            for spec in plan.lanes:
+                live = running.get(spec.lane_id)
+                # The lane that runs may still be the previous plan's: it serves where it listens.
+                port = live.port if live and live.port else spec.port
+                key = (plan.host_id, spec.lane_id)
+                yield LaneRoute(
+                    host_id=plan.host_id,
+                    lane_id=spec.lane_id,
+                    model=spec.model,
+                    alias=spec.alias,
+                    url=_url(lane_address(status, spec.bind, plan.host_id), port),
+                    parallel=spec.parallel,
+                    state=live.state if live else "pending",
+                    draining=live.draining if live else False,
+                    unreachable=self.unreachable.get(key, "") or self.stalled.get(key, ""),
+                    window=spec.ctx_per_slot,
+                    embeddings=spec.embeddings,
+                    adapters=spec.adapters,
+                    reranking=spec.reranking,
+                    vision=spec.mmproj_path is not None,
+                    cache_tokens=kept_tokens(spec),
+                )
+
+    def model_entry(self, name: str) -> ModelState | None:
+        """The planner's entry for a requested name: a persona's name first, else a model's."""
+        entries = self.catalogue.models if self.catalogue else ()
+        name, _, adapter = name.partition(":")
+        found = next((m for m in entries if m.name == name), None) or next((m for m in entries if m.model == name), None)
+        return found if found is not None and (not adapter or adapter in found.adapters) else None
+
+    def lanes_for(self, name: str) -> list[LaneRoute]:
+        return [lane for lane in self.lanes() if lane.serves(name)]
+
+    def routable(self, name: str) -> list[LaneRoute]:
+        return [lane for lane in self.lanes_for(name) if lane.routable]
+
+    def probe_targets(self) -> list[LaneRoute]:
+        """Lanes the agent calls healthy: the gateway checks it can reach them itself."""
+        return [lane for lane in self.lanes() if lane.state == "healthy"]
+

@@ -1,0 +1,129 @@
+"""Per lane, the prompt prefixes it holds, corrected by what its answers say it reused. Pure.
+
+An entry is one chained chunk hash (gateway/routing/affinity.py): hash i stands for the prompt's
+first i+1 chunks. Entries are recorded on the lane a prompt is sent to, the moment it is
+sent, with a stamp from the lane's own counter; the oldest go first.
+
+What llama-server keeps decides how many entries a lane holds, not a fixed size: its
+slots (each keeps the last prompt it processed, up to its window) and its host-RAM prompt
+cache (--cache-ram MiB, at the KV bytes a token takes; gateway/fleet/view.py, kept_tokens), which
+`budget_chunks` turns into chunks. And each answer says what the lane really reused (`timings.cache_n`): the prompt's
+first `reused` chunks are confirmed; where the index predicted more, the lane had evicted
+the entry it matched on, and everything recorded no later than it (llama-server's cache
+drops its oldest prompts first) is dropped too.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from gateway.fleet import LaneKey
+
+LANE_CAPACITY = 16384  # chunks per lane whose budget is not known (4M characters)
+MIN_CHUNKS = 64  # no budget below this: a lane always keeps its slots' last prompts
+
+
+def budget_chunks(tokens: int, chars_per_token: float, chunk_chars: int) -> int:
+    """Chunks a lane holds, from the prompt tokens it keeps (gateway/fleet/view.py, kept_tokens):
+    its slots' windows plus what its --cache-ram budget stores. 0 tokens: not known."""
+    if tokens <= 0:
+        return LANE_CAPACITY
+    return max(MIN_CHUNKS, int(tokens * chars_per_token / chunk_chars))
+
+
+@dataclass(frozen=True)
+class Correction:
+    """What one answer changed in a lane's entries."""
+
+    confirmed: int  # leading chunks of the prompt the lane reused
+    dropped: tuple[int, ...] = ()  # hashes found evicted (the stale match and everything older)
+
+
+@dataclass
+class PrefixIndex:
+    """Per lane: chunk hash -> stamp, oldest first; bounded by each lane's budget."""
+
+    capacity: int = LANE_CAPACITY  # for a lane without a budget
+    budgets: dict[LaneKey, int] = field(default_factory=dict)
+    lanes: dict[LaneKey, OrderedDict[int, int]] = field(default_factory=dict)
+    clocks: dict[LaneKey, int] = field(default_factory=dict)
+
+    def set_budget(self, lane: LaneKey, chunks: int) -> None:
+        self.budgets[lane] = max(1, chunks)
+        self._trim(lane)
+
+    def limit(self, lane: LaneKey) -> int:
+        return self.budgets.get(lane, self.capacity)
+
+    def record(self, lane: LaneKey, hashes: Sequence[int]) -> None:
+        held = self.lanes.setdefault(lane, OrderedDict())
+        clock = self.clocks.get(lane, 0)
+        for h in hashes:
+            clock += 1
+            held[h] = clock
+            held.move_to_end(h)
+        self.clocks[lane] = clock
+        self._trim(lane)
+
+    def _trim(self, lane: LaneKey) -> None:
+        held, cap = self.lanes.get(lane), self.limit(lane)
+        while held and len(held) > cap:
+            held.popitem(last=False)
+
+    def matched(self, lane: LaneKey, hashes: Sequence[int]) -> int:
+        """Leading chunks of the prompt the lane holds: hash i stands for the whole prefix up to i."""
+        held = self.lanes.get(lane)
+        if not held:
+            return 0
+        for i in range(len(hashes) - 1, -1, -1):
+            if hashes[i] in held:
+                return i + 1
+        return 0
+
+    def stamp(self, lane: LaneKey, hashes: Sequence[int], matched: int) -> int:
+        """The stamp of the entry a match of `matched` chunks rests on (0: none): kept with the
+        request, so its answer can tell what was recorded before that entry."""
+        held = self.lanes.get(lane)
+        if not held or matched <= 0:
+            return 0
+        return held.get(hashes[matched - 1], 0)
+
+    def correct(self, lane: LaneKey, hashes: Sequence[int], predicted: int, stamp: int, reused: int) -> Correction:
+        """The lane reused `reused` leading chunks where the index predicted `predicted` (matched on
+        the entry stamped `stamp`). One chunk of slack: the chunks are characters, reuse is tokens."""
+        reused = max(0, min(reused, len(hashes)))
+        held = self.lanes.get(lane)
+        if held is None:
+            return Correction(reused)
+        # (reused above the prediction: the lane held more than this gateway knew; the prompt's
+        # hashes were all recorded when it was sent)
+        if reused >= predicted - 1 or stamp <= 0:
+            return Correction(reused)
+        dropped = []
+        while held:
+            h, s = next(iter(held.items()))
+            if s > stamp:
+                break
+            held.popitem(last=False)
+            dropped.append(h)
+        return Correction(reused, tuple(dropped))
+
+    def drop(self, lane: LaneKey, hashes: Iterable[int]) -> None:
+        held = self.lanes.get(lane)
+        if held:
+            for h in hashes:
+                held.pop(h, None)
+
+    def held(self, lane: LaneKey) -> int:
+        return len(self.lanes.get(lane, ()))
+
+    def keep_only(self, lanes: Iterable[LaneKey]) -> None:
+        """Forget lanes that left the fleet."""
+        keep = set(lanes)
+        for lane in [k for k in self.lanes if k not in keep]:
+            del self.lanes[lane]
+            self.clocks.pop(lane, None)
+        for lane in [k for k in self.budgets if k not in keep]:
+            del self.budgets[lane]

@@ -1,0 +1,45 @@
+"""A prompt's exact token count, asked of a lane of its model (the I/O behind window-aware admission).
+
+Chat messages are rendered by the lane's own chat template (`POST /apply-template`
+takes the chat request's body as it is, tools included) and the result tokenized with
+special tokens parsed (`POST /tokenize`), as llama-server does before it checks a prompt
+against its slot's window. Only a prompt whose byte bound (gateway/routing/prompts.py) passes
+a window is counted, so the common case costs nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import msgspec
+
+from gateway.routing.prompts import Prompt
+
+
+async def _post(session: aiohttp.ClientSession, url: str, body: bytes, timeout: float) -> object:
+    async with session.post(url, data=body, headers={"Content-Type": "application/json"},
+                            timeout=aiohttp.ClientTimeout(total=timeout)) as resp:  # fmt: skip
+        if resp.status != 200:
+            raise ValueError(f"{url} answered {resp.status}")
+        return msgspec.json.decode(await resp.read())
+
+
+async def count_tokens(
+    session: aiohttp.ClientSession, lane_url: str, prompt: Prompt, body: bytes, timeout: float = 5.0
+) -> int | None:
+    """Tokens llama-server will read for this prompt, or None when the lane could not say."""
+    try:
+        if prompt.kind == "chat":
+            rendered = await _post(session, lane_url + "/apply-template", body, timeout)
+            text = rendered.get("prompt") if isinstance(rendered, dict) else None
+            if not isinstance(text, str):
+                return None
+        else:
+            text = prompt.text
+        ask = msgspec.json.encode({"content": text, "add_special": True, "parse_special": True})
+        answer = await _post(session, lane_url + "/tokenize", ask, timeout)
+        tokens = answer.get("tokens") if isinstance(answer, dict) else None
+        return len(tokens) if isinstance(tokens, list) else None
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, msgspec.DecodeError):
+        return None
