@@ -8,6 +8,7 @@ package's public surface. Run as a script to print every break at once.
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -209,6 +210,39 @@ def test_no_name_is_taken_through_a_module_that_only_imports_it():
 
 def test_rooms_are_entered_through_their_public_surface():
     assert rooms_entered_from_the_side(house()) == []
+
+
+def documented_rooms() -> dict[str, set[str]]:
+    """docs/development.md's table of the gateway's rooms: room -> the rooms it may import."""
+    text = (ROOT / "docs" / "development.md").read_text()
+    table = text.split("## The gateway's rooms", 1)[1].split("\n\n")[2]
+    allowed: dict[str, set[str]] = {}
+    for row in table.splitlines()[2:]:
+        names, _, may = [cell.strip() for cell in row.strip("|").split("|")]
+        for name in re.findall(r"`([a-z_]+)(?:/|\.py)`", names):
+            allowed[name] = set() if may.startswith(("shared only", "every room")) else set(
+                re.findall(r"[a-z_]+", may))  # fmt: skip
+            if may.startswith("every room"):
+                allowed[name] = {"*"}
+    return allowed
+
+
+def test_each_gateway_room_imports_only_what_the_layout_table_allows():
+    allowed = documented_rooms()
+    rooms = {path.stem if path.is_file() else path.name for path in (ROOT / "gateway").iterdir()
+             if path.suffix == ".py" and path.stem != "__init__" or (path / "__init__.py").exists()}  # fmt: skip
+    assert rooms == set(allowed), "every room of gateway/ has its row in docs/development.md, and only those"
+    broken = []
+    for name, each in house().items():
+        parts = name.split(".")
+        if parts[0] != "gateway" or len(parts) < 2:
+            continue
+        for target in each.targets:
+            other = target.split(".")
+            if other[0] == "gateway" and len(other) > 1 and other[1] != parts[1] and "*" not in allowed[parts[1]] \
+                    and other[1] not in allowed[parts[1]]:
+                broken.append(f"{name} imports {target}")
+    assert broken == []
 
 
 def test_no_import_circles():
