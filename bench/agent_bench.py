@@ -59,15 +59,11 @@ from launcher_agent.probe import find_llama_server  # noqa: E402
 from launcher_agent.process import lane_environment  # noqa: E402
 from shared import subjects  # noqa: E402
 from shared.lane_key import lane_key  # noqa: E402
-from shared.messages import (  # noqa: E402
-    ConfigSet,
-    Demand,
-    HostPlan,
-    HostStatus,
-    LaneEvent,
-    Persona,
-    encode,
-)
+from shared.messages.config import Demand, Persona  # noqa: E402
+from shared.messages.plans import HostPlan  # noqa: E402
+from shared.messages.replies import ConfigSet  # noqa: E402
+from shared.messages.status import HostStatus, LaneEvent  # noqa: E402
+from shared.messages.wire import encode  # noqa: E402
 from shared.natsserver import NatsServer  # noqa: E402
 
 HOST = "bench"

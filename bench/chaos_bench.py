@@ -52,7 +52,11 @@ from tinymodels import write_llama  # noqa: E402
 
 from shared import subjects  # noqa: E402
 from shared.bus import connect, kv_bucket, leader_view, watch_forever  # noqa: E402
-from shared.messages import ConfigSet, FleetConfig, HostPlan, PlannerLease, encode  # noqa: E402
+from shared.messages.activity import PlannerLease  # noqa: E402
+from shared.messages.config import FleetConfig  # noqa: E402
+from shared.messages.plans import HostPlan  # noqa: E402
+from shared.messages.replies import ConfigSet  # noqa: E402
+from shared.messages.wire import encode  # noqa: E402
 from shared.natsserver import NatsServer  # noqa: E402
 
 KINDS = ("agent", "planner", "gateway", "lane", "nats")

@@ -40,7 +40,10 @@ from launcher_agent.service import run_agent  # noqa: E402
 from shared import subjects  # noqa: E402
 from shared.bus import kv_bucket  # noqa: E402
 from shared.logs import setup_logging  # noqa: E402
-from shared.messages import ConfigSet, HostStatus, ServerCaps, encode  # noqa: E402
+from shared.messages.hosts import ServerCaps  # noqa: E402
+from shared.messages.replies import ConfigSet  # noqa: E402
+from shared.messages.status import HostStatus  # noqa: E402
+from shared.messages.wire import encode  # noqa: E402
 from shared.natsserver import NatsServer  # noqa: E402
 
 

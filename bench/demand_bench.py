@@ -32,16 +32,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 from planner_svc.demand import plan_on_demand  # noqa: E402
 from planner_svc.demand_state import DemandState  # noqa: E402
 from planner_svc.eviction import Candidate, NoRoom, Placement, covers, deficit  # noqa: E402
-from shared.messages import (  # noqa: E402
-    Demand,
-    FleetConfig,
-    GatewayActivity,
-    HostReport,
-    ModelActivity,
-    ModelFacts,
-    Persona,
-    ServerCaps,
-)
+from shared.messages.activity import GatewayActivity, ModelActivity  # noqa: E402
+from shared.messages.config import Demand, FleetConfig, Persona  # noqa: E402
+from shared.messages.hosts import HostReport, ModelFacts, ServerCaps  # noqa: E402
 
 GIB, MIB = 1 << 30, 1 << 20
 RATE = 200 * MIB  # bytes per second a load reads

@@ -30,7 +30,7 @@ from shared.llama.logs import parse_buffers  # noqa: E402
 from shared.llama.printed import compare  # noqa: E402
 from shared.memory import QUANTIZED, LaneShape, lane_memory  # noqa: E402
 from shared.memory.experts import parse_override  # noqa: E402
-from shared.messages import NGpuLayers  # noqa: E402
+from shared.messages.plans import NGpuLayers  # noqa: E402
 
 
 @dataclass(frozen=True)

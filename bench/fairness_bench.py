@@ -45,7 +45,8 @@ from gateway_bench import ALIAS, Fleet, _free_base, _until  # noqa: E402
 from launcher_agent.probe import find_llama_server  # noqa: E402
 from shared import subjects  # noqa: E402
 from shared.logs import setup_logging  # noqa: E402
-from shared.messages import Demand, Persona, encode  # noqa: E402
+from shared.messages.config import Demand, Persona  # noqa: E402
+from shared.messages.wire import encode  # noqa: E402
 
 KEYS = """
 [[keys]]

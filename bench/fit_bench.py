@@ -35,7 +35,8 @@ from planner_svc.planner import plan  # noqa: E402
 from shared.gguf_facts import read_model_facts  # noqa: E402
 from shared.llama.flags import lane_args  # noqa: E402
 from shared.llama.logs import MIB, parse_buffers  # noqa: E402
-from shared.messages import Demand, FleetConfig, GpuInfo, HostReport, Persona  # noqa: E402
+from shared.messages.config import Demand, FleetConfig, Persona  # noqa: E402
+from shared.messages.hosts import GpuInfo, HostReport  # noqa: E402
 
 GPU_RESERVE_MIB = 256
 

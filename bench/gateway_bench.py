@@ -46,7 +46,10 @@ from planner_svc.service import run_planner  # noqa: E402
 from shared import subjects  # noqa: E402
 from shared.bus import connect, kv_bucket  # noqa: E402
 from shared.logs import setup_logging  # noqa: E402
-from shared.messages import ConfigSet, Demand, HostStatus, Persona, decode, encode  # noqa: E402
+from shared.messages.config import Demand, Persona  # noqa: E402
+from shared.messages.replies import ConfigSet  # noqa: E402
+from shared.messages.status import HostStatus  # noqa: E402
+from shared.messages.wire import decode, encode  # noqa: E402
 from shared.natsserver import NatsServer  # noqa: E402
 
 ALIAS = "chat"

@@ -145,7 +145,9 @@ async def bench(args: argparse.Namespace) -> dict:
     from gateway.settings import GatewaySettings
     from shared import subjects
     from shared.logs import setup_logging
-    from shared.messages import HostPlan, HostStatus, LaneSpec, LaneStatus, encode
+    from shared.messages.plans import HostPlan, LaneSpec
+    from shared.messages.status import HostStatus, LaneStatus
+    from shared.messages.wire import encode
     from shared.natsserver import NatsServer
 
     setup_logging("error")

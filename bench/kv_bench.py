@@ -51,14 +51,8 @@ from shared.gguf_facts import read_model_facts, swa_layer_pattern  # noqa: E402
 from shared.llama.flash_attn import resolve_flash_attn  # noqa: E402
 from shared.llama.logs import kv_mib_from_log  # noqa: E402
 from shared.memory import CTX_PAD, MIB, LaneShape, kv_caches, kv_size, lane_memory  # noqa: E402
-from shared.messages import (  # noqa: E402
-    Demand,
-    FleetConfig,
-    HostReport,
-    ModelFacts,
-    Persona,
-    ServerCaps,
-)
+from shared.messages.config import Demand, FleetConfig, Persona  # noqa: E402
+from shared.messages.hosts import HostReport, ModelFacts, ServerCaps  # noqa: E402
 from tests.tinymodels import write_gemma3, write_llama  # noqa: E402
 
 GIB = 1024**3

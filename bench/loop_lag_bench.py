@@ -80,7 +80,7 @@ async def agent_mode(args: argparse.Namespace, sampler: LagSampler) -> dict:
     from launcher_agent.service import run_agent
     from shared import subjects
     from shared.bus import connect, kv_bucket
-    from shared.messages import HostReport, ServerCaps
+    from shared.messages.hosts import HostReport, ServerCaps
     from shared.natsserver import NatsServer
 
     tmp = Path(tempfile.mkdtemp(prefix="loop-lag-"))

@@ -36,9 +36,11 @@ from planner_svc.service import WRITE_CONCURRENCY  # noqa: E402
 from planner_svc.state import PlannerState  # noqa: E402
 from shared import subjects  # noqa: E402
 from shared.bus import connect, kv_bucket  # noqa: E402
-from shared.messages import (  # noqa: E402
-    FleetConfig, FleetHosts, FleetStatus, HostReport, ModelFacts, ModelStates, ServerCaps, encode,
-)  # fmt: skip
+from shared.messages.activity import ModelStates  # noqa: E402
+from shared.messages.config import FleetConfig  # noqa: E402
+from shared.messages.hosts import HostReport, ModelFacts, ServerCaps  # noqa: E402
+from shared.messages.replies import FleetHosts, FleetStatus  # noqa: E402
+from shared.messages.wire import encode  # noqa: E402
 from shared.natsserver import NatsServer  # noqa: E402
 from shared.subjects import kv_subject  # noqa: E402
 

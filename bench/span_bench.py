@@ -35,7 +35,8 @@ from shared.gguf_facts import read_model_facts  # noqa: E402
 from shared.llama.flags import lane_args  # noqa: E402
 from shared.llama.logs import is_buffer_line, parse_buffers  # noqa: E402
 from shared.llama.printed import compare  # noqa: E402
-from shared.messages import FleetConfig, HostReport, RpcWorkerOffer  # noqa: E402
+from shared.messages.config import FleetConfig  # noqa: E402
+from shared.messages.hosts import HostReport, RpcWorkerOffer  # noqa: E402
 
 MIB = 2**20
 PROMPT = " ".join(["The quick brown fox jumps over the lazy dog near the river bank."] * 16)

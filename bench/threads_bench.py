@@ -46,7 +46,8 @@ from lanes.demo_model import ensure_demo_model  # noqa: E402
 from launcher_agent.probe import find_llama_server  # noqa: E402
 from shared import subjects  # noqa: E402
 from shared.logs import setup_logging  # noqa: E402
-from shared.messages import Demand, Persona, encode  # noqa: E402
+from shared.messages.config import Demand, Persona  # noqa: E402
+from shared.messages.wire import encode  # noqa: E402
 
 SLOTS = 4
 WINDOW = 1024

@@ -33,7 +33,8 @@ from shared import defaults, subjects
 from shared.bus import connect, kv_bucket, quietly, run_until, watch_forever
 from shared.nats_auth import NatsAuth
 from shared.llama.endpoints import connect_host
-from shared.messages import GatewayActivity, ModelWake, TenantActivity, encode
+from shared.messages.activity import GatewayActivity, ModelWake, TenantActivity
+from shared.messages.wire import encode
 from shared.supervise import Loops, cancel_and_wait, running
 
 log = structlog.get_logger("lanes.gateway")

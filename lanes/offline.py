@@ -16,7 +16,9 @@ from shared.gguf_facts import ModelError, read_model_facts
 from shared.llama.flags import cache_pair, lane_args, needs_flash_attn
 from shared.llama.flash_attn import resolve_flash_attn
 from shared.memory import BLOCK_BYTES, MemoryModelError
-from shared.messages import Demand, FleetConfig, HostReport, NGpuLayers, ServerCaps
+from shared.messages.config import Demand, FleetConfig
+from shared.messages.hosts import HostReport, ServerCaps
+from shared.messages.plans import NGpuLayers
 
 
 def cmd_models(args: argparse.Namespace) -> int:

@@ -28,15 +28,10 @@ from shared.bus import connect
 from shared.llama.flags import cache_pair
 from shared.llama.printed import device_lines
 from shared.logs import setup_logging
-from shared.messages import (
-    ConfigSet,
-    Demand,
-    FleetConfig,
-    FleetStatus,
-    HostQuery,
-    LaneSpec,
-    encode,
-)
+from shared.messages.config import Demand, FleetConfig
+from shared.messages.plans import LaneSpec
+from shared.messages.replies import ConfigSet, FleetStatus, HostQuery
+from shared.messages.wire import encode
 from shared.nats_auth import NatsAuth, auth_from_args
 from shared.natsserver import NatsServer, NatsServerError
 from shared.supervise import LoopGaveUp, running
@@ -293,7 +288,8 @@ async def _request_command(args: argparse.Namespace, auth: NatsAuth) -> int:
 async def tenant_lines(nc) -> list[str]:
     """One line per tenant: its tokens this minute and today over every gateway (KV bucket lanes-usage)."""
     from gateway.tenants import UsageBook
-    from shared.messages import TenantUsage, decode
+    from shared.messages.activity import TenantUsage
+    from shared.messages.wire import decode
 
     try:
         kv = await nc.jetstream().key_value(subjects.USAGE_BUCKET)

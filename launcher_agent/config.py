@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shared import defaults, subjects
-from shared.messages import ServerCaps
+from shared.messages.hosts import ServerCaps
 
 
 @dataclass

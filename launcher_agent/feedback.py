@@ -17,7 +17,7 @@ import structlog
 
 from launcher_agent.lane import Lane
 from shared.lane_key import lane_key
-from shared.messages import LaneFeedback
+from shared.messages.status import LaneFeedback
 
 log = structlog.get_logger("lanes.agent")
 OVER_PLAN_TOLERANCE = 0.02

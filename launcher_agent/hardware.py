@@ -20,7 +20,7 @@ from shared.memory.cpu_repack import (
     NEON_DOTPROD_REPACK,
     NEON_I8MM_REPACK,
 )
-from shared.messages import GpuInfo
+from shared.messages.hosts import GpuInfo
 
 log = structlog.get_logger("lanes.agent")
 

@@ -16,7 +16,7 @@ from launcher_agent.reconcile import MAX_FAILURES, backoff
 from shared import defaults
 from shared.lane_key import lane_key
 from shared.llama.logs import classify_failure
-from shared.messages import LaneSpec
+from shared.messages.plans import LaneSpec
 
 HEALTHY_RESETS_FAILURES_AFTER = 30.0
 COMING_UP = ("starting", "loading")

@@ -6,7 +6,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from launcher_agent.process import LaneProcess
-from shared.messages import LaneSpec
+from shared.messages.plans import LaneSpec
 
 
 @dataclass

@@ -8,7 +8,7 @@ import socket
 from collections.abc import Callable
 
 from shared.llama import endpoints
-from shared.messages import LaneSpec
+from shared.messages.plans import LaneSpec
 
 
 def port_taken(bind: str, port: int) -> bool:

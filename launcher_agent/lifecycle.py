@@ -19,7 +19,7 @@ from launcher_agent.reconcile import Action, Restart, Start, Stop
 from launcher_agent.slot_store import SlotStore, model_layout
 from shared.lane_key import lane_key
 from shared.llama.flags import lane_args
-from shared.messages import LaneSpec
+from shared.messages.plans import LaneSpec
 
 log = structlog.get_logger("lanes.agent")
 

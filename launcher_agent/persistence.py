@@ -12,7 +12,8 @@ from pathlib import Path
 import msgspec
 
 from launcher_agent.lane import Lane
-from shared.messages import HostPlan, LaneFeedback
+from shared.messages.plans import HostPlan
+from shared.messages.status import LaneFeedback
 
 
 class Saved(msgspec.Struct):

@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 
 from shared.llama.flags import parse_caps
-from shared.messages import ServerCaps
+from shared.messages.hosts import ServerCaps
 
 
 class ProbeError(RuntimeError):

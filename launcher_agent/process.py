@@ -34,7 +34,8 @@ from shared.llama.logs import (
     is_kv_size_line,
     kv_mib_from_log,
 )
-from shared.messages import LANE_LOG_FILES, LANE_LOG_MAX_BYTES, DeviceMemory, LaneSpec
+from shared.messages.config import LANE_LOG_FILES, LANE_LOG_MAX_BYTES
+from shared.messages.plans import DeviceMemory, LaneSpec
 
 TAIL_LINES = 40
 START_TIME_SLACK = 0.05  # seconds; psutil's create_time is read from /proc in clock ticks

@@ -17,7 +17,10 @@ import msgspec
 from shared import subjects
 from shared.lane_key import lane_key
 from shared.llama.flags import args_problem, needs_flash_attn
-from shared.messages import HostPlan, LaneSpec, LaneState, ServerCaps, schema_problem
+from shared.messages.hosts import ServerCaps
+from shared.messages.plans import HostPlan, LaneSpec
+from shared.messages.status import LaneState
+from shared.messages.wire import schema_problem
 
 MAX_FAILURES = 5
 BACKOFF_BASE = 1.0
@@ -86,7 +89,7 @@ def validate_plan(
 
 def devices_problem(spec: LaneSpec) -> str | None:
     """Why a lane's --rpc and --device values must not be launched, or None. Their shape
-    (host:port, a device name, how many) is checked when the plan is decoded (shared.messages)."""
+    (host:port, a device name, how many) is checked when the plan is decoded (shared.messages.wire)."""
     ports = [int(endpoint.rsplit(":", 1)[1]) for endpoint in spec.rpc_servers]
     if any(not 1 <= port <= 65535 for port in ports):
         return f"rpc server port outside 1..65535 in {list(spec.rpc_servers)}"

@@ -13,7 +13,7 @@ from launcher_agent import hardware
 from launcher_agent.config import AgentConfig
 from shared.adapters import scan_adapters
 from shared.gguf_facts import scan_models
-from shared.messages import GpuInfo, HostReport, RpcWorkerOffer
+from shared.messages.hosts import GpuInfo, HostReport, RpcWorkerOffer
 from shared.version import VERSION
 
 log = structlog.get_logger("lanes.agent")

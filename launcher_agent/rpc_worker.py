@@ -26,7 +26,8 @@ import psutil
 import structlog
 
 from launcher_agent.process import LogLimits, lane_environment, pump_argv
-from shared.messages import RpcWorkerSpec, RpcWorkerStatus
+from shared.messages.plans import RpcWorkerSpec
+from shared.messages.status import RpcWorkerStatus
 
 log = structlog.get_logger("lanes.agent")
 RESTART_AFTER = 2.0  # seconds before an exited ggml-rpc-server is started again

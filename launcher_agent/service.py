@@ -34,7 +34,10 @@ from launcher_agent.supervisor import Supervisor
 from shared import subjects
 from shared.bus import connect, follow_key, kv_bucket, logged_endpoint, quietly, run_until
 from shared.gguf_facts import FactsCache
-from shared.messages import HostPlan, HostReport, LaneEvent, PlanRejected, encode
+from shared.messages.hosts import HostReport
+from shared.messages.plans import HostPlan
+from shared.messages.status import LaneEvent, PlanRejected
+from shared.messages.wire import encode
 from shared.metrics_http import serve_metrics
 from shared.nats_auth import NatsAuth
 from shared.supervise import Loops, running

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import msgspec
 
 from shared.llama.flags import cache_pair
-from shared.messages import LaneSpec
+from shared.messages.plans import LaneSpec
 
 # A slot holding fewer tokens is not worth a file: its prefill costs less than the round trip.
 MIN_TOKENS = 64

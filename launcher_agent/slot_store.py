@@ -21,7 +21,7 @@ from launcher_agent import lane_http, slot_cache
 from launcher_agent.lane import Emit, Lane
 from launcher_agent.slot_cache import Entry, SlotSeen
 from shared.llama.flags import cache_pair
-from shared.messages import LaneSpec
+from shared.messages.plans import LaneSpec
 
 log = structlog.get_logger("lanes.agent")
 MANIFEST = "slots.json"

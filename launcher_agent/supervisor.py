@@ -30,7 +30,8 @@ from launcher_agent.reconcile import Observed, decide, typed_only, validate_plan
 from launcher_agent.slot_store import SlotStore
 from shared.lane_key import lane_key
 from shared.llama.endpoints import WILDCARD_BINDS
-from shared.messages import HostPlan, HostStatus, LaneStatus
+from shared.messages.plans import HostPlan
+from shared.messages.status import HostStatus, LaneStatus
 from shared.span_check import span_problem
 
 log = structlog.get_logger("lanes.agent")

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from shared.messages import AdapterFacts, HostReport, ModelFacts, Persona
+from shared.messages.config import Persona
+from shared.messages.hosts import AdapterFacts, HostReport, ModelFacts
 
 
 def lane_adapters(persona: Persona, report: HostReport, facts: ModelFacts) -> tuple[tuple[AdapterFacts, ...], list[str]]:

@@ -9,7 +9,11 @@ from collections.abc import Mapping
 import msgspec
 
 from shared.llama.printed import device_lines
-from shared.messages import ConfigSet, FleetConfig, HostPlan, HostReport, HostStatus
+from shared.messages.config import FleetConfig
+from shared.messages.hosts import HostReport
+from shared.messages.plans import HostPlan
+from shared.messages.replies import ConfigSet
+from shared.messages.status import HostStatus
 
 
 def merged_config(current: FleetConfig, change: ConfigSet, revision: int) -> FleetConfig | None:

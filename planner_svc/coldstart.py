@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from shared.messages import HostPlan, HostReport, HostStatus
+from shared.messages.hosts import HostReport
+from shared.messages.plans import HostPlan
+from shared.messages.status import HostStatus
 
 MIB = 1 << 20
 DEFAULT_READ_RATE = 200 * MIB  # bytes per second, before a host has measured a load

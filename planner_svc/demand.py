@@ -30,17 +30,11 @@ from planner_svc.personas import lanes_by_name, persona_name, servable
 from planner_svc.scaling import Change, cut, extra_short
 from planner_svc.wake_placement import place_wakes, placed_names, plan_with
 from planner_svc.waking import effective, known_wakes, wake
-from shared.messages import (
-    Demand,
-    FleetConfig,
-    FleetPlan,
-    HostPlan,
-    HostReport,
-    HostStatus,
-    LaneFeedback,
-    ModelState,
-    ModelStates,
-)
+from shared.messages.activity import ModelState, ModelStates
+from shared.messages.config import Demand, FleetConfig
+from shared.messages.hosts import HostReport
+from shared.messages.plans import FleetPlan, HostPlan
+from shared.messages.status import HostStatus, LaneFeedback
 
 
 def plan_on_demand(

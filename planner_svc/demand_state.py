@@ -12,7 +12,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from planner_svc.scaling import Change, ScaleState, cut, note_report, rescale
-from shared.messages import FleetConfig, GatewayActivity, HostPlan, ModelStates, Persona
+from shared.messages.activity import GatewayActivity, ModelStates
+from shared.messages.config import FleetConfig, Persona
+from shared.messages.plans import HostPlan
 
 WAKE_TTL = 10.0  # seconds a wake lasts unless a gateway repeats it (they do while they hold requests)
 FAILED_TTL = 30.0  # seconds a failed wake is answered as failed before a request may try again

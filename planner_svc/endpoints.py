@@ -32,18 +32,12 @@ from planner_svc.lease import Lease
 from planner_svc.state import PlannerState
 from shared import subjects
 from shared.bus import logged_endpoint, quietly
-from shared.messages import (
-    ConfigSet,
-    Demand,
-    FleetConfig,
-    FleetStatus,
-    GatewayActivity,
-    HostPlan,
-    HostQuery,
-    ModelWake,
-    PlanRejected,
-    encode,
-)
+from shared.messages.activity import GatewayActivity, ModelWake
+from shared.messages.config import Demand, FleetConfig
+from shared.messages.plans import HostPlan
+from shared.messages.replies import ConfigSet, FleetStatus, HostQuery
+from shared.messages.status import PlanRejected
+from shared.messages.wire import encode
 from shared.version import VERSION
 
 log = structlog.get_logger("lanes.planner")

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field, replace
 
 from planner_svc.demand_state import WAKE_TTL, DemandState
 from planner_svc.personas import lanes_by_name, persona_name, ttl_of
-from shared.messages import FleetConfig, HostPlan, LaneSpec, Persona
+from shared.messages.config import FleetConfig, Persona
+from shared.messages.plans import HostPlan, LaneSpec
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ from collections.abc import Mapping
 
 from planner_svc.lane_windows import PlannedLane, spec_n_gpu_layers, sum_costs
 from planner_svc.layouts import Resource
-from shared.messages import FleetConfig, HostPlan, LaneSpec
+from shared.messages.config import FleetConfig
+from shared.messages.plans import HostPlan, LaneSpec
 
 
 def keep_stable_windows(

@@ -29,7 +29,7 @@ from planner_svc.policy import (
     window_bounds,
 )
 from shared.memory import CTX_PAD, MemoryModelError, PlacementError
-from shared.messages import HostPlan
+from shared.messages.plans import HostPlan
 
 GIB = 1024**3
 _F16 = Flags(None, None, None, ())  # the flags a layout is chosen with

@@ -9,7 +9,9 @@ from planner_svc.layouts import pins_for
 from planner_svc.policy import chat_template_for
 from planner_svc.prompt_cache import MIB
 from shared.memory import ngl_count
-from shared.messages import FleetConfig, HostReport, LaneSpec
+from shared.messages.config import FleetConfig
+from shared.messages.hosts import HostReport
+from shared.messages.plans import LaneSpec
 
 
 def lane_spec(report: HostReport, config: FleetConfig, lane: PlannedLane) -> LaneSpec:

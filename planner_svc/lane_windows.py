@@ -19,16 +19,9 @@ from planner_svc.speculative import Speculation
 from shared.llama.flags import effective_cache_type
 from shared.memory import CTX_PAD, LaneShape, ngl_count
 from shared.memory.speculative import draft_shape, speculator_host_bytes, target_shape, with_speculation
-from shared.messages import (
-    AdapterFacts,
-    FleetConfig,
-    HostPlan,
-    HostReport,
-    MemoryBreakdown,
-    ModelFacts,
-    Persona,
-    SpanWorker,
-)
+from shared.messages.config import FleetConfig, Persona
+from shared.messages.hosts import AdapterFacts, HostReport, ModelFacts
+from shared.messages.plans import HostPlan, MemoryBreakdown, SpanWorker
 
 _T_SCALE = 1 << 16
 

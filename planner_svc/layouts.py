@@ -24,14 +24,8 @@ from typing import Literal
 from shared.memory import LaneShape, NglRule, Placement, lane_memory, place
 from shared.memory.buffers import with_cpu_experts
 from shared.memory.experts import cpu_expert_blocks
-from shared.messages import (
-    HostReport,
-    LaneLayout,
-    LayerWeights,
-    MemoryBreakdown,
-    ModelFacts,
-    NGpuLayers,
-)
+from shared.messages.hosts import HostReport, LayerWeights, ModelFacts
+from shared.messages.plans import LaneLayout, MemoryBreakdown, NGpuLayers
 
 MIB = 1024 * 1024
 Resource = tuple[str, int]

@@ -18,7 +18,8 @@ from nats.js.errors import KeyNotFoundError, KeyValueError, KeyWrongLastSequence
 from nats.js.kv import KeyValue
 
 from shared import defaults, subjects
-from shared.messages import PlannerLease, encode
+from shared.messages.activity import PlannerLease
+from shared.messages.wire import encode
 from shared.supervise import running
 
 log = structlog.get_logger("lanes.planner")

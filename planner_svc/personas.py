@@ -8,7 +8,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from planner_svc.planner import default_demand
-from shared.messages import Demand, FleetConfig, HostPlan, HostReport, LaneSpec, Persona
+from shared.messages.config import Demand, FleetConfig, Persona
+from shared.messages.hosts import HostReport
+from shared.messages.plans import HostPlan, LaneSpec
 
 
 def persona_name(p: Persona) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import msgspec
 
 from planner_svc.state import PlannerState
-from shared.messages import HostPlan
+from shared.messages.plans import HostPlan
 
 
 def above_seen(state: PlannerState, host: str, new: HostPlan) -> HostPlan:

@@ -21,17 +21,10 @@ from planner_svc.policy import host_budgets
 from planner_svc.span_lanes import LaneKit, SpanBook, grow_spans, place_span
 from planner_svc.threads import with_threads
 from shared.llama.flags import lane_args
-from shared.messages import (
-    Demand,
-    FleetConfig,
-    FleetPlan,
-    HostPlan,
-    HostReport,
-    LaneFeedback,
-    LaneSpec,
-    Persona,
-    Unplaced,
-)
+from shared.messages.config import Demand, FleetConfig, Persona
+from shared.messages.hosts import HostReport
+from shared.messages.plans import FleetPlan, HostPlan, LaneSpec, Unplaced
+from shared.messages.status import LaneFeedback
 
 # ------------------------------------------------------------------ the planner
 

@@ -16,7 +16,10 @@ import msgspec
 from planner_svc.demand import plan_on_demand
 from planner_svc.demand_state import DemandState, Outcome
 from shared import subjects
-from shared.messages import Demand, FleetConfig, HostPlan, HostReport, HostStatus
+from shared.messages.config import Demand, FleetConfig
+from shared.messages.hosts import HostReport
+from shared.messages.plans import HostPlan
+from shared.messages.status import HostStatus
 
 
 class PlanningInputs(Protocol):

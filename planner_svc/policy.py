@@ -13,7 +13,9 @@ from shared.llama.flags import cache_pair, effective_cache_type, needs_flash_att
 from shared.llama.chat_templates import builtin_template
 from shared.llama.flash_attn import FlashAttn, resolve_flash_attn
 from shared.memory import CTX_PAD, QUANTIZED
-from shared.messages import FleetConfig, HostReport, LaneFeedback, ModelFacts, Persona, ServerCaps
+from shared.messages.config import FleetConfig, Persona
+from shared.messages.hosts import HostReport, ModelFacts, ServerCaps
+from shared.messages.status import LaneFeedback
 
 DEFAULT_CTX_CEILING = 131072
 

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import msgspec
 
 from shared.lane_key import lane_key
-from shared.messages import HostPlan, HostStatus, LaneSpec, LaneStatus
+from shared.messages.plans import HostPlan, LaneSpec
+from shared.messages.status import HostStatus, LaneStatus
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,9 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from planner_svc.personas import lanes_by_name, persona_name
-from shared.messages import Demand, FleetConfig, FleetPlan, GatewayActivity, HostPlan, Persona
+from shared.messages.activity import GatewayActivity
+from shared.messages.config import Demand, FleetConfig, Persona
+from shared.messages.plans import FleetPlan, HostPlan
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,11 @@ from planner_svc.state import PlannerState
 from shared import subjects
 from shared.bus import connect, kv_bucket, leader_view, quietly, run_until, watch_forever
 from shared.llama.flags import cache_pair
-from shared.messages import FleetHosts, GatewayActivity, HostPlan, ModelWake, PlanRejected, encode
+from shared.messages.activity import GatewayActivity, ModelWake
+from shared.messages.plans import HostPlan
+from shared.messages.replies import FleetHosts
+from shared.messages.status import PlanRejected
+from shared.messages.wire import encode
 from shared.metrics_http import serve_metrics
 from shared.nats_auth import NatsAuth
 from shared.supervise import Loops, running

@@ -16,7 +16,8 @@ from planner_svc import spans
 from planner_svc.layouts import CPU_RESOURCE, Layout, Resource, describe, layout_placement, with_layers
 from planner_svc.policy import correction, decide_flags, window_bounds
 from shared.memory import CTX_PAD, MemoryModelError, PlacementError
-from shared.messages import HostPlan, HostReport, RpcWorkerSpec
+from shared.messages.hosts import HostReport
+from shared.messages.plans import HostPlan, RpcWorkerSpec
 
 GIB = 1024**3
 

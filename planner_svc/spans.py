@@ -21,15 +21,9 @@ import msgspec
 
 from planner_svc.layouts import CPU_RESOURCE, Layout, Resource, fits, largest
 from shared.memory import Placement
-from shared.messages import (
-    GpuInfo,
-    HostReport,
-    LaneFeedback,
-    MemoryBreakdown,
-    ModelFacts,
-    RpcWorkerSpec,
-    SpanWorker,
-)
+from shared.messages.hosts import GpuInfo, HostReport, ModelFacts
+from shared.messages.plans import MemoryBreakdown, RpcWorkerSpec, SpanWorker
+from shared.messages.status import LaneFeedback
 
 from shared.span_check import SPAN_FAILED
 

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shared.memory.speculative import DRAFT_KINDS
-from shared.messages import FleetConfig, ModelFacts, Persona, ServerCaps
+from shared.messages.config import FleetConfig, Persona
+from shared.messages.hosts import ModelFacts, ServerCaps
 
 # bench/spec_bench.py (bench/spec_results.json, bench/RESULTS.md): decode tokens/s with the speculator
 # over without, (copy-heavy: geometric mean of the text and code tasks, free generation), medians of

@@ -23,17 +23,13 @@ from planner_svc.demand_state import DemandState, Outcome
 from planner_svc.planning import Planned, planning_job
 from planner_svc.scaling import Change
 from shared import defaults, subjects
-from shared.messages import (
-    Demand,
-    FleetConfig,
-    HostLiveness,
-    HostPlan,
-    HostReport,
-    HostStatus,
-    ModelStates,
-    PlanRejected,
-    schema_problem,
-)
+from shared.messages.activity import ModelStates
+from shared.messages.config import Demand, FleetConfig
+from shared.messages.hosts import HostReport
+from shared.messages.plans import HostPlan
+from shared.messages.replies import HostLiveness
+from shared.messages.status import HostStatus, PlanRejected
+from shared.messages.wire import schema_problem
 
 log = structlog.get_logger("lanes.planner")
 LOST_AFTER_INTERVALS = 3  # a host is lost after this many report intervals of silence

@@ -18,7 +18,9 @@ from dataclasses import dataclass
 import msgspec
 
 from shared.lane_key import lane_key
-from shared.messages import FleetConfig, HostPlan, HostReport, LaneSpec
+from shared.messages.config import FleetConfig
+from shared.messages.hosts import HostReport
+from shared.messages.plans import HostPlan, LaneSpec
 
 GPU_LANE_THREADS = 2  # a GPU lane's CPU side (sampling, the input layer); 1 on small hosts
 SMALL_HOST_CORES = 8

@@ -22,7 +22,10 @@ from planner_svc.personas import persona_for
 from planner_svc.planner import plan
 from planner_svc.policy import host_budgets
 from planner_svc.waking import effective
-from shared.messages import Demand, FleetConfig, FleetPlan, HostPlan, HostReport, LaneFeedback, LaneSpec, Persona
+from shared.messages.config import Demand, FleetConfig, Persona
+from shared.messages.hosts import HostReport
+from shared.messages.plans import FleetPlan, HostPlan, LaneSpec
+from shared.messages.status import LaneFeedback
 
 MAX_ROUNDS = 4  # evict-and-replan rounds per job
 

@@ -17,7 +17,9 @@ import msgspec
 
 from planner_svc.demand_state import DemandState
 from planner_svc.personas import lanes_by_name, persona_for, persona_name
-from shared.messages import Demand, HostPlan, HostReport, Persona
+from shared.messages.config import Demand, Persona
+from shared.messages.hosts import HostReport
+from shared.messages.plans import HostPlan
 
 
 def known_wakes(state: DemandState, personas: Sequence[Persona], extra: frozenset[str]) -> DemandState:

@@ -2,7 +2,7 @@
 docs/reference/cli.md (every `lanes` command and option, from the argparse parser),
 docs/reference/config.md (every fleet config and persona key, from the wire structs and the
 comments above their fields) and docs/reference/messages.md (every subject and KV key from
-shared/subjects.py, every wire message from shared/messages.py). `--check` compares instead of writing (tests/test_docs.py)."""
+shared/subjects.py, every wire message from shared/messages/). `--check` compares instead of writing (tests/test_docs.py)."""
 
 from __future__ import annotations
 
@@ -141,7 +141,7 @@ def _struct_table(cls: type, skip: set[str]) -> list[str]:
 
 
 def config_page() -> str:
-    from shared.messages import FleetConfig, Persona
+    from shared.messages.config import FleetConfig, Persona
 
     out = [HEADER, "# Config keys", "",
            "## Fleet config", "",
@@ -180,19 +180,15 @@ def _subjects() -> list[str]:
 
 
 def messages_page() -> str:
-    import msgspec
-
-    from shared import messages
+    from shared.messages import catalog
 
     out = [HEADER, "# Subjects, keys and messages", "",
-           "Generated from `shared/subjects.py` and `shared/messages.py`; the JSON Schemas of the messages",
+           "Generated from `shared/subjects.py` and `shared/messages/`; the JSON Schemas of the messages",
            "are in `docs/schemas/` (`python -m shared.schemas`). How they are used: [On the bus](../bus.md).", "",
            "## Subjects and KV keys", "", f"KV keys live in the bucket `{__import__('shared.subjects').subjects.BUCKET}`.", ""]  # fmt: skip
     out += _subjects()
     out += ["", "## Messages", ""]
-    structs = [v for v in vars(messages).values()
-               if isinstance(v, type) and issubclass(v, msgspec.Struct) and v.__module__ == messages.__name__]  # fmt: skip
-    for cls in structs:
+    for cls in catalog.structs():
         out += [f"### {cls.__name__}", ""]
         doc = (cls.__doc__ or "").strip()
         if doc:

@@ -18,7 +18,7 @@ import msgspec
 from shared.gguf_facts import model_name
 from shared.gguf_scan import GGUFFormatError, GGUFHeader, TensorInfo, read_header
 from shared.gguf_weights import group_weights
-from shared.messages import OUTPUT_LAYER, AdapterFacts, ModelFacts
+from shared.messages.hosts import OUTPUT_LAYER, AdapterFacts, ModelFacts
 
 _OUTPUT = ("output.",)
 

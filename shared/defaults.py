@@ -1,7 +1,7 @@
 """Every default two parts of lanes share, once, by concern: timing, ports, sizes.
 
 The CLI (lanes/cli.py), the services (agent, planner, gateway), the messages' field defaults
-(shared/messages.py) and the docs' tables (docs/gateway.md, docs/operations.md and the generated
+(shared/messages/) and the docs' tables (docs/gateway.md, docs/operations.md and the generated
 docs/reference/config.md) all read these; tests/test_defaults.py checks that the CLI, the messages
 and the docs agree with them. Imports nothing of lanes.
 """

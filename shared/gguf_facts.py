@@ -17,7 +17,7 @@ import msgspec
 from shared.gguf_projector import is_projector_name, pair, projector_facts
 from shared.gguf_scan import ArrayLength, GGUFFormatError, GGUFHeader, read_header
 from shared.gguf_weights import expert_weights, layer_weights
-from shared.messages import ModelFacts
+from shared.messages.hosts import ModelFacts
 
 # llama.cpp's default sliding-window pattern per architecture when the GGUF has none
 # (llama_model_*::load_arch_hparams: gemma2 2, gemma3 6, cohere2 4, gpt-oss 2: even layers slide).

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from shared.gguf_scan import GGUFFormatError, GGUFHeader, read_header
 from shared.gguf_weights import cuda_bytes
-from shared.messages import ProjectorFacts
+from shared.messages.hosts import ProjectorFacts
 
 PROJECTOR_ARCH = "clip"
 # A weight type or quantization at the end of a file's stem: -f16, .Q4_K_M, _bf16, -IQ3_XXS, -model-f16.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 from shared.gguf_scan import GGUFHeader, TensorInfo, tensor_bytes
-from shared.messages import LayerWeights
+from shared.messages.hosts import LayerWeights
 
 # ggml types the CPU backend's repack kernels take (ggml-cpu/repack.cpp); which of them a
 # given CPU repacks is the host's business (shared.memory.cpu_repack.repack_rule).

@@ -15,7 +15,7 @@ import hashlib
 
 import msgspec
 
-from shared.messages import LaneSpec
+from shared.messages.plans import LaneSpec
 
 # The launch fields: every LaneSpec field shared.llama.flags.lane_args reads, and the GPUs the
 # lane is placed on (tests/test_lane_key.py holds the list to lane_args).

@@ -1,7 +1,7 @@
 """JSON Schemas of the wire messages, one file per type in docs/schemas/.
 
-The files are generated from shared.messages and checked in, so a change to a message
-shows up in review; tests/test_schemas.py fails when they are stale.
+The files are generated from shared.messages.catalog.WIRE_TYPES and checked in, so a change to
+a message shows up in review; tests/test_schemas.py fails when they are stale.
 
     python -m shared.schemas            # rewrite docs/schemas/
     python -m shared.schemas OUT_DIR    # write them somewhere else
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import msgspec
 
-from shared.messages import WIRE_TYPES
+from shared.messages.catalog import WIRE_TYPES
 
 DEFAULT_FOLDER = Path(__file__).resolve().parent.parent / "docs" / "schemas"
 

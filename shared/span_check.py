@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from shared.llama.logs import parse_buffers
 from shared.llama.printed import Check, compare
-from shared.messages import LaneSpec
+from shared.messages.plans import LaneSpec
 
 # Feedback whose detail starts so: the planner gives that serving host no span for the model
 # until the feedback expires (planner_svc.spans.span_blocked).

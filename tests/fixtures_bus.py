@@ -21,7 +21,8 @@ from launcher_agent.service import run_agent
 from planner_svc.service import run_planner
 from shared import subjects
 from shared.bus import connect, kv_bucket
-from shared.messages import FleetStatus, HostStatus
+from shared.messages.replies import FleetStatus
+from shared.messages.status import HostStatus
 from shared.natsserver import NatsServer
 
 FAKE = Path(__file__).parent / "fake_llama_server.py"

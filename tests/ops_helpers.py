@@ -13,7 +13,8 @@ import psutil
 
 from shared import subjects
 from shared.bus import kv_bucket
-from shared.messages import HostPlan, PlannerLease
+from shared.messages.activity import PlannerLease
+from shared.messages.plans import HostPlan
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -20,19 +20,10 @@ import msgspec
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from planner_svc.planner import plan  # noqa: E402
-from shared.messages import (  # noqa: E402
-    Demand,
-    FleetConfig,
-    FleetPlan,
-    GpuInfo,
-    HostPlan,
-    HostReport,
-    LaneFeedback,
-    LaneSpec,
-    ModelFacts,
-    Persona,
-    ServerCaps,
-)
+from shared.messages.config import Demand, FleetConfig, Persona  # noqa: E402
+from shared.messages.hosts import GpuInfo, HostReport, ModelFacts, ServerCaps  # noqa: E402
+from shared.messages.plans import FleetPlan, HostPlan, LaneSpec  # noqa: E402
+from shared.messages.status import LaneFeedback  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 INPUTS = GOLDEN / "plan_inputs.json"

@@ -22,7 +22,9 @@ from shared.llama.flags import lane_args, parse_caps
 from shared.memory import LaneShape, lane_memory
 from shared.memory.buffers import adapter_bytes
 from shared.memory.placement import place
-from shared.messages import OUTPUT_LAYER, Demand, FleetConfig, HostReport, LaneSpec, Persona, ServerCaps
+from shared.messages.config import Demand, FleetConfig, Persona
+from shared.messages.hosts import OUTPUT_LAYER, HostReport, ServerCaps
+from shared.messages.plans import LaneSpec
 
 MIB = 1 << 20
 

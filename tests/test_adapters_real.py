@@ -21,7 +21,8 @@ from waiting import eventually
 from gateway.service import Gateway, run_gateway
 from gateway.settings import GatewaySettings
 from shared import subjects
-from shared.messages import Demand, Persona, encode
+from shared.messages.config import Demand, Persona
+from shared.messages.wire import encode
 
 MIB = 1 << 20
 ALL = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")

@@ -31,7 +31,8 @@ from launcher_agent.child_env import allowed, child_environment
 from launcher_agent.logpump import CHUNK
 from launcher_agent.process import TAIL_BYTES, LaneProcess, LogLimits, pump_argv
 from shared.llama.logs import LOADED_FOR_GOOD
-from shared.messages import FleetConfig, HostPlan, LaneSpec
+from shared.messages.config import FleetConfig
+from shared.messages.plans import HostPlan, LaneSpec
 
 SECRET = "LANES_TEST_SECRET_TOKEN"
 NAMED = "MY_LANE_SETTING"
@@ -282,7 +283,7 @@ def test_the_fake_prints_the_prompt_at_debug_level(tmp_path, models):
 
 def test_the_fleet_config_carries_the_log_limits_into_each_plan():
     from planner_svc.planner import plan
-    from shared.messages import HostReport, ServerCaps
+    from shared.messages.hosts import HostReport, ServerCaps
 
     report = HostReport(host_id="h", cpu_cores=2, ram_total=8 * 2**30, ram_available=8 * 2**30, server=ServerCaps())
     (host,) = plan([report], FleetConfig(lane_log_max_bytes=MIB, lane_log_files=5)).hosts
@@ -332,7 +333,7 @@ def _listening(port: int, popen: subprocess.Popen, timeout: float = 30.0) -> boo
 
 def test_real_ggml_rpc_servers_get_no_secret(tmp_path, rpc_bin, monkeypatch):
     from launcher_agent.rpc_worker import RpcWorkers, WorkerSettings
-    from shared.messages import RpcWorkerSpec
+    from shared.messages.plans import RpcWorkerSpec
 
     monkeypatch.setenv(SECRET, "s3cr3t")
     monkeypatch.setenv(NAMED, "given")

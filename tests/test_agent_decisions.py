@@ -9,7 +9,7 @@ from launcher_agent import health
 from launcher_agent.drain import DRAIN_GRACE, IDLE_SETTLE, decide, idle_after, to_ask, verdict
 from launcher_agent.health import CheckUse, Failed, LaneHealth, Outcome, PortBusy, Probe, Rules, transition
 from launcher_agent.reconcile import MAX_FAILURES, Restart, Start, Stop, backoff
-from shared.messages import LaneSpec
+from shared.messages.plans import LaneSpec
 
 SPEC = LaneSpec(lane_id="a", model="m", model_path="/m.gguf", alias="m", port=8080, ctx_total=4096,
                 ctx_per_slot=2048, parallel=2, args=("--ctx-size", "4096"))  # fmt: skip

@@ -20,7 +20,7 @@ from launcher_agent.report import host_report
 from launcher_agent.supervisor import Supervisor
 from planner_svc.planner import plan
 from shared.llama.flags import lane_args
-from shared.messages import FleetConfig
+from shared.messages.config import FleetConfig
 
 
 @pytest.fixture

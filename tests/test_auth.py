@@ -29,7 +29,10 @@ from launcher_agent.service import run_agent
 from planner_svc.service import run_planner
 from shared import subjects
 from shared.bus import connect, kv_bucket
-from shared.messages import ConfigSet, HostReport, HostStatus, encode
+from shared.messages.hosts import HostReport
+from shared.messages.replies import ConfigSet
+from shared.messages.status import HostStatus
+from shared.messages.wire import encode
 from shared.nats_auth import NatsAuth
 from shared.natsserver import NatsServer
 

@@ -18,7 +18,12 @@ from launcher_agent.cores import host_cores
 from planner_svc.threads import cpu_ranges
 from shared import subjects
 from shared.bus import kv_bucket
-from shared.messages import ConfigSet, Demand, HostPlan, HostReport, Persona, PlanRejected, encode
+from shared.messages.config import Demand, Persona
+from shared.messages.hosts import HostReport
+from shared.messages.plans import HostPlan
+from shared.messages.replies import ConfigSet
+from shared.messages.status import PlanRejected
+from shared.messages.wire import encode
 
 GIB = 2**30
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from shared.llama.flags import lane_args, parse_caps
-from shared.messages import LaneSpec, ServerCaps
+from shared.messages.hosts import ServerCaps
+from shared.messages.plans import LaneSpec
 
 NEW_HELP = """\
 ----- common params -----

@@ -18,7 +18,9 @@ from waiting import eventually
 
 from shared import subjects
 from shared.gguf_facts import read_model_facts
-from shared.messages import Demand, HostQuery, Persona, encode
+from shared.messages.config import Demand, Persona
+from shared.messages.replies import HostQuery
+from shared.messages.wire import encode
 
 
 async def test_gemma_without_a_template_is_served_with_gemma_not_chatml(nats_server, tmp_path, llama_server,

@@ -12,15 +12,9 @@ import msgspec
 import pytest
 
 from shared.gguf_facts import read_model_facts
-from shared.messages import (
-    Demand,
-    FleetConfig,
-    FleetPlan,
-    HostReport,
-    MemoryBreakdown,
-    Persona,
-    ServerCaps,
-)
+from shared.messages.config import Demand, FleetConfig, Persona
+from shared.messages.hosts import HostReport, ServerCaps
+from shared.messages.plans import FleetPlan, MemoryBreakdown
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 1024**3

@@ -44,7 +44,10 @@ from waiting import eventually
 
 from shared import subjects
 from shared.bus import connect, kv_bucket, leader_view
-from shared.messages import FleetConfig, FleetHosts, HostPlan, HostStatus
+from shared.messages.config import FleetConfig
+from shared.messages.plans import HostPlan
+from shared.messages.replies import FleetHosts
+from shared.messages.status import HostStatus
 from shared.nats_auth import NatsAuth
 
 ROOT = Path(__file__).resolve().parents[1]

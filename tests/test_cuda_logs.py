@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from shared.memory import MIB, LaneShape, kv_size, lane_memory, place
-from shared.messages import LayerWeights, ModelFacts
+from shared.messages.hosts import LayerWeights, ModelFacts
 from cuda_logs import LOGS, CudaLog
 
 BY_KEY = {log.key: log for log in LOGS}

@@ -27,7 +27,8 @@ from playwright.async_api import async_playwright, expect
 from launcher_agent.probe import probe
 from planner_svc.planner import plan
 from shared.gguf_facts import read_model_facts
-from shared.messages import FleetConfig, HostReport
+from shared.messages.config import FleetConfig
+from shared.messages.hosts import HostReport
 
 LANES = [sys.executable, "-m", "lanes.cli"]
 ROOT = Path(__file__).resolve().parent.parent

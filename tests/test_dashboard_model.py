@@ -10,7 +10,9 @@ from gateway.dashboard.model import EventFeed, dashboard_snapshot
 from gateway.fleet.view import FleetView
 from planner_svc.planner import plan
 from shared.lane_key import lane_key
-from shared.messages import FleetConfig, HostStatus, LaneEvent, LaneStatus, encode
+from shared.messages.config import FleetConfig
+from shared.messages.status import HostStatus, LaneEvent, LaneStatus
+from shared.messages.wire import encode
 
 
 def _fleet(view: FleetView, config: FleetConfig = FleetConfig(), *, ram: int = 32 * GIB):
@@ -98,7 +100,7 @@ def test_unplaced_models_carry_their_reason() -> None:
 
 
 def test_host_liveness_from_the_planners_hosts_key() -> None:
-    from shared.messages import FleetHosts, HostLiveness
+    from shared.messages.replies import FleetHosts, HostLiveness
 
     view = FleetView()
     _fleet(view)
@@ -130,7 +132,7 @@ def test_events_newest_first_and_bounded() -> None:
 
 
 def test_a_lane_split_over_two_gpus_draws_on_both_bars() -> None:
-    from shared.messages import GpuInfo
+    from shared.messages.hosts import GpuInfo
 
     gpus = tuple(GpuInfo(name=f"gpu{i}", vram_total=4 * GIB, vram_free=4 * GIB, device=f"CUDA{i}") for i in range(2))
     report = host("h1", ram_available=32 * GIB, ram_total=64 * GIB, models=(llama_8b(),), gpus=gpus)

@@ -21,7 +21,10 @@ from launcher_agent.health import Rules
 from planner_svc.lease import DEFAULT_TTL
 from shared import defaults as d
 from shared.memory import DEFAULT_N_UBATCH
-from shared.messages import FleetConfig, HostPlan, HostReport, LaneSpec, PlannerLease, RpcWorkerOffer
+from shared.messages.activity import PlannerLease
+from shared.messages.config import FleetConfig
+from shared.messages.hosts import HostReport, RpcWorkerOffer
+from shared.messages.plans import HostPlan, LaneSpec
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 TABLE_PAGES = [DOCS / "gateway.md", DOCS / "operations.md", DOCS / "reference" / "config.md"]

@@ -13,7 +13,8 @@ from planner_svc.demand import model_states, plan_on_demand
 from planner_svc.demand_state import FAILED_TTL, WAKE_TTL, DemandState
 from planner_svc.idle import due
 from planner_svc.planner import plan
-from shared.messages import Demand, FleetConfig, GatewayActivity, ModelActivity, Persona
+from shared.messages.activity import GatewayActivity, ModelActivity
+from shared.messages.config import Demand, FleetConfig, Persona
 
 CONFIG = FleetConfig(min_residency=30.0)
 MODELS = (llama_1b("a"), llama_1b("b"), llama_1b("c"))
@@ -221,7 +222,7 @@ def test_a_planner_taking_over_carries_on_from_the_models_key():
     """A stand-by follows the active planner's `models` key: after a failover, what was evicted stays unloaded."""
     from planner_svc.state import PlannerState
     from shared import subjects
-    from shared.messages import ModelState, ModelStates
+    from shared.messages.activity import ModelState, ModelStates
 
     f = Fleet([one_room_host()], config=msgspec.structs.replace(CONFIG, min_residency=0.0))
     f.replan(0.0)
@@ -247,7 +248,7 @@ def test_a_planner_taking_over_carries_on_from_the_models_key():
 
 def test_cold_start_is_predicted_from_the_rate_a_host_has_shown():
     from planner_svc.coldstart import DEFAULT_READ_RATE, MIN_SECONDS, predicted_seconds, read_rates
-    from shared.messages import HostStatus, LaneStatus
+    from shared.messages.status import HostStatus, LaneStatus
 
     f = Fleet([one_room_host()])
     f.replan(0.0)
@@ -314,7 +315,8 @@ def test_plan_on_demand_model_states_and_demand_due_answer_with_a_new_state_and_
     from planner_svc.demand import demand_due
     from planner_svc.state import PlannerState
     from shared import subjects
-    from shared.messages import HostStatus, LaneStatus, encode
+    from shared.messages.status import HostStatus, LaneStatus
+    from shared.messages.wire import encode
 
     demand = Demand(personas=(Persona(model="a", idle_ttl=150), Persona(model="b")))
     f = Fleet([one_room_host()], demand)

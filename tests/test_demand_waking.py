@@ -6,7 +6,8 @@ from test_planner import host, llama_1b
 
 from planner_svc.demand_state import DemandState
 from planner_svc.waking import effective, known_wakes, wake
-from shared.messages import HostPlan, LaneSpec, Persona
+from shared.messages.config import Persona
+from shared.messages.plans import HostPlan, LaneSpec
 
 PERSONAS = [Persona(model="a"), Persona(model="b"), Persona(model="c", lanes=2)]
 REPORTS = [host("h1", models=(llama_1b("a"), llama_1b("b"), llama_1b("c")))]

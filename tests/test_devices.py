@@ -220,7 +220,7 @@ def test_probe_reads_the_ngl_rule_from_help():
 
 def test_device_lines_show_planned_and_printed():
     from shared.llama.printed import device_lines
-    from shared.messages import DeviceMemory, LaneSpec, MemoryBreakdown
+    from shared.messages.plans import DeviceMemory, LaneSpec, MemoryBreakdown
 
     planned = (DeviceMemory(device="CPU", model_bytes=170 * MIB), DeviceMemory(device="GPU0", kv_bytes=8 * MIB, layers=19))
     spec = LaneSpec(lane_id="g-0", model="g", model_path="/m", alias="g", port=8080, ctx_total=4096, ctx_per_slot=4096,

@@ -16,7 +16,7 @@ from tinymodels import write_llama
 from shared import subjects
 from shared.bus import kv_bucket
 from shared.llama.printed import COMPUTE_TOLERANCE
-from shared.messages import Demand, Persona
+from shared.messages.config import Demand, Persona
 
 MIB = 2**20
 

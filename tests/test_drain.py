@@ -5,7 +5,7 @@ from __future__ import annotations
 from launcher_agent.drain import IDLE_SETTLE, Drains
 from launcher_agent.lane import Lane
 from launcher_agent.reconcile import Restart, Start, Stop
-from shared.messages import LaneSpec
+from shared.messages.plans import LaneSpec
 
 
 def _spec(lane_id: str) -> LaneSpec:

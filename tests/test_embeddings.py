@@ -14,7 +14,7 @@ from test_real_llama import _planner_with
 from gateway.service import Gateway, run_gateway
 from gateway.settings import GatewaySettings
 from shared.gguf_facts import read_model_facts
-from shared.messages import Demand, Persona
+from shared.messages.config import Demand, Persona
 
 
 def test_the_pooling_type_is_read_from_the_gguf(tmp_path):

@@ -29,7 +29,8 @@ from gateway.settings import GatewaySettings
 from gateway.tenants.keys import digest
 from lanes.online import tenant_lines
 from shared import subjects
-from shared.messages import GatewayActivity, decode
+from shared.messages.activity import GatewayActivity
+from shared.messages.wire import decode
 from shared.natsserver import NatsServer
 
 MODEL = "gemma"

@@ -23,7 +23,10 @@ from shared import subjects
 from shared.bus import kv_bucket
 from shared.lane_key import lane_key
 from shared.llama.flags import lane_args
-from shared.messages import ConfigSet, HostPlan, LaneEvent, encode
+from shared.messages.plans import HostPlan
+from shared.messages.replies import ConfigSet
+from shared.messages.status import LaneEvent
+from shared.messages.wire import encode
 
 HOSTS = ("h1", "h2")
 

@@ -48,22 +48,13 @@ from planner_svc.service import run_planner
 from shared import subjects
 from shared.bus import connect, kv_bucket
 from shared.llama.flags import lane_args
-from shared.messages import (
-    ConfigSet,
-    Demand,
-    FleetConfig,
-    FleetStatus,
-    GatewayActivity,
-    HostPlan,
-    HostQuery,
-    HostReport,
-    HostStatus,
-    LaneSpec,
-    ModelWake,
-    PlannerLease,
-    PlanRejected,
-    encode,
-)
+from shared.messages.activity import GatewayActivity, ModelWake, PlannerLease
+from shared.messages.config import Demand, FleetConfig
+from shared.messages.hosts import HostReport
+from shared.messages.plans import HostPlan, LaneSpec
+from shared.messages.replies import ConfigSet, FleetStatus, HostQuery
+from shared.messages.status import HostStatus, PlanRejected
+from shared.messages.wire import encode
 from shared.natsserver import NatsServer
 
 HOST = "host1"

@@ -28,7 +28,9 @@ from gateway.service import Gateway, run_gateway
 from gateway.routing.tokens import count_tokens
 from gateway.settings import GatewaySettings
 from shared import subjects
-from shared.messages import ConfigSet, Demand, Persona, encode
+from shared.messages.config import Demand, Persona
+from shared.messages.replies import ConfigSet
+from shared.messages.wire import encode
 from msgspec.json import encode as encode_json
 from shared.natsserver import NatsServer
 

@@ -19,7 +19,9 @@ from gateway.settings import GatewaySettings
 from launcher_agent.service import run_agent
 from planner_svc.service import run_planner
 from shared import subjects
-from shared.messages import ConfigSet, GatewayActivity, ModelWake, TenantUsage, encode
+from shared.messages.activity import GatewayActivity, ModelWake, TenantUsage
+from shared.messages.replies import ConfigSet
+from shared.messages.wire import encode
 from shared.nats_auth import NatsAuth
 
 

@@ -10,7 +10,10 @@ from gateway.admission.queue import Admission
 from gateway.refusals import QueueFull, QueueTimeout, UnknownModel
 from gateway.fleet.view import FleetView
 from shared import subjects
-from shared.messages import FleetConfig, HostPlan, HostStatus, LaneSpec, LaneStatus, encode
+from shared.messages.config import FleetConfig
+from shared.messages.plans import HostPlan, LaneSpec
+from shared.messages.status import HostStatus, LaneStatus
+from shared.messages.wire import encode
 
 
 def spec(lane_id: str, model: str = "gemma", alias: str | None = None, port: int = 8080, parallel: int = 2,

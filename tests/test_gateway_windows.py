@@ -19,7 +19,7 @@ from waiting import eventually
 import gateway.edge.app
 from gateway.service import Gateway, run_gateway
 from gateway.settings import GatewaySettings
-from shared.messages import Demand, Persona
+from shared.messages.config import Demand, Persona
 
 
 @pytest.mark.parametrize("tokenizer", ["answers", "silent"])

@@ -9,7 +9,7 @@ import pytest
 
 from planner_svc import planner
 from planner_svc.gc_pause import gc_paused
-from shared.messages import FleetConfig
+from shared.messages.config import FleetConfig
 from test_planner import host
 
 

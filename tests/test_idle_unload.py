@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from planner_svc.demand_state import WAKE_TTL, DemandState
 from planner_svc.idle import abandoned_loads, due, idle_unloads, unload_idle
-from shared.messages import FleetConfig, GatewayActivity, HostPlan, LaneSpec, ModelActivity, Persona
+from shared.messages.activity import GatewayActivity, ModelActivity
+from shared.messages.config import FleetConfig, Persona
+from shared.messages.plans import HostPlan, LaneSpec
 
 CONFIG = FleetConfig()
 

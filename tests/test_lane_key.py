@@ -8,7 +8,8 @@ import pytest
 
 from shared.lane_key import KEY_FIELDS, lane_key
 from shared.llama.flags import lane_args
-from shared.messages import LaneLayout, LaneSpec, MemoryBreakdown, ServerCaps, SpanWorker
+from shared.messages.hosts import ServerCaps
+from shared.messages.plans import LaneLayout, LaneSpec, MemoryBreakdown, SpanWorker
 
 BASE = LaneSpec(lane_id="m-0", model="m", model_path="/models/m.gguf", alias="m", port=8080, ctx_total=4096,
                 ctx_per_slot=4096, parallel=1)  # fmt: skip

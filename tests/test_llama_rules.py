@@ -10,7 +10,8 @@ from shared.llama.builds import caps_for_build
 from shared.llama.chat_templates import builtin_template
 from shared.llama.flags import lane_args
 from shared.llama.flash_attn import resolve_flash_attn
-from shared.messages import LaneSpec, ModelFacts, ServerCaps
+from shared.messages.hosts import ModelFacts, ServerCaps
+from shared.messages.plans import LaneSpec
 
 NEW = ServerCaps()
 OLD = ServerCaps(flash_attn_form="switch")

@@ -13,7 +13,7 @@ import pytest
 from shared.gguf_facts import read_model_facts
 from planner_svc.layouts import with_layers
 from shared.memory import LaneShape, MemoryModelError, kv_caches, kv_cells, kv_size, lane_memory, row_bytes
-from shared.messages import ModelFacts
+from shared.messages.hosts import ModelFacts
 
 MIB = 2**20
 

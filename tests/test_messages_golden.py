@@ -23,7 +23,7 @@ CANDIDATE_TEXTS = ("gemma", "cpu", "CUDA0", "127.0.0.1:50052", "0", "a")
 
 
 def wire_structs() -> dict[str, type[msgspec.Struct]]:
-    """Every Struct defined in shared.messages or its modules, by name (names are unique)."""
+    """Every Struct defined in shared.messages or its modules, by name (names are unique), bases left out."""
     import shared.messages as root
 
     modules = [root]
@@ -32,7 +32,8 @@ def wire_structs() -> dict[str, type[msgspec.Struct]]:
     found: dict[str, type[msgspec.Struct]] = {}
     for module in modules:
         for value in vars(module).values():
-            if isinstance(value, type) and issubclass(value, msgspec.Struct) and value.__module__ == module.__name__:
+            if isinstance(value, type) and issubclass(value, msgspec.Struct) and value.__module__ == module.__name__ \
+                    and not value.__subclasses__():  # a base class is never sent: its fields are in each message's
                 assert value.__name__ not in found or found[value.__name__] is value, value.__name__
                 found[value.__name__] = value
     return found
@@ -84,7 +85,8 @@ def sample(info: mi.Type) -> object:
 def record_of(struct: type[msgspec.Struct]) -> dict:
     filled = msgspec.convert(sample(mi.type_info(struct)), struct)
     (_,), components = msgspec.json.schema_components([struct], ref_template="#/$defs/{name}")
-    return {"schema": _without_descriptions(json.loads(json.dumps(components))), "sample": msgspec.json.encode(filled).decode(),
+    own = components[struct.__name__]  # the structs it holds are recorded under their own names
+    return {"schema": _without_descriptions(json.loads(json.dumps(own))), "sample": msgspec.json.encode(filled).decode(),
             "defaults": msgspec.json.encode(msgspec.convert(_required_only(struct), struct)).decode()}  # fmt: skip
 
 
@@ -133,5 +135,6 @@ def test_the_golden_file_is_not_empty_and_covers_the_tagged_messages():
 
 if __name__ == "__main__" and sys.argv[1:] == ["record"]:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    GOLDEN.write_text(json.dumps(current(), indent=1, sort_keys=True) + "\n")
+    lines = [f"{json.dumps(name)}: {json.dumps(record, sort_keys=True)}" for name, record in current().items()]
+    GOLDEN.write_text("{\n" + ",\n".join(lines) + "\n}\n")  # a message a line: a diff names the messages
     print(f"recorded {len(json.loads(GOLDEN.read_text()))} messages in {GOLDEN}")

@@ -36,7 +36,7 @@ from waiting import eventually, eventually_blocking
 
 from shared import subjects
 from shared.bus import connect, kv_bucket
-from shared.messages import HostStatus, LaneStatus
+from shared.messages.status import HostStatus, LaneStatus
 from shared.natsserver import nats_server_binary
 
 LANES = str(Path(sys.executable).parent / "lanes")

@@ -23,7 +23,9 @@ from gateway.service import Gateway, run_gateway
 from gateway.settings import GatewaySettings
 from shared import subjects
 from lanes.online import render_status
-from shared.messages import ConfigSet, Demand, FleetStatus, Persona, encode
+from shared.messages.config import Demand, Persona
+from shared.messages.replies import ConfigSet, FleetStatus
+from shared.messages.wire import encode
 
 MIB = 1 << 20
 HOST = "od"
@@ -189,7 +191,7 @@ async def test_a_planner_killed_while_requests_are_held_the_stand_by_loads_the_m
     serves it. What the first planner had evicted stays unloaded (the models key carries it on)."""
     from planner_svc.service import run_planner
     from shared.bus import kv_bucket
-    from shared.messages import PlannerLease
+    from shared.messages.activity import PlannerLease
 
     models = tmp_path / "models"
     models.mkdir()

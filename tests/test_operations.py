@@ -21,7 +21,10 @@ from ops_helpers import REPO, Procs, kill_lanes_under, lease_holder, plans
 
 from shared import subjects
 from shared.bus import connect, kv_bucket
-from shared.messages import ConfigSet, Demand, FleetHosts, HostStatus, LaneEvent, Persona, encode
+from shared.messages.config import Demand, Persona
+from shared.messages.replies import ConfigSet, FleetHosts
+from shared.messages.status import HostStatus, LaneEvent
+from shared.messages.wire import encode
 
 QUIET_SECONDS = 60.0
 

@@ -21,7 +21,9 @@ from planner_svc.service import PlannerService
 from planner_svc.state import PlannerState
 from shared import subjects
 from shared.bus import kv_bucket
-from shared.messages import FleetConfig, HostPlan, encode
+from shared.messages.config import FleetConfig
+from shared.messages.plans import HostPlan
+from shared.messages.wire import encode
 
 HOSTS = ("h1", "h2")
 CONFIGS = (FleetConfig(), FleetConfig(kv_cache_type="q8_0"), FleetConfig(n_ubatch=256), FleetConfig(kv_cache_type="q4_0"))

@@ -12,18 +12,9 @@ from hypothesis import strategies as st
 from planner_svc.layouts import GPU_CONTEXT_BYTES
 from planner_svc.planner import plan
 from shared.memory import QUANTIZED
-from shared.messages import (
-    Demand,
-    FleetConfig,
-    FleetPlan,
-    GpuInfo,
-    HostPlan,
-    HostReport,
-    LaneSpec,
-    ModelFacts,
-    Persona,
-    ServerCaps,
-)
+from shared.messages.config import Demand, FleetConfig, Persona
+from shared.messages.hosts import GpuInfo, HostReport, ModelFacts, ServerCaps
+from shared.messages.plans import FleetPlan, HostPlan, LaneSpec
 
 GIB = 1024**3
 MIB = 1024**2
@@ -628,7 +619,7 @@ def test_long_model_name_gives_valid_lane_id():
 
 
 def test_feedback_unsupported_falls_back_to_f16():
-    from shared.messages import LaneFeedback
+    from shared.messages.status import LaneFeedback
 
     fb = LaneFeedback(lane_id="llama-8b-0", model="llama-8b", kind="unsupported", cache_type_k="q8_0", cache_type_v="q8_0")
     lane = only_lane(plan([host()], FleetConfig(kv_cache_type="q8_0"), feedback={"h1": [fb]}))
@@ -637,7 +628,7 @@ def test_feedback_unsupported_falls_back_to_f16():
 
 
 def test_feedback_oom_caps_window():
-    from shared.messages import LaneFeedback
+    from shared.messages.status import LaneFeedback
 
     report = host(ram_available=96 * GIB, ram_total=128 * GIB)
     demand = Demand(personas=(Persona(model="llama-8b", ctx_min=2048),))
@@ -649,7 +640,7 @@ def test_feedback_oom_caps_window():
 
 
 def test_feedback_crash_loop_unplaces_that_spec_only():
-    from shared.messages import LaneFeedback
+    from shared.messages.status import LaneFeedback
 
     fb = LaneFeedback(lane_id="llama-8b-0", model="llama-8b", kind="crash_loop", detail="error loading model")
     fleet = plan([host()], FleetConfig(), feedback={"h1": [fb]})
@@ -661,7 +652,7 @@ def test_feedback_crash_loop_unplaces_that_spec_only():
 
 
 def test_feedback_over_plan_sizes_larger_within_budget():
-    from shared.messages import LaneFeedback
+    from shared.messages.status import LaneFeedback
 
     report = host(ram_available=16 * GIB)
     before = only_lane(plan([report], FleetConfig()))

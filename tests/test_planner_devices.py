@@ -9,7 +9,9 @@ from test_planner import GIB, check_invariants, device_use, host, llama_8b, only
 from planner_svc.layouts import GPU_CONTEXT_BYTES, DevicePins, Layout, cost_vector, pins_for
 from planner_svc.planner import plan
 from shared.lane_key import lane_key
-from shared.messages import Demand, FleetConfig, GpuInfo, HostPlan, HostReport, LaneLayout, Persona
+from shared.messages.config import Demand, FleetConfig, Persona
+from shared.messages.hosts import GpuInfo, HostReport
+from shared.messages.plans import HostPlan, LaneLayout
 
 MIB = 2**20
 

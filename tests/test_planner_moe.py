@@ -13,7 +13,8 @@ from planner_svc.lane_windows import PlannedLane
 from planner_svc.layouts import GPU_CONTEXT_BYTES, Layout, cost_vector, describe, rank
 from planner_svc.planner import plan
 from planner_svc.policy import Flags
-from shared.messages import FleetConfig, LayerWeights, ModelFacts, Persona, ServerCaps
+from shared.messages.config import FleetConfig, Persona
+from shared.messages.hosts import LayerWeights, ModelFacts, ServerCaps
 
 EXPERTS = 330 * MIB  # per block: 128 experts x 768 x 2048 x 3 matrices at about 4.5 bits
 DENSE = 20 * MIB  # per block: attention, norms, router
@@ -106,7 +107,7 @@ def test_more_vram_never_means_more_experts_in_ram(free):
 
 
 def test_gpu_lanes_say_how_flash_attention_auto_resolves():
-    from shared.messages import GpuInfo
+    from shared.messages.hosts import GpuInfo
 
     cuda = only_lane(plan([host(gpus=(gpu(0, 24, 23),))], FleetConfig()))
     assert any("flash attention auto resolves to on (cuda" in r for r in cuda.reasons), cuda.reasons

@@ -6,15 +6,9 @@ import msgspec
 
 from planner_svc.state import PlannerState
 from shared import subjects
-from shared.messages import (
-    Demand,
-    FleetConfig,
-    HostReport,
-    ModelFacts,
-    Persona,
-    ServerCaps,
-    encode,
-)
+from shared.messages.config import Demand, FleetConfig, Persona
+from shared.messages.hosts import HostReport, ModelFacts, ServerCaps
+from shared.messages.wire import encode
 
 GIB = 2**30
 MODEL = ModelFacts(path="/m/a.gguf", name="a", architecture="llama", n_layer=8, n_embd=512, n_head=8,
@@ -77,7 +71,7 @@ def test_config_set_merges_numbers_and_refuses_what_the_planner_owns():
     import pytest
 
     from planner_svc.answers import merged_config
-    from shared.messages import ConfigSet
+    from shared.messages.replies import ConfigSet
 
     current = FleetConfig(kv_cache_type="q8_0", revision=4)
     new = merged_config(current, ConfigSet(changes={"flash_attn": "on"}), 5)

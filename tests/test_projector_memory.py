@@ -23,7 +23,9 @@ from shared.llama.flags import lane_args, parse_caps
 from shared.llama.logs import devices_from_lines
 from shared.memory import LaneShape, lane_memory
 from shared.memory.projector import projector_compute_bytes
-from shared.messages import Demand, FleetConfig, GpuInfo, LaneSpec, Persona, ProjectorFacts, ServerCaps
+from shared.messages.config import Demand, FleetConfig, Persona
+from shared.messages.hosts import GpuInfo, ProjectorFacts, ServerCaps
+from shared.messages.plans import LaneSpec
 
 MIB = 2**20
 GIB = 2**30

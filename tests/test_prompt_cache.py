@@ -9,7 +9,8 @@ from planner_svc.prompt_cache import CACHE_STEP_MIB, DEFAULT_CACHE_RAM_MIB, MIB,
 from shared.gguf_facts import read_model_facts
 from shared.llama.flags import args_problem, lane_args, parse_caps
 from shared.memory import LaneShape, lane_memory
-from shared.messages import Demand, FleetConfig, Persona, ServerCaps
+from shared.messages.config import Demand, FleetConfig, Persona
+from shared.messages.hosts import ServerCaps
 from test_planner import GIB, device_use, host, llama_1b, only_host, only_lane
 
 

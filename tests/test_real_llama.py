@@ -19,7 +19,9 @@ from tinymodels import write_gemma3, write_llama
 
 from launcher_agent.reconcile import MAX_FAILURES
 from shared import subjects
-from shared.messages import ConfigSet, Demand, Persona, encode
+from shared.messages.config import Demand, Persona
+from shared.messages.replies import ConfigSet
+from shared.messages.wire import encode
 
 MIB = 2**20
 

@@ -17,7 +17,8 @@ from launcher_agent.reconcile import (
 )
 from shared.lane_key import lane_key
 from shared.llama.flags import lane_args
-from shared.messages import HostPlan, LaneSpec, ServerCaps
+from shared.messages.hosts import ServerCaps
+from shared.messages.plans import HostPlan, LaneSpec
 
 CAPS = ServerCaps()
 

@@ -8,7 +8,9 @@ from hypothesis import strategies as st
 
 from planner_svc.rollout import allowed, paced, runs
 from shared.llama.flags import lane_args
-from shared.messages import HostPlan, HostStatus, LaneFeedback, LaneSpec, LaneStatus, ServerCaps
+from shared.messages.hosts import ServerCaps
+from shared.messages.plans import HostPlan, LaneSpec
+from shared.messages.status import HostStatus, LaneFeedback, LaneStatus
 
 CAPS = ServerCaps()
 HOSTS = ("h1", "h2", "h3")

@@ -16,7 +16,8 @@ from test_on_demand import _chat, gateway
 from waiting import eventually
 
 from shared import subjects
-from shared.messages import ConfigSet, encode
+from shared.messages.replies import ConfigSet
+from shared.messages.wire import encode
 
 HOSTS = ("r1", "r2", "r3")
 

@@ -19,7 +19,7 @@ from waiting import eventually_blocking
 
 from launcher_agent.rpc_worker import RESTART_AFTER, Running, RpcWorkers, WorkerSettings, decide, spec_problem, worker_argv
 from shared.memory.overhead import PROCESS_OVERHEAD, overhead_bytes
-from shared.messages import RpcWorkerSpec
+from shared.messages.plans import RpcWorkerSpec
 from shared.span_check import SPAN_FAILED, span_problem
 
 SETTINGS = WorkerSettings("/opt/ggml-rpc-server", "10.0.0.2", 50052, 4, Path("/tmp/unused"), threads=2)
@@ -70,7 +70,7 @@ def _lines(*rpc: tuple[int, str, float, float, float]) -> list[str]:
 
 
 def _span_spec():
-    from shared.messages import DeviceMemory, LaneSpec, MemoryBreakdown, SpanWorker
+    from shared.messages.plans import DeviceMemory, LaneSpec, MemoryBreakdown, SpanWorker
 
     mib = 2**20
     devices = (
@@ -173,7 +173,8 @@ def test_a_planned_span_over_two_loopback_workers_prints_what_the_plan_says(rpc_
     from shared.gguf_facts import read_model_facts
     from shared.llama.logs import parse_buffers
     from shared.llama.printed import compare
-    from shared.messages import FleetConfig, HostReport, RpcWorkerOffer
+    from shared.messages.config import FleetConfig
+    from shared.messages.hosts import HostReport, RpcWorkerOffer
 
     mib = 2**20
     caps = probe(str(rpc_bin / "llama-server"))

@@ -9,7 +9,9 @@ from test_demand import Fleet, lanes_of
 from test_planner import GIB, host, llama_1b
 
 from planner_svc.scaling import ModelLoad, ScaleState, extra_short, note_report, rescale, step
-from shared.messages import Demand, FleetConfig, FleetPlan, GatewayActivity, HostPlan, LaneSpec, ModelActivity, Persona
+from shared.messages.activity import GatewayActivity, ModelActivity
+from shared.messages.config import Demand, FleetConfig, Persona
+from shared.messages.plans import FleetPlan, HostPlan, LaneSpec
 
 CONFIG = FleetConfig(scale_up_wait=2.0, scale_up_reports=3, scale_down_idle=60.0)
 

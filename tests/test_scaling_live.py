@@ -15,7 +15,9 @@ from test_on_demand import HOST, _chat, _planned, gateway
 from waiting import eventually
 
 from shared import subjects
-from shared.messages import ConfigSet, Demand, Persona, encode
+from shared.messages.config import Demand, Persona
+from shared.messages.replies import ConfigSet
+from shared.messages.wire import encode
 
 # Gateway activity reports the planner gets while the test checks that nothing changes: enough
 # for the scaling rule (scale_up_reports in a row) to have fired twice over had it been going to.

@@ -19,7 +19,7 @@ from gateway.routing.affinity import CHUNK_CHARS
 from gateway.fleet.view import FleetView
 from gateway.sync.shared_view import KVEventBatch, SharedView, from_wire, kv_event_batch, to_wire
 from shared import subjects
-from shared.messages import PrefixEvent
+from shared.messages.prefixes import PrefixEvent
 from shared.natsserver import NatsServer
 
 

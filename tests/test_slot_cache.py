@@ -23,7 +23,8 @@ from launcher_agent.slot_cache import (
 )
 from shared.llama import endpoints
 from shared.llama.flags import args_problem, lane_args
-from shared.messages import LaneSpec, MemoryBreakdown, ServerCaps
+from shared.messages.hosts import ServerCaps
+from shared.messages.plans import LaneSpec, MemoryBreakdown
 
 
 def spec(**kw) -> LaneSpec:

@@ -25,7 +25,10 @@ from tinymodels import write_llama
 from waiting import eventually
 
 from shared import subjects
-from shared.messages import ConfigSet, Demand, LaneEvent, Persona, encode
+from shared.messages.config import Demand, Persona
+from shared.messages.replies import ConfigSet
+from shared.messages.status import LaneEvent
+from shared.messages.wire import encode
 
 CONVERSATIONS = 4
 WORDS = "lane slot cache prompt token model fleet agent planner gateway restart budget".split()

@@ -15,18 +15,10 @@ from planner_svc.layouts import CPU_RESOURCE, Layout
 from planner_svc.planner import plan
 from shared.lane_key import lane_key
 from shared.memory import place
-from shared.messages import (
-    Demand,
-    FleetConfig,
-    FleetPlan,
-    HostPlan,
-    HostReport,
-    LaneFeedback,
-    LaneSpec,
-    Persona,
-    RpcWorkerOffer,
-    ServerCaps,
-)
+from shared.messages.config import Demand, FleetConfig, Persona
+from shared.messages.hosts import HostReport, RpcWorkerOffer, ServerCaps
+from shared.messages.plans import FleetPlan, HostPlan, LaneSpec
+from shared.messages.status import LaneFeedback
 from shared.span_check import SPAN_FAILED
 
 MIB = 2**20
@@ -428,7 +420,8 @@ def test_a_fleet_with_workers_is_replanned_whole_when_one_host_changes():
 
 def test_lanes_status_shows_each_workers_ggml_rpc_server():
     from lanes.online import render_status
-    from shared.messages import FleetStatus, HostStatus, RpcWorkerStatus
+    from shared.messages.replies import FleetStatus
+    from shared.messages.status import HostStatus, RpcWorkerStatus
 
     reports = fleet_of()
     fleet = plan(reports, FleetConfig())

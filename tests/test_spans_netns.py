@@ -28,7 +28,9 @@ from waiting import eventually
 
 from shared import subjects
 from shared.bus import connect, kv_bucket
-from shared.messages import HostPlan, HostReport, HostStatus, LaneStatus
+from shared.messages.hosts import HostReport
+from shared.messages.plans import HostPlan
+from shared.messages.status import HostStatus, LaneStatus
 from shared.natsserver import nats_server_binary
 
 pytestmark = pytest.mark.slow

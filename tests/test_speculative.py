@@ -16,7 +16,8 @@ from shared.gguf_facts import read_model_facts
 from shared.llama.flags import lane_args, parse_caps
 from shared.memory import LaneShape, lane_memory
 from shared.memory.speculative import N_MAX, n_outputs, speculator_host_bytes, target_shape, with_speculation
-from shared.messages import Demand, FleetConfig, GpuInfo, HostReport, Persona, ServerCaps
+from shared.messages.config import Demand, FleetConfig, Persona
+from shared.messages.hosts import GpuInfo, HostReport, ServerCaps
 
 GIB = 1024**3
 MIB = 1024**2

@@ -21,7 +21,7 @@ from shared.llama.logs import DeviceBuffers, parse_buffers
 from shared.llama.printed import compare
 from shared.memory import LaneShape, lane_memory
 from shared.memory.speculative import draft_shape, speculator_host_bytes, target_shape, with_speculation
-from shared.messages import Demand, Persona
+from shared.messages.config import Demand, Persona
 
 MIB = 2**20
 

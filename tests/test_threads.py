@@ -12,14 +12,8 @@ from planner_svc.planner import plan
 from planner_svc.threads import Cores, ThreadNeed, host_cores, split_threads
 from shared.lane_key import lane_key
 from shared.llama.flags import args_problem, lane_args
-from shared.messages import (
-    Demand,
-    FleetConfig,
-    GpuInfo,
-    HostReport,
-    Persona,
-    ServerCaps,
-)
+from shared.messages.config import Demand, FleetConfig, Persona
+from shared.messages.hosts import GpuInfo, HostReport, ServerCaps
 from test_planner import GIB, llama_1b, llama_8b
 
 PROPS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -264,7 +258,8 @@ def test_a_plan_with_impossible_cpu_ids_is_refused_at_decode():
     """Found by the plan fuzzer: a negative CPU id made lane_args raise while the agent checked the plan."""
     import pytest as _pytest
 
-    from shared.messages import LaneSpec, decode, encode
+    from shared.messages.plans import LaneSpec
+    from shared.messages.wire import decode, encode
 
     spec = LaneSpec(lane_id="a", model="m", model_path="/m.gguf", alias="m", port=8080, ctx_total=4096,
                     ctx_per_slot=4096, parallel=1, threads=2, threads_batch=2, cpus=(0, 2))  # fmt: skip

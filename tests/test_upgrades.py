@@ -16,7 +16,10 @@ from launcher_agent.supervisor import Supervisor, model_file_exists
 from planner_svc.planner import plan
 from shared.gguf_facts import scan_models
 from shared.llama.flags import lane_args
-from shared.messages import SCHEMA_VERSION, FleetConfig, HostPlan, HostReport, ServerCaps
+from shared.messages.config import FleetConfig
+from shared.messages.hosts import HostReport, ServerCaps
+from shared.messages.plans import HostPlan
+from shared.messages.wire import SCHEMA_VERSION
 
 CAPS = ServerCaps()
 PORTS = range(8080, 8096)

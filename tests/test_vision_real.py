@@ -21,7 +21,7 @@ from waiting import eventually
 
 from gateway.service import Gateway, run_gateway
 from gateway.settings import GatewaySettings
-from shared.messages import Demand, Persona
+from shared.messages.config import Demand, Persona
 
 MIB = 2**20
 

@@ -11,7 +11,9 @@ import gateway.admission.waking as waking
 from gateway.admission.counts import LaneCounts
 from gateway.fleet.view import FleetView
 from shared import subjects
-from shared.messages import LaneStatus, ModelState, ModelStates, encode
+from shared.messages.activity import ModelState, ModelStates
+from shared.messages.status import LaneStatus
+from shared.messages.wire import encode
 
 
 def put_models(view: FleetView, *models: ModelState) -> None:

@@ -22,7 +22,7 @@ from typing import Literal
 from gateway.admission.counts import LaneCounts
 from gateway.fleet import FleetView, LaneRoute
 from shared import defaults, subjects
-from shared.messages import ModelActivity
+from shared.messages.activity import ModelActivity
 
 Load = Literal["ready", "loading", "unloaded", "failed", "unknown"]
 

@@ -31,7 +31,9 @@ from gateway.dashboard.model import EventFeed, dashboard_snapshot
 from gateway.edge import COOKIE, COOKIE_PATH, SESSION_PATH, SESSION_SECONDS, openai_error, session_token, signing_keys
 from gateway.fleet import FleetView, LaneKey
 from shared import subjects
-from shared.messages import ConfigSet, LaneEvent, encode
+from shared.messages.replies import ConfigSet
+from shared.messages.status import LaneEvent
+from shared.messages.wire import encode
 from shared.supervise import running
 
 log = structlog.get_logger("lanes.dashboard")

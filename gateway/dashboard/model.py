@@ -16,7 +16,10 @@ from gateway.admission import LaneCounts, catalogue
 from gateway.fleet import FleetView, LaneKey, LaneRoute
 from shared.lane_key import lane_key
 from shared.llama.flags import effective_cache_type
-from shared.messages import FleetConfig, HostReport, LaneEvent, LaneSpec, LaneStatus
+from shared.messages.config import FleetConfig
+from shared.messages.hosts import HostReport
+from shared.messages.plans import LaneSpec
+from shared.messages.status import LaneEvent, LaneStatus
 
 
 class EventFeed:

@@ -16,7 +16,12 @@ import msgspec
 
 from shared import subjects
 from shared.llama.endpoints import WILDCARD_BINDS
-from shared.messages import FleetConfig, FleetHosts, HostPlan, HostReport, HostStatus, ModelState, ModelStates
+from shared.messages.activity import ModelState, ModelStates
+from shared.messages.config import FleetConfig
+from shared.messages.hosts import HostReport
+from shared.messages.plans import HostPlan
+from shared.messages.replies import FleetHosts
+from shared.messages.status import HostStatus
 
 LaneKey = tuple[str, str]  # (host_id, lane_id)
 

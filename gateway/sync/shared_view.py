@@ -35,7 +35,8 @@ from gateway.admission import Admission
 from gateway.fleet import LaneKey
 from gateway.routing import CHUNK_CHARS
 from shared import defaults, subjects
-from shared.messages import PREFIX_EVENT_HASHES, PrefixEvent, decode, encode
+from shared.messages.prefixes import PREFIX_EVENT_HASHES, PrefixEvent
+from shared.messages.wire import decode, encode
 
 log = structlog.get_logger("lanes.gateway.sync.shared_view")
 

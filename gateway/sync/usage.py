@@ -21,7 +21,8 @@ from gateway.admission import Admission
 from gateway.tenants import UsageBook
 from shared import defaults, subjects
 from shared.bus import watch_forever
-from shared.messages import TenantUsage, decode, encode
+from shared.messages.activity import TenantUsage
+from shared.messages.wire import decode, encode
 from shared.supervise import cancel_and_wait, running
 
 log = structlog.get_logger("lanes.gateway")

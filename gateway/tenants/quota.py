@@ -15,7 +15,7 @@ import msgspec
 
 from gateway.refusals import Refused
 from gateway.tenants.keys import Tenant
-from shared.messages import TenantUsage
+from shared.messages.activity import TenantUsage
 
 
 def minute_of(wall: float) -> int:

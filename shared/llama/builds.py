@@ -17,7 +17,7 @@ builds where the merge and the release differ):
 
 from __future__ import annotations
 
-from shared.messages import ServerCaps
+from shared.messages.hosts import ServerCaps
 
 KV_STREAMS_BUILD = 5913
 N_CPU_MOE_BUILD = 6100

@@ -10,7 +10,7 @@ builds) a name is read as a jinja template of that literal text, so the name is 
 
 from __future__ import annotations
 
-from shared.messages import ModelFacts
+from shared.messages.hosts import ModelFacts
 
 # general.architecture -> llama-server's built-in template name (llama-chat.cpp LLM_CHAT_TEMPLATES).
 _BY_ARCH = {

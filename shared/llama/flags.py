@@ -19,7 +19,8 @@ from __future__ import annotations
 import re
 
 from shared.memory import BLOCK_BYTES, DEFAULT_N_UBATCH, QUANTIZED
-from shared.messages import LaneSpec, ServerCaps
+from shared.messages.hosts import ServerCaps
+from shared.messages.plans import LaneSpec
 
 DEFAULT_N_BATCH = 2048  # llama-server's; the ubatch is clamped to it
 DEFAULT_CACHE_TYPE = "f16"  # what llama-server uses for K and V when no --cache-type flag is passed

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shared.messages import ModelFacts, ServerCaps
+from shared.messages.hosts import ModelFacts, ServerCaps
 
 _CUDA_SAME_HEAD = frozenset({40, 64, 72, 80, 96, 112, 128, 256})
 # K head -> (the V head it needs, what the heads per KV head must be a multiple of; >= 2 always)

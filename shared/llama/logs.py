@@ -20,7 +20,8 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from shared.messages import DeviceMemory, FailureKind
+from shared.messages.plans import DeviceMemory
+from shared.messages.status import FailureKind
 
 MIB = 1024 * 1024
 

@@ -36,7 +36,8 @@ from shared.memory.placement import CPU, Placement, PlacementError, place
 from shared.memory.overhead import overhead_bytes
 from shared.memory.pooled import pooled_compute
 from shared.memory.shape import LaneShape
-from shared.messages import OUTPUT_LAYER, AdapterFacts, DeviceMemory, LayerWeights, MemoryBreakdown, ModelFacts
+from shared.messages.hosts import OUTPUT_LAYER, AdapterFacts, LayerWeights, ModelFacts
+from shared.messages.plans import DeviceMemory, MemoryBreakdown
 
 PINNED_HOST_BACKENDS = frozenset({"cuda", "rocm"})  # their host buffer type comes first for CPU weights
 

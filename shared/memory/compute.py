@@ -10,7 +10,7 @@ from shared.llama.builds import fa_mask_is_f16, reserves_logits_per_token
 from shared.memory.kv import QUANTIZED, KvSize
 from shared.memory.placement import CPU, Placement
 from shared.memory.shape import LaneShape
-from shared.messages import ModelFacts
+from shared.messages.hosts import ModelFacts
 
 
 def ffn_width(facts: ModelFacts) -> int:

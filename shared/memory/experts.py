@@ -15,7 +15,7 @@ import re
 from collections.abc import Sequence
 
 from shared.memory.placement import PlacementError
-from shared.messages import ModelFacts
+from shared.messages.hosts import ModelFacts
 
 EXPERT_SUFFIXES = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 # Names of a block's other tensors (llama-arch.cpp): an override must leave them where they are.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from shared import defaults
-from shared.messages import KvLayout, ModelFacts
+from shared.messages.hosts import KvLayout, ModelFacts
 
 CTX_PAD = 256
 BLOCK_VALUES = 32

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from shared.memory.kv import MIB
-from shared.messages import ModelFacts
+from shared.messages.hosts import ModelFacts
 
 
 # What a llama-server process holds beyond its buffers (runtime, libraries, HTTP server):

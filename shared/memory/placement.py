@@ -25,7 +25,7 @@ from typing import Literal
 
 import numpy as np
 
-from shared.messages import NGpuLayers
+from shared.messages.plans import NGpuLayers
 
 CPU = -1
 SplitMode = Literal["layer", "none"]

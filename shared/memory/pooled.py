@@ -11,7 +11,7 @@ from __future__ import annotations
 from shared.llama.builds import fa_mask_is_f16
 from shared.memory.kv import KvSize
 from shared.memory.placement import CPU, Placement
-from shared.messages import ModelFacts
+from shared.messages.hosts import ModelFacts
 
 
 def pooled_compute(facts: ModelFacts, placement: Placement, shape, kv: KvSize, compute: list[int]) -> list[int]:

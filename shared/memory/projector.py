@@ -12,7 +12,7 @@ compute buffer for the graph's input, the image (f32 RGB): measured with RPC dev
 from __future__ import annotations
 
 from shared.memory.placement import CPU, Placement
-from shared.messages import ProjectorFacts
+from shared.messages.hosts import ProjectorFacts
 
 PINNED = frozenset({"cuda", "rocm"})
 F32 = 4

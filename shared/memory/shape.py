@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from shared.memory.kv import DEFAULT_N_UBATCH
 from shared.memory.placement import NglRule, SplitMode
-from shared.messages import AdapterFacts, KvLayout, NGpuLayers
+from shared.messages.hosts import AdapterFacts, KvLayout
+from shared.messages.plans import NGpuLayers
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import msgspec
 
 from shared.memory.kv import MIB, MemoryModelError
 from shared.memory.shape import LaneShape
-from shared.messages import MemoryBreakdown
+from shared.messages.plans import MemoryBreakdown
 
 # The longest draft of each kind at llama-server's defaults (common/common.h): draft.n_max 3,
 # ngram_simple/map_k/map_k4v.size_m 48, ngram_mod.n_max 64, ngram-cache 8.

@@ -1,0 +1,66 @@
+"""The planner's requests and replies: a config change, a host query, an error, every host's
+liveness and the whole fleet's status."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from shared.messages.activity import ModelState
+from shared.messages.config import FleetConfig
+from shared.messages.hosts import HostReport
+from shared.messages.plans import HostPlan
+from shared.messages.status import HostStatus
+from shared.messages.wire import MANY, Label, Message, Name, Revision, Seconds, Text
+
+HostState = Literal["live", "lost"]
+
+
+class ConfigSet(Message, tag="config_set", kw_only=True):
+    """Partial update: only the named fields change."""
+
+    changes: Annotated[
+        dict[
+            Annotated[str, msgspec.Meta(max_length=64)],
+            Label | Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)]
+            | Annotated[float, msgspec.Meta(ge=-1e18, le=1e18)] | bool | None,
+        ],
+        msgspec.Meta(max_length=64),
+    ]
+
+
+class HostQuery(Message, tag="host_query", kw_only=True):
+    host_id: Name
+
+
+class ErrorReply(Message, tag="error", kw_only=True):
+    error: Text
+
+
+class HostLiveness(msgspec.Struct, frozen=True, gc=False, kw_only=True):
+    """A host as the planner sees it: `lost` after a silence; its plan is kept meanwhile."""
+
+    host_id: Name
+    state: HostState = "live"
+    seen_ago_s: Seconds = 0.0
+    rejected: Text = ""  # the agent's reason for refusing its latest plan, if it did
+
+
+class FleetHosts(Message, tag="fleet_hosts", kw_only=True):
+    """KV key `hosts`: every host's liveness, put by the active planner when a state changes
+    (seen_ago_s is 0 there: the key changes with states, not with time)."""
+
+    hosts: Annotated[tuple[HostLiveness, ...], MANY] = ()
+
+
+class FleetStatus(Message, tag="fleet_status", kw_only=True):
+    config_revision: Revision = 0  # counts config changes, as FleetConfig.revision
+    config: FleetConfig = FleetConfig()
+    reports: Annotated[tuple[HostReport, ...], MANY] = ()
+    plans: Annotated[tuple[HostPlan, ...], MANY] = ()
+    statuses: Annotated[tuple[HostStatus, ...], MANY] = ()
+    hosts: Annotated[tuple[HostLiveness, ...], MANY] = ()
+    planner_id: Label = ""  # the planner that answered
+    planner_active: bool = True  # False: a stand-by answered (it plans nothing)
+    models: Annotated[tuple[ModelState, ...], MANY] = ()  # every servable model and whether it is loaded
