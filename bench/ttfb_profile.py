@@ -77,6 +77,7 @@ async def main() -> int:
     gw = Gateway(GatewaySettings(port=0))
     put_plan(gw.view, "h", spec("a", "m", parallel=1, port=port))  # a 4096-token window: no count first
     put_status(gw.view, "h", healthy("a", port))
+    gw.view.mark_synced()  # the bucket "read": a request waits for that first (gateway/edge/app.py)
     runner = web.AppRunner(gw.app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()

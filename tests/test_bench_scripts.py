@@ -123,3 +123,17 @@ def test_spec_bench_small(tmp_path, llama_server):
     assert drafted["tasks"]["free"]["drafted"] > 0  # the draft model drafted
     for kind in ("model", "KV", "output"):  # planned as printed, the draft's lines included
         assert abs(drafted["planned"][kind] - drafted["printed"][kind]) <= 0.011
+
+
+def test_ttfb_profile_small():
+    """The gateway's added first byte against a stub lane (it hung once: its requests waited for a fleet
+    the bench never marked read)."""
+    result = run("ttfb_profile.py", "--rounds", "20", timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "added (median of paired differences)" in result.stdout
+
+
+def test_route_cost_bench_small():
+    result = run("route_cost_bench.py", "--requests", "200", timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "routing per request p50" in result.stdout
