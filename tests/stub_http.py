@@ -5,9 +5,10 @@ from __future__ import annotations
 from aiohttp import web
 
 
-async def serve(app: web.Application) -> tuple[web.AppRunner, int]:
-    """Start `app` on 127.0.0.1 and a free port: (its runner, to clean up; the port)."""
-    runner = web.AppRunner(app)
+async def serve(app: web.Application, handler_cancellation: bool = False) -> tuple[web.AppRunner, int]:
+    """Start `app` on 127.0.0.1 and a free port: (its runner, to clean up; the port). With
+    `handler_cancellation`, a client that hangs up cancels its handler (as llama-server stops)."""
+    runner = web.AppRunner(app, handler_cancellation=handler_cancellation)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

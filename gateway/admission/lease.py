@@ -33,6 +33,7 @@ class Lease:
     chunks: int = 0  # of them the lane's index held when it was sent (the prediction its answer corrects)
     stamp: int = 0  # the index entry that match rested on
     pending: int = 0  # uncached prompt tokens counted on the lane until its first token
+    prompt_tokens: int = 0  # its prompt's tokens as estimated then: charged for an answer cut short before it said them
     since: float = 0.0  # loop time it was given
 
     def prefilled(self) -> None:

@@ -227,6 +227,7 @@ class Admission:
             lease.mark, lease.chunks = prompt, matched.get(lane.key, 0)
             lease.stamp = self.index.stamp(lane.key, prompt.hashes, lease.chunks)
             lease.pending = max(0, round((prompt.chars - lease.chunks * routing.CHUNK_CHARS) / cpt))
+            lease.prompt_tokens = round(prompt.chars / cpt)
             counts.pending[lane.key] = counts.pending.get(lane.key, 0) + lease.pending
             self.index.record(lane.key, prompt.hashes)
             if self.on_prefix is not None:

@@ -26,6 +26,15 @@ def requested(name: str, payload: object) -> str:
     return name
 
 
+def applied_by_id(payload: object) -> bool:
+    """A `lora` list applying an adapter by its id, llama-server's own form. Ids index each lane's
+    --lora list and differ between lanes, and no key's allowed models can name one, so through the
+    gateway an adapter is applied by name only (a key allowed "chat" must not reach "chat:style")."""
+    lora = payload.get("lora") if isinstance(payload, dict) else None
+    return isinstance(lora, list) and any(
+        isinstance(x, dict) and "id" in x and x.get("scale", 1.0) != 0 for x in lora)  # fmt: skip
+
+
 def _scale(payload: dict) -> float:
     lora = payload.get("lora")
     if isinstance(lora, list) and lora and isinstance(lora[0], dict):

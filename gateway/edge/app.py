@@ -88,6 +88,9 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
         if name is None:
             return openai_error(400, f"the request names no model (field 'model') and {why}", "model_required")
     name = adapters.requested(name, payload)  # a LoRA adapter: "base:adapter"
+    if ":" not in name and adapters.applied_by_id(payload):
+        return openai_error(400, "apply a LoRA adapter by name (model \"base:adapter\", or lora [{\"name\": ..., "
+                            "\"scale\": ...}]): ids differ between lanes", "adapter_by_id")  # fmt: skip
     model = classify(view, name)
     label = model.name if model.state != "unknown" else "unknown"  # bounded labels: no client-chosen names
     tenant: Tenant = request.get(TENANT) or Tenant()

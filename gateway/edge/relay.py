@@ -17,9 +17,9 @@ from gateway.admission import Lease
 from gateway.edge import assemble
 from gateway.edge.app_keys import METRICS, SETTINGS, VIEW, WAKER
 from gateway.edge.openai_errors import give_up, openai_error, sse_error
-from gateway.edge.tenancy import count_usage
+from gateway.edge.tenancy import count_cut_short, count_usage
 from gateway.routing import Attempt, Failure, GiveUp
-from gateway.tenants import PLAIN_BODY_BYTES, STREAM_TAIL_BYTES, output_tokens, prompt_usage
+from gateway.tenants import AnswerReader, output_tokens, prompt_usage
 
 log = structlog.get_logger("lanes.gateway")
 
@@ -67,11 +67,11 @@ async def relay(
     if upstream.content_length is not None:
         resp.content_length = upstream.content_length
     resp.headers["X-Lanes-Lane"] = f"{lane.host_id}/{lane.lane_id}"
-    finished = False
+    finished = charged = False
     streamed = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
-    kept, kept_bytes = [], 0  # the answer (plain) or its tail (stream), for its prompt usage
-    limit = STREAM_TAIL_BYTES if streamed else PLAIN_BODY_BYTES
-    counting = upstream.status == 200 and not request.path.endswith("/embeddings")  # vectors: nothing cached
+    read = AnswerReader(streamed)  # what the answer cost, in bounded memory
+    counting = upstream.status == 200
+    measure = not request.path.endswith("/embeddings")  # vectors: nothing cached to learn from
     deadline = asyncio.get_running_loop().time() + settings.request_timeout - (time.perf_counter() - started)
     try:
         await resp.prepare(request)
@@ -81,16 +81,13 @@ async def relay(
                 if first:
                     app[METRICS].ttfb.labels(lane.alias).observe(time.perf_counter() - started)
                     first = False
+                if counting:
+                    read.feed(chunk)  # first: a client that leaves during the write is still charged for it
                 await resp.write(chunk)
-                if counting and (streamed or kept_bytes <= limit):
-                    kept.append(chunk)
-                    kept_bytes += len(chunk)
-                    while streamed and len(kept) > 1 and kept_bytes - len(kept[0]) >= limit:
-                        kept_bytes -= len(kept.pop(0))
             finished = True
-            if counting and (streamed or kept_bytes <= limit):
-                answer = b"".join(kept)
-                count_usage(app, lease, prompt_usage(answer, streamed), output_tokens(answer, streamed))
+            if counting:
+                charged = True
+                count_usage(app, lease, read.usage(), read.output(), measure)
         except (aiohttp.ClientError, asyncio.TimeoutError, _Stalled, _TimeUp) as exc:
             # Bytes went out: routing ends the answer with its error, whatever other lanes there are.
             end = _broken(app, lane, exc)
@@ -106,6 +103,8 @@ async def relay(
             upstream.release()
         else:
             upstream.close()
+        if counting and not charged:  # its client left, or its lane broke off: what it carried is charged
+            count_cut_short(app, lease, read)
         lease.release()
         app[WAKER].touch(lane.alias)  # the answer's end counts as use too: a long stream is not idle time
     return resp
@@ -120,10 +119,12 @@ async def assembled(
     app, lane, settings = request.app, lease.lane, request.app[SETTINGS]
     deadline = asyncio.get_running_loop().time() + settings.request_timeout - (time.perf_counter() - started)
     parts = assemble.Assembler(kind)
+    read = AnswerReader(True)
     finished = False
     try:
         async for chunk in _chunks(upstream, first_chunk, settings.stream_idle_timeout, deadline):
             parts.feed(chunk)
+            read.feed(chunk)
         finished = True
     except (aiohttp.ClientError, asyncio.TimeoutError, _Stalled, _TimeUp) as exc:
         return give_up(_broken(app, lane, exc), settings)
@@ -135,6 +136,7 @@ async def assembled(
             upstream.release()
         else:
             upstream.close()  # the lane stops generating
+            count_cut_short(app, lease, read)  # its client left, or its lane broke off
         lease.release()
         app[WAKER].touch(lane.alias)
     if parts.error is not None:

@@ -12,7 +12,7 @@ from gateway.edge import access
 from gateway.edge.app_keys import ADMISSION, KEYS, METRICS, SETTINGS, TENANT, USAGE
 from gateway.edge.openai_errors import openai_error
 from gateway.settings import GatewaySettings
-from gateway.tenants import PLAIN, KeysFile, Tenant, Usage
+from gateway.tenants import PLAIN, AnswerReader, KeysFile, Tenant, Usage
 
 
 @web.middleware
@@ -69,18 +69,31 @@ def tenant_refusal(app: web.Application, tenant: Tenant, name: str) -> web.Respo
     return None
 
 
-def count_usage(app: web.Application, lease: Lease, found: Usage | None, output: int = 0) -> None:
-    if found is not None:
-        lane = lease.lane
-        tokens = app[ADMISSION].charge(lease.tenant, found.prompt, output)  # its fair share
-        app[USAGE].add(lease.tenant, tokens, time.time())  # its token limits
-        tenant: Tenant = app[KEYS].table.tenants().get(lease.tenant, Tenant(lease.tenant)) if app[KEYS] else Tenant(
-            lease.tenant)
-        app[METRICS].tenant_tokens.labels(tenant.name, tenant.klass, "prompt").inc(found.prompt)
-        app[METRICS].tenant_tokens.labels(tenant.name, tenant.klass, "output").inc(output)
-        admission = app[ADMISSION]
-        counts = admission.counts
-        counts.note_prompt(lane.alias, f"{lane.host_id}/{lane.lane_id}", found.prompt, found.cached)
-        if found.prefill_rate is not None:
-            counts.note_prefill(lane.key, found.prefill_rate)
-        admission.measured(lease, found.prompt, found.cached)
+def count_usage(app: web.Application, lease: Lease, found: Usage | None, output: int = 0, measure: bool = True) -> None:
+    """An answer's tokens: charged to its tenant (fair share, token limits, metrics); with `measure`,
+    what the lane said it had cached corrects the prefix index and its prefill speed."""
+    if found is None and not output:
+        return
+    prompt = found.prompt if found is not None else 0
+    tokens = app[ADMISSION].charge(lease.tenant, prompt, output)  # its fair share
+    app[USAGE].add(lease.tenant, tokens, time.time())  # its token limits
+    tenant: Tenant = app[KEYS].table.tenants().get(lease.tenant, Tenant(lease.tenant)) if app[KEYS] else Tenant(
+        lease.tenant)
+    app[METRICS].tenant_tokens.labels(tenant.name, tenant.klass, "prompt").inc(prompt)
+    app[METRICS].tenant_tokens.labels(tenant.name, tenant.klass, "output").inc(output)
+    if found is None or not measure:
+        return
+    lane = lease.lane
+    admission = app[ADMISSION]
+    counts = admission.counts
+    counts.note_prompt(lane.alias, f"{lane.host_id}/{lane.lane_id}", found.prompt, found.cached)
+    if found.prefill_rate is not None:
+        counts.note_prefill(lane.key, found.prefill_rate)
+    admission.measured(lease, found.prompt, found.cached)
+
+
+def count_cut_short(app: web.Application, lease: Lease, read: AnswerReader) -> None:
+    """An answer its client left or its lane broke off: the tokens it carried so far, and its
+    prompt as the lane said it or, where it never got to say, as estimated when it was sent."""
+    found = read.usage() or (Usage(lease.prompt_tokens, 0) if lease.prompt_tokens else None)
+    count_usage(app, lease, found, read.output(), measure=False)

@@ -9,6 +9,7 @@ Timings are preferred: every answer of a llama-server lane carries them.
 
 from __future__ import annotations
 
+import re
 from typing import NamedTuple
 
 import msgspec
@@ -92,3 +93,89 @@ def output_tokens(body: bytes, streamed: bool) -> int:
             if found is not None:
                 return found
     return 0
+
+
+# ------------------------------------------------------------------ an answer read as it passes
+
+EDGE_BYTES = 16384  # of a plain answer too long to keep: its head (embeddings and rerank say usage first)
+# and its tail (completions say timings and usage last) are kept
+# One generated token is one event in llama-server's streams (measured on b11434, chat and text
+# completions): every event before the last says `"finish_reason":null`; a chat stream opens with
+# one more that only names the role.
+TOKEN_EVENT = b'"finish_reason":null'
+ROLE_EVENT = b'"delta":{"role":"assistant","content":null}'
+_CARRY = max(len(TOKEN_EVENT), len(ROLE_EVENT)) - 1
+_OBJECT = {b"timings": re.compile(rb'"timings"\s*:\s*(\{[^{}]*\})'),
+           b"usage": re.compile(rb'"usage"\s*:\s*(\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\})')}  # fmt: skip
+
+
+def _found_in(text: bytes) -> dict:
+    """The timings and usage objects written in a piece of an answer too long to decode whole."""
+    found = {}
+    for name, pattern in _OBJECT.items():
+        match = pattern.search(text)
+        if match:
+            try:
+                found[name.decode()] = msgspec.json.decode(match.group(1))
+            except msgspec.DecodeError:
+                continue
+    return found
+
+
+class AnswerReader:
+    """What an answer cost, read as it passes the gateway in bounded memory: the whole of a plain
+    answer up to PLAIN_BODY_BYTES (past that its head and tail), a stream's tail and the tokens
+    it carried so far, so an answer cut short (its client left, its lane broke) is charged too."""
+
+    def __init__(self, streamed: bool) -> None:
+        self.streamed = streamed
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.size = 0
+        self.token_events = 0
+        self._seam = b""  # the end of the last chunk, where an event's marker may continue
+
+    def feed(self, chunk: bytes) -> None:
+        self.size += len(chunk)
+        if self.streamed:
+            seam, joined = self._seam, self._seam + chunk  # a marker the seam holds whole was counted
+            self.token_events += (joined.count(TOKEN_EVENT) - seam.count(TOKEN_EVENT)
+                                  - joined.count(ROLE_EVENT) + seam.count(ROLE_EVENT))  # fmt: skip
+            self._seam = joined[-_CARRY:]
+        elif self.size <= PLAIN_BODY_BYTES:
+            self.head += chunk
+        else:  # too long to keep whole: its first EDGE_BYTES only
+            self.head += chunk[: max(0, EDGE_BYTES - len(self.head))]
+            del self.head[EDGE_BYTES:]
+        limit = STREAM_TAIL_BYTES if self.streamed else EDGE_BYTES
+        self.tail += chunk[-limit:]
+        del self.tail[: max(0, len(self.tail) - limit)]
+
+    def _whole(self) -> bytes | None:
+        return bytes(self.head) if not self.streamed and self.size <= PLAIN_BODY_BYTES else None
+
+    def usage(self) -> Usage | None:
+        """The prompt tokens the lane read (and had cached), when the answer says them."""
+        whole = self._whole()
+        if whole is not None:
+            return prompt_usage(whole, False)
+        if self.streamed:
+            return prompt_usage(bytes(self.tail), True)
+        return _from_answer(_found_in(bytes(self.tail))) or _from_answer(_found_in(bytes(self.head)))
+
+    def said_output(self) -> int | None:
+        """The tokens the lane says it generated, when the answer got as far as saying it."""
+        whole = self._whole()
+        if whole is not None:
+            try:
+                return _output_of(msgspec.json.decode(whole))
+            except msgspec.DecodeError:
+                return None
+        if self.streamed:
+            return output_tokens(bytes(self.tail), True) or None
+        return _output_of(_found_in(bytes(self.tail)))
+
+    def output(self) -> int:
+        """Tokens generated: as the lane said, else (a stream cut short) the token events it carried."""
+        said = self.said_output()
+        return said if said is not None else (max(0, self.token_events) if self.streamed else 0)
