@@ -14,7 +14,7 @@ import tomllib
 from datetime import datetime, timezone
 from pathlib import Path
 
-from gateway.tenants import CLASSES, class_of, digest, parse
+from gateway.tenants import CLASSES, ROLES, class_of, digest, parse
 from lanes.errors import UserError
 
 
@@ -34,6 +34,9 @@ def add_parser(sub) -> None:
             q.add_argument("--tokens-per-minute", type=int)
             q.add_argument("--tokens-per-day", type=int)
             q.add_argument("--max-concurrent", type=int)
+            q.add_argument("--role", choices=ROLES, default="tenant",
+                           help="tenant: the API only (default); ops: also /metrics and the dashboard; admin: also "
+                                "the dashboard's config change")  # fmt: skip
         if name == "revoke":
             q.add_argument("sha256", nargs="?", help="the start of the key's sha256 (at least 8 hex digits)")
             q.add_argument("--tenant", help="revoke every key of this tenant")
@@ -91,8 +94,8 @@ def cmd_keys(args: argparse.Namespace) -> int:
             e = _entry(block)
             hashed = e.get("sha256") or digest(e["key"])
             prio = e.get("priority", "standard")
-            limits = " ".join(f"{k}={e[k]}" for k in ("weight", "tokens_per_minute", "tokens_per_day", "max_concurrent")
-                              if k in e)  # fmt: skip
+            limits = " ".join(f"{k}={e[k]}" for k in ("role", "weight", "tokens_per_minute", "tokens_per_day",
+                                                      "max_concurrent") if k in e)  # fmt: skip
             klass = prio if isinstance(prio, str) else f"{prio} ({class_of(prio)})"
             plain = "  (plain key in the file)" if "key" in e else ""
             print(f"{hashed[:12]}  {e['tenant']:<20} {klass:<10} models={','.join(e.get('models', ['*']))} {limits}"
@@ -107,6 +110,8 @@ def cmd_keys(args: argparse.Namespace) -> int:
         for name in ("weight", "tokens_per_minute", "tokens_per_day", "max_concurrent"):
             if getattr(args, name) is not None:
                 fields[name] = getattr(args, name)
+        if args.role != "tenant":
+            fields["role"] = args.role
         fields["note"] = f"added {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC"
         block = "[[keys]]\n" + "".join(f"{k} = {_value(v)}\n" for k, v in fields.items())
         sep = "" if not text or text.endswith("\n\n") else "\n" if text.endswith("\n") else "\n\n"

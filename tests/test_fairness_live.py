@@ -129,7 +129,7 @@ async def test_the_next_slot_goes_to_the_tenant_that_used_least(tmp_path, lane):
 
 
 async def test_priority_classes_shed_sheddable_first_and_critical_is_never_refused(tmp_path, lane):
-    keys = keys_text(batch='priority = "sheddable"', team='priority = "standard"', ops='priority = "critical"')
+    keys = keys_text(batch='priority = "sheddable"', team='priority = "standard"', ops='priority = "critical"\nrole = "ops"')  # ops reads /metrics
     async with served(tmp_path, lane, keys, queue_depth=4) as (gw, url, http):
         held = await gw.admission.acquire(MODEL)
         batch = [asyncio.create_task(chat(http, url, "batch")) for _ in range(2)]
@@ -156,7 +156,7 @@ async def test_priority_classes_shed_sheddable_first_and_critical_is_never_refus
 
 
 async def test_a_tenant_over_its_limits_gets_429_naming_the_limit_before_a_slot(tmp_path, lane):
-    keys = keys_text(small="tokens_per_day = 5", one="max_concurrent = 1", narrow='models = ["qwen*"]')
+    keys = keys_text(small="tokens_per_day = 5", one='max_concurrent = 1\nrole = "ops"', narrow='models = ["qwen*"]')
     async with served(tmp_path, lane, keys) as (gw, url, http):
         for _ in range(2):  # 1 prompt + 2 x 1 output token each: 6 >= 5
             assert (await chat(http, url, "small"))[0] == 200

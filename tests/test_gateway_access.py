@@ -12,6 +12,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 import gateway.edge.access as access
+from gateway.edge.app_keys import KEYS
+from gateway.tenants.keys import digest
 from gateway.dashboard.hub import STATIC
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
@@ -32,14 +34,20 @@ def test_paths_that_need_a_key():
 
 
 def test_session_tokens_are_signed_by_the_keys_and_expire():
-    token = access.session_token((KEY,), now=1000.0, seconds=60)
-    assert access.session_ok((KEY,), token, now=1059.0)
-    assert not access.session_ok((KEY,), token, now=1060.0)  # expired
-    assert not access.session_ok(("sk-other",), token, now=1001.0)  # the key was changed: sessions end
-    assert access.session_ok(("sk-other", KEY), token, now=1001.0) is False  # a new key set signs anew
-    expires, _, signature = token.partition(".")
-    assert not access.session_ok((KEY,), f"{int(expires) + 3600}.{signature}", now=1001.0)  # stretched
-    assert not access.session_ok((KEY,), "", now=0) and not access.session_ok((), token, now=1001.0)
+    mine = frozenset({digest(KEY)})
+    token = access.session_token((KEY,), now=1000.0, key_id=digest(KEY), seconds=60)
+    assert access.session_ok((KEY,), token, now=1059.0, key_ids=mine)
+    assert not access.session_ok((KEY,), token, now=1060.0, key_ids=mine)  # expired
+    assert not access.session_ok(("sk-other",), token, now=1001.0, key_ids=mine)  # the key was changed: sessions end
+    assert access.session_ok(("sk-other", KEY), token, now=1001.0, key_ids=mine) is False  # a new key set signs anew
+    expires, key_id, signature = token.split(".")
+    stretched = f"{int(expires) + 3600}.{key_id}.{signature}"
+    assert not access.session_ok((KEY,), stretched, now=1001.0, key_ids=mine)  # stretched
+    assert not access.session_ok((KEY,), "", now=0, key_ids=mine) and not access.session_ok((), token, 1001.0, mine)
+    # Its key revoked or made a tenant's (no longer among those that open the dashboard): it ends.
+    assert not access.session_ok((KEY,), token, now=1001.0, key_ids=frozenset())
+    other = digest("sk-ops-two")  # a cookie cannot be moved to another key
+    assert not access.session_ok((KEY,), f"{expires}.{other}.{signature}", 1001.0, mine | {other})
 
 
 @pytest.fixture
@@ -141,3 +149,72 @@ def test_planner_and_agent_metrics_listen_on_loopback_unless_told():
         assert parser.parse_args([*command, "--metrics-bind", "0.0.0.0"]).metrics_bind == "0.0.0.0"
     assert inspect.signature(run_planner).parameters["metrics_host"].default == "127.0.0.1"
     assert AgentConfig.__dataclass_fields__["metrics_host"].default == "127.0.0.1"
+
+
+# ------------------------------------------------------------------ roles (issue 36 point 3, in part)
+
+ROLE_KEYS = {"tenant": "sk-tenant-0001", "ops": "sk-ops-00001", "admin": "sk-admin-001"}
+
+
+def _keys_file(path, roles: dict[str, str]) -> None:
+    """One [[keys]] a role, the role's key given in full; a key without a role line is a tenant's."""
+    path.write_text("".join(f'[[keys]]\nkey = "{ROLE_KEYS[name]}"\ntenant = "t-{name}"\n'
+                            + (f'role = "{role}"\n' if role else "") for name, role in roles.items()))  # fmt: skip
+
+
+def test_a_keys_file_gives_each_key_a_role_a_tenants_by_default():
+    from gateway.tenants.keys import parse
+
+    table = parse('[[keys]]\nkey = "sk-tenant-0001"\ntenant = "a"\n[[keys]]\nkey = "sk-ops-00001"\ntenant = "a"\n'
+                  'role = "ops"\n', plain_keys=("sk-plain-001",))  # fmt: skip
+    assert table.role(digest("sk-tenant-0001")) == "tenant" and table.role(digest("sk-ops-00001")) == "ops"
+    assert table.role(digest("sk-plain-001")) == "ops"  # the operator's own --api-key
+    with pytest.raises(ValueError, match="role must be one of tenant, ops, admin, not 'root'"):
+        parse('[[keys]]\nkey = "sk-tenant-0001"\ntenant = "a"\nrole = "root"\n')
+
+
+async def test_a_tenant_key_opens_the_api_only_and_an_ops_cookie_ends_with_its_key(tmp_path):
+    path = tmp_path / "keys.toml"
+    _keys_file(path, {"tenant": "", "ops": "ops", "admin": "admin"})
+    gw = Gateway(GatewaySettings(port=0, keys_file=str(path)))
+    server = TestServer(gw.app)
+    await server.start_server()
+    url = str(server.make_url("")).rstrip("/")
+
+    def bearer(role: str) -> dict:
+        return {"Authorization": f"Bearer {ROLE_KEYS[role]}"}
+
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(url + "/v1/models", headers=bearer("tenant")) as resp:
+                assert resp.status == 200
+            for path_ in ("/metrics", "/dashboard/api/state", "/dashboard/static/app.js"):
+                async with http.get(url + path_, headers=bearer("tenant")) as resp:
+                    assert resp.status == 403 and (await resp.json())["error"]["code"] == "role_forbidden", path_
+            async with http.post(url + access.SESSION_PATH, headers=bearer("tenant")) as resp:
+                assert resp.status == 403  # no cookie for a tenant's key
+            for role in ("ops", "admin"):
+                for path_ in ("/metrics", "/v1/models", "/dashboard/api/state"):
+                    async with http.get(url + path_, headers=bearer(role)) as resp:
+                        assert resp.status == 200, (role, path_)
+            async with http.post(url + access.SESSION_PATH, headers=bearer("ops")) as resp:
+                assert resp.status == 200
+                jar = {access.COOKIE: resp.cookies[access.COOKIE].value}
+            async with http.get(url + "/dashboard/api/state", cookies=jar) as resp:
+                assert resp.status == 200 and (await resp.json())["admin"] is True  # a key of role admin exists
+            async with http.post(url + access.SESSION_PATH, cookies=jar) as resp:
+                assert resp.status == 401  # a cookie does not mint its successor
+            # The config change: an admin key passes the check (then finds no planner here), ops does not.
+            async with http.post(url + "/dashboard/api/config", json={}, headers=bearer("ops")) as resp:
+                assert resp.status == 401
+            async with http.post(url + "/dashboard/api/config", json={}, headers=bearer("admin")) as resp:
+                assert resp.status == 503 and "planner" in (await resp.json())["error"]["message"]
+            # The ops key made a tenant's: its cookie no longer opens the dashboard.
+            _keys_file(path, {"tenant": "", "ops": "tenant", "admin": "admin"})
+            gw.app[KEYS].check()
+            async with http.get(url + "/dashboard/api/state", cookies=jar) as resp:
+                assert resp.status == 401
+            async with http.get(url + "/metrics", headers=bearer("ops")) as resp:
+                assert resp.status == 403
+    finally:
+        await server.close()

@@ -250,3 +250,17 @@ async def test_critical_waits_past_the_others_limit_and_tenant_counts_come_back_
     lease.release()
     held[1].release()
     assert adm.counts.tenant_in_flight == {} and adm.counts.tenant_queued == {} and adm.counts.tenant_load("ops") == 0
+
+
+def test_lanes_keys_add_gives_a_role_and_list_shows_it(tmp_path, capsys):
+    path = tmp_path / "keys.toml"
+    assert main(["keys", "add", "--file", str(path), "--tenant", "sre", "--role", "ops"]) == 0
+    key = capsys.readouterr().out.strip()
+    assert parse(path.read_text()).role(digest(key)) == "ops"
+    assert main(["keys", "add", "--file", str(path), "--tenant", "team"]) == 0
+    plain = capsys.readouterr().out.strip()
+    assert parse(path.read_text()).role(digest(plain)) == "tenant" and "role" not in path.read_text().split("team")[1]
+    assert main(["keys", "list", "--file", str(path)]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert any("sre" in line and "role=ops" in line for line in listed)
+    assert not any("team" in line and "role=" in line for line in listed)

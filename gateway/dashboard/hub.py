@@ -28,7 +28,10 @@ from aiohttp import web
 
 from gateway.admission import LaneCounts
 from gateway.dashboard.model import EventFeed, dashboard_snapshot
-from gateway.edge import COOKIE, COOKIE_PATH, SESSION_PATH, SESSION_SECONDS, openai_error, session_token, signing_keys
+from gateway.edge import (
+    COOKIE, COOKIE_PATH, KEY_ID, SESSION_PATH, SESSION_SECONDS, key_ids_of, openai_error, session_token, signing_keys,
+)
+from gateway.tenants import digest
 from gateway.fleet import FleetView, LaneKey
 from shared import subjects
 from shared.messages.replies import ConfigSet
@@ -118,8 +121,11 @@ def add_dashboard(app: web.Application, hub: DashboardHub, *, nc_getter, admin_k
     async def root_redirect(_: web.Request) -> web.StreamResponse:
         raise web.HTTPFound("/dashboard/")
 
-    async def state(_: web.Request) -> web.Response:
-        return web.json_response({**hub.snapshot(), "admin": admin_key is not None})
+    def admins(app: web.Application) -> frozenset[str]:
+        return key_ids_of(app, frozenset({"admin"}))  # keys of role admin, beside --admin-key
+
+    async def state(request: web.Request) -> web.Response:
+        return web.json_response({**hub.snapshot(), "admin": admin_key is not None or bool(admins(request.app))})
 
     async def stream(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(
@@ -146,16 +152,19 @@ def add_dashboard(app: web.Application, hub: DashboardHub, *, nc_getter, admin_k
         keys = signing_keys(request.app)
         response = web.json_response({"expires_in": SESSION_SECONDS if keys else None})
         if keys:
-            token = session_token(keys, time.time())
+            token = session_token(keys, time.time(), request[KEY_ID])
             response.set_cookie(COOKIE, token, max_age=SESSION_SECONDS, path=COOKIE_PATH,
                                 httponly=True, samesite="Strict", secure=request.secure)  # fmt: skip
         return response
 
     async def set_config(request: web.Request) -> web.Response:
-        if admin_key is None:
-            return openai_error(403, "the dashboard is read-only: start the gateway with --admin-key to allow changes")
+        allowed = admins(request.app)
+        if admin_key is None and not allowed:
+            return openai_error(403, "the dashboard is read-only: start the gateway with --admin-key (or give a key "
+                                "role admin in the keys file) to allow changes")  # fmt: skip
         given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), admin_key.encode()):
+        by_flag = admin_key is not None and hmac.compare_digest(given.encode(), admin_key.encode())
+        if not (by_flag or (given and digest(given) in allowed)):
             return openai_error(401, "admin key required")
         try:
             changes = await request.json()

@@ -3,11 +3,11 @@ the answer relayed or assembled, keys and the dashboard's cookie, errors in Open
 
 from gateway.edge.access import COOKIE, COOKIE_PATH, SESSION_PATH, SESSION_SECONDS, session_token
 from gateway.edge.app import admission_for, build_app
-from gateway.edge.app_keys import KEYS, METRICS, USAGE
+from gateway.edge.app_keys import KEY_ID, KEYS, METRICS, USAGE
 from gateway.edge.openai_errors import openai_error
-from gateway.edge.tenancy import signing_keys
+from gateway.edge.tenancy import key_ids_of, signing_keys
 
 __all__ = [
-    "COOKIE", "COOKIE_PATH", "KEYS", "METRICS", "SESSION_PATH", "SESSION_SECONDS", "USAGE", "admission_for",
-    "build_app", "openai_error", "session_token", "signing_keys",
+    "COOKIE", "COOKIE_PATH", "KEY_ID", "KEYS", "METRICS", "SESSION_PATH", "SESSION_SECONDS", "USAGE", "admission_for",
+    "build_app", "key_ids_of", "openai_error", "session_token", "signing_keys",
 ]  # fmt: skip

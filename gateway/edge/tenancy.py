@@ -9,18 +9,22 @@ from aiohttp import web
 
 from gateway.admission import Lease
 from gateway.edge import access
-from gateway.edge.app_keys import ADMISSION, KEYS, METRICS, SETTINGS, TENANT, USAGE
+from gateway.edge.app_keys import ADMISSION, KEY_ID, KEYS, METRICS, ROLE, SETTINGS, TENANT, USAGE
 from gateway.edge.openai_errors import openai_error
 from gateway.settings import GatewaySettings
-from gateway.tenants import PLAIN, AnswerReader, KeysFile, Tenant, Usage
+from gateway.tenants import PLAIN, PLAIN_ROLE, AnswerReader, KeysFile, Tenant, Usage, digest
 
 
 @web.middleware
 async def errors_and_keys(request: web.Request, handler):
     settings = request.app[SETTINGS]
     keyed = bool(settings.api_keys) or request.app[KEYS] is not None
-    if keyed and access.needs_key(request.path) and not _key_presented(request, settings):
-        return openai_error(401, "missing or invalid API key (Authorization: Bearer ...)", "invalid_api_key")
+    if keyed and access.needs_key(request.path):
+        if not _key_presented(request, settings):
+            return openai_error(401, "missing or invalid API key (Authorization: Bearer ...)", "invalid_api_key")
+        if not access.role_may_open(request[ROLE], request.path):
+            return openai_error(403, f"a key of role {request[ROLE]} opens the API only: /metrics and the dashboard "
+                                "show every tenant and need an ops or admin key", "role_forbidden")  # fmt: skip
     try:
         return await handler(request)
     except web.HTTPException as exc:
@@ -36,11 +40,35 @@ def _key_presented(request: web.Request, settings: GatewaySettings) -> bool:
     if scheme.lower() == "bearer":
         tenant = tenant_of(request.app, presented.strip())
         if tenant is not None:
-            request[TENANT] = tenant
+            request[TENANT], request[KEY_ID] = tenant, digest(presented.strip())
+            request[ROLE] = role_of(request.app, request[KEY_ID])
             return True
     token = request.cookies.get(access.COOKIE)
-    return bool(token) and access.cookie_may_open(request.path) and access.session_ok(
-        signing_keys(request.app), token, time.time())
+    if token and access.cookie_may_open(request.path) and access.session_ok(
+            signing_keys(request.app), token, time.time(), dashboard_key_ids(request.app)):  # fmt: skip
+        request[ROLE] = "ops"  # only an ops or admin key gets a cookie, and keeps it only while it stays so
+        return True
+    return False
+
+
+def role_of(app: web.Application, key_id: str) -> str:
+    """What the key with this sha256 opens: its role in the keys file; an --api-key key is the operator's."""
+    keys: KeysFile | None = app[KEYS]
+    return keys.table.role(key_id) if keys is not None else PLAIN_ROLE
+
+
+def key_ids_of(app: web.Application, roles: frozenset[str]) -> frozenset[str]:
+    """The sha256 of every key whose role is one of `roles`, as the keys are now."""
+    keys: KeysFile | None = app[KEYS]
+    if keys is None:
+        return frozenset(digest(k) for k in app[SETTINGS].api_keys) if PLAIN_ROLE in roles else frozenset()
+    return frozenset(h for h in keys.table.by_digest if keys.table.role(h) in roles)
+
+
+def dashboard_key_ids(app: web.Application) -> frozenset[str]:
+    """Every key that may open the dashboard now (ops and admin): a session cookie names one of
+    them, and ends when its key is revoked or made a tenant's."""
+    return key_ids_of(app, frozenset({"ops", "admin"}))
 
 
 def tenant_of(app: web.Application, presented: str) -> Tenant | None:

@@ -28,7 +28,12 @@ PLAIN = "default"  # the tenant of a key given with --api-key / --api-key-file
 _TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")  # one NATS subject token (its usage key)
 _HEX = re.compile(r"^[0-9a-f]{64}$")
 _FIELDS = {"sha256", "key", "tenant", "priority", "models", "weight", "tokens_per_minute", "tokens_per_day",
-           "max_concurrent", "note"}  # fmt: skip
+           "max_concurrent", "note", "role"}  # fmt: skip
+# What a key opens: `tenant` the API alone; `ops` also /metrics and the dashboard (every tenant's
+# figures, read-only); `admin` also the dashboard's config change. A key of the file is a tenant's
+# unless it says otherwise; an --api-key key (the operator's own) is ops.
+ROLES = ("tenant", "ops", "admin")
+PLAIN_ROLE = "ops"
 
 
 def class_of(priority: int) -> str:
@@ -63,9 +68,14 @@ class Tenant:
 @dataclass(frozen=True)
 class KeyTable:
     by_digest: dict[str, Tenant] = field(default_factory=dict)
+    roles: dict[str, str] = field(default_factory=dict)  # digest -> its role (a key's, not its tenant's)
 
     def find(self, presented: str) -> Tenant | None:
         return self.by_digest.get(digest(presented)) if presented else None
+
+    def role(self, hashed: str) -> str:
+        """The role of the key with this digest (a tenant's where the table says none)."""
+        return self.roles.get(hashed, "tenant")
 
     def tenants(self) -> dict[str, Tenant]:
         """Each tenant once (its keys agree on its limits: parse checks)."""
@@ -99,6 +109,7 @@ def parse(text: str, plain_keys: tuple[str, ...] = ()) -> KeyTable:
     if not isinstance(entries, list) or set(doc) - {"keys"}:
         raise ValueError("expected only [[keys]] tables")
     table: dict[str, Tenant] = {digest(k): Tenant(PLAIN) for k in plain_keys}
+    roles: dict[str, str] = {digest(k): PLAIN_ROLE for k in plain_keys}
     seen: dict[str, Tenant] = {}
     for i, entry in enumerate(entries, 1):
         where = f"key {i}"
@@ -137,9 +148,13 @@ def parse(text: str, plain_keys: tuple[str, ...] = ()) -> KeyTable:
             raise ValueError(f"{where}: differs from an earlier key of the same tenant (keys of one tenant share it)")
         if hashed in table and table[hashed] != tenant:
             raise ValueError(f"{where}: the same key is listed twice")
+        role = entry.get("role", "tenant")
+        if role not in ROLES:
+            raise ValueError(f"{where}: role must be one of {', '.join(ROLES)}, not {role!r}")
         seen[name] = tenant
         table[hashed] = tenant
-    return KeyTable(table)
+        roles[hashed] = role
+    return KeyTable(table, roles)
 
 
 @dataclass
