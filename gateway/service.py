@@ -244,10 +244,11 @@ async def run_gateway(
     # the lane, which then stops generating and frees the slot (gateway/edge/forward.py, gateway/edge/relay.py).
     runner = web.AppRunner(gw.app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, gw.settings.host, gw.settings.port)
+    tls = gw.settings.tls_context()
+    site = web.TCPSite(runner, gw.settings.host, gw.settings.port, ssl_context=tls)
     await site.start()
     port = runner.addresses[0][1]
-    gw.url = f"http://{connect_host(gw.settings.host)}:{port}"
+    gw.url = f"{'https' if tls else 'http'}://{connect_host(gw.settings.host)}:{port}"
     gw.started.set()
     log.info("gateway serving", url=gw.url)
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import ssl
 from dataclasses import dataclass
 
 from shared import defaults
@@ -50,6 +51,19 @@ class GatewaySettings:
     gateway_id: str = ""
     activity_interval: float = 2.0  # seconds between activity reports to the planner
     wake_repeat: float = 1.0  # seconds between repeated wakes while requests are held
+
+    # HTTPS (--https-cert/--https-key): the certificate chain and its private key (PEM files), both or
+    # neither; with them the dashboard's session cookie is Secure. Behind a TLS proxy: docs/security.md.
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        """The server's TLS context, or None for plain HTTP; ssl.SSLError/OSError name a bad file."""
+        if not self.tls_cert:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.tls_cert, self.tls_key)
+        return context
 
     def key_ok(self, presented: str) -> bool:
         """Constant time over every configured key, so timing tells nothing of which matched."""

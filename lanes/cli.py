@@ -99,6 +99,12 @@ def _add_gateway_options(p: argparse.ArgumentParser) -> None:
         "comma separated); none: no key needed",
     )  # fmt: skip
     p.add_argument("--api-key-file", help="file with one accepted key per line")
+    # (--tls-cert/--tls-key are NATS's, for mutual TLS to the bus: the gateway's own HTTPS has its names.)
+    p.add_argument("--https-cert", default=os.environ.get("LANES_GATEWAY_HTTPS_CERT"),
+                   help="serve HTTPS with this certificate chain (PEM; env LANES_GATEWAY_HTTPS_CERT); "
+                   "with --https-key")  # fmt: skip
+    p.add_argument("--https-key", default=os.environ.get("LANES_GATEWAY_HTTPS_KEY"),
+                   help="the certificate's private key (PEM; env LANES_GATEWAY_HTTPS_KEY)")
     _add_keys_file(p)
     p.add_argument("--gateway-id", default=os.environ.get("LANES_GATEWAY_ID"),
                    help="names this gateway's activity reports to the planner (env LANES_GATEWAY_ID); "

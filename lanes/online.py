@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import os
 import signal
+import ssl
 import sys
 import time
 from pathlib import Path
@@ -94,7 +95,25 @@ def gateway_settings(args: argparse.Namespace) -> GatewaySettings:
         kv_events=getattr(args, "kv_events", False),
         gateway_id=getattr(args, "gateway_id", None) or base.gateway_id,
         keys_file=_keys_file(getattr(args, "keys_file", None)),
+        **_https(getattr(args, "https_cert", None), getattr(args, "https_key", None)),
     )
+
+
+def _https(cert: str | None, key: str | None) -> dict:
+    """--https-cert and --https-key, checked now (both or neither, files that load as a pair)."""
+    if not cert and not key:
+        return {}
+    if not (cert and key):
+        raise UserError("give --https-cert and --https-key together (the certificate chain and its private key)")
+    settings = GatewaySettings(tls_cert=cert, tls_key=key)
+    try:
+        settings.tls_context()
+    except ssl.SSLError as exc:  # (an OSError too: first)
+        raise UserError(f"--https-cert {cert} / --https-key {key}: not a certificate and its key "
+                        f"({exc.reason})") from None
+    except OSError as exc:
+        raise UserError(f"--https-cert/--https-key: {exc.strerror or exc}: {exc.filename or cert}") from None
+    return {"tls_cert": cert, "tls_key": key}
 
 
 def _keys_file(path: str | None) -> str | None:

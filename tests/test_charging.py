@@ -14,7 +14,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
-from stub_http import serve
+from stub_http import lane_app, serve
 from test_gateway_core import healthy, put_plan, put_status, spec
 from waiting import eventually
 
@@ -113,16 +113,8 @@ async def _lane() -> tuple[web.AppRunner, int]:
     async def rerank(request: web.Request) -> web.Response:
         return web.Response(body=ANSWERS["rerank"], content_type="application/json")
 
-    async def ok(request: web.Request) -> web.Response:
-        return web.json_response([])
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", generate)
-    app.router.add_post("/v1/chat/completions", generate)
-    app.router.add_post("/v1/embeddings", embeddings)
-    app.router.add_post("/v1/rerank", rerank)
-    app.router.add_get("/health", ok)
-    app.router.add_get("/slots", ok)
+    app = lane_app({"/v1/completions": generate, "/v1/chat/completions": generate, "/v1/embeddings": embeddings,
+                    "/v1/rerank": rerank})  # fmt: skip
     return await serve(app, handler_cancellation=True)  # a held answer stops when the gateway hangs up
 
 

@@ -11,6 +11,7 @@ from gateway.tenants.usage import (
 )
 
 __all__ = [
-    "CLASSES", "PLAIN", "PLAIN_BODY_BYTES", "PLAIN_ROLE", "ROLES", "AnswerReader", "STREAM_TAIL_BYTES", "KeysFile", "Ledger", "Tenant", "Usage", "UsageBook",
+    "CLASSES", "PLAIN", "PLAIN_BODY_BYTES", "PLAIN_ROLE", "ROLES", "AnswerReader", "STREAM_TAIL_BYTES",
+    "KeysFile", "Ledger", "Tenant", "Usage", "UsageBook",
     "class_of", "digest", "order", "output_tokens", "parse", "prompt_usage", "refusal_ceiling",
 ]  # fmt: skip
