@@ -219,8 +219,13 @@ async def main() -> int:
                 return any(m["id"] == ALIAS and m["lanes"]["ready"] == args.lanes for m in data)
 
             await _until(lambda: ready(fleet.gateway_url), 600, "lanes routable (affinity gateway)")
-            await _until(lambda: ready(baseline_url), 60, "lanes routable (baseline gateway)")
-            await _until(lambda: ready(second_url), 60, "lanes routable (second affinity gateway)")
+            for url, name in ((baseline_url, "baseline"), (second_url, "second")):
+                try:
+                    await _until(lambda: ready(url), 60, f"lanes routable ({name} gateway)")
+                except RuntimeError:  # say what that gateway said (it timed out once in CI, unexplained)
+                    log_tail = (Path(tmp) / f"{name}.log").read_bytes()[-3000:].decode(errors="replace")
+                    print(f"{name} gateway's log, its end:\n{log_tail}", file=sys.stderr)
+                    raise
             results["lane_args"] = [list(lane.argv) for lane in await fleet.lanes()]
             timeout = aiohttp.ClientTimeout(total=900)
             async with aiohttp.ClientSession(timeout=timeout) as http:

@@ -297,11 +297,18 @@ async def _request_command(args: argparse.Namespace, auth: NatsAuth) -> int:
                 print(raw.decode())
             else:
                 print(render_status(msgspec.json.decode(raw, type=FleetStatus)))
-                for line in await tenant_lines(nc):
+                try:
+                    lines = await tenant_lines(nc)
+                except Exception as exc:  # the fleet was shown: say why the tenants' lines are not
+                    lines = [f"tenants: usage not read ({type(exc).__name__}: {exc})"]
+                for line in lines:
                     print(line)
     finally:
         await nc.close()
     return 0
+
+
+USAGE_READ_TIMEOUT = 15.0  # seconds for each JetStream call reading the usage bucket (a loaded machine is slow)
 
 
 async def tenant_lines(nc) -> list[str]:
@@ -310,17 +317,23 @@ async def tenant_lines(nc) -> list[str]:
     from shared.messages.activity import TenantUsage
     from shared.messages.wire import decode
 
+    from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError
+
     try:
-        kv = await nc.jetstream().key_value(subjects.USAGE_BUCKET)
+        kv = await nc.jetstream(timeout=USAGE_READ_TIMEOUT).key_value(subjects.USAGE_BUCKET)
         keys = await kv.keys()
-    except Exception:  # no bucket (no gateway counted anything yet) or no keys
+    except (BucketNotFoundError, NoKeysError):  # no gateway counted anything yet
         return []
     book = UsageBook("")
     for key in keys:
         try:
-            book.merge(decode((await kv.get(key)).value, TenantUsage))
-        except Exception:
+            entry = await kv.get(key)
+        except KeyNotFoundError:  # gone since it was listed
             continue
+        try:
+            book.merge(decode(entry.value, TenantUsage))
+        except (msgspec.ValidationError, msgspec.DecodeError):
+            continue  # not a usage entry: nothing to add up
     wall = time.time()
     out = []
     for tenant in sorted({t for t, _ in book.others}):
