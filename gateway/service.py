@@ -180,6 +180,21 @@ async def _keys_loop(gw: Gateway, stop: asyncio.Event) -> None:
             pass
 
 
+OPEN_WARNING_EVERY = 3600.0  # seconds between the warnings of a gateway serving anyone without a key
+
+
+async def _open_warning(gw: Gateway, stop: asyncio.Event) -> None:
+    """A gateway started with --no-auth beyond loopback says so at start and every hour, so
+    nobody forgets that anyone who reaches it is served."""
+    while running(stop):
+        log.warning("serving without keys: anyone who reaches this gateway is served (--no-auth)",
+                    host=gw.settings.host, url=gw.url)  # fmt: skip
+        try:
+            await asyncio.wait_for(stop.wait(), OPEN_WARNING_EVERY)
+        except asyncio.TimeoutError:
+            pass
+
+
 async def _bus_side(gw: Gateway, servers: str, auth: NatsAuth, stop: asyncio.Event, stack: AsyncExitStack) -> None:
     resync = asyncio.Event()
 
@@ -262,6 +277,8 @@ async def run_gateway(
                 loops.task("dashboard", lambda: gw.dashboard.run(stop), stop),
                 loops.task("keys", lambda: _keys_loop(gw, stop), stop),
             ]
+            if gw.settings.open_beyond_loopback():
+                tasks.append(loops.task("open", lambda: _open_warning(gw, stop), stop))
             await run_until(stop, tasks)
     finally:
         await runner.cleanup()

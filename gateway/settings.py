@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import ssl
 from dataclasses import dataclass
 
@@ -57,6 +58,14 @@ class GatewaySettings:
     tls_cert: str | None = None
     tls_key: str | None = None
 
+    # The operator's word that a gateway listening beyond loopback with no key is meant (--no-auth);
+    # without it such a gateway refuses to start (lanes/online.py), with it it warns every hour.
+    no_auth: bool = False
+
+    def open_beyond_loopback(self) -> bool:
+        """Whether anyone but this machine can reach it and no key guards it."""
+        return not (self.api_keys or self.keys_file or listens_on_loopback(self.host))
+
     def tls_context(self) -> ssl.SSLContext | None:
         """The server's TLS context, or None for plain HTTP; ssl.SSLError/OSError name a bad file."""
         if not self.tls_cert:
@@ -71,3 +80,14 @@ class GatewaySettings:
         for key in self.api_keys:
             ok |= hmac.compare_digest(presented.encode(), key.encode())
         return ok
+
+
+def listens_on_loopback(host: str) -> bool:
+    """Only this machine can connect: localhost or a loopback address (a name that resolves
+    elsewhere, or every interface, is not)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -96,9 +96,12 @@ def _add_gateway_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on" + _DEFAULT)
     p.add_argument(
         "--api-key", action="append", default=[], help="accepted bearer key (repeatable; env LANES_GATEWAY_API_KEYS, "
-        "comma separated); none: no key needed",
+        "comma separated); none: no key needed, on loopback only (else --no-auth)",
     )  # fmt: skip
     p.add_argument("--api-key-file", help="file with one accepted key per line")
+    p.add_argument("--no-auth", action="store_true", default=os.environ.get("LANES_GATEWAY_NO_AUTH") == "1",
+                   help="serve without keys even beyond loopback (env LANES_GATEWAY_NO_AUTH=1); without it a "
+                   "gateway on another --host than loopback refuses to start with no key; warns every hour")  # fmt: skip
     # (--tls-cert/--tls-key are NATS's, for mutual TLS to the bus: the gateway's own HTTPS has its names.)
     p.add_argument("--https-cert", default=os.environ.get("LANES_GATEWAY_HTTPS_CERT"),
                    help="serve HTTPS with this certificate chain (PEM; env LANES_GATEWAY_HTTPS_CERT); "

@@ -76,7 +76,7 @@ def gateway_settings(args: argparse.Namespace) -> GatewaySettings:
         except OSError as exc:
             raise UserError(f"--api-key-file: {exc.strerror}: {args.api_key_file}") from None
     base = GatewaySettings()
-    return GatewaySettings(
+    settings = GatewaySettings(
         host=getattr(args, "host", base.host) if args.command == "gateway" else base.host,
         port=args.port if args.command == "gateway" else args.gateway_port,
         api_keys=tuple(keys),
@@ -95,8 +95,16 @@ def gateway_settings(args: argparse.Namespace) -> GatewaySettings:
         kv_events=getattr(args, "kv_events", False),
         gateway_id=getattr(args, "gateway_id", None) or base.gateway_id,
         keys_file=_keys_file(getattr(args, "keys_file", None)),
+        no_auth=getattr(args, "no_auth", False),
         **_https(getattr(args, "https_cert", None), getattr(args, "https_key", None)),
     )
+    if settings.open_beyond_loopback() and not settings.no_auth:
+        raise UserError(
+            f"--host {settings.host} serves every machine that reaches it, and no key is set: give keys "
+            "(LANES_GATEWAY_API_KEYS, --api-key-file, or --keys-file made with `lanes keys add`), "
+            "listen on 127.0.0.1, or say --no-auth to serve anyone without a key"
+        )
+    return settings
 
 
 def _https(cert: str | None, key: str | None) -> dict:

@@ -25,6 +25,12 @@ password_variables() {
   grep -oE '\$\{NATS_[A-Z0-9_]+_PASSWORD:\?' docker-compose.yml | sed -e 's/^\${//' -e 's/:?$//' | sort -u
 }
 
+# The secrets compose-up generates when missing: the NATS passwords, then the gateway's API key.
+secret_variables() {
+  password_variables
+  echo LANES_GATEWAY_API_KEYS
+}
+
 # Whether VAR has a value in the environment or in the env file (compose reads both, the
 # environment first).
 has_value() {

@@ -53,7 +53,7 @@ def _required_variables() -> set[str]:
 PASSWORDS = {name: "pw" + name.lower().replace("_", "") for name in sorted(_required_variables())}
 # Optional variables the compose file reads: unset them so the developer's shell can't leak in.
 _OPTIONAL_VARS = ("LANES_NATS_SERVERS", "LANES_NATS_BIND", "LANES_MODELS_HOST1", "LANES_MODELS_HOST2", "LANES_TAG",
-                  "LANES_GATEWAY_API_KEYS", "LANES_GATEWAY_PORT", "LANES_ADVERTISE_HOST1",
+                  "LANES_GATEWAY_PORT", "LANES_ADVERTISE_HOST1",
                   "LANES_ADVERTISE_HOST2", "LANES_PYTHON_IMAGE", "LANES_LLAMA_IMAGE")  # fmt: skip
 
 
@@ -687,14 +687,18 @@ def test_compose_up_and_down_with_docker(docker_user):
     assert up.returncode == 0, up.stderr
     env_file = tmp / "lanes.env"
     assert up.stdout.splitlines() == [
-        f"compose-up: wrote {env_file} with new NATS passwords (keep it, never commit it)",
+        f"compose-up: wrote {env_file} with new NATS passwords and a gateway key, LANES_GATEWAY_API_KEYS "
+        "(keep it, never commit it)",
         f"gateway: http://127.0.0.1:{gateway.port}",
     ]
     assert gateway.asked >= 3, "did not wait for /ready"
-    # Every password the compose file requires, usable by nats-server, readable by the owner only.
+    # Every password the compose file requires, usable by nats-server, and the gateway's key (the
+    # compose file requires one too), readable by the owner only.
     written = dict(line.split("=", 1) for line in env_file.read_text().splitlines() if not line.startswith("#"))
-    assert set(written) == {v for v in PASSWORDS if v.endswith("_PASSWORD")}
-    assert all(re.fullmatch(r"pw[0-9a-f]{48}", v) for v in written.values()), written
+    assert set(written) == set(PASSWORDS) and "LANES_GATEWAY_API_KEYS" in written
+    key = written["LANES_GATEWAY_API_KEYS"]
+    assert re.fullmatch(r"sk-lanes-[0-9a-f]{48}", key), key
+    assert all(re.fullmatch(r"pw[0-9a-f]{48}", v) for k, v in written.items() if k != "LANES_GATEWAY_API_KEYS")
     assert len(set(written.values())) == len(written)
     assert env_file.stat().st_mode & 0o777 == 0o600
     calls = (tmp / "docker.log").read_text().splitlines()
@@ -721,8 +725,9 @@ def test_compose_up_adds_only_the_missing_passwords_and_gives_up_when_the_gatewa
     assert up.returncode != 0
     assert "did not answer" in up.stderr and "/ready" in up.stderr
     added = sorted({v for v in PASSWORDS if v.endswith("_PASSWORD")} - {"NATS_ADMIN_PASSWORD", "NATS_PLANNER_PASSWORD"})
+    added.append("LANES_GATEWAY_API_KEYS")
     assert up.stdout.splitlines()[0] == (
-        f"compose-up: added {' '.join(added)} to {env_file} (new passwords; keep the file, never commit it)"
+        f"compose-up: added {' '.join(added)} to {env_file} (new secrets; keep the file, never commit it)"
     )
     lines = env_file.read_text().splitlines()
     assert lines[0] == "NATS_ADMIN_PASSWORD=pwmine" and [ln.split("=")[0] for ln in lines[1:]] == added

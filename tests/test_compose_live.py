@@ -206,12 +206,13 @@ class Deploy:
         self.env["DOCKER_HOST"] = f"unix://{self.socket_dir}/podman.sock"  # for logs() and down(), even now
         assert result.returncode == 0, f"scripts/compose-up failed:\n{result.stderr[-4000:]}"
         assert result.stdout.splitlines() == [
-            f"compose-up: wrote {self.env_file} with new NATS passwords (keep it, never commit it)",
+            f"compose-up: wrote {self.env_file} with new NATS passwords and a gateway key, LANES_GATEWAY_API_KEYS "
+            "(keep it, never commit it)",
             f"gateway: {self.gateway}",
         ], result.stdout
         lines = [ln for ln in self.env_file.read_text().splitlines() if ln and not ln.startswith("#")]
         self.passwords = dict(ln.split("=", 1) for ln in lines)
-        assert len(self.passwords) == 5 and self.env_file.stat().st_mode & 0o777 == 0o600
+        assert len(self.passwords) == 6 and self.env_file.stat().st_mode & 0o777 == 0o600
         self.env.update(self.passwords)
         assert self.service_answers()
 
@@ -291,7 +292,8 @@ async def _host_states(kv) -> dict[str, str]:
 def _openai(d: Deploy):
     import openai
 
-    return openai.AsyncOpenAI(base_url=d.gateway + "/v1", api_key="none", max_retries=0, timeout=120)
+    return openai.AsyncOpenAI(base_url=d.gateway + "/v1", api_key=d.passwords["LANES_GATEWAY_API_KEYS"], max_retries=0,
+                              timeout=120)  # fmt: skip
 
 
 async def _served_by(d: Deploy, n: int) -> list[str]:
@@ -305,7 +307,9 @@ async def _served_by(d: Deploy, n: int) -> list[str]:
 
 
 def _routable(d: Deploy) -> dict[str, float]:
-    with urllib.request.urlopen(d.gateway + "/metrics", timeout=5) as r:
+    ask = urllib.request.Request(d.gateway + "/metrics",
+                                 headers={"Authorization": f"Bearer {d.passwords['LANES_GATEWAY_API_KEYS']}"})  # fmt: skip
+    with urllib.request.urlopen(ask, timeout=5) as r:
         text = r.read().decode()
     found: dict[str, float] = {}
     for line in text.splitlines():

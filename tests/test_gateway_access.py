@@ -218,3 +218,63 @@ async def test_a_tenant_key_opens_the_api_only_and_an_ops_cookie_ends_with_its_k
                 assert resp.status == 403
     finally:
         await server.close()
+
+
+# ------------------------------------------------------------------ secure by default (issue 36 point 2)
+
+
+def test_a_gateway_beyond_loopback_without_keys_refuses_to_start(tmp_path):
+    """No key and an address others reach: one line naming every way out, exit 2, nothing served."""
+    import subprocess
+    import sys
+
+    from test_cli_offline import assert_one_line_error
+
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("LANES_GATEWAY_")}
+    for host in ("0.0.0.0", "::", "192.0.2.7", "gateway.example"):
+        run = subprocess.run([sys.executable, "-m", "lanes.cli", "gateway", "--nats", "nats://127.0.0.1:1",
+                              "--host", host], capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+        assert_one_line_error(run, f"--host {host}", "LANES_GATEWAY_API_KEYS", "--keys-file", "--no-auth")
+        assert run.returncode == 2, run
+
+
+def test_keys_or_loopback_or_no_auth_let_it_start():
+    from lanes.cli import build_parser
+    from lanes.online import gateway_settings
+    from gateway.settings import listens_on_loopback
+
+    parser = build_parser()
+    assert gateway_settings(parser.parse_args(["gateway"])).host == "127.0.0.1"  # loopback: no key needed
+    assert gateway_settings(parser.parse_args(["gateway", "--host", "::1"])).host == "::1"
+    assert gateway_settings(parser.parse_args(["gateway", "--host", "0.0.0.0", "--api-key", "k"])).api_keys == ("k",)
+    opened = gateway_settings(parser.parse_args(["gateway", "--host", "0.0.0.0", "--no-auth"]))
+    assert opened.no_auth and opened.open_beyond_loopback()
+    assert [listens_on_loopback(h) for h in ("127.0.0.1", "127.8.9.1", "::1", "[::1]", "localhost")] == [True] * 5
+    assert [listens_on_loopback(h) for h in ("0.0.0.0", "::", "", "10.0.0.1", "example.com")] == [False] * 5
+
+
+async def test_an_open_gateway_warns_at_start_and_every_hour(nats_server, monkeypatch):
+    """--no-auth beyond loopback: a warning at start, then again each OPEN_WARNING_EVERY."""
+    import asyncio
+
+    import structlog
+
+    import gateway.service as service
+
+    monkeypatch.setattr(service, "OPEN_WARNING_EVERY", 0.2)
+
+    async def warnings(settings: GatewaySettings) -> list[dict]:
+        stop = asyncio.Event()
+        gw = Gateway(settings)
+        with structlog.testing.capture_logs() as logs:
+            task = asyncio.create_task(service.run_gateway(nats_server, stop, gateway=gw))
+            await asyncio.wait_for(gw.started.wait(), 10)
+            await asyncio.sleep(0.5)
+            stop.set()
+            await asyncio.wait_for(task, 20)
+        return [e for e in logs if "serving without keys" in e["event"]]
+
+    said = await warnings(GatewaySettings(host="0.0.0.0", port=0, no_auth=True))
+    assert len(said) >= 2 and all(e["log_level"] == "warning" for e in said), said
+    # A keyed gateway on the same address says nothing of the kind.
+    assert not await warnings(GatewaySettings(host="0.0.0.0", port=0, api_keys=(KEY,)))

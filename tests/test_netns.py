@@ -331,6 +331,7 @@ async def test_agent_stops_promptly_while_cut_off(topo, tmp_path, tiny_models):
     assert code == 0, f"agent exited {code} after {took:.1f}s\n{topo.logs()}"
 
 
+GATEWAY_KEY = "netns-gateway-key"  # an --api-key-file key: the operator's (ops), so /metrics too
 GATEWAY_ROLES = ("nats", "planner", "agent1", "agent2", "gateway")
 
 
@@ -345,13 +346,16 @@ async def test_gateway_on_one_host_serves_lanes_of_two_others(topo, tmp_path, ti
     llama = find_llama_server()
     assert llama, "no llama-server: run `lanes install-llama`"
     url = start_fleet(topo, tmp_path, tiny_models, serve_network=True, llama_server=llama)
+    keys = tmp_path / "gateway-keys"
+    keys.write_text(GATEWAY_KEY + "\n")
     topo.spawn("gateway", "gateway", [LANES, "gateway", "--nats", url, "--host", "0.0.0.0", "--port", "8000",
-                                      "--connect-timeout", "1"])  # fmt: skip
+                                      "--connect-timeout", "1", "--api-key-file", str(keys)])  # fmt: skip
     base = f"http://{topo.ip['gateway']}:8000"
-    ai = openai.AsyncOpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=30)
+    ai = openai.AsyncOpenAI(base_url=base + "/v1", api_key=GATEWAY_KEY, max_retries=0, timeout=30)
 
     def routable() -> dict[str, float]:
-        with urllib.request.urlopen(base + "/metrics", timeout=3) as r:
+        ask = urllib.request.Request(base + "/metrics", headers={"Authorization": f"Bearer {GATEWAY_KEY}"})
+        with urllib.request.urlopen(ask, timeout=3) as r:
             text = r.read().decode()
         return {line.split('host="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
                 for line in text.splitlines() if line.startswith("lanes_lane_routable{")}  # fmt: skip

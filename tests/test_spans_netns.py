@@ -45,6 +45,9 @@ MIB = 2**20
 MAX_RAM = {"serve": "826MiB", "worker1": "732MiB", "worker2": "960MiB", "worker3": "960MiB"}
 
 
+GATEWAY_KEY = "spans-gateway-key"
+
+
 def _start(topo, tmp_path, rpc_bin) -> str:
     store = tmp_path / "nats-store"
     store.mkdir()
@@ -58,8 +61,10 @@ def _start(topo, tmp_path, rpc_bin) -> str:
     for role in ("worker1", "worker2", "worker3"):  # a worker holds no model file
         topo.spawn(role, role, [*_agent(topo, tmp_path, url, role, rpc_bin), "--rpc-worker",
                                 "--rpc-worker-ports", "50052:2"])  # fmt: skip
+    keys = tmp_path / "gateway-keys"
+    keys.write_text(GATEWAY_KEY + "\n")
     topo.spawn("gateway", "gateway", [LANES, "gateway", "--nats", url, "--host", "0.0.0.0", "--port", "8000",
-                                      "--connect-timeout", "2"])  # fmt: skip
+                                      "--connect-timeout", "2", "--api-key-file", str(keys)])  # fmt: skip
     return url
 
 
@@ -151,7 +156,7 @@ async def test_one_lane_across_three_hosts_answers_and_prints_its_plan(topo, tmp
         cpu = next(d for d in lane.memory.devices if d.index < 0)
         assert abs(printed["CPU"].model_bytes - cpu.model_bytes) <= 0.011 * MIB
 
-        ai = openai.AsyncOpenAI(base_url=f"http://{topo.ip['gateway']}:8000/v1", api_key="none", max_retries=2,
+        ai = openai.AsyncOpenAI(base_url=f"http://{topo.ip['gateway']}:8000/v1", api_key=GATEWAY_KEY, max_retries=2,
                                 timeout=60)  # fmt: skip
 
         async def answered() -> str | None:

@@ -54,17 +54,19 @@ def _lane_pid() -> str:
     return _in("pgrep -x llama-server || true")
 
 
-def _complete(url: str) -> dict:
+def _complete(url: str, key: str) -> dict:
     body = json.dumps({"model": "gemma", "prompt": "The three primary colors are", "max_tokens": 8}).encode()
-    ask = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    ask = urllib.request.Request(url + "/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"})
     with urllib.request.urlopen(ask, timeout=60) as resp:
         assert resp.status == 200
         return json.loads(resp.read())
 
 
-def _ready(url: str) -> bool:
+def _ready(url: str, key: str) -> bool:
     try:
-        with urllib.request.urlopen(url + "/v1/models", timeout=5) as resp:
+        ask = urllib.request.Request(url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+        with urllib.request.urlopen(ask, timeout=5) as resp:
             models = json.loads(resp.read())["data"]
     except OSError:
         return False
@@ -96,7 +98,10 @@ def test_the_units_boot_serve_and_keep_their_lane_across_an_agent_restart_and_ki
         assert _in("systemctl is-active nats") == "active"
         # As docs/systemd.md says: install, edit /etc/lanes/lanes.env (NATS), restart; the model in its folder.
         _in("/opt/lanes-deploy/systemd/install planner agent gateway", timeout=180)
-        assert _in("stat -c '%U:%G %a' /etc/lanes/lanes.env") == "root:lanes 640"
+        assert _in("stat -c '%U:%G %a' /etc/lanes/lanes.env /etc/lanes/gateway.env").split("\n") == ["root:lanes 640"] * 2
+        # install made the gateway's key (it listens on 0.0.0.0: without one it would not start)
+        key = _in("sed -n 's/^LANES_GATEWAY_API_KEYS=//p' /etc/lanes/gateway.env")
+        assert key.startswith("sk-lanes-") and len(key) == 57, key
         _in("sed -i 's|^LANES_NATS_URL=.*|LANES_NATS_URL=nats://127.0.0.1:4222|' /etc/lanes/lanes.env"
             " && printf 'LLAMA_SERVER_BIN=/app/llama-server\\n' > /etc/lanes/agent.env"
             " && cp /srv/gemma.gguf /var/lib/lanes/models/gemma.gguf"
@@ -104,8 +109,8 @@ def test_the_units_boot_serve_and_keep_their_lane_across_an_agent_restart_and_ki
         assert _in("stat -c '%U:%G %a' /etc/lanes/lanes.env") == "root:lanes 640"
         assert _in("systemctl is-active lanes-planner lanes-agent lanes-gateway").split() == ["active"] * 3
         assert _in("systemctl show -p User --value lanes-agent") == "lanes"
-        eventually_blocking(lambda: _ready(url), timeout=180, what="gemma ready through the gateway")
-        assert _complete(url)["choices"][0]["text"]
+        eventually_blocking(lambda: _ready(url, key), timeout=180, what="gemma ready through the gateway")
+        assert _complete(url, key)["choices"][0]["text"]
         lane = _lane_pid()
         assert lane and _in(f"ps -o user= -p {lane}") == "lanes"
 
@@ -113,7 +118,7 @@ def test_the_units_boot_serve_and_keep_their_lane_across_an_agent_restart_and_ki
         eventually_blocking(lambda: "adopted running lane" in _in("journalctl -u lanes-agent --no-pager"),
                             timeout=60, what="the restarted agent adopted the lane")  # fmt: skip
         assert _lane_pid() == lane
-        assert _complete(url)["choices"][0]["text"]
+        assert _complete(url, key)["choices"][0]["text"]
 
         restarts = int(_in("systemctl show -p NRestarts --value lanes-agent"))
         _in("systemctl kill -s SIGKILL --kill-whom=main lanes-agent")  # as the OOM killer would
@@ -123,7 +128,7 @@ def test_the_units_boot_serve_and_keep_their_lane_across_an_agent_restart_and_ki
         eventually_blocking(lambda: _in("journalctl -u lanes-agent --no-pager").count("adopted running lane") == 2,
                             timeout=60, what="the new agent adopted the lane")  # fmt: skip
         assert _lane_pid() == lane
-        assert _complete(url)["choices"][0]["text"]
+        assert _complete(url, key)["choices"][0]["text"]
 
         _in("systemctl stop lanes-agent", timeout=150)  # a stop stops the lanes too
         assert _lane_pid() == ""
