@@ -30,7 +30,7 @@ from gateway.fleet import FleetView, LaneKey, LaneRoute
 from gateway.settings import GatewaySettings
 from gateway.sync import SharedView, SlotsPoll, share_usage
 from shared import defaults, subjects
-from shared.bus import connect, kv_bucket, quietly, run_until, watch_forever
+from shared.bus import connect, kv_bucket, quietly, run_until, secrets_bucket, watch_forever
 from shared.nats_auth import NatsAuth
 from shared.llama.endpoints import connect_host
 from shared.messages.activity import GatewayActivity, ModelWake, TenantActivity
@@ -109,6 +109,11 @@ class Gateway:
         problem = self.view.apply_entry(key, value)
         if problem:
             log.warning("bad entry dropped", reason=problem)
+
+    async def on_secret(self, key: str, value: bytes | None, revision: int) -> None:
+        problem = self.view.apply_secret(key, value)
+        if problem:
+            log.warning("bad lane key dropped", reason=problem)
 
     async def on_caught_up(self) -> None:
         if not self.view.synced:
@@ -196,10 +201,11 @@ async def _open_warning(gw: Gateway, stop: asyncio.Event) -> None:
 
 
 async def _bus_side(gw: Gateway, servers: str, auth: NatsAuth, stop: asyncio.Event, stack: AsyncExitStack) -> None:
-    resync = asyncio.Event()
+    resync, secrets_resync = asyncio.Event(), asyncio.Event()
 
     async def on_reconnect() -> None:
         resync.set()
+        secrets_resync.set()
 
     while running(stop):
         try:
@@ -224,17 +230,31 @@ async def _bus_side(gw: Gateway, servers: str, auth: NatsAuth, stop: asyncio.Eve
         gw.shared.gateway_id = gw.gateway_id  # (its NATS user, where auth is on)
         prefix = asyncio.create_task(gw.loops.run("prefix", lambda: gw.shared.start(nc), stop))
         stack.push_async_callback(quietly(lambda: _stop_task(prefix)))
-    while running(stop):
-        try:
-            kv = await kv_bucket(nc)
-            break
-        except Exception as exc:
-            log.info("waiting for the lanes bucket (is the planner up?)", error=str(exc) or type(exc).__name__)
-            await asyncio.sleep(1.0)
-    else:
+    secrets = asyncio.create_task(gw.loops.run("secrets", lambda: _follow_secrets(gw, nc, secrets_resync, stop), stop))
+    stack.push_async_callback(quietly(lambda: _stop_task(secrets)))
+    kv = await _bucket(lambda: kv_bucket(nc), "lanes", stop)
+    if kv is None:
         return
     await gw.loops.run("watch", lambda: watch_forever(kv, WATCHED_KEYS, gw.on_entry, resync=resync, stop=stop,
                                                       on_caught_up=gw.on_caught_up), stop)  # fmt: skip
+
+
+async def _follow_secrets(gw: Gateway, nc, resync: asyncio.Event, stop: asyncio.Event) -> None:
+    """Every lane's key (bucket lanes-secrets, which only gateways may read), into the view."""
+    bucket = await _bucket(lambda: secrets_bucket(nc), subjects.SECRETS_BUCKET, stop)
+    if bucket is not None:
+        await watch_forever(bucket, subjects.ALL_SECRETS, gw.on_secret, resync=resync, stop=stop)
+
+
+async def _bucket(open_bucket, name: str, stop: asyncio.Event):
+    """A bucket the planner makes, once it has (None: stopped first)."""
+    while running(stop):
+        try:
+            return await open_bucket()
+        except Exception as exc:
+            log.info(f"waiting for the {name} bucket (is the planner up?)", error=str(exc) or type(exc).__name__)
+            await asyncio.sleep(1.0)
+    return None
 
 
 async def _stop_task(task: asyncio.Task) -> None:

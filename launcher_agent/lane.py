@@ -31,6 +31,7 @@ class Lane:
     load_seconds: float | None = None  # from its start to its first healthy answer
     restore_pending: bool = False  # started by this agent: its saved slots are restored before it serves
     restored_tokens: dict[int, int] = field(default_factory=dict)  # slot id -> tokens restored into it
+    api_key: str | None = field(default=None, repr=False)  # what it answers to (launcher_agent/lane_secret.py)
 
 
 Emit = Callable[[Lane, str, str], Awaitable[None]]

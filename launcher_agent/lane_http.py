@@ -18,6 +18,31 @@ def port_taken(bind: str, port: int) -> bool:
         return probe.connect_ex((endpoints.connect_host(bind), port)) == 0
 
 
+# Each running lane's API key (launcher_agent/lane_secret.py) by its address, set when the agent
+# starts or adopts it: every request below carries it (llama-server asks for it on every path
+# but /health).
+_KEYS: dict[tuple[str, int], str] = {}
+
+
+def use_key(spec: LaneSpec, key: str | None) -> None:
+    """From now on, requests to this lane's address carry `key` (None: no key)."""
+    if key:
+        _KEYS[(spec.bind, spec.port)] = key
+    else:
+        _KEYS.pop((spec.bind, spec.port), None)
+
+
+def key_header(bind: str, port: int) -> str:
+    key = _KEYS.get((bind, port))
+    return f"Authorization: Bearer {key}\r\n" if key else ""
+
+
+def auth_headers(spec: LaneSpec) -> dict[str, str]:
+    """The same, for an aiohttp request (the agent's scrape of /metrics)."""
+    key = _KEYS.get((spec.bind, spec.port))
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 async def _exchange(bind: str, port: int, request: Callable[[str], bytes], timeout: float) -> tuple[int, object]:
     """Send one HTTP/1.0 request (built for the host connected to) and read the answer to its end."""
     host = endpoints.connect_host(bind)
@@ -46,14 +71,16 @@ async def _exchange(bind: str, port: int, request: Callable[[str], bytes], timeo
 
 async def http_get(bind: str, port: int, path: str, timeout: float = 2.0) -> tuple[int, object]:
     """A tiny HTTP/1.0 GET; (status, JSON body or None). Status 0 when nothing answers."""
-    return await _exchange(bind, port, lambda host: f"GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n".encode(), timeout)
+    auth = key_header(bind, port)
+    return await _exchange(bind, port, lambda host: f"GET {path} HTTP/1.0\r\nHost: {host}\r\n{auth}\r\n".encode(), timeout)
 
 
 async def http_post(bind: str, port: int, path: str, body: object, timeout: float) -> tuple[int, object]:
     """A tiny HTTP/1.0 POST of a JSON body; (status, JSON body or None). Status 0 when nothing answers."""
     data = json.dumps(body).encode()
-    head = "POST {} HTTP/1.0\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n"
-    return await _exchange(bind, port, lambda host: head.format(path, host, len(data)).encode() + data, timeout)
+    head = "POST {} HTTP/1.0\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{}\r\n"
+    auth = key_header(bind, port)
+    return await _exchange(bind, port, lambda host: head.format(path, host, len(data), auth).encode() + data, timeout)
 
 
 async def readiness(spec: LaneSpec) -> tuple[endpoints.Readiness, str]:

@@ -12,6 +12,7 @@ import structlog
 from launcher_agent.config import AgentConfig
 from launcher_agent.feedback import Feedback
 from launcher_agent.lane import Emit, Lane
+from launcher_agent import lane_http, lane_secret
 from launcher_agent.lane_http import port_taken
 from launcher_agent.persistence import Saved
 from launcher_agent.process import DryRunLane, LaneProcess, LogLimits
@@ -64,7 +65,10 @@ class Lifecycle:
 
     async def start(self, spec: LaneSpec, plan_revision: int, previous: Lane | None = None) -> None:
         slot_dir = str(self.slots.folder) if self.slots is not None else None
-        args = lane_args(spec, self.cfg.caps, slot_dir)  # the one rendering of a lane's argv, by the agent that runs it
+        key = None if self.cfg.dry_run else lane_secret.new_key()  # a new one at every start
+        key_file = self._key_path(spec.lane_id)
+        # the one rendering of a lane's argv, by the agent that runs it
+        args = lane_args(spec, self.cfg.caps, slot_dir, key_file=str(key_file) if key else None)
         kind = DryRunLane if self.cfg.dry_run else LaneProcess
         process = kind(spec, self.cfg.binary, self._log_path(spec.lane_id), args, env_names=self.cfg.lane_env,
                        log_limits=self.log_limits)  # fmt: skip
@@ -84,8 +88,12 @@ class Lifecycle:
             await self.emit(lane, "failed", lane.last_error)
             return
         try:
+            if key:
+                await asyncio.to_thread(lane_secret.write_key, key_file, key)
             await process.start()
             lane.started_mono = time.monotonic()
+            lane.api_key = key
+            lane_http.use_key(spec, key)
         except OSError as exc:
             lane.state, lane.last_error, lane.failure = "failed", f"cannot start {self.cfg.binary}: {exc}", "other"
             self.lanes[spec.lane_id] = lane
@@ -102,6 +110,8 @@ class Lifecycle:
             return
         await lane.process.stop()
         lane.process.close_log()
+        lane_http.use_key(lane.spec, None)
+        lane_secret.remove_key(self._key_path(lane_id))  # a stopped lane's key opens nothing again
         self.on_change()
         log.info("lane stopped", lane=lane_id, reason=reason)
         if not keep_counts:
@@ -126,8 +136,13 @@ class Lifecycle:
                                      facts=saved.facts.get(lane_id, ()), env_names=self.cfg.lane_env,
                                      log_limits=self.log_limits)  # fmt: skip
             if proc is not None:
-                self.lanes[lane_id] = Lane(spec=spec, process=proc, state="loading")
+                key = lane_secret.read_key(self._key_path(lane_id))  # None: started before lanes had keys
+                self.lanes[lane_id] = Lane(spec=spec, process=proc, state="loading", api_key=key)
+                lane_http.use_key(spec, key)
                 log.info("adopted running lane", lane=lane_id, pid=pid)
+
+    def _key_path(self, lane_id: str):
+        return lane_secret.key_path(self.cfg.data_dir / "lanes", lane_id)
 
     def _log_path(self, lane_id: str):
         return self.cfg.data_dir / "lanes" / f"{lane_id}.log"

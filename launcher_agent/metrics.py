@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from shared.version import VERSION
+from launcher_agent import lane_http
 from launcher_agent.supervisor import Supervisor
 from shared.llama import endpoints
 
@@ -98,7 +99,7 @@ class AgentMetrics:
     async def _scrape(self, session: aiohttp.ClientSession, lane) -> list[Metric]:
         url = endpoints.url(lane.spec.bind, lane.spec.port, endpoints.METRICS)
         try:
-            async with session.get(url) as resp:
+            async with session.get(url, headers=lane_http.auth_headers(lane.spec)) as resp:
                 if resp.status != 200:
                     return []
                 text = await resp.text()

@@ -32,11 +32,11 @@ from shared.version import VERSION
 from launcher_agent.rpc_worker import RpcWorkers, WorkerSettings
 from launcher_agent.supervisor import Supervisor
 from shared import subjects
-from shared.bus import connect, follow_key, kv_bucket, logged_endpoint, quietly, run_until
+from shared.bus import connect, follow_key, kv_bucket, logged_endpoint, quietly, run_until, secrets_bucket
 from shared.gguf_facts import FactsCache
 from shared.messages.hosts import HostReport
 from shared.messages.plans import HostPlan
-from shared.messages.status import LaneEvent, PlanRejected
+from shared.messages.status import LaneEvent, LaneSecret, PlanRejected
 from shared.messages.wire import encode
 from shared.metrics_http import serve_metrics
 from shared.nats_auth import NatsAuth
@@ -58,6 +58,8 @@ class Agent:
     _last_status: bytes = b""
     _facts_cache: dict = field(default_factory=dict)
     _plan_seen: bytes | None = None  # the plan entry last acted on: a re-read of it changes nothing
+    secrets: object | None = None  # bucket lanes-secrets: its lanes' keys, for the gateways
+    _secrets_put: dict[str, bytes] = field(default_factory=dict)  # KV key -> what was put there
     _reporting: threading.Lock = field(default_factory=threading.Lock)  # one report (GGUF scan) at a time
 
     workers: RpcWorkers | None = None  # ggml-rpc-servers for other hosts' span lanes (--rpc-worker)
@@ -133,6 +135,7 @@ class Agent:
     async def publish_status(self, force: bool = False) -> None:
         if self.kv is None or self.nc is None or not self.nc.is_connected:
             return
+        await self.publish_secrets()  # before the status: a gateway knows a lane's key before it is healthy
         status = self.sup.status(nats_connected=True)
         if self.workers is not None:
             status = msgspec.structs.replace(status, rpc_workers=self.workers.status())
@@ -151,6 +154,28 @@ class Agent:
             self._last_status = comparable
         except Exception as exc:
             log.info("status not published", error=str(exc) or type(exc).__name__)
+
+    async def publish_secrets(self) -> None:
+        """Each running lane's key where gateways read it, and none of a lane that is gone:
+        level-triggered against what was put (the report loop forgets that now and then, so a
+        bucket lost with its NATS server is filled again)."""
+        if self.secrets is None or self.nc is None or not self.nc.is_connected:
+            return
+        wanted = {
+            subjects.lane_secret_key(self.host, lane.spec.lane_id): encode(LaneSecret(
+                host_id=self.cfg.host_id, lane_id=lane.spec.lane_id, port=lane.spec.port, key=lane.api_key))
+            for lane in self.sup.lanes.values() if lane.api_key and lane.process is not None
+        }  # fmt: skip
+        try:
+            for key, data in wanted.items():
+                if self._secrets_put.get(key) != data:
+                    await self.secrets.put(key, data)
+                    self._secrets_put[key] = data
+            for key in [k for k in self._secrets_put if k not in wanted]:
+                await self.secrets.delete(key)
+                del self._secrets_put[key]
+        except Exception as exc:
+            log.info("lane keys not published", error=str(exc) or type(exc).__name__)
 
     async def publish_report(self) -> None:
         if self.kv is None:
@@ -202,6 +227,14 @@ async def _serve_bus(agent: Agent, stop: asyncio.Event) -> None:
         except Exception as exc:
             log.info("waiting for the lanes bucket (is the planner up?)", error=str(exc) or type(exc).__name__)
             await asyncio.sleep(1.0)
+    try:
+        agent.secrets = await secrets_bucket(agent.nc)
+    except Exception:  # an older planner did not make it
+        try:
+            agent.secrets = await secrets_bucket(agent.nc, create=True)
+        except Exception as exc:
+            log.warning("lanes-secrets bucket not reachable: gateways cannot reach this host's lanes",
+                        error=str(exc) or type(exc).__name__)  # fmt: skip
     svc = await add_service(
         agent.nc,
         name=subjects.AGENT_SERVICE,
@@ -243,6 +276,7 @@ async def _report_loop(agent: Agent, stop: asyncio.Event) -> None:
             await asyncio.wait_for(stop.wait(), agent.cfg.report_interval)
         except asyncio.TimeoutError:
             await agent.publish_report()
+            agent._secrets_put.clear()  # put them all again: a NATS server that lost them has them back
             await agent.publish_status(force=True)
 
 

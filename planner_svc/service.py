@@ -27,7 +27,7 @@ from planner_svc.lease import DEFAULT_TTL, Lease
 from planner_svc.metrics import PlannerMetrics
 from planner_svc.state import PlannerState
 from shared import subjects
-from shared.bus import connect, kv_bucket, leader_view, quietly, run_until, watch_forever
+from shared.bus import connect, kv_bucket, leader_view, quietly, run_until, secrets_bucket, watch_forever
 from shared.llama.flags import cache_pair
 from shared.messages.activity import GatewayActivity, ModelWake
 from shared.messages.plans import HostPlan
@@ -264,6 +264,10 @@ async def run_planner(
         nc = await connect(servers, name="lanes-planner", auth=auth, on_reconnect=on_reconnect)
         stack.push_async_callback(quietly(nc.drain))
         kv = await kv_bucket(nc, create=True, replicas=replicas)
+        try:  # lanes' keys: the planner makes their bucket and never reads it
+            await secrets_bucket(nc, create=True, replicas=replicas)
+        except Exception as exc:  # an agent makes it where it must; gateways wait for it
+            log.warning("secrets bucket not made", error=str(exc) or type(exc).__name__)
         service = PlannerService(nc, kv, lease_ttl=lease_ttl, name=name)
         await endpoints.ensure_config(service)
         await endpoints.add_endpoints(service, stack)

@@ -12,7 +12,7 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 from nats.micro.request import Request, ServiceError
 
-from shared import defaults
+from shared import defaults, subjects
 from shared.nats_auth import NatsAuth
 from shared.subjects import BUCKET, kv_subject
 from shared.supervise import cancel_and_wait, running
@@ -99,6 +99,20 @@ async def kv_bucket(nc: Client, *, create: bool = False, replicas: int = 1) -> K
         except Exception as exc:  # already exists with other settings, or no permission
             log.info("kv bucket exists or cannot be created", error=str(exc))
     return await js.key_value(BUCKET)
+
+
+async def secrets_bucket(nc: Client, *, create: bool = False, replicas: int = 1) -> KeyValue:
+    """Bucket lanes-secrets: each lane's API key, put by its agent, read by gateways alone
+    (docker/nats/auth.conf). In memory: a key is new at every start of a lane, and agents put
+    theirs again after a loss. The planner makes it; an agent may, where it is missing."""
+    js = nc.jetstream()
+    if create:
+        try:
+            return await js.create_key_value(KeyValueConfig(
+                bucket=subjects.SECRETS_BUCKET, history=1, storage=StorageType.MEMORY, replicas=replicas))  # fmt: skip
+        except Exception as exc:
+            log.info("secrets bucket exists or cannot be created", error=str(exc))
+    return await js.key_value(subjects.SECRETS_BUCKET)
 
 
 def leader_view(kv: KeyValue) -> KeyValue:

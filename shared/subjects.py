@@ -60,6 +60,23 @@ def usage_key(tenant: str, gateway: str) -> str:
     return f"usage.{host_token(tenant)}.{host_token(gateway)}"
 
 
+# Each lane's API key (llama-server --api-key-file, new at every start): put by its agent, read by
+# gateways alone. Its own bucket, so NATS permissions can keep it from every other user
+# (docker/nats/auth.conf); made by the planner, in memory (an agent puts its keys again).
+SECRETS_BUCKET = "lanes-secrets"
+SECRETS_STREAM = f"KV_{SECRETS_BUCKET}"
+ALL_SECRETS = ">"
+
+
+def lane_secret_key(host_id: str, lane_id: str) -> str:
+    return f"lane.{host_token(host_id)}.{host_token(lane_id)}"
+
+
+def host_secrets(host_id: str) -> str:
+    """Every lane secret of one host (an agent's keys to sweep)."""
+    return f"lane.{host_token(host_id)}.*"
+
+
 def kv_subject(key: str) -> str:
     """The JetStream subject behind a KV key (what NATS permissions are written against)."""
     return f"$KV.{BUCKET}.{key}"

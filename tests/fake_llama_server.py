@@ -344,6 +344,7 @@ def _options() -> list[Opt]:
         Opt(["--port"], "PORT", "port to listen (default: 8080)", "LLAMA_ARG_PORT", "port", _int),
         Opt(["--api-key"], "KEY", "API key to use for authentication (default: none)", "LLAMA_API_KEY",
             "api_key"),
+        Opt(["--api-key-file"], "FNAME", "path to file containing API keys (default: none)", None, "api_key_file"),
         Opt(["--threads-http"], "N", "number of threads used to process HTTP requests (default: -1)",
             "LLAMA_ARG_THREADS_HTTP", "threads_http", _int),
         Opt(["-to", "--timeout"], "N", "server read/write timeout in seconds (default: 600)",
@@ -481,12 +482,17 @@ class State:
     n_vocab = 0
     n_embd = 0
     keep: list = []
+    api_keys: frozenset = frozenset()  # --api-key and --api-key-file: empty, every request is answered
 
 
 STATE = State()
 
 _LOADING = {"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}
 _NOT_FOUND = {"error": {"code": 404, "message": "File Not Found", "type": "not_found_error"}}
+# With keys, every path but these needs one, loading or not (b11434, measured: /models, /props,
+# /slots, /metrics, /tokenize and slot save/erase answer 401 without it).
+_PUBLIC = ("/health", "/v1/health")
+_BAD_KEY = {"error": {"message": "Invalid API Key", "type": "authentication_error", "code": 401}}
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -509,7 +515,17 @@ class Handler(BaseHTTPRequestHandler):
         if self.command != "HEAD":
             self.wfile.write(data)
 
+    def _key_ok(self) -> bool:
+        given = self.headers.get("X-Api-Key") or ""
+        bearer = self.headers.get("Authorization") or ""
+        if bearer.startswith("Bearer "):
+            given = bearer[len("Bearer "):]
+        return given in STATE.api_keys
+
     def _route(self) -> None:
+        if STATE.api_keys and self.path.split("?", 1)[0] not in _PUBLIC and not self._key_ok():
+            self._send(401, _BAD_KEY)
+            return
         if STATE.loading:
             self._send(503, _LOADING)
             return
@@ -861,6 +877,16 @@ def main(argv: list[str]) -> None:
     n_threads = params["threads"] if (params.get("threads") or 0) > 0 else os.cpu_count() or 1
     n_batch = params["threads_batch"] if (params.get("threads_batch") or 0) > 0 else n_threads
     log("I", f"system info: n_threads = {n_threads}, n_threads_batch = {n_batch}, total_threads = {os.cpu_count() or 1}")
+
+    keys = [k for k in (params.get("api_key") or "").split(",") if k]
+    if params.get("api_key_file"):
+        try:
+            with open(params["api_key_file"]) as f:
+                keys += [line.strip() for line in f if line.strip()]
+        except OSError:
+            raw(f"error: failed to open file '{params['api_key_file']}'")
+            die(1)
+    STATE.api_keys = frozenset(keys)
 
     host, port = params["host"], params["port"]
     log("I", "main: binding port with default address family")

@@ -223,10 +223,11 @@ def _all_files(root: Path, skip: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file() and skip not in p.parents]
 
 
-def _chat(url: str, marker: str, model: str, timeout: float = 120) -> dict:
+def _chat(url: str, marker: str, model: str, timeout: float = 120, key: str | None = None) -> dict:
     body = json.dumps({"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": f"Say {marker}."}]})
+    auth = {"Authorization": f"Bearer {key}"} if key else {}
     req = urllib.request.Request(f"{url}/v1/chat/completions", data=body.encode(),
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
+                                 headers={"Content-Type": "application/json", **auth})  # fmt: skip
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
 
@@ -250,7 +251,12 @@ async def test_lanes_get_no_secret_and_their_logs_no_prompt(nats_server, tmp_pat
         assert SECRET not in env and "LANES_GATEWAY_API_KEYS" not in env and "s3cr3t" not in Path(
             f"/proc/{lane.pid}/environ").read_text(errors="replace")  # fmt: skip
         assert env[NAMED] == "given" and env["PATH"] == os.environ["PATH"]
-        await asyncio.to_thread(_chat, f"http://127.0.0.1:{lane.port}", marker, "llama8")
+        # The lane answers its key only (the agent's, which gateways read from NATS).
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            await asyncio.to_thread(_chat, f"http://127.0.0.1:{lane.port}", marker, "llama8")
+        assert refused.value.code == 401
+        key = (cfg.data_dir / "lanes" / "llama8-0.key").read_text().strip()
+        await asyncio.to_thread(_chat, f"http://127.0.0.1:{lane.port}", marker, "llama8", key=key)
     # stopped: the lane's writer has written all it was given
     log = cfg.data_dir / "lanes" / "llama8-0.log"
     assert log.exists() and "main: model loaded" in log.read_text()

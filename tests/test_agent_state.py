@@ -47,10 +47,15 @@ async def test_a_pid_is_on_disk_as_soon_as_its_lane_starts(cfg):
         saved = _saved(cfg)
         assert saved.pids == {spec.lane_id: lane.process.pid}
         assert saved.started[spec.lane_id] == pytest.approx(psutil.Process(lane.process.pid).create_time())
-        assert saved.argv == {spec.lane_id: list(lane_args(spec, cfg.caps))}
+        key_file = cfg.data_dir / "lanes" / f"{spec.lane_id}.key"
+        assert saved.argv == {spec.lane_id: list(lane_args(spec, cfg.caps, key_file=str(key_file)))}
+        # Its key: new, in a file only this user reads, named on the command line by its path only.
+        assert lane.api_key and lane.api_key.startswith("lane-") and lane.api_key not in " ".join(lane.process.argv)
+        assert key_file.read_text() == lane.api_key + "\n" and key_file.stat().st_mode & 0o777 == 0o600
     finally:
         await sup.stop_all()
     assert _saved(cfg).pids == {}
+    assert not key_file.exists()  # a stopped lane's key opens nothing again
 
 
 async def test_a_record_an_older_agent_wrote_is_adopted_and_restarts_nothing(cfg):
@@ -64,14 +69,16 @@ async def test_a_record_an_older_agent_wrote_is_adopted_and_restarts_nothing(cfg
     try:
         old = msgspec.to_builtins(_saved(cfg))
         del old["argv"]
-        old["plan"]["lanes"][0]["args"] = list(lane_args(spec, cfg.caps))
+        ran = list(lane_args(spec, cfg.caps, key_file=str(cfg.data_dir / "lanes" / f"{spec.lane_id}.key")))
+        old["plan"]["lanes"][0]["args"] = ran
         (cfg.data_dir / "agent-state.json").write_bytes(msgspec.json.encode(old))
         later.load_saved()
         assert later.lanes[spec.lane_id].process.pid == pid  # adopted
         assert later.accept_plan(_plan(cfg)) is None  # the planner's plan: typed, no args
         await later.reconcile(now=0.0)
         assert later.lanes[spec.lane_id].process.pid == pid  # nothing restarted
-        assert _saved(cfg).argv == {spec.lane_id: list(lane_args(spec, cfg.caps))}  # rewritten in the new form
+        assert _saved(cfg).argv == {spec.lane_id: ran}  # rewritten in the new form
+        assert later.lanes[spec.lane_id].api_key == sup.lanes[spec.lane_id].api_key  # its key read back
     finally:
         await later.stop_all()
         await sup.stop_all()

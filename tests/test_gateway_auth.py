@@ -92,6 +92,41 @@ async def test_gateway_user_reads_plans_status_reports_config_and_writes_nothing
         await nc.subscribe("_INBOX.>")
         await eventually(lambda: any('subscription to "_inbox.>"' in e for e in errors), timeout=5,
                          what="_INBOX.> refused")  # fmt: skip
+        # ---- lanes' keys: the gateway reads them; the planner and the agents cannot
+        keyed = await eventually(lambda: next((r for r in gw.view.routable("llama8") if r.api_key), None),
+                                 timeout=10, what="the lane's key read from lanes-secrets")  # fmt: skip
+        assert keyed.api_key == (cfg.data_dir / "lanes" / "llama8-0.key").read_text().strip()
+        secret_key = subjects.lane_secret_key("host1", "llama8-0")
+        for user, inbox in (("planner", None), ("agent-host1", subjects.agent_inbox("host1"))):
+            said: list[str] = []
+            other = await _connect(auth_server.url, users[user], said, **({"inbox_prefix": inbox} if inbox else {}))
+            try:
+                stream = subjects.SECRETS_STREAM
+                for subject in (f"$JS.API.DIRECT.GET.{stream}.$KV.{subjects.SECRETS_BUCKET}.{secret_key}",
+                                f"$JS.API.STREAM.MSG.GET.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}",
+                                f"$JS.API.CONSUMER.CREATE.{stream}.x.$KV.{subjects.SECRETS_BUCKET}.>",
+                                f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.x", f"$JS.API.STREAM.UPDATE.{stream}",
+                                f"$JS.API.STREAM.CREATE.{stream}" if user != "planner" else "$JS.API.STREAM.CREATE.copy"):  # fmt: skip
+                    with pytest.raises((nats.errors.TimeoutError, nats.errors.NoRespondersError)):
+                        await other.request(subject, b'{"last_by_subj":"$KV.lanes-secrets.>"}', timeout=1)
+                    await eventually(lambda: any(f'publish to "{subject.lower()}"' in e for e in said), timeout=5,
+                                     what=f"{user} refused {subject}")  # fmt: skip
+                await other.subscribe(f"$KV.{subjects.SECRETS_BUCKET}.>")
+                await eventually(lambda: any("subscription to \"$kv.lanes-secrets.>\"" in e for e in said),
+                                 timeout=5, what=f"{user} refused the secrets' subjects")  # fmt: skip
+            finally:
+                await other.close()
+        # An agent puts its own lanes' keys only.
+        said = []
+        agent_nc = await _connect(auth_server.url, users["agent-host1"], said, inbox_prefix=subjects.agent_inbox("host1"))
+        try:
+            bucket = await agent_nc.jetstream(timeout=1.0).key_value(subjects.SECRETS_BUCKET)
+            with pytest.raises(nats.errors.TimeoutError):
+                await bucket.put(subjects.lane_secret_key("host2", "llama8-0"), b"{}")
+            subject = f"$kv.lanes-secrets.{subjects.lane_secret_key('host2', 'llama8-0')}"
+            await eventually(lambda: any(f'publish to "{subject}"' in e for e in said), timeout=5, what=subject)
+        finally:
+            await agent_nc.close()
         # The refused config change did not happen, and the lane is still there and routable.
         assert gw.view.config.kv_cache_type is None
         await asyncio.sleep(0.5)

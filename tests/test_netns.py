@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -373,6 +374,23 @@ async def test_gateway_on_one_host_serves_lanes_of_two_others(topo, tmp_path, ti
         await eventually(lambda: routable() == {"host1": 1.0, "host2": 1.0}, timeout=90, what="both lanes routable")
         # Lanes listen on every interface and are reached at the addresses their agents advertise.
         assert set(await served_by(6)) == {"host1", "host2"}
+        # ... by their gateways only: this client reaches host1's lane port, and the lane refuses
+        # it everything but /health (it has no key: the agent's, which only gateways read).
+        nc = await connect(url, name="netns-test", retry_forever=False)
+        try:
+            lane = await one_lane(await kv_bucket(nc), "host1")
+        finally:
+            await nc.close()
+        direct = f"http://{topo.ip['agent1']}:{lane.port}"
+        with urllib.request.urlopen(direct + "/health", timeout=3) as r:
+            assert r.status == 200
+        chat = json.dumps({"model": "llama8", "messages": [{"role": "user", "content": "hi"}]}).encode()
+        for path, data in (("/v1/chat/completions", chat), ("/slots", None), ("/slots/0?action=erase", b"{}"),
+                           ("/slots/0?action=save", b'{"filename": "x.bin"}'), ("/props", None)):  # fmt: skip
+            ask = urllib.request.Request(direct + path, data=data, headers={"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(ask, timeout=3)
+            assert refused.value.code == 401, path
 
         topo.link("agent2", up=False)
         during = await served_by(6)  # the first may find host2 gone: it is retried on host1

@@ -259,12 +259,14 @@ async def test_a_lane_whose_inference_loop_stalls_leaves_rotation_and_is_restart
                 return lane if lane and lane.state == "healthy" else None
 
             first = await eventually(healthy, timeout=40, what="lane healthy")
-            route = await eventually(lambda: next(iter(gw.view.routable("llama8")), None), timeout=20, what="routable")
+            # routable, with the key its agent put in lanes-secrets
+            route = await eventually(lambda: next((r for r in gw.view.routable("llama8") if r.api_key), None),
+                                     timeout=20, what="routable")  # fmt: skip
             chat = {"model": "llama8", "messages": [{"role": "user", "content": "hi"}], "stream": first_byte}
 
             async def never_answered() -> None:
                 try:
-                    await http.post(route.url + "/v1/chat/completions", json=chat)
+                    await http.post(route.url + "/v1/chat/completions", json=chat, headers=route.auth)
                 except aiohttp.ClientError:
                     pass  # its lane was killed and restarted
 

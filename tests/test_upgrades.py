@@ -94,6 +94,9 @@ def test_args_are_checked_by_meaning_not_bytes(folder):
         "--ctx-size": [tok if tok != str(spec.ctx_total) else "999" for tok in spec.args],
         "lack --parallel": [t for i, t in enumerate(spec.args) if t != "--parallel" and spec.args[i - 1] != "--parallel"],
         "twice": [*spec.args, "--port", str(spec.port)],
+        # A lane's key is the agent's alone to make: a plan naming one is refused, never launched.
+        "--api-key": [*spec.args, "--api-key", "chosen-by-the-plan"],
+        "--api-key-file": [*spec.args, "--api-key-file", "/etc/lanes/known.key"],
     }
     for needle, args in refusals.items():
         reason = _check(with_args(args), folder)

@@ -182,7 +182,7 @@ async def _window_check(
         return None, frozenset(), None
     counter = next((lane for lane in request.app[VIEW].routable(name)), None)
     tokens = None if counter is None else await count_tokens(
-        request.app[SESSION], counter.url, prompt, body, request.app[SETTINGS].connect_timeout)
+        request.app[SESSION], counter.url, prompt, body, request.app[SETTINGS].connect_timeout, counter.auth)
     if tokens is None:
         return None, frozenset(), None
     return routing.context_exceeded(windows, tokens), routing.too_small(windows, tokens), tokens

@@ -87,7 +87,8 @@ async def forward(
                 upstream = await app[SESSION].post(
                     lane.url + request.path,
                     data=adapters.body_for(body, name, lane),
-                    headers=lane_headers(request.headers.get("Accept", "*/*"), bool(shape.streamed or shape.assembled)),
+                    headers=lane_headers(request.headers.get("Accept", "*/*"), bool(shape.streamed or shape.assembled))
+                    | lane.auth,
                     timeout=aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout),
                 )
                 if (shape.streamed or shape.assembled) and upstream.status == 200:

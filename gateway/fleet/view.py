@@ -21,7 +21,7 @@ from shared.messages.config import FleetConfig
 from shared.messages.hosts import HostReport
 from shared.messages.plans import HostPlan
 from shared.messages.replies import FleetHosts
-from shared.messages.status import HostStatus
+from shared.messages.status import HostStatus, LaneSecret
 
 LaneKey = tuple[str, str]  # (host_id, lane_id)
 
@@ -45,6 +45,14 @@ class LaneRoute:
     reranking: bool = False  # started with --reranking: it serves /v1/rerank
     vision: bool = False  # started with --mmproj (a projector that reads images)
     cache_tokens: int = 0  # prompt tokens it keeps: its slots' windows and its --cache-ram; 0 not known
+    # The key the lane answers to (its agent's, bucket lanes-secrets); "": none known (a lane of an
+    # agent from before lane keys). Never shown: not in repr, not in the dashboard's state.
+    api_key: str = field(default="", repr=False, compare=False)
+
+    @property
+    def auth(self) -> dict[str, str]:
+        """The headers that open the lane to this gateway."""
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def adapter_id(self, adapter: str) -> int | None:
         """The adapter's id in this lane's --lora list (a request's `lora` ids), or None."""
@@ -98,6 +106,7 @@ class FleetView:
     reports: dict[str, HostReport] = field(default_factory=dict)
     config: FleetConfig | None = None
     unreachable: dict[LaneKey, str] = field(default_factory=dict)
+    secrets: dict[LaneKey, str] = field(default_factory=dict, repr=False)  # each lane's key, by (host token, lane)
     # Lanes whose inference loop seems stuck (no first token in time, /slots unanswered): out of
     # rotation until their /slots answers again; their /health answering does not bring them back.
     stalled: dict[LaneKey, str] = field(default_factory=dict)
@@ -167,6 +176,27 @@ class FleetView:
             self.changed()
         return None
 
+    def apply_secret(self, key: str, value: bytes | None) -> str | None:
+        """Fold one entry of bucket lanes-secrets in; returns why it was dropped, or None."""
+        kind, _, rest = key.partition(".")
+        host, _, lane = rest.partition(".")
+        if kind != "lane" or not host or not lane:
+            return f"{key}: not a lane's key"
+        if value is None:
+            self.secrets.pop((host, lane), None)
+        else:
+            try:
+                secret = msgspec.json.decode(value, type=LaneSecret)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                self.bad_entries += 1
+                return f"{key}: {exc}"
+            if (subjects.host_token(secret.host_id), subjects.host_token(secret.lane_id)) != (host, lane):
+                self.bad_entries += 1
+                return f"{key}: a key for {secret.host_id}/{secret.lane_id}"
+            self.secrets[(host, lane)] = secret.key
+        self._lanes = None  # no listener: nothing shown changes
+        return None
+
     def mark_unreachable(self, key: LaneKey, reason: str) -> None:
         if self.unreachable.get(key) != reason:
             self.unreachable[key] = reason
@@ -224,6 +254,7 @@ class FleetView:
                     reranking=spec.reranking,
                     vision=spec.mmproj_path is not None,
                     cache_tokens=kept_tokens(spec),
+                    api_key=self.secrets.get((host, subjects.host_token(spec.lane_id)), ""),
                 )
 
     def model_entry(self, name: str) -> ModelState | None:

@@ -17,8 +17,8 @@ import msgspec
 from gateway.routing.prompts import Prompt
 
 
-async def _post(session: aiohttp.ClientSession, url: str, body: bytes, timeout: float) -> object:
-    async with session.post(url, data=body, headers={"Content-Type": "application/json"},
+async def _post(session: aiohttp.ClientSession, url: str, body: bytes, timeout: float, auth: dict[str, str]) -> object:
+    async with session.post(url, data=body, headers={"Content-Type": "application/json", **auth},
                             timeout=aiohttp.ClientTimeout(total=timeout)) as resp:  # fmt: skip
         if resp.status != 200:
             raise ValueError(f"{url} answered {resp.status}")
@@ -26,19 +26,22 @@ async def _post(session: aiohttp.ClientSession, url: str, body: bytes, timeout: 
 
 
 async def count_tokens(
-    session: aiohttp.ClientSession, lane_url: str, prompt: Prompt, body: bytes, timeout: float = 5.0
+    session: aiohttp.ClientSession, lane_url: str, prompt: Prompt, body: bytes, timeout: float = 5.0,
+    auth: dict[str, str] | None = None,
 ) -> int | None:
-    """Tokens llama-server will read for this prompt, or None when the lane could not say."""
+    """Tokens llama-server will read for this prompt, or None when the lane could not say;
+    `auth`: the headers that open the lane (LaneRoute.auth)."""
+    auth = auth or {}
     try:
         if prompt.kind == "chat":
-            rendered = await _post(session, lane_url + "/apply-template", body, timeout)
+            rendered = await _post(session, lane_url + "/apply-template", body, timeout, auth)
             text = rendered.get("prompt") if isinstance(rendered, dict) else None
             if not isinstance(text, str):
                 return None
         else:
             text = prompt.text
         ask = msgspec.json.encode({"content": text, "add_special": True, "parse_special": True})
-        answer = await _post(session, lane_url + "/tokenize", ask, timeout)
+        answer = await _post(session, lane_url + "/tokenize", ask, timeout, auth)
         tokens = answer.get("tokens") if isinstance(answer, dict) else None
         return len(tokens) if isinstance(tokens, list) else None
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, msgspec.DecodeError):

@@ -68,7 +68,8 @@ def still_busy(read_busy: int, ended_meanwhile: int) -> int:
 
 async def read_slots(session: aiohttp.ClientSession, lane: LaneRoute, timeout: float) -> SlotsRead:
     try:
-        async with session.get(lane.url + SLOTS, timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+        async with session.get(lane.url + SLOTS, headers=lane.auth,
+                               timeout=aiohttp.ClientTimeout(total=timeout)) as resp:  # fmt: skip
             if resp.status != 200:
                 return ("unknown", 0, ())
             slots = msgspec.json.decode(await resp.read())

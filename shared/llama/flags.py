@@ -51,8 +51,9 @@ def needs_flash_attn(type_v: str | None) -> bool:
 # ------------------------------------------------------------------ argv
 
 
-def lane_args(spec: LaneSpec, caps: ServerCaps, slot_dir: str | None = None) -> tuple[str, ...]:
-    """The argv tail; `slot_dir`: the agent's folder for saved slots (--slot-save-path), where the binary has it."""
+def lane_args(spec: LaneSpec, caps: ServerCaps, slot_dir: str | None = None, key_file: str | None = None) -> tuple[str, ...]:
+    """The argv tail; `slot_dir`: the agent's folder for saved slots (--slot-save-path), where the
+    binary has it; `key_file`: the lane's API key (--api-key-file, launcher_agent/lane_secret.py)."""
     args = [
         "--model", spec.model_path,
         "--alias", spec.alias,
@@ -117,6 +118,8 @@ def lane_args(spec: LaneSpec, caps: ServerCaps, slot_dir: str | None = None) -> 
     args += thread_args(spec)
     if slot_dir is not None and caps.has_slot_save:
         args += ["--slot-save-path", slot_dir]
+    if key_file is not None:
+        args += ["--api-key-file", key_file]
     # Verbosity 4 makes llama-server print its KV size, which the agent checks against the plan.
     args += ["--verbosity", "4"]
     return tuple(args)

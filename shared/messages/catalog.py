@@ -16,6 +16,7 @@ WIRE_TYPES: tuple[type, ...] = (
     status.HostStatus,
     status.LaneEvent,
     status.PlanRejected,
+    status.LaneSecret,
     replies.ConfigSet,
     replies.HostQuery,
     replies.ErrorReply,

@@ -123,3 +123,19 @@ class PlanRejected(Message, tag="plan_rejected", kw_only=True):
     plan_revision: Revision = 0
     reason: Text
     applied_revision: Revision = 0  # the plan revision the agent runs: a replacement must be newer
+
+
+# A lane's API key: URL-safe base64 of 32 random bytes, behind a prefix (launcher_agent/lane_secret.py).
+LaneApiKey = Annotated[str, msgspec.Meta(min_length=16, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")]
+
+
+class LaneSecret(Message, tag="lane_secret", kw_only=True):
+    """The key a lane answers to (llama-server --api-key-file), new at each start of the lane.
+    Its agent puts it in bucket lanes-secrets, which only gateways may read; a gateway sends it
+    with every request to the lane, so a client that reaches the lane's port without a gateway
+    is refused (401)."""
+
+    host_id: Name
+    lane_id: Name
+    port: Port
+    key: LaneApiKey
