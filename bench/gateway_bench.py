@@ -59,6 +59,9 @@ TTFB_TOKENS = 2  # TTFB rounds: as little generation as possible, so the lane's 
 TP_TOKENS = 32
 
 
+HEADERS: dict[str, dict[str, str]] = {}  # base URL -> what opens it (a lane answers its key only)
+
+
 async def stream(http: aiohttp.ClientSession, base: str, max_tokens: int) -> tuple[float, float, int]:
     """(TTFB s, total s, generated tokens) of one streaming chat request; raises on any failure."""
     payload = {"model": ALIAS, "messages": MESSAGES, "stream": True, "max_tokens": max_tokens, "ignore_eos": True}
@@ -66,7 +69,7 @@ async def stream(http: aiohttp.ClientSession, base: str, max_tokens: int) -> tup
     first = None
     tokens = 0
     pending = b""
-    async with http.post(base + "/v1/chat/completions", json=payload) as resp:
+    async with http.post(base + "/v1/chat/completions", json=payload, headers=HEADERS.get(base, {})) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {(await resp.text())[:200]}")
         async for chunk in resp.content.iter_any():
@@ -98,8 +101,11 @@ def p50(values: list[float]) -> float:
 
 
 class Fleet:
-    def __init__(self, tmp: Path, llama: str, small: bool):
+    def __init__(self, tmp: Path, llama: str, small: bool, gateway_args: tuple[str, ...] = (),
+                 headers: dict[str, str] | None = None):  # fmt: skip
         self.tmp, self.llama, self.small = tmp, llama, small
+        self.gateway_args = gateway_args  # more of `lanes gateway`'s options (a keys file: bench/hostile_clients.py)
+        self.headers = headers or {}  # what this fleet's own requests to the gateway carry (an ops key)
         self.stop = asyncio.Event()
         self.tasks: list[asyncio.Task] = []
 
@@ -116,13 +122,13 @@ class Fleet:
         self.gateway_url = f"http://127.0.0.1:{port}"
         self.gateway = subprocess.Popen(
             [str(Path(sys.executable).parent / "lanes"), "gateway", "--nats", url, "--port", str(port),
-             "--queue-wait", "120", "--queue-depth", "256"],
+             "--queue-wait", "120", "--queue-depth", "256", *self.gateway_args],
             stdout=subprocess.DEVNULL, stderr=open(self.tmp / "gateway.log", "wb"),
         )  # fmt: skip
         self.nc = await connect(url, name="bench", retry_forever=False)
         await _until(lambda: self.nc.request(subjects.CONFIG_GET, b"", timeout=1), 30, "planner")
         self.kv = await kv_bucket(self.nc)
-        self.http = aiohttp.ClientSession()
+        self.http = aiohttp.ClientSession(headers=self.headers)
         await _until(self._gateway_ready, 30, "gateway ready")
 
     async def _gateway_ready(self) -> bool:
@@ -301,6 +307,8 @@ async def main() -> int:
                 await fleet.demand(1)
                 lane = (await fleet.lanes())[0]
                 direct, gateway = f"http://127.0.0.1:{lane.port}", fleet.gateway_url
+                key = (Path(tmp) / "agent" / "lanes" / f"{lane.lane_id}.key").read_text().strip()
+                HEADERS[direct] = {"Authorization": f"Bearer {key}"}  # its agent's key, as a gateway sends it
                 await wave(http, direct, 8, 4)  # warm both paths
                 await wave(http, gateway, 8, 4)
                 results["ttfb_1"] = await interleaved(http, direct, gateway, 1, rounds1, TTFB_TOKENS)

@@ -21,11 +21,12 @@ import aiohttp
 import msgspec
 import structlog
 from aiohttp import web
+from nats.js.errors import KeyWrongLastSequenceError
 
 from gateway import fleet
 from gateway.admission import Admission, Waker, activity, persona_of
 from gateway.dashboard import DashboardHub, add_dashboard
-from gateway.edge import KEYS, METRICS, USAGE, admission_for, build_app
+from gateway.edge import COOKIE_SECRET, KEYS, METRICS, USAGE, admission_for, build_app
 from gateway.fleet import FleetView, LaneKey, LaneRoute
 from gateway.settings import GatewaySettings
 from gateway.sync import SharedView, SlotsPoll, share_usage
@@ -34,12 +35,18 @@ from shared.bus import connect, kv_bucket, quietly, run_until, secrets_bucket, w
 from shared.nats_auth import NatsAuth
 from shared.llama.endpoints import connect_host
 from shared.messages.activity import GatewayActivity, ModelWake, TenantActivity
+from shared.messages.status import SessionSecret
 from shared.messages.wire import encode
-from shared.supervise import Loops, cancel_and_wait, running
+from shared.supervise import Loops, running
 
 log = structlog.get_logger("lanes.gateway")
 
 WATCHED_KEYS = ">"
+
+
+def instance_name() -> str:
+    """This gateway process among its replicas: host (a container's is its own) and pid."""
+    return subjects.host_token(f"{socket.gethostname().split('.')[0]}-{os.getpid()}")
 SHUTDOWN_GRACE = 10.0  # plans, status, reports and config: one watch, dispatched by key
 
 
@@ -58,15 +65,13 @@ class Gateway:
     gateway_id: str = ""
     shared: SharedView | None = None  # the prefix index shared with the other gateways (settings.shared_prefix)
     loops: Loops = field(default_factory=lambda: Loops("gateway"))  # its supervised loops (shared.supervise)
-    usage_task: asyncio.Task | None = None  # tenants' usage shared over NATS (gateway/sync/usage.py)
     probe_misses: dict[LaneKey, int] = field(default_factory=dict)  # its /health misses in a row (gateway/fleet/probe.py)
 
     def __post_init__(self) -> None:
         self.admission = admission_for(self.view, self.settings)
         self.waker = Waker(self.view, max_held=self.settings.queue_depth, publish=self.publish_wake)
-        self.gateway_id = subjects.host_token(
-            self.settings.gateway_id or f"{socket.gethostname().split('.')[0]}-{os.getpid()}-{id(self) % 10000}"
-        )
+        self.instance = f"{instance_name()}-{id(self) % 10000}"  # this gateway among its replicas
+        self.gateway_id = subjects.gateway_tokens(self.settings.gateway_id or self.instance)
         self.app = build_app(self.view, self.settings, admission=self.admission, waker=self.waker)
         self.app[METRICS].registry.register(self.loops)
         self.dashboard = DashboardHub(self.view, self.admission.counts)
@@ -111,9 +116,36 @@ class Gateway:
             log.warning("bad entry dropped", reason=problem)
 
     async def on_secret(self, key: str, value: bytes | None, revision: int) -> None:
+        if key == subjects.SESSION_SECRET_KEY:
+            self._session_secret(value)
+            return
         problem = self.view.apply_secret(key, value)
         if problem:
             log.warning("bad lane key dropped", reason=problem)
+
+    def _session_secret(self, value: bytes | None) -> None:
+        """The fleet's cookie secret: from now on this gateway signs and checks with it."""
+        if value is None:
+            return  # deleted (a NATS server that lost it): keep ours; the next gateway to catch up puts one
+        try:
+            secret = msgspec.json.decode(value, type=SessionSecret)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            log.warning("bad session secret dropped", reason=str(exc))
+            return
+        if self.app[COOKIE_SECRET].adopt(secret.secret):
+            log.info("dashboard sessions signed with the fleet's secret")
+
+    async def share_session_secret(self, bucket) -> None:
+        """Once the secrets are read: where no gateway has put one, ours becomes the fleet's
+        (create: the first gateway wins; the others take it from the watch)."""
+        if self.app[COOKIE_SECRET].shared:
+            return
+        try:
+            await bucket.create(subjects.SESSION_SECRET_KEY, encode(SessionSecret(secret=self.app[COOKIE_SECRET].text())))
+        except KeyWrongLastSequenceError:
+            pass  # another gateway's came first: the watch brings it
+        except Exception as exc:
+            log.info("session secret not shared", error=str(exc) or type(exc).__name__)
 
     async def on_caught_up(self) -> None:
         if not self.view.synced:
@@ -224,26 +256,46 @@ async def _bus_side(gw: Gateway, servers: str, auth: NatsAuth, stop: asyncio.Eve
         gw.dashboard.on_event(msg.data, msg.subject)
 
     await nc.subscribe(subjects.ALL_EVENTS, cb=on_event)
-    gw.usage_task = gw.loops.task("usage", lambda: share_usage(nc, gw.app[USAGE], gw.admission, gw.gateway_id,
-                                                                 stop), stop)  # fmt: skip
+    replicas = gw.settings.kv_replicas or await _replicas(nc)
+    loops = gw.loops
+    # Every loop supervised, and awaited here: one that gives up ends the service (exit 1), so
+    # none stops for good while the gateway runs on without it.
+    tasks = [
+        loops.task("watch", lambda: _watch_fleet(gw, nc, resync, stop), stop),
+        loops.task("secrets", lambda: _follow_secrets(gw, nc, secrets_resync, stop), stop),
+        loops.task("usage", lambda: share_usage(nc, gw.app[USAGE], gw.admission, gw.gateway_id, stop,
+                                                replicas=replicas), stop),  # fmt: skip
+    ]
     if gw.shared is not None:
-        gw.shared.gateway_id = gw.gateway_id  # (its NATS user, where auth is on)
-        prefix = asyncio.create_task(gw.loops.run("prefix", lambda: gw.shared.start(nc), stop))
-        stack.push_async_callback(quietly(lambda: _stop_task(prefix)))
-    secrets = asyncio.create_task(gw.loops.run("secrets", lambda: _follow_secrets(gw, nc, secrets_resync, stop), stop))
-    stack.push_async_callback(quietly(lambda: _stop_task(secrets)))
+        gw.shared.gateway_id = gw.gateway_id
+        tasks.append(loops.task("prefix", lambda: gw.shared.start(nc, replicas), stop))
+    await run_until(stop, tasks)
+
+
+async def _watch_fleet(gw: Gateway, nc, resync: asyncio.Event, stop: asyncio.Event) -> None:
+    """Plans, status, reports and config (bucket lanes, one watch) into the view."""
     kv = await _bucket(lambda: kv_bucket(nc), "lanes", stop)
-    if kv is None:
-        return
-    await gw.loops.run("watch", lambda: watch_forever(kv, WATCHED_KEYS, gw.on_entry, resync=resync, stop=stop,
-                                                      on_caught_up=gw.on_caught_up), stop)  # fmt: skip
+    if kv is not None:
+        await watch_forever(kv, WATCHED_KEYS, gw.on_entry, resync=resync, stop=stop, on_caught_up=gw.on_caught_up)
+
+
+async def _replicas(nc) -> int:
+    """The cluster's replica count, as the planner made the lanes bucket (--kv-replicas): the
+    gateways' usage bucket and prefix stream follow it (1 where the planner has not made it yet)."""
+    try:
+        info = await nc.jetstream(timeout=5).stream_info(f"KV_{subjects.BUCKET}")
+        return max(1, info.config.num_replicas or 1)
+    except Exception as exc:
+        log.info("replicas of the lanes bucket not read; 1", error=str(exc) or type(exc).__name__)
+        return 1
 
 
 async def _follow_secrets(gw: Gateway, nc, resync: asyncio.Event, stop: asyncio.Event) -> None:
     """Every lane's key (bucket lanes-secrets, which only gateways may read), into the view."""
     bucket = await _bucket(lambda: secrets_bucket(nc), subjects.SECRETS_BUCKET, stop)
     if bucket is not None:
-        await watch_forever(bucket, subjects.ALL_SECRETS, gw.on_secret, resync=resync, stop=stop)
+        await watch_forever(bucket, subjects.ALL_SECRETS, gw.on_secret, resync=resync, stop=stop,
+                            on_caught_up=lambda: gw.share_session_secret(bucket))  # fmt: skip
 
 
 async def _bucket(open_bucket, name: str, stop: asyncio.Event):
@@ -257,10 +309,6 @@ async def _bucket(open_bucket, name: str, stop: asyncio.Event):
     return None
 
 
-async def _stop_task(task: asyncio.Task) -> None:
-    await cancel_and_wait([task])
-
-
 async def run_gateway(
     servers: str,
     stop: asyncio.Event,
@@ -271,8 +319,9 @@ async def run_gateway(
     """Serve until `stop` is set. Pass a Gateway to reach its view and app (tests, dashboard)."""
     gw = gateway or Gateway(settings)
     if auth.user and not gw.settings.gateway_id:
-        # Its NATS user is its identity: auth.conf lets user G publish activity on lanes.activity.G only.
-        gw.gateway_id = subjects.host_token(auth.user)
+        # Its NATS user, then this instance (replicas share a user: `--scale gateway=3`): auth.conf
+        # lets user G publish activity and usage under G.* only, so a user cannot report as another.
+        gw.gateway_id = f"{subjects.host_token(auth.user)}.{gw.instance}"
     # On stop: no new connections, and requests in flight get SHUTDOWN_GRACE seconds to finish.
     # handler_cancellation: a client that hangs up cancels its handler, so it leaves the queue
     # (admission), stops being held for a loading model (waking) and closes its connection to
@@ -290,7 +339,7 @@ async def run_gateway(
         async with AsyncExitStack() as stack:
             loops = gw.loops
             tasks = [
-                asyncio.create_task(_bus_side(gw, servers, auth, stop, stack)),  # its "watch" part is supervised
+                asyncio.create_task(_bus_side(gw, servers, auth, stop, stack)),  # its loops are supervised
                 loops.task("probe", lambda: _probe_loop(gw, stop), stop),
                 loops.task("demand", lambda: _demand_loop(gw, stop), stop),
                 loops.task("slots", lambda: gw.slots.forever(gw.settings.slots_interval, stop), stop),

@@ -53,6 +53,10 @@ class GatewaySettings:
     activity_interval: float = 2.0  # seconds between activity reports to the planner
     wake_repeat: float = 1.0  # seconds between repeated wakes while requests are held
 
+    # Replicas of the usage bucket and prefix stream, where this gateway is the first and makes
+    # them (--kv-replicas); None: those of the lanes bucket (the planner's --kv-replicas).
+    kv_replicas: int | None = None
+
     # HTTPS (--https-cert/--https-key): the certificate chain and its private key (PEM files), both or
     # neither; with them the dashboard's session cookie is Secure. Behind a TLS proxy: docs/security.md.
     tls_cert: str | None = None

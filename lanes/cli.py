@@ -132,6 +132,9 @@ def _add_gateway_options(p: argparse.ArgumentParser) -> None:
                    help="keep this gateway's prefix index to itself (not shared over JetStream stream LANES_PREFIX)")
     p.add_argument("--kv-events", action="store_true",
                    help="also publish the prefix events in vLLM's KVEventBatch form on lanes.kvevents.<host>.<lane>")
+    p.add_argument("--kv-replicas", type=_positive, default=None,
+                   help="replicas of the gateways' usage bucket and prefix stream, where this gateway makes them "
+                   "(3 on a cluster); default: those of the planner's lanes bucket, 1 where it has not made it yet")  # fmt: skip
     _add_load_timeout(p)
 
 

@@ -96,6 +96,7 @@ def gateway_settings(args: argparse.Namespace) -> GatewaySettings:
         gateway_id=getattr(args, "gateway_id", None) or base.gateway_id,
         keys_file=_keys_file(getattr(args, "keys_file", None)),
         no_auth=getattr(args, "no_auth", False),
+        kv_replicas=getattr(args, "kv_replicas", None) if args.command == "gateway" else None,
         **_https(getattr(args, "https_cert", None), getattr(args, "https_key", None)),
     )
     if settings.open_beyond_loopback() and not settings.no_auth:
@@ -158,12 +159,28 @@ async def _run(args: argparse.Namespace) -> int:
         )  # fmt: skip
         return 0
     if args.command == "gateway":
-        await run_gateway(args.nats, _stop_event(), auth, gateway_settings(args))
+        settings = gateway_settings(args)
+        raise_open_files()
+        await run_gateway(args.nats, _stop_event(), auth, settings)
         return 0
     if args.command == "agent":
         cfg = agent_config(args, Path(args.data) if args.data else Path.home() / ".lanes" / "agent")
         return await _agent_until_signal(run_agent(cfg, args.nats, _stop_event(), auth))
     return await _request_command(args, auth)
+
+
+OPEN_FILES = 65536
+
+
+def raise_open_files(want: int = OPEN_FILES) -> None:
+    """A gateway holds a socket per client and per lane request: its soft limit of open files
+    is raised to the hard one (up to `want`), so 1,000 idle clients cannot starve it at 1,024."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(hard, want)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
 async def cmd_up(args: argparse.Namespace) -> int:

@@ -29,6 +29,7 @@ from launcher_agent.process import LogLimits
 from launcher_agent.reconcile import Observed, decide, typed_only, validate_plan
 from launcher_agent.slot_store import SlotStore
 from shared.lane_key import lane_key
+from shared.lane_secrets import fingerprint
 from shared.llama.endpoints import WILDCARD_BINDS
 from shared.messages.plans import HostPlan
 from shared.messages.status import HostStatus, LaneStatus
@@ -254,6 +255,7 @@ class Supervisor:
                     devices=p.printed_devices() if p else (),
                     draining=lane.draining,
                     load_seconds=lane.load_seconds,
+                    key_id=fingerprint(lane.api_key) if lane.api_key else "",
                 )
             )
         return HostStatus(

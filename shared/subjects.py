@@ -56,8 +56,20 @@ USAGE_BUCKET = "lanes-usage"  # tenants' token usage, one key per tenant and gat
 USAGE_KEYS = "usage.>"
 
 
+def gateway_tokens(gateway: str) -> str:
+    """A gateway's id as subject tokens. "user.instance" is two: the NATS user it shares with
+    its replicas, then the instance (docker/nats/auth.conf grants `<user>.*`), so gateways
+    that share a user never write each other's usage or activity."""
+    return ".".join(host_token(part) for part in gateway.split(".", 1))
+
+
+def gateway_user(gateway: str) -> str:
+    """The NATS user part of a gateway's id (its inbox prefix is that user's)."""
+    return gateway.split(".", 1)[0]
+
+
 def usage_key(tenant: str, gateway: str) -> str:
-    return f"usage.{host_token(tenant)}.{host_token(gateway)}"
+    return f"usage.{host_token(tenant)}.{gateway_tokens(gateway)}"
 
 
 # Each lane's API key (llama-server --api-key-file, new at every start): put by its agent, read by
@@ -66,6 +78,9 @@ def usage_key(tenant: str, gateway: str) -> str:
 SECRETS_BUCKET = "lanes-secrets"
 SECRETS_STREAM = f"KV_{SECRETS_BUCKET}"
 ALL_SECRETS = ">"
+
+
+SESSION_SECRET_KEY = "dashboard"  # the dashboard cookies' signing secret, made by the first gateway
 
 
 def lane_secret_key(host_id: str, lane_id: str) -> str:
@@ -105,8 +120,8 @@ def wake_subject(model: str) -> str:
 def activity_subject(gateway: str) -> str:
     """A gateway's per-model requests in flight, queued and idle time. The subject names the
     gateway: the planner drops a report whose `gateway` differs, and where NATS auth is on,
-    a gateway's user may publish on its own subject only (docker/nats/auth.conf)."""
-    return f"{PREFIX}.activity.{host_token(gateway)}"
+    a gateway's user may publish on its own subjects only (docker/nats/auth.conf)."""
+    return f"{PREFIX}.activity.{gateway_tokens(gateway)}"
 
 
 def prefix_subject(host_id: str, lane_id: str) -> str:
@@ -122,7 +137,7 @@ def kv_events_subject(host_id: str, lane_id: str) -> str:
 PREFIX_STREAM = "LANES_PREFIX"  # JetStream stream of every lane's prefix subject
 ALL_PREFIX = f"{PREFIX}.prefix.>"
 ALL_WAKES = f"{PREFIX}.wake.*"
-ALL_ACTIVITY = f"{PREFIX}.activity.*"
+ALL_ACTIVITY = f"{PREFIX}.activity.>"
 ALL_EVENTS = f"{PREFIX}.event.>"
 ALL_REJECTED = f"{PREFIX}.rejected.*"
 
@@ -158,8 +173,8 @@ def agent_inbox(host_id: str) -> str:
 
 
 def gateway_inbox(gateway: str) -> str:
-    """The inbox prefix of a gateway's connection (its id, which is its NATS user where auth is on)."""
-    return agent_inbox(gateway)
+    """The inbox prefix of a gateway's connection: its NATS user's (the part of its id before a dot)."""
+    return agent_inbox(gateway_user(gateway))
 
 
 def endpoint_tail(subject: str, group: str) -> str:

@@ -2,7 +2,10 @@
 
 A loop that raises (or returns while its service still runs) is logged with its
 traceback, counted in `lanes_loop_restarts_total{service,loop}` and started again after
-an exponential backoff. One that keeps failing (RestartPolicy: max_failures within
+an exponential backoff; `lanes_loop_failing{service,loop}` is 1 from its failure until it has
+run a whole `window` since its last restart, so an alert on it does not clear while the loop
+still fails now and then. `lanes_service_start_time_seconds{service}` changes with every new
+process: a service that keeps giving up and being restarted shows there. One that keeps failing (RestartPolicy: max_failures within
 `window` seconds) raises LoopGaveUp out of the service's run, and the process exits
 non-zero so its own supervisor (systemd, compose) restarts it whole. A clean stop
 cancels the loops and counts nothing.
@@ -18,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import structlog
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 log = structlog.get_logger("lanes.loops")
@@ -88,6 +91,13 @@ class Loops(Collector):
         self.service = service
         self.policy = policy or DEFAULT_POLICY
         self.restarts: dict[str, int] = {}
+        self.last_failure: dict[str, float] = {}  # loop -> monotonic time of its last failure
+        self.started_at = time.time()  # this process's start, for lanes_service_start_time_seconds
+
+    def failing(self, name: str, now: float | None = None) -> bool:
+        """Failed, and not yet run a whole window since (it may fail again at any moment)."""
+        last = self.last_failure.get(name)
+        return last is not None and (time.monotonic() if now is None else now) - last < self.policy.window
 
     def task(self, name: str, start: Callable[[], Awaitable[object]], stop: asyncio.Event) -> asyncio.Task:
         return asyncio.create_task(self.run(name, start, stop), name=f"{self.service}:{name}")
@@ -115,6 +125,7 @@ class Loops(Collector):
                 log.exception("loop failed", service=self.service, loop=name)
             verdict = after_failure(failures, time.monotonic(), self.policy)
             failures = verdict.failures
+            self.last_failure[name] = failures[-1]
             if verdict.give_up:
                 why = f"{self.service} loop {name!r} failed {len(failures)} times within {self.policy.window:g} s"
                 log.error("loop keeps failing; the service exits", service=self.service, loop=name, reason=why)
@@ -131,6 +142,15 @@ class Loops(Collector):
     def collect(self):
         restarts = CounterMetricFamily("lanes_loop_restarts", "Restarts of a service's loop after it failed",
                                        labels=["service", "loop"])  # fmt: skip
+        failing = GaugeMetricFamily("lanes_loop_failing", "1 from a loop's failure until it has run a whole "
+                                    "restart window (300 s) since", labels=["service", "loop"])  # fmt: skip
+        now = time.monotonic()
         for name, n in sorted(self.restarts.items()):
             restarts.add_metric([self.service, name], n)
+            failing.add_metric([self.service, name], 1.0 if self.failing(name, now) else 0.0)
         yield restarts
+        yield failing
+        started = GaugeMetricFamily("lanes_service_start_time_seconds", "When this service's process started "
+                                    "(Unix time): it changes at every restart", labels=["service"])  # fmt: skip
+        started.add_metric([self.service], self.started_at)
+        yield started

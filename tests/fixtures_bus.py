@@ -163,3 +163,10 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def lane_auth(cfg, lane_id: str) -> dict[str, str]:
+    """The header that opens a lane its agent (cfg) started: its key, from the agent's key file
+    (a test reaching a lane straight, as its gateway would)."""
+    key = (cfg.data_dir / "lanes" / f"{lane_id}.key").read_text().strip()
+    return {"Authorization": f"Bearer {key}"}

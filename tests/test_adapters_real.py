@@ -43,8 +43,8 @@ def _models(tmp_path):
     return models
 
 
-async def _completion(http: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict]:
-    async with http.post(url, json=body, timeout=aiohttp.ClientTimeout(total=60)) as resp:
+async def _completion(http: aiohttp.ClientSession, url: str, body: dict, headers: dict | None = None) -> tuple[int, dict]:
+    async with http.post(url, json=body, headers=headers, timeout=aiohttp.ClientTimeout(total=60)) as resp:
         return resp.status, await resp.json(content_type=None)
 
 
@@ -104,11 +104,11 @@ async def test_adapters_and_a_reranker_through_the_gateway(nats_server, tmp_path
             assert await text("chat", lora="style") == style  # the `lora` field names it as well
             assert await text("chat", lora=[{"name": "style", "scale": 1.0}]) == style
             # Only the named adapter is applied, at its scale; the base model without the field.
-            lane_url = next(x.url for x in gw.view.lanes_for("chat"))
+            lane = next(x for x in gw.view.lanes_for("chat"))  # straight to it, with its key
             direct = {}
             for key, lora in (("none", [{"id": 0, "scale": 0.0}]), ("style", [{"id": 0, "scale": 1.0}]),
                               ("terse", [{"id": 1, "scale": 1.0}])):  # fmt: skip
-                code, answer = await _completion(http, lane_url + "/v1/completions", {**PROMPT, "lora": lora})
+                code, answer = await _completion(http, lane.url + "/v1/completions", {**PROMPT, "lora": lora}, lane.auth)
                 assert code == 200, answer
                 direct[key] = answer["choices"][0]["text"]
             assert (base, style, terse) == (direct["none"], direct["style"], direct["terse"])

@@ -12,7 +12,7 @@ import json
 import shutil
 import urllib.request
 
-from fixtures_bus import agent_config, client, host_status, lane_of, services
+from fixtures_bus import agent_config, client, host_status, lane_auth, lane_of, services
 from test_real_llama import _planner_with
 from waiting import eventually
 
@@ -32,7 +32,8 @@ async def test_gemma_without_a_template_is_served_with_gemma_not_chatml(nats_ser
     demand = Demand(personas=(Persona(model="gemma", parallel=1, ctx_min=1024, ctx_max=2048),))
     async with services(nats_server.url) as s, client(nats_server.url) as nc:
         await _planner_with(nc, s, {}, demand)
-        s.start_agent(agent_config(tmp_path, "chat", models, llama_server))
+        cfg = agent_config(tmp_path, "chat", models, llama_server)
+        s.start_agent(cfg)
 
         async def healthy():
             lane = lane_of(await host_status(nc, "chat"), "gemma-0")
@@ -43,10 +44,11 @@ async def test_gemma_without_a_template_is_served_with_gemma_not_chatml(nats_ser
         explained = (await nc.request(subjects.PLAN_EXPLAIN, encode(HostQuery(host_id="chat")), timeout=5)).data
         body = json.dumps({"messages": [{"role": "user", "content": "say hi"}], "max_tokens": 24, "temperature": 0})
         req = urllib.request.Request(f"http://127.0.0.1:{lane.port}/v1/chat/completions", data=body.encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+                                     headers={"Content-Type": "application/json", **lane_auth(cfg, "gemma-0")})  # fmt: skip
         with urllib.request.urlopen(req, timeout=60) as r:
             answer = json.loads(r.read())["choices"][0]["message"]["content"]
-        with urllib.request.urlopen(f"http://127.0.0.1:{lane.port}/props", timeout=5) as r:
+        props_req = urllib.request.Request(f"http://127.0.0.1:{lane.port}/props", headers=lane_auth(cfg, "gemma-0"))
+        with urllib.request.urlopen(props_req, timeout=5) as r:
             props = json.loads(r.read())
     assert "<|im_end|>" not in answer and "<|im_start|>" not in answer, answer
     assert props["chat_template"] == "gemma"  # the built-in one, by name

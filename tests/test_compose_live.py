@@ -337,6 +337,13 @@ async def test_gateway_answers_with_each_hosts_lanes_in_rotation(deploy):
 
 
 async def test_three_node_cluster_with_the_bucket_on_every_node(deploy):
+    def streams_of(node: str) -> dict:
+        jsz = deploy.monitor(node, "jsz?accounts=true&streams=true&config=true")
+        return {s["name"]: s for a in jsz.get("account_details", []) for s in a.get("stream_detail", [])}
+
+    made = ("KV_lanes", "KV_lanes-secrets", "KV_lanes-usage", "LANES_PREFIX")  # the planner's, the gateway's
+    await eventually(lambda: all(set(made) <= set(streams_of(n)) for n in NODES), timeout=60,
+                     what="every stream on every node")  # fmt: skip
     for node in NODES:
         routes = deploy.monitor(node, "routez")
         peers = {r.get("remote_name") for r in routes["routes"]}
@@ -346,6 +353,9 @@ async def test_three_node_cluster_with_the_bucket_on_every_node(deploy):
         streams = {s["name"]: s for a in jsz.get("account_details", []) for s in a.get("stream_detail", [])}
         assert "KV_lanes" in streams, f"{node} holds no replica of the lanes bucket: {sorted(streams)}"
         assert streams["KV_lanes"]["config"]["num_replicas"] == 3
+        # ... and the lanes' keys, the tenants' usage and the shared prefix view, on every node too
+        for name in ("KV_lanes-secrets", "KV_lanes-usage", "LANES_PREFIX"):
+            assert streams.get(name, {}).get("config", {}).get("num_replicas") == 3, (node, name, sorted(streams))
     nc = await deploy.nats()
     try:
         info = await nc.jetstream().stream_info("KV_lanes")

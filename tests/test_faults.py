@@ -137,7 +137,7 @@ async def test_an_agent_upgraded_to_another_renderer_adopts_every_lane_and_resta
             events.append(msgspec.json.decode(msg.data, type=LaneEvent))
 
         await nc.subscribe(subjects.ALL_EVENTS, cb=on_event)
-        monkeypatch.setattr(lifecycle, "lane_args", lambda spec, caps, *rest: respelled(lane_args(spec, caps, *rest)))
+        monkeypatch.setattr(lifecycle, "lane_args", lambda spec, caps, *rest, **kw: respelled(lane_args(spec, caps, *rest, **kw)))
         s.start_agent(cfg)  # the "new version"
         reply = await nc.request(subjects.CONFIG_SET, encode(ConfigSet(changes={"drain_timeout": 12})), timeout=5)
         assert "Nats-Service-Error" not in (reply.headers or {})

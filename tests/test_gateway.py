@@ -340,7 +340,7 @@ async def test_a_prompt_no_window_holds_is_refused_before_any_lane(fleet):
             for path, payload in (("/v1/completions", {"prompt": text}),
                                   ("/v1/chat/completions", {"messages": [{"role": "user", "content": text}]})):  # fmt: skip
                 prompt = prompts.prompt_of(path, payload)
-                exact = await count_tokens(http, lane.url, prompt, encode_json(payload))
+                exact = await count_tokens(http, lane.url, prompt, encode_json(payload), auth=lane.auth)
                 assert exact is not None and 0 < exact <= prompt.token_bound(), (text[:20], exact)
 
 
@@ -351,7 +351,7 @@ async def test_slots_busy_with_other_clients_count_as_load(fleet):
         lane = gw.view.routable(ALIAS)[0]
         direct = []
         for _ in range(2):
-            resp = await http.post(lane.url + "/v1/chat/completions", json={
+            resp = await http.post(lane.url + "/v1/chat/completions", headers=lane.auth, json={
                 "messages": MESSAGES, "stream": True, "max_tokens": 1500, "ignore_eos": True})  # fmt: skip
             assert (await resp.content.readany()).startswith(b"data: ")
             direct.append(resp)
@@ -370,7 +370,7 @@ async def test_slots_busy_with_other_clients_count_as_load(fleet):
 
 
 async def _lane_slots(http: aiohttp.ClientSession, lane) -> list[dict]:
-    async with http.get(lane.url + "/slots") as resp:
+    async with http.get(lane.url + "/slots", headers=lane.auth) as resp:
         return await resp.json()
 
 

@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from waiting import eventually
 
 import gateway.edge.access as access
 from gateway.edge.app_keys import KEYS
@@ -33,21 +34,35 @@ def test_paths_that_need_a_key():
     assert not access.cookie_may_open("/metrics")
 
 
-def test_session_tokens_are_signed_by_the_keys_and_expire():
+def test_session_tokens_are_signed_by_a_random_secret_and_expire():
     mine = frozenset({digest(KEY)})
-    token = access.session_token((KEY,), now=1000.0, key_id=digest(KEY), seconds=60)
-    assert access.session_ok((KEY,), token, now=1059.0, key_ids=mine)
-    assert not access.session_ok((KEY,), token, now=1060.0, key_ids=mine)  # expired
-    assert not access.session_ok(("sk-other",), token, now=1001.0, key_ids=mine)  # the key was changed: sessions end
-    assert access.session_ok(("sk-other", KEY), token, now=1001.0, key_ids=mine) is False  # a new key set signs anew
+    secret = access.CookieSecret()
+    assert len(secret.value) == 32 and secret.value != access.CookieSecret().value  # random, each gateway at start
+    token = access.session_token(secret.value, now=1000.0, key_id=digest(KEY), seconds=60)
+    assert access.session_ok(secret.value, token, now=1059.0, key_ids=mine)
+    assert not access.session_ok(secret.value, token, now=1060.0, key_ids=mine)  # expired
+    assert not access.session_ok(access.CookieSecret().value, token, now=1001.0, key_ids=mine)  # another secret
+    # Nothing of the keys signs it: the old derivation (sha256 of the keys) forges nothing.
+    import hashlib
+
+    derived = hashlib.sha256(b"lanes-dashboard\0" + KEY.encode()).digest()
+    assert not access.session_ok(secret.value, access.session_token(derived, 1000.0, digest(KEY)), 1001.0, mine)
     expires, key_id, signature = token.split(".")
     stretched = f"{int(expires) + 3600}.{key_id}.{signature}"
-    assert not access.session_ok((KEY,), stretched, now=1001.0, key_ids=mine)  # stretched
-    assert not access.session_ok((KEY,), "", now=0, key_ids=mine) and not access.session_ok((), token, 1001.0, mine)
+    assert not access.session_ok(secret.value, stretched, now=1001.0, key_ids=mine)  # stretched
+    assert not access.session_ok(secret.value, "", now=0, key_ids=mine) and not access.session_ok(b"", token, 1001.0, mine)
     # Its key revoked or made a tenant's (no longer among those that open the dashboard): it ends.
-    assert not access.session_ok((KEY,), token, now=1001.0, key_ids=frozenset())
+    assert not access.session_ok(secret.value, token, now=1001.0, key_ids=frozenset())
     other = digest("sk-ops-two")  # a cookie cannot be moved to another key
-    assert not access.session_ok((KEY,), f"{expires}.{other}.{signature}", 1001.0, mine | {other})
+    assert not access.session_ok(secret.value, f"{expires}.{other}.{signature}", 1001.0, mine | {other})
+    # A fixed maximum lifetime: a token that claims to live longer than a session is refused,
+    # even when signed (a secret that leaked cannot mint a cookie for ever).
+    forever = access.session_token(secret.value, now=1000.0, key_id=digest(KEY), seconds=10 * access.SESSION_SECONDS)
+    assert not access.session_ok(secret.value, forever, now=1001.0, key_ids=mine)
+    # The fleet's secret, taken from NATS, replaces this gateway's own.
+    fleet = access.CookieSecret()
+    assert secret.adopt(fleet.text()) and secret.value == fleet.value and secret.shared
+    assert not secret.adopt(fleet.text()) and not secret.adopt("short") and not secret.adopt("!!not base64!!")
 
 
 @pytest.fixture
@@ -278,3 +293,48 @@ async def test_an_open_gateway_warns_at_start_and_every_hour(nats_server, monkey
     assert len(said) >= 2 and all(e["log_level"] == "warning" for e in said), said
     # A keyed gateway on the same address says nothing of the kind.
     assert not await warnings(GatewaySettings(host="0.0.0.0", port=0, api_keys=(KEY,)))
+
+
+async def test_gateways_share_a_random_cookie_secret_through_nats(nats_server):
+    """A cookie one gateway gave opens another's dashboard: the first gateway's random secret,
+    put in bucket lanes-secrets, is every gateway's (one started later takes it too)."""
+    import asyncio
+
+    import gateway.service as service
+    from gateway.edge import COOKIE_SECRET
+    from planner_svc.service import run_planner
+
+    stop = asyncio.Event()
+    planner = asyncio.create_task(run_planner(nats_server.url, stop))  # makes the buckets
+    first, second = (Gateway(GatewaySettings(port=0, api_keys=(KEY,), gateway_id=g)) for g in ("g1", "g2"))
+    own = first.app[COOKIE_SECRET].value, second.app[COOKIE_SECRET].value
+    assert own[0] != own[1]
+    tasks = [asyncio.create_task(service.run_gateway(nats_server.url, stop, gateway=g)) for g in (first, second)]
+    try:
+        for g in (first, second):
+            await asyncio.wait_for(g.started.wait(), 10)
+
+        def shared() -> bool:
+            a, b = first.app[COOKIE_SECRET], second.app[COOKIE_SECRET]
+            return a.shared and b.shared and a.value == b.value
+
+        await eventually(shared, timeout=15, what="one secret for both gateways")
+        assert first.app[COOKIE_SECRET].value in own  # one of the two random ones, from neither key
+        async with aiohttp.ClientSession() as http:
+            async with http.post(first.url + "/dashboard/api/session", headers={"Authorization": f"Bearer {KEY}"}) as r:
+                assert r.status == 200
+                cookie = r.cookies["lanes_dashboard"].value
+        async with aiohttp.ClientSession(cookies={"lanes_dashboard": cookie}) as http:
+            async with http.get(second.url + "/dashboard/api/state") as r:
+                assert r.status == 200  # the other gateway takes it
+            async with http.get(second.url + "/v1/models") as r:
+                assert r.status == 401  # a cookie opens the dashboard only
+        # A gateway started later signs with the same secret.
+        third = Gateway(GatewaySettings(port=0, api_keys=(KEY,), gateway_id="g3"))
+        tasks.append(asyncio.create_task(service.run_gateway(nats_server.url, stop, gateway=third)))
+        await eventually(lambda: third.app[COOKIE_SECRET].value == first.app[COOKIE_SECRET].value, timeout=15,
+                         what="the third gateway took it")  # fmt: skip
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(planner, *tasks, return_exceptions=True), 30)
+

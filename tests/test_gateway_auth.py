@@ -14,6 +14,7 @@ from fixtures_bus import agent_config, fake_binary
 from waiting import eventually
 from test_auth import _connect, _users, auth_server, passwords  # noqa: F401 (fixtures)
 
+from gateway.edge import COOKIE_SECRET
 from gateway.service import Gateway, run_gateway
 from gateway.settings import GatewaySettings
 from launcher_agent.service import run_agent
@@ -49,7 +50,8 @@ async def test_gateway_user_reads_plans_status_reports_config_and_writes_nothing
         assert "host1" in gw.view.reports and gw.view.config is not None
 
         # ---- it writes nothing: every put and every request to the planner is refused
-        assert gw.gateway_id == "gateway"  # its NATS user: the one id it may report activity under
+        # its NATS user, then its instance: the ids it may report activity under are the user's
+        assert gw.gateway_id.startswith("gateway.") and gw.gateway_id.count(".") == 1, gw.gateway_id
         nc = await _connect(auth_server.url, gateway_auth, errors, inbox_prefix=subjects.gateway_inbox("gateway"))
         kv = await nc.jetstream(timeout=1.0).key_value(subjects.BUCKET)
         assert (await kv.get(subjects.plan_key("host1"))).value  # reading a key is allowed
@@ -76,9 +78,10 @@ async def test_gateway_user_reads_plans_status_reports_config_and_writes_nothing
         # ... not as another gateway, not deleting a consumer (the planner's watch), not reading others' replies
         other = subjects.activity_subject("gateway2")
         await nc.publish(other, encode(GatewayActivity(gateway="gateway2")))
+        await nc.publish(subjects.activity_subject("gateway2.b"), encode(GatewayActivity(gateway="gateway2.b")))
         await nc.publish("$JS.API.CONSUMER.DELETE.KV_lanes.any", b"")
         await nc.flush()
-        for subject in (other, "$js.api.consumer.delete.kv_lanes.any"):
+        for subject in (other, "lanes.activity.gateway2.b", "$js.api.consumer.delete.kv_lanes.any"):
             await eventually(lambda: any(f'publish to "{subject}"' in e for e in errors), timeout=5, what=subject)
         # Tenants' usage: its own keys of the lanes-usage bucket only (the service created the bucket).
         usage = await eventually(lambda: nc.jetstream(timeout=1.0).key_value(subjects.USAGE_BUCKET), timeout=10,
@@ -121,12 +124,15 @@ async def test_gateway_user_reads_plans_status_reports_config_and_writes_nothing
         agent_nc = await _connect(auth_server.url, users["agent-host1"], said, inbox_prefix=subjects.agent_inbox("host1"))
         try:
             bucket = await agent_nc.jetstream(timeout=1.0).key_value(subjects.SECRETS_BUCKET)
-            with pytest.raises(nats.errors.TimeoutError):
-                await bucket.put(subjects.lane_secret_key("host2", "llama8-0"), b"{}")
-            subject = f"$kv.lanes-secrets.{subjects.lane_secret_key('host2', 'llama8-0')}"
-            await eventually(lambda: any(f'publish to "{subject}"' in e for e in said), timeout=5, what=subject)
+            for key in (subjects.lane_secret_key("host2", "llama8-0"), subjects.SESSION_SECRET_KEY):
+                with pytest.raises(nats.errors.TimeoutError):
+                    await bucket.put(key, b"{}")
+                subject = f"$kv.lanes-secrets.{key}"
+                await eventually(lambda: any(f'publish to "{subject}"' in e for e in said), timeout=5, what=subject)
         finally:
             await agent_nc.close()
+        # The dashboard's cookie secret: the gateway put it there (not derived from any key).
+        assert gw.app[COOKIE_SECRET].shared
         # The refused config change did not happen, and the lane is still there and routable.
         assert gw.view.config.kv_cache_type is None
         await asyncio.sleep(0.5)
@@ -140,3 +146,62 @@ async def test_gateway_user_reads_plans_status_reports_config_and_writes_nothing
         stop.set()
         await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
         logs.close()
+
+
+async def test_gateways_sharing_one_nats_user_keep_their_usage_and_activity_apart(auth_server, passwords):
+    """Two replicas on user `gateway` (what `--scale gateway=2` runs): each has its own id, its
+    own usage keys and activity subject, and neither overwrites the other's."""
+    import time
+
+    from shared.messages.activity import GatewayActivity as Activity
+    from shared.messages.wire import decode
+
+    users = _users(passwords)
+    gateway_auth = NatsAuth(user="gateway", password=passwords["NATS_GATEWAY_PASSWORD"])
+    stop = asyncio.Event()
+    first, second = Gateway(GatewaySettings(port=0)), Gateway(GatewaySettings(port=0))
+    planner = asyncio.create_task(run_planner(auth_server.url, stop, auth=users["planner"]))
+    heard: dict[str, str] = {}  # subject -> the gateway its report names
+    admin = await _connect(auth_server.url, users["admin"])
+
+    async def on_activity(msg) -> None:
+        heard[msg.subject] = decode(msg.data, Activity).gateway
+
+    await admin.subscribe(subjects.ALL_ACTIVITY, cb=on_activity)
+    tasks = [asyncio.create_task(run_gateway(auth_server.url, stop, gateway_auth, gateway=g)) for g in (first, second)]
+    try:
+        for g in (first, second):
+            await asyncio.wait_for(g.started.wait(), 10)
+        ids = {first.gateway_id, second.gateway_id}
+        assert len(ids) == 2 and all(i.startswith("gateway.") for i in ids), ids
+        # Each counts a tenant's tokens; both counts land in NATS, under two keys.
+        from gateway.edge import USAGE
+
+        now = time.time()
+        first.app[USAGE].add("team", 100.0, now)
+        second.app[USAGE].add("team", 7.0, now)
+        usage = await eventually(lambda: admin.jetstream(timeout=2).key_value(subjects.USAGE_BUCKET), timeout=10,
+                                 what="the usage bucket")  # fmt: skip
+
+        async def both_counted() -> dict[str, float] | None:
+            found = {}
+            for gw in (first, second):
+                try:
+                    entry = await usage.get(subjects.usage_key("team", gw.gateway_id))
+                except Exception:
+                    return None
+                found[gw.gateway_id] = decode(entry.value, TenantUsage).day_tokens
+            return found
+
+        counted = await eventually(both_counted, timeout=20, what="both gateways' usage keys")
+        assert counted == {first.gateway_id: 100.0, second.gateway_id: 7.0}
+        # ... and each sees the other's: the tenant's day is the sum at both doors.
+        await eventually(lambda: all(g.app[USAGE].used("team", time.time())[1] == 107.0 for g in (first, second)),
+                         timeout=20, what="each gateway sees both counts")  # fmt: skip
+        # Activity: one subject each, the report naming its sender, none refused by the server.
+        await eventually(lambda: {heard.get(subjects.activity_subject(g)) for g in ids} == ids, timeout=20,
+                         what="both gateways' activity")  # fmt: skip
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(planner, *tasks, return_exceptions=True), 30)
+        await admin.close()

@@ -19,7 +19,8 @@ import msgspec
 import msgspec.inspect as mi
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "messages.json"
-CANDIDATE_TEXTS = ("gemma", "cpu", "CUDA0", "127.0.0.1:50052", "0", "a", "lane-0123456789abcdef")
+CANDIDATE_TEXTS = ("gemma", "cpu", "CUDA0", "127.0.0.1:50052", "0", "a", "lane-0123456789abcdef",
+                   "secret-0123456789abcdef0123456789abcdef0123456789")  # fmt: skip
 
 
 def wire_structs() -> dict[str, type[msgspec.Struct]]:

@@ -13,7 +13,7 @@ import urllib.request
 
 import psutil
 import pytest
-from fixtures_bus import agent_config, client, fleet_status, host_status, lane_of, services
+from fixtures_bus import agent_config, client, fleet_status, host_status, lane_auth, lane_of, services
 from waiting import eventually
 from tinymodels import write_gemma3, write_llama
 
@@ -103,9 +103,11 @@ async def test_props_show_planned_context_and_slots(nats_server, tmp_path, llama
     demand = Demand(personas=(Persona(model="m", parallel=4, ctx_min=512, ctx_max=1000),))
     async with services(nats_server.url) as s, client(nats_server.url) as nc:
         await _planner_with(nc, s, {}, demand)
-        s.start_agent(agent_config(tmp_path, "props", models, llama_server))
+        cfg = agent_config(tmp_path, "props", models, llama_server)
+        s.start_agent(cfg)
         lane = await eventually(_healthy(nc, "props", "m-0"), timeout=60, what="lane healthy")
-        with urllib.request.urlopen(f"http://127.0.0.1:{lane.port}/props", timeout=5) as r:
+        ask = urllib.request.Request(f"http://127.0.0.1:{lane.port}/props", headers=lane_auth(cfg, "m-0"))
+        with urllib.request.urlopen(ask, timeout=5) as r:
             props = json.loads(r.read())
     assert props["default_generation_settings"]["n_ctx"] == 768
     assert props["total_slots"] == 4

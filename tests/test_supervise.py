@@ -6,6 +6,7 @@ the bus's bounds."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiohttp
 import pytest
@@ -112,6 +113,13 @@ async def test_a_loop_that_fails_once_is_restarted_and_counted():
     assert [(s.name, s.labels, s.value) for s in samples if s.name.endswith("_total")] == [
         ("lanes_loop_restarts_total", {"service": "test", "loop": "work"}, 1.0)
     ]
+    # Failing until it has run a whole window since (an alert on it does not clear in between).
+    failing = [(s.labels, s.value) for s in samples if s.name == "lanes_loop_failing"]
+    assert failing == [({"service": "test", "loop": "work"}, 1.0)]
+    assert loops.failing("work", now=loops.last_failure["work"] + FAST.window - 0.01)
+    assert not loops.failing("work", now=loops.last_failure["work"] + FAST.window)
+    started = [s.value for s in samples if s.name == "lanes_service_start_time_seconds"]
+    assert started == [loops.started_at] and abs(loops.started_at - time.time()) < 60
 
 
 async def test_a_clean_stop_counts_nothing():

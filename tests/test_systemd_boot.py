@@ -109,7 +109,11 @@ def test_the_units_boot_serve_and_keep_their_lane_across_an_agent_restart_and_ki
         assert _in("stat -c '%U:%G %a' /etc/lanes/lanes.env") == "root:lanes 640"
         assert _in("systemctl is-active lanes-planner lanes-agent lanes-gateway").split() == ["active"] * 3
         assert _in("systemctl show -p User --value lanes-agent") == "lanes"
-        eventually_blocking(lambda: _ready(url, key), timeout=180, what="gemma ready through the gateway")
+        try:
+            eventually_blocking(lambda: _ready(url, key), timeout=180, what="gemma ready through the gateway")
+        except AssertionError:
+            journal = _in("journalctl -u lanes-planner -u lanes-agent -u lanes-gateway --no-pager | tail -60", check=False)
+            raise AssertionError(f"gemma not ready through the gateway; the units' journal:\n{journal}") from None
         assert _complete(url, key)["choices"][0]["text"]
         lane = _lane_pid()
         assert lane and _in(f"ps -o user= -p {lane}") == "lanes"

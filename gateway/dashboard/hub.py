@@ -29,7 +29,8 @@ from aiohttp import web
 from gateway.admission import LaneCounts
 from gateway.dashboard.model import EventFeed, dashboard_snapshot
 from gateway.edge import (
-    COOKIE, COOKIE_PATH, KEY_ID, SESSION_PATH, SESSION_SECONDS, key_ids_of, openai_error, session_token, signing_keys,
+    COOKIE, COOKIE_PATH, COOKIE_SECRET, KEY_ID, SESSION_PATH, SESSION_SECONDS, has_keys, key_ids_of, openai_error,
+    session_token,
 )
 from gateway.tenants import digest
 from gateway.fleet import FleetView, LaneKey
@@ -149,10 +150,10 @@ def add_dashboard(app: web.Application, hub: DashboardHub, *, nc_getter, admin_k
     async def session(request: web.Request) -> web.Response:
         """Trade the bearer key (checked by the middleware) for a session cookie: the stream and
         the page's assets are then fetched without the key in any URL (gateway/edge/access.py)."""
-        keys = signing_keys(request.app)
-        response = web.json_response({"expires_in": SESSION_SECONDS if keys else None})
-        if keys:
-            token = session_token(keys, time.time(), request[KEY_ID])
+        keyed = has_keys(request.app)
+        response = web.json_response({"expires_in": SESSION_SECONDS if keyed else None})
+        if keyed:
+            token = session_token(request.app[COOKIE_SECRET].value, time.time(), request[KEY_ID])
             response.set_cookie(COOKIE, token, max_age=SESSION_SECONDS, path=COOKIE_PATH,
                                 httponly=True, samesite="Strict", secure=request.secure)  # fmt: skip
         return response

@@ -25,11 +25,12 @@ from gateway import routing
 from gateway.admission import (
     Admission, HeldFull, LoadFailed, LoadTimeout, ModelView, Waker, catalogue, classify, only_model,
 )
-from gateway.edge import adapters, assemble
-from gateway.edge.app_keys import ADMISSION, KEYS, METRICS, SESSION, SETTINGS, TENANT, USAGE, VIEW, WAKER
+from gateway.edge import adapters, assemble, bounds
+from gateway.edge.access import CookieSecret
+from gateway.edge.app_keys import ADMISSION, COOKIE_SECRET, KEYS, METRICS, SESSION, SETTINGS, TENANT, USAGE, VIEW, WAKER
 from gateway.edge.forward import Shape, forward
 from gateway.edge.openai_errors import give_up, openai_error
-from gateway.edge.tenancy import errors_and_keys, signing_keys, tenant_of, tenant_refusal
+from gateway.edge.tenancy import errors_and_keys, tenant_of, tenant_refusal
 from gateway.fleet import FleetView
 from gateway.metrics import GatewayMetrics
 from gateway.routing import GiveUp, count_tokens, fingerprint
@@ -77,7 +78,10 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
         payload = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
         return openai_error(400, f"request body is not JSON: {exc}", "invalid_json")
-    name = payload.get("model") if isinstance(payload, dict) else None
+    out_of_bounds = bounds.refusal(payload)
+    if out_of_bounds is not None:
+        return openai_error(400, *out_of_bounds)
+    name = payload.get("model")
     view, metrics = app[VIEW], app[METRICS]
     if not await view.wait_synced(defaults.FLEET_SYNC_WAIT):
         return openai_error(503, "the gateway has not read the fleet from NATS yet (is NATS up, and the planner?)",
@@ -240,6 +244,7 @@ def build_app(
         log.info("keys loaded", detail=said)
         app[KEYS] = keys
     app[USAGE] = UsageBook(settings.gateway_id or "local")
+    app[COOKIE_SECRET] = CookieSecret()
     app[METRICS] = metrics or GatewayMetrics(view, admission.counts)
     app[WAKER] = waker or Waker(view, max_held=settings.queue_depth)
     if app[WAKER].on_cold_start is None:

@@ -9,7 +9,7 @@ from aiohttp import web
 
 from gateway.admission import Lease
 from gateway.edge import access
-from gateway.edge.app_keys import ADMISSION, KEY_ID, KEYS, METRICS, ROLE, SETTINGS, TENANT, USAGE
+from gateway.edge.app_keys import ADMISSION, COOKIE_SECRET, KEY_ID, KEYS, METRICS, ROLE, SETTINGS, TENANT, USAGE
 from gateway.edge.openai_errors import openai_error
 from gateway.settings import GatewaySettings
 from gateway.tenants import PLAIN, PLAIN_ROLE, AnswerReader, KeysFile, Tenant, Usage, digest
@@ -45,7 +45,7 @@ def _key_presented(request: web.Request, settings: GatewaySettings) -> bool:
             return True
     token = request.cookies.get(access.COOKIE)
     if token and access.cookie_may_open(request.path) and access.session_ok(
-            signing_keys(request.app), token, time.time(), dashboard_key_ids(request.app)):  # fmt: skip
+            request.app[COOKIE_SECRET].value, token, time.time(), dashboard_key_ids(request.app)):  # fmt: skip
         request[ROLE] = "ops"  # only an ops or admin key gets a cookie, and keeps it only while it stays so
         return True
     return False
@@ -79,10 +79,10 @@ def tenant_of(app: web.Application, presented: str) -> Tenant | None:
     return Tenant(PLAIN) if app[SETTINGS].key_ok(presented) else None
 
 
-def signing_keys(app: web.Application) -> tuple[str, ...]:
-    """What the dashboard's session cookie is signed with: the plain keys and the keys file's digests."""
+def has_keys(app: web.Application) -> bool:
+    """Whether any key guards this gateway (without one there is no session to give)."""
     keys: KeysFile | None = app[KEYS]
-    return app[SETTINGS].api_keys + (tuple(sorted(keys.table.by_digest)) if keys is not None else ())
+    return bool(app[SETTINGS].api_keys) or (keys is not None and bool(keys.table.by_digest))
 
 
 def tenant_refusal(app: web.Application, tenant: Tenant, name: str) -> web.Response | None:

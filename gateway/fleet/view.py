@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from shared import subjects
+from shared.lane_secrets import fingerprint
 from shared.llama.endpoints import WILDCARD_BINDS
 from shared.messages.activity import ModelState, ModelStates
 from shared.messages.config import FleetConfig
@@ -48,6 +49,7 @@ class LaneRoute:
     # The key the lane answers to (its agent's, bucket lanes-secrets); "": none known (a lane of an
     # agent from before lane keys). Never shown: not in repr, not in the dashboard's state.
     api_key: str = field(default="", repr=False, compare=False)
+    key_id: str = ""  # the fingerprint of the key its agent says it answers: routed only once that key is here
 
     @property
     def auth(self) -> dict[str, str]:
@@ -64,7 +66,8 @@ class LaneRoute:
 
     @property
     def routable(self) -> bool:
-        return self.state == "healthy" and not self.draining and not self.unreachable
+        keyed = not self.key_id or (bool(self.api_key) and fingerprint(self.api_key) == self.key_id)
+        return self.state == "healthy" and not self.draining and not self.unreachable and keyed
 
     def serves(self, name: str) -> bool:
         base, _, adapter = name.partition(":")
@@ -194,7 +197,7 @@ class FleetView:
                 self.bad_entries += 1
                 return f"{key}: a key for {secret.host_id}/{secret.lane_id}"
             self.secrets[(host, lane)] = secret.key
-        self._lanes = None  # no listener: nothing shown changes
+        self.changed()  # a lane whose key has come is routable now
         return None
 
     def mark_unreachable(self, key: LaneKey, reason: str) -> None:
@@ -255,6 +258,7 @@ class FleetView:
                     vision=spec.mmproj_path is not None,
                     cache_tokens=kept_tokens(spec),
                     api_key=self.secrets.get((host, subjects.host_token(spec.lane_id)), ""),
+                    key_id=live.key_id if live else "",
                 )
 
     def model_entry(self, name: str) -> ModelState | None:

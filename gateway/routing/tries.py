@@ -22,7 +22,9 @@ import msgspec
 from gateway.fleet import LaneKey
 
 TRIES = 2  # the first, and one retry
-RETRY_STATUSES = (502, 503, 504)  # a lane that answers these sent no body worth keeping
+# A lane that answers these sent no body worth keeping; 401: it did not take the key this
+# gateway holds for it (restarted with a new one not read yet): another lane, or a later try.
+RETRY_STATUSES = (401, 502, 503, 504)
 DROPPED_CONNECTION_RETRIES = 4  # stale pooled connections retried before a try counts
 
 

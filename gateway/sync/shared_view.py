@@ -140,11 +140,13 @@ class SharedView:
             index.record(key, [from_wire(h) for h in event.stored])
         self.applied, self.received = max(self.applied, sequence), self.received + 1
 
-    async def start(self, nc) -> None:
-        """Make sure the stream exists, replay it and follow it; publish until cancelled."""
+    async def start(self, nc, replicas: int = 1) -> None:
+        """Make sure the stream exists (with the cluster's replicas), replay it and follow it;
+        publish until cancelled."""
         js = nc.jetstream()
         config = StreamConfig(name=subjects.PREFIX_STREAM, subjects=[subjects.ALL_PREFIX], storage=StorageType.FILE,
-                              max_msgs_per_subject=defaults.PREFIX_HISTORY, max_age=defaults.PREFIX_MAX_AGE)  # fmt: skip
+                              max_msgs_per_subject=defaults.PREFIX_HISTORY, max_age=defaults.PREFIX_MAX_AGE,
+                              num_replicas=replicas)  # fmt: skip
         try:
             await js.add_stream(config)
         except Exception as exc:  # another gateway made it, with other limits: use it as it is

@@ -30,18 +30,20 @@ log = structlog.get_logger("lanes.gateway")
 USAGE_MAX_AGE = 2 * 86400.0  # a key untouched this long holds no current day
 
 
-async def usage_bucket(nc):
+async def usage_bucket(nc, replicas: int = 1):
+    """The bucket, made by the first gateway with the cluster's replicas (those of the lanes bucket)."""
     js = nc.jetstream()
     try:
         return await js.key_value(subjects.USAGE_BUCKET)
     except Exception:
-        return await js.create_key_value(KeyValueConfig(
-            bucket=subjects.USAGE_BUCKET, history=1, ttl=USAGE_MAX_AGE, storage=StorageType.FILE))  # fmt: skip
+        return await js.create_key_value(KeyValueConfig(bucket=subjects.USAGE_BUCKET, history=1, ttl=USAGE_MAX_AGE,
+                                                        storage=StorageType.FILE, replicas=replicas))  # fmt: skip
 
 
-async def share_usage(nc, book: UsageBook, admission: Admission, gateway: str, stop: asyncio.Event) -> None:
+async def share_usage(nc, book: UsageBook, admission: Admission, gateway: str, stop: asyncio.Event,
+                      replicas: int = 1) -> None:  # fmt: skip
     book.gateway = gateway
-    kv = await usage_bucket(nc)
+    kv = await usage_bucket(nc, replicas)
     caught_up = asyncio.Event()
 
     async def on_entry(key: str, value: bytes | None, revision: int) -> None:

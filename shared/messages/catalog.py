@@ -17,6 +17,7 @@ WIRE_TYPES: tuple[type, ...] = (
     status.LaneEvent,
     status.PlanRejected,
     status.LaneSecret,
+    status.SessionSecret,
     replies.ConfigSet,
     replies.HostQuery,
     replies.ErrorReply,

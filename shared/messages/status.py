@@ -58,6 +58,10 @@ class LaneStatus(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     draining: bool = False
     # Seconds from its process's start to its first healthy answer (None: not loaded yet, or adopted).
     load_seconds: Seconds | None = None
+    # The fingerprint of the key it answers (shared/lane_secrets.py; the key is in bucket
+    # lanes-secrets): a gateway routes to it only once it holds that key. "": no key (an agent
+    # from before lane keys, or a lane started then).
+    key_id: Annotated[str, msgspec.Meta(max_length=16, pattern="^[0-9a-f]*$")] = ""
 
 
 class RpcWorkerStatus(msgspec.Struct, frozen=True, gc=False, kw_only=True):
@@ -139,3 +143,11 @@ class LaneSecret(Message, tag="lane_secret", kw_only=True):
     lane_id: Name
     port: Port
     key: LaneApiKey
+
+
+class SessionSecret(Message, tag="session_secret", kw_only=True):
+    """What the dashboard's session cookies are signed with (URL-safe base64 of 32 or more random
+    bytes): made by the first gateway, under key `dashboard` of bucket lanes-secrets, so a cookie
+    any gateway gave opens them all; nothing in it comes from the API keys."""
+
+    secret: Annotated[str, msgspec.Meta(min_length=43, max_length=128, pattern=r"^[A-Za-z0-9_-]+$")]
