@@ -146,11 +146,13 @@ async def run(small: bool) -> dict:
         raise SystemExit("no llama-server: run `lanes install-llama`")
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 65536), hard))  # this client holds 1,000 sockets
-    idle_count, drip_limit = (200, 6.0) if small else (1000, 20.0)
+    # The drips outlast the gateway's --client-timeout (30 s by default; 3 s in the small run).
+    idle_count, drip_limit, client_timeout = (200, 8.0, 3.0) if small else (1000, 40.0, 30.0)
     with tempfile.TemporaryDirectory(prefix="lanes-hostile-") as tmp:
         keys = Path(tmp) / "keys.toml"
         keys.write_text(KEYS_FILE)
-        fleet = Fleet(Path(tmp), llama, small=True, gateway_args=("--keys-file", str(keys)),
+        fleet = Fleet(Path(tmp), llama, small=True,
+                      gateway_args=("--keys-file", str(keys), "--client-timeout", str(client_timeout)),
                       headers={"Authorization": f"Bearer {OPS}"})  # fmt: skip
         await fleet.start()
         try:
@@ -175,12 +177,13 @@ async def run(small: bool) -> dict:
                         f"X-Big: {'h' * 64 * 1024}\r\nContent-Length: 2\r\n\r\n{{}}").encode()  # fmt: skip
                 await case("header of 64 KiB", "4xx", await _raw(port, head, limit=10))
                 start = f"POST {CHAT} HTTP/1.1\r\nHost: x\r\n".encode()
-                await case("slow headers (1 byte/s)", "closed",
+                await case(f"slow headers (1 byte/s; --client-timeout {client_timeout:g})", "closed",
                            await _raw(port, start, drip=b"X-Slow: " + b"a" * 200, limit=drip_limit))
                 body = _body()
                 head = (f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ALPHA}\r\n"
                         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
-                await case("slow body (1 byte/s)", "closed", await _raw(port, head, drip=body, limit=drip_limit))
+                await case(f"slow body (1 byte/s; --client-timeout {client_timeout:g})", "closed",
+                           await _raw(port, head, drip=body, limit=drip_limit))
                 await case("invalid JSON", "4xx", await _post(http, url, b'{"model": "chat", "messages": [', ALPHA))
                 await case("invalid UTF-8", "4xx", await _post(http, url, b'{"model": "chat\xff\xfe"}', ALPHA))
                 await case("max_tokens 10**12", "4xx", await _post(http, url, _body(max_tokens=10**12), ALPHA))
@@ -252,7 +255,7 @@ def markdown(r: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--small", action="store_true", help="200 idle connections, 6 s drips (tests)")
+    parser.add_argument("--small", action="store_true", help="200 idle connections, --client-timeout 3 (tests)")
     parser.add_argument("--out", help="write the results as Markdown here (and JSON beside it)")
     args = parser.parse_args()
     result = asyncio.run(run(args.small))

@@ -326,7 +326,10 @@ async def run_gateway(
     # handler_cancellation: a client that hangs up cancels its handler, so it leaves the queue
     # (admission), stops being held for a loading model (waking) and closes its connection to
     # the lane, which then stops generating and frees the slot (gateway/edge/forward.py, gateway/edge/relay.py).
-    runner = web.AppRunner(gw.app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE, handler_cancellation=True)
+    # keepalive_timeout: aiohttp closes a connection still without a whole request head this long
+    # after it opened or after its last answer (its default is an hour): the header deadline.
+    runner = web.AppRunner(gw.app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE, handler_cancellation=True,
+                           keepalive_timeout=gw.settings.client_timeout)  # fmt: skip
     await runner.setup()
     tls = gw.settings.tls_context()
     site = web.TCPSite(runner, gw.settings.host, gw.settings.port, ssl_context=tls)

@@ -28,6 +28,10 @@ class GatewaySettings:
     queue_depth: int = defaults.QUEUE_DEPTH  # waiting requests per model before 503
     queue_wait: float = defaults.QUEUE_WAIT  # seconds a request waits for a slot before 503
     request_timeout: float = 600.0  # whole request, lane answer included
+    # Seconds a client connection may go without a whole request head (headers sent slowly, or
+    # idle between requests: then it is closed) and a request may take to send its body (then
+    # 408): a slow client (slowloris) holds a socket this long at most.
+    client_timeout: float = 30.0
     connect_timeout: float = 3.0  # reaching a lane; past it the request goes to another lane
     # Seconds a streamed answer may take to its first token; past it the lane counts as stalled and
     # the request goes to another. None: from the prompt's size and the lane's measured prefill

@@ -117,6 +117,9 @@ def _add_gateway_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue-depth", type=_positive, default=d.queue_depth, help="requests that may wait per model" + _DEFAULT)
     p.add_argument("--queue-wait", type=float, default=d.queue_wait, help="seconds a request waits for a slot" + _DEFAULT)
     p.add_argument("--request-timeout", type=float, default=d.request_timeout, help="seconds per request, in all")
+    p.add_argument("--client-timeout", type=float, default=d.client_timeout,
+                   help="seconds a client may take to send a request's headers, or its body, or sit idle between "
+                   "requests, before its connection is closed (or 408)" + _DEFAULT)  # fmt: skip
     p.add_argument("--connect-timeout", type=float, default=d.connect_timeout, help="seconds to reach a lane")
     p.add_argument("--first-byte-timeout", type=float, default=d.first_byte_timeout,
                    help="seconds a streamed answer may take to its first token before its lane counts as stalled "

@@ -84,6 +84,7 @@ def gateway_settings(args: argparse.Namespace) -> GatewaySettings:
         queue_depth=getattr(args, "queue_depth", base.queue_depth),
         queue_wait=getattr(args, "queue_wait", base.queue_wait),
         request_timeout=getattr(args, "request_timeout", base.request_timeout),
+        client_timeout=getattr(args, "client_timeout", base.client_timeout),
         connect_timeout=getattr(args, "connect_timeout", base.connect_timeout),
         first_byte_timeout=getattr(args, "first_byte_timeout", base.first_byte_timeout),
         stream_idle_timeout=getattr(args, "stream_idle_timeout", base.stream_idle_timeout),

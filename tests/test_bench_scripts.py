@@ -137,3 +137,16 @@ def test_route_cost_bench_small():
     result = run("route_cost_bench.py", "--requests", "200", timeout=120)
     assert result.returncode == 0, result.stderr
     assert "routing per request p50" in result.stdout
+
+
+def test_hostile_clients_small(tmp_path, llama_server):
+    """Every hostile case answered as it should be (4xx with a reason, a closed connection for a
+    client too slow), the lane healthy and the gateway running at the end (the script exits 1 otherwise)."""
+    out = tmp_path / "hostile.md"
+    result = run("hostile_clients.py", "--small", "--out", str(out), timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    cases = json.loads(out.with_suffix(".json").read_text())["cases"]
+    assert len(cases) >= 20 and all(c["ok"] for c in cases), cases
+    by_name = {c["case"].split(" (")[0]: c for c in cases}
+    assert by_name["slow headers"]["closed"] and by_name["slow body"]["status"] == 408
+    assert by_name["n_probs 1,000,000"]["code"] == "out_of_range"

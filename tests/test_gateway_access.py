@@ -338,3 +338,44 @@ async def test_gateways_share_a_random_cookie_secret_through_nats(nats_server):
         stop.set()
         await asyncio.wait_for(asyncio.gather(planner, *tasks, return_exceptions=True), 30)
 
+
+
+async def test_a_client_too_slow_to_send_its_request_is_let_go(nats_server):
+    """--client-timeout: headers unfinished, the connection is closed; a body unfinished, 408."""
+    import asyncio
+    import time
+
+    import gateway.service as service
+
+    stop = asyncio.Event()
+    gw = Gateway(GatewaySettings(port=0, api_keys=(KEY,), client_timeout=0.5))
+    task = asyncio.create_task(service.run_gateway(nats_server.url, stop, gateway=gw))
+    try:
+        await asyncio.wait_for(gw.started.wait(), 10)
+        port = int(gw.url.rsplit(":", 1)[1])
+
+        async def drip(head: bytes, tail: bytes) -> tuple[bytes, float]:
+            began = time.monotonic()
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(head)
+            got = b""
+            for byte in tail:
+                try:
+                    got = await asyncio.wait_for(reader.read(4096), 0.2)
+                except asyncio.TimeoutError:
+                    writer.write(bytes([byte]))
+                    continue
+                break
+            writer.close()
+            return got, time.monotonic() - began
+
+        answer, took = await drip(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n", b"X-Slow: " + b"a" * 40)
+        assert answer == b"" and took < 3, (answer, took)  # closed, without an answer, past the deadline
+        body = b'{"model": "m", "messages": []}'
+        head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+        answer, took = await drip(head, body)
+        assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer and took < 3, (answer, took)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 20)

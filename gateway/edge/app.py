@@ -73,7 +73,13 @@ async def _metrics(request: web.Request) -> web.Response:
 async def _proxy(request: web.Request) -> web.StreamResponse:
     app = request.app
     started = time.perf_counter()
-    body = await request.read()  # bounded by client_max_size: past it aiohttp answers 413
+    try:  # bounded by client_max_size (past it aiohttp answers 413) and by time
+        body = await asyncio.wait_for(request.read(), app[SETTINGS].client_timeout)
+    except asyncio.TimeoutError:
+        slow = openai_error(408, f"the request body did not arrive within {app[SETTINGS].client_timeout:g} s",
+                            "request_timeout")  # fmt: skip
+        slow.force_close()  # the rest of the body is never read: the connection goes
+        return slow
     try:
         payload = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:

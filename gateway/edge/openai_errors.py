@@ -9,7 +9,8 @@ from gateway.routing import GiveUp
 from gateway.settings import GatewaySettings
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
+                404: "invalid_request_error", 405: "invalid_request_error", 408: "invalid_request_error",
+                413: "invalid_request_error",
                 429: "rate_limit_error"}  # fmt: skip
 
 
