@@ -264,3 +264,24 @@ def test_lanes_keys_add_gives_a_role_and_list_shows_it(tmp_path, capsys):
     listed = capsys.readouterr().out.splitlines()
     assert any("sre" in line and "role=ops" in line for line in listed)
     assert not any("team" in line and "role=" in line for line in listed)
+
+
+def test_a_private_cache_names_the_lanes_dedicated_to_its_tenant():
+    from gateway.tenants.keys import parse
+
+    table = parse('[[keys]]\nkey = "sk-acme-0001"\ntenant = "acme"\ncache = "private"\nlanes = { chat = "chat-acme" }\n'
+                  '[[keys]]\nkey = "sk-beta-0001"\ntenant = "beta"\n')  # fmt: skip
+    acme, beta = table.find("sk-acme-0001"), table.find("sk-beta-0001")
+    assert acme.cache == "private" and acme.dedicated("chat") == "chat-acme" and acme.dedicated("other") is None
+    assert beta.cache == "shared" and beta.lanes == ()
+    assert table.dedicated_to == {"chat-acme": "acme"}
+    for text, needle in (
+        ('cache = "secret"', "cache must be one of shared, private"),
+        ('lanes = ["chat-acme"]', "lanes must map a model name"),
+        ('lanes = { chat = "chat-acme:adapter" }', "lanes must map a model name"),
+    ):
+        with pytest.raises(ValueError, match=needle):
+            parse(f'[[keys]]\nkey = "sk-acme-0001"\ntenant = "acme"\n{text}\n')
+    with pytest.raises(ValueError, match="dedicated to two tenants"):
+        parse('[[keys]]\nkey = "sk-acme-0001"\ntenant = "acme"\nlanes = { chat = "mine" }\n'
+              '[[keys]]\nkey = "sk-beta-0001"\ntenant = "beta"\nlanes = { chat = "mine" }\n')  # fmt: skip

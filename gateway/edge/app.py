@@ -30,7 +30,7 @@ from gateway.edge.access import CookieSecret
 from gateway.edge.app_keys import ADMISSION, COOKIE_SECRET, KEYS, METRICS, SESSION, SETTINGS, TENANT, USAGE, VIEW, WAKER
 from gateway.edge.forward import Shape, forward
 from gateway.edge.openai_errors import give_up, openai_error
-from gateway.edge.tenancy import errors_and_keys, tenant_of, tenant_refusal
+from gateway.edge.tenancy import cache_route, errors_and_keys, tenant_of, tenant_refusal
 from gateway.fleet import FleetView
 from gateway.metrics import GatewayMetrics
 from gateway.routing import GiveUp, count_tokens, fingerprint
@@ -101,14 +101,16 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
     if ":" not in name and adapters.applied_by_id(payload):
         return openai_error(400, "apply a LoRA adapter by name (model \"base:adapter\", or lora [{\"name\": ..., "
                             "\"scale\": ...}]): ids differ between lanes", "adapter_by_id")  # fmt: skip
-    model = classify(view, name)
-    label = model.name if model.state != "unknown" else "unknown"  # bounded labels: no client-chosen names
     tenant: Tenant = request.get(TENANT) or Tenant()
     request[TENANT] = tenant
     refused = tenant_refusal(app, tenant, name)
+    if refused is None:
+        name, refused = cache_route(app, tenant, name)  # a private cache: the tenant's own lanes
     if refused is not None:
         metrics.tenant_requests.labels(tenant.name, tenant.klass, str(refused.status)).inc()
         return refused
+    model = classify(view, name)
+    label = model.name if model.state != "unknown" else "unknown"  # bounded labels: no client-chosen names
     if model.state != "unknown":
         app[WAKER].touch(name)  # a request: the idle clock restarts (probes and scrapes never come here)
     try:

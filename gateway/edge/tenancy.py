@@ -97,6 +97,27 @@ def tenant_refusal(app: web.Application, tenant: Tenant, name: str) -> web.Respo
     return None
 
 
+def cache_route(app: web.Application, tenant: Tenant, name: str) -> tuple[str, web.Response | None]:
+    """The name a request is served under, or its 403: lanes dedicated to a tenant serve it
+    alone, and a tenant whose cache is private is served by its own lanes only (its prompts
+    never meet another tenant's in a lane's cache, nor theirs its `cached_tokens`)."""
+    base, colon, adapter = name.partition(":")
+    keys: KeysFile | None = app[KEYS]
+    owner = keys.table.dedicated_to.get(base) if keys is not None else None
+    if owner is not None and owner != tenant.name:
+        app[METRICS].refusals.labels(tenant.name, tenant.klass, "model_not_allowed").inc()
+        return name, openai_error(403, f"model {base!r} is dedicated to another tenant", "model_not_allowed")
+    if tenant.cache != "private" or owner == tenant.name:
+        return name, None
+    alias = tenant.dedicated(base)
+    if alias is None:
+        app[METRICS].refusals.labels(tenant.name, tenant.klass, "private_cache_unavailable").inc()
+        return name, openai_error(403, f"tenant {tenant.name!r} keeps its prompt cache private and no lanes of model "
+                                  f"{base!r} are dedicated to it (keys file: lanes = {{{base} = \"<alias>\"}}, and "
+                                  "that alias planned in the demand)", "private_cache_unavailable")  # fmt: skip
+    return alias + colon + adapter, None
+
+
 def count_usage(app: web.Application, lease: Lease, found: Usage | None, output: int = 0, measure: bool = True) -> None:
     """An answer's tokens: charged to its tenant (fair share, token limits, metrics); with `measure`,
     what the lane said it had cached corrects the prefix index and its prefill speed."""

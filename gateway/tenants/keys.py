@@ -16,6 +16,7 @@ import os
 import re
 import tomllib
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from shared import defaults
@@ -28,7 +29,8 @@ PLAIN = "default"  # the tenant of a key given with --api-key / --api-key-file
 _TENANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")  # one NATS subject token (its usage key)
 _HEX = re.compile(r"^[0-9a-f]{64}$")
 _FIELDS = {"sha256", "key", "tenant", "priority", "models", "weight", "tokens_per_minute", "tokens_per_day",
-           "max_concurrent", "note", "role"}  # fmt: skip
+           "max_concurrent", "note", "role", "cache", "lanes"}  # fmt: skip
+CACHES = ("shared", "private")
 # What a key opens: `tenant` the API alone; `ops` also /metrics and the dashboard (every tenant's
 # figures, read-only); `admin` also the dashboard's config change. A key of the file is a tenant's
 # unless it says otherwise; an --api-key key (the operator's own) is ops.
@@ -56,6 +58,15 @@ class Tenant:
     tokens_per_minute: int | None = None  # prompt + weighted output tokens, per calendar minute (UTC)
     tokens_per_day: int | None = None  # ... per calendar day (UTC)
     max_concurrent: int | None = None  # requests in flight or waiting on one gateway
+    # "private": its requests never meet another tenant's prompt cache. They go only to the lanes
+    # dedicated to it (`lanes`: requested model -> the persona, planned in demand like any, whose
+    # lanes serve this tenant alone); a model without one is refused (403 private_cache_unavailable).
+    cache: str = "shared"
+    lanes: tuple[tuple[str, str], ...] = ()  # (model it asks for, the alias of its dedicated lanes)
+
+    def dedicated(self, model: str) -> str | None:
+        """The alias of this tenant's own lanes for `model` (the base name, no adapter), or None."""
+        return dict(self.lanes).get(model)
 
     @property
     def klass(self) -> str:
@@ -80,6 +91,11 @@ class KeyTable:
     def tenants(self) -> dict[str, Tenant]:
         """Each tenant once (its keys agree on its limits: parse checks)."""
         return {t.name: t for t in self.by_digest.values()}
+
+    @cached_property
+    def dedicated_to(self) -> dict[str, str]:
+        """Alias of dedicated lanes -> the one tenant they serve (no other tenant may ask for it)."""
+        return {alias: t.name for t in self.by_digest.values() for _, alias in t.lanes}
 
 
 def _int_limit(entry: dict, name: str, where: str) -> int | None:
@@ -138,11 +154,19 @@ def parse(text: str, plain_keys: tuple[str, ...] = ()) -> KeyTable:
         weight = entry.get("weight", 1.0)
         if not isinstance(weight, (int, float)) or isinstance(weight, bool) or not 0 < weight <= 1000:
             raise ValueError(f"{where}: weight must be a number above 0 (at most 1000)")
+        cache = entry.get("cache", "shared")
+        if cache not in CACHES:
+            raise ValueError(f"{where}: cache must be one of {', '.join(CACHES)}, not {cache!r}")
+        lanes = entry.get("lanes", {})
+        if not isinstance(lanes, dict) or not all(isinstance(k, str) and isinstance(v, str) and v and ":" not in v
+                                                  for k, v in lanes.items()):  # fmt: skip
+            raise ValueError(f"{where}: lanes must map a model name to the alias of the lanes dedicated to this tenant")
         tenant = Tenant(
             name=name, priority=_priority(entry.get("priority", "standard"), where), models=tuple(models),
             weight=float(weight), tokens_per_minute=_int_limit(entry, "tokens_per_minute", where),
             tokens_per_day=_int_limit(entry, "tokens_per_day", where),
             max_concurrent=_int_limit(entry, "max_concurrent", where),
+            cache=cache, lanes=tuple(sorted(lanes.items())),
         )  # fmt: skip
         if name in seen and seen[name] != tenant:
             raise ValueError(f"{where}: differs from an earlier key of the same tenant (keys of one tenant share it)")
@@ -154,6 +178,11 @@ def parse(text: str, plain_keys: tuple[str, ...] = ()) -> KeyTable:
         seen[name] = tenant
         table[hashed] = tenant
         roles[hashed] = role
+    owners: dict[str, str] = {}
+    for t in seen.values():
+        for _, alias in t.lanes:
+            if owners.setdefault(alias, t.name) != t.name:
+                raise ValueError(f"lanes {alias!r} are dedicated to two tenants ({owners[alias]} and {t.name})")
     return KeyTable(table, roles)
 
 
