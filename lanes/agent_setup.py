@@ -48,8 +48,18 @@ def agent_config(args: argparse.Namespace, data_dir: Path) -> AgentConfig:
         metrics_port=getattr(args, "metrics_port", None),
         metrics_host=getattr(args, "metrics_bind", defaults.METRICS_BIND),
         lane_env=tuple(getattr(args, "lane_env", None) or ()),
+        lane_user=_lane_user(getattr(args, "lane_user", None)),
         **worker,
     )
+
+
+def _lane_user(name: str | None):
+    from launcher_agent.lane_user import lane_user
+
+    try:
+        return lane_user(name)
+    except ValueError as exc:
+        raise UserError(f"--lane-user: {exc}") from None
 
 
 def _rpc_worker_settings(args: argparse.Namespace, llama_server: str) -> dict:

@@ -79,6 +79,9 @@ def _add_lane_env(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lane-env", action="append", default=[], type=_env_name, metavar="NAME",
                    help="also pass this variable of the agent's environment to llama-server and ggml-rpc-server "
                         "(repeatable; they get only an allow-list otherwise: see docs/security.md)")  # fmt: skip
+    p.add_argument("--lane-user", default=os.environ.get("LANES_LANE_USER") or None, metavar="USER",
+                   help="run lanes as this unprivileged user (env LANES_LANE_USER; an agent running as root; "
+                   "deploy/systemd/install creates lanes-lane); default: the agent's own user")  # fmt: skip
 
 
 def _add_admin_key(p: argparse.ArgumentParser) -> None:

@@ -6,6 +6,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from launcher_agent.lane_user import LaneUser
 from shared import defaults, subjects
 from shared.messages.hosts import ServerCaps
 
@@ -47,6 +48,8 @@ class AgentConfig:
     # Variables of the agent's environment its lanes and ggml-rpc-servers also get (--lane-env),
     # beyond the allow-list of launcher_agent/child_env.py.
     lane_env: tuple[str, ...] = ()
+    # The user lanes run as (--lane-user; launcher_agent/lane_user.py); None: the agent's own.
+    lane_user: LaneUser | None = None
 
 
 def default_host_id() -> str:

@@ -71,7 +71,7 @@ class Lifecycle:
         args = lane_args(spec, self.cfg.caps, slot_dir, key_file=str(key_file) if key else None)
         kind = DryRunLane if self.cfg.dry_run else LaneProcess
         process = kind(spec, self.cfg.binary, self._log_path(spec.lane_id), args, env_names=self.cfg.lane_env,
-                       log_limits=self.log_limits)  # fmt: skip
+                       log_limits=self.log_limits, run_as=self.cfg.lane_user)  # fmt: skip
         lane = Lane(spec=spec, process=process, plan_revision=plan_revision, restore_pending=self.slots is not None)
         if previous is not None:
             lane.last_good = previous.last_good
@@ -89,7 +89,8 @@ class Lifecycle:
             return
         try:
             if key:
-                await asyncio.to_thread(lane_secret.write_key, key_file, key)
+                user = self.cfg.lane_user  # the lane reads its key: the file is that user's, 0600
+                await asyncio.to_thread(lane_secret.write_key, key_file, key, (user.uid, user.gid) if user else None)
             await process.start()
             lane.started_mono = time.monotonic()
             lane.api_key = key

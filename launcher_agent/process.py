@@ -26,6 +26,7 @@ import psutil
 
 from launcher_agent import lane_http
 from launcher_agent.child_env import child_environment
+from launcher_agent.lane_user import LaneUser
 from shared.llama.logs import (
     LOADED_FOR_GOOD,
     MIB,
@@ -68,13 +69,14 @@ def pump_argv(log_path: Path, limits: LogLimits, quiet_after: str | None = None)
 
 class LaneProcess:
     def __init__(self, spec: LaneSpec, binary: str, log_path: Path, args: Sequence[str], env_names: Iterable[str] = (),
-                 log_limits: LogLimits = LogLimits()) -> None:  # fmt: skip
+                 log_limits: LogLimits = LogLimits(), run_as: LaneUser | None = None) -> None:  # fmt: skip
         self.spec = spec
         self.binary = binary
         self.args = tuple(args)  # the argv tail, rendered from the spec by the agent that launched it
         self.log_path = log_path
         self.env_names = tuple(env_names)  # the operator's --lane-env names
         self.log_limits = log_limits
+        self.run_as = run_as  # the unprivileged user it runs as (launcher_agent/lane_user.py); None: the agent's
         self.proc: asyncio.subprocess.Process | None = None
         self.pump: asyncio.subprocess.Process | None = None  # its log writer (launcher_agent/logpump.py)
         self.adopted: psutil.Process | None = None
@@ -111,6 +113,7 @@ class LaneProcess:
                 stderr=write,
                 start_new_session=True,  # Ctrl-C on the agent's terminal must not hit the lanes
                 env=env,
+                **(self.run_as.spawn_args() if self.run_as else {}),
             )
         finally:
             # The pipe's ends live on in the two children only: the writer ends with the lane.

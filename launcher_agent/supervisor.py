@@ -59,6 +59,10 @@ class Supervisor:
         self.procs = Lifecycle(self.cfg, self.emit, self.feedback, on_change=self._save)
         if not self.cfg.dry_run and self.cfg.caps.has_slot_save:
             self.procs.slots = SlotStore(self.cfg.data_dir / "slots", self.emit)
+            if self.cfg.lane_user is not None:  # llama-server writes the saved slots there
+                self.cfg.lane_user.give(self.procs.slots.folder)
+        if not self.cfg.dry_run and self.cfg.lane_user is not None:  # and reads its key file in lanes/
+            self.cfg.lane_user.may_pass(self.cfg.data_dir, self.cfg.data_dir / "lanes")
         self.rules = health.Rules(self.cfg.backoff_base, self.cfg.probe_interval, self.cfg.probe_failures,
                                   self.cfg.stall_seconds)  # fmt: skip
         self.store = StateFile(self.cfg.data_dir / "agent-state.json")

@@ -170,3 +170,15 @@ def lane_auth(cfg, lane_id: str) -> dict[str, str]:
     (a test reaching a lane straight, as its gateway would)."""
     key = (cfg.data_dir / "lanes" / f"{lane_id}.key").read_text().strip()
     return {"Authorization": f"Bearer {key}"}
+
+
+def healthy_lane(nc, host: str, lane_id: str):
+    """A check for eventually(): the lane once its agent reports it healthy; a lane that failed
+    or serves another shape than planned fails the wait at once."""
+
+    async def check():
+        lane = lane_of(await host_status(nc, host), lane_id)
+        assert lane is None or lane.state not in ("failed", "mismatch"), lane
+        return lane if lane and lane.state == "healthy" else None
+
+    return check

@@ -24,7 +24,7 @@ from pathlib import Path
 import msgspec
 import psutil
 import pytest
-from fixtures_bus import agent_config, client, fake_binary, free_port_base, host_status, lane_of, services
+from fixtures_bus import agent_config, client, fake_binary, free_port_base, healthy_lane, host_status, lane_of, services
 from waiting import eventually, eventually_blocking
 
 from launcher_agent.child_env import allowed, child_environment
@@ -309,13 +309,7 @@ async def test_real_llama_server_lanes_get_no_secret(nats_server, tmp_path, mode
     async with services(nats_server.url) as s, client(nats_server.url) as nc:
         s.start_planner()
         s.start_agent(cfg)
-
-        async def healthy():
-            lane = lane_of(await host_status(nc, "real"), "llama8-0")
-            assert lane is None or lane.state not in ("failed", "mismatch"), lane
-            return lane if lane and lane.state == "healthy" else None
-
-        lane = await eventually(healthy, timeout=120, what="the real lane healthy")
+        lane = await eventually(healthy_lane(nc, "real", "llama8-0"), timeout=120, what="the real lane healthy")
         assert Path(psutil.Process(lane.pid).exe()).name.startswith("llama-server")
         env = _environ(lane.pid)
         assert SECRET not in env and "s3cr3t" not in Path(f"/proc/{lane.pid}/environ").read_text(errors="replace")
@@ -392,3 +386,84 @@ def test_lanes_up_with_the_real_binary_writes_no_prompt_anywhere(tmp_path, model
     assert any(p.name == "llama8-0.log" for p in written) and out_file in written
     assert re.search(LOADED_FOR_GOOD, (data / "agent" / "lanes" / "llama8-0.log").read_text())
     assert [p for p in written if marker.encode() in p.read_bytes()] == []
+
+
+# ------------------------------------------------------------------ lanes as an unprivileged user (issue 36 point 4)
+
+LANE_USER = "lanes-test-lane"
+
+
+@pytest.fixture
+def unprivileged():
+    """A system user for lanes, made here as deploy/systemd/install makes lanes-lane (needs root:
+    CI runs as root)."""
+    from launcher_agent.lane_user import lane_user
+
+    if os.geteuid() != 0:
+        pytest.skip("starting lanes as another user needs an agent running as root")
+    if subprocess.run(["id", LANE_USER], capture_output=True).returncode != 0:
+        subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", LANE_USER],
+                       check=True, capture_output=True)  # fmt: skip
+    return lane_user(LANE_USER)
+
+
+def _as(user, *argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run(list(argv), capture_output=True, text=True, timeout=10, **user.spawn_args())
+
+
+async def test_an_agent_running_as_root_starts_its_lanes_as_the_lane_user(nats_server, tiny_models, llama_server,
+                                                                           unprivileged, monkeypatch):  # fmt: skip
+    """The real llama-server as the lane user: it serves (it read its key file, wrote nothing it
+    may not), and that user may not read the agent's environment, the agent's credentials file,
+    nor the key it does not hold."""
+    import shutil
+    import tempfile
+
+    monkeypatch.setenv(SECRET, "s3cr3t")
+    base = Path(tempfile.mkdtemp(prefix="lanes-lane-user-"))  # pytest's tmp_path is root's alone (0700)
+    try:
+        base.chmod(0o755)
+        models = base / "models"
+        models.mkdir(mode=0o755)
+        shutil.copy(tiny_models["llama8"], models / "llama8.gguf")
+        (models / "llama8.gguf").chmod(0o644)
+        credentials = base / "lanes.env"  # as deploy/systemd's: root:lanes 0640, the lane user not in the group
+        credentials.write_text("LANES_NATS_PASSWORD=s3cr3t\n")
+        credentials.chmod(0o640)
+        cfg = agent_config(base, "unpriv", models, llama_server, max_ram=2**30, lane_user=unprivileged)
+        async with services(nats_server.url) as s, client(nats_server.url) as nc:
+            s.start_planner()
+            s.start_agent(cfg)
+            lane = await eventually(healthy_lane(nc, "unpriv", "llama8-0"), timeout=120,
+                                    what="the lane healthy as the lane user")  # fmt: skip
+            proc = psutil.Process(lane.pid)
+            assert proc.uids().real == unprivileged.uid and proc.uids().effective == unprivileged.uid
+            assert Path(proc.exe()).name.startswith("llama-server")
+            key_file = cfg.data_dir / "lanes" / "llama8-0.key"
+            assert key_file.stat().st_uid == unprivileged.uid and key_file.stat().st_mode & 0o777 == 0o600
+            # What a compromised lane could try, as its user: every one denied.
+            for path in (f"/proc/{os.getpid()}/environ", str(credentials), str(cfg.data_dir / "agent-state.json")):
+                denied = _as(unprivileged, "cat", path)
+                if path.endswith("agent-state.json"):  # readable state (no secret in it); the others not
+                    continue
+                assert denied.returncode != 0 and "Permission denied" in denied.stderr, (path, denied)
+                assert "s3cr3t" not in denied.stdout
+            assert _as(unprivileged, "ls", str(cfg.data_dir / "lanes")).returncode != 0  # pass through, not list
+            assert _as(unprivileged, "cat", str(key_file)).returncode == 0  # its own key it reads
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_lane_user_that_cannot_be_used_is_refused_in_one_line(tmp_path):
+    from launcher_agent.lane_user import lane_user
+    from test_cli_offline import assert_one_line_error
+
+    assert lane_user(None) is None and lane_user("") is None  # the agent's own user
+    with pytest.raises(ValueError, match="no user 'no-such-lane-user'"):
+        lane_user("no-such-lane-user")
+    with pytest.raises(ValueError, match="is root"):
+        lane_user("root")
+    run = subprocess.run([sys.executable, "-m", "lanes.cli", "agent", "--nats", "nats://127.0.0.1:1", "--models",
+                          str(tmp_path), "--lane-user", "no-such-lane-user", "--data", str(tmp_path / "d")],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert_one_line_error(run, "--lane-user", "no user 'no-such-lane-user'")

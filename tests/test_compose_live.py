@@ -474,6 +474,35 @@ asyncio.run(main())
 """
 
 
+_LANE_USER_PEEK = r"""
+import json, os, pwd, subprocess
+def argv(pid):
+    try:
+        return open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+    except OSError:
+        return []
+pids = [p for p in os.listdir("/proc") if p.isdigit()]
+lane = next(p for p in pids if argv(p) and argv(p)[0].endswith(b"llama-server"))
+agent = next(p for p in pids if b"agent" in argv(p) and any(a.endswith(b"/lanes") for a in argv(p)[:2]))
+peek = subprocess.run(["runuser", "-u", "lanes-lane", "--", "cat", f"/proc/{agent}/environ"],
+                      capture_output=True, text=True)
+print(json.dumps({"lane": pwd.getpwuid(os.stat(f"/proc/{lane}").st_uid).pw_name,
+                  "agent": pwd.getpwuid(os.stat(f"/proc/{agent}").st_uid).pw_name,
+                  "rc": peek.returncode, "err": peek.stderr[-200:], "leaked": "PASSWORD" in peek.stdout}))
+"""
+
+
+def test_lanes_run_unprivileged_and_cannot_read_their_agent(deploy):
+    """The agent runs as root in its image, its lanes as lanes-lane (LANES_LANE_USER): what a
+    compromised lane would try, reading the agent's environment (its NATS password), is denied."""
+    for host in ("host1", "host2"):
+        result = deploy.exec(f"agent-{host}", "python", "-c", _LANE_USER_PEEK)
+        assert result.returncode == 0, result.stderr
+        seen = json.loads(result.stdout)
+        assert (seen["agent"], seen["lane"]) == ("root", "lanes-lane"), seen
+        assert seen["rc"] != 0 and "Permission denied" in seen["err"] and not seen["leaked"], seen
+
+
 def test_agents_cannot_read_each_others_plans_from_inside_their_containers(deploy):
     for me, other in (("host1", "host2"), ("host2", "host1")):
         result = deploy.exec(f"agent-{me}", "python", "-c", _PEEK, me, other, env={"NATS_URL": IN_NETWORK})
