@@ -48,18 +48,26 @@ def agent_config(args: argparse.Namespace, data_dir: Path) -> AgentConfig:
         metrics_port=getattr(args, "metrics_port", None),
         metrics_host=getattr(args, "metrics_bind", defaults.METRICS_BIND),
         lane_env=tuple(getattr(args, "lane_env", None) or ()),
-        lane_user=_lane_user(getattr(args, "lane_user", None)),
+        lane_user=_lane_user(getattr(args, "lane_user", None), data_dir, args.models),
         **worker,
     )
 
 
-def _lane_user(name: str | None):
+def _lane_user(name: str | None, data_dir: Path, models: list[str]):
+    """The lane user, once it can reach what a lane opens: its key file under --data, the models."""
     from launcher_agent.lane_user import lane_user
 
     try:
-        return lane_user(name)
+        user = lane_user(name)
     except ValueError as exc:
         raise UserError(f"--lane-user: {exc}") from None
+    # (below --data the agent opens the way itself; a models folder must be passable too)
+    wanted = [("--data", data_dir, data_dir)] + [("--models", Path(m), Path(m) / "model.gguf") for m in models]
+    for what, folder, probe_path in wanted:
+        if user is not None and (blocked := user.blocked_at(probe_path)) is not None:
+            raise UserError(f"--lane-user {user.name} cannot pass through {blocked} to reach {what} {folder}: "
+                            f"choose a folder it can reach (e.g. under /var/lib/lanes) or open {blocked} to it (o+x)")
+    return user
 
 
 def _rpc_worker_settings(args: argparse.Namespace, llama_server: str) -> dict:

@@ -33,6 +33,25 @@ class LaneUser:
         """Hand a file or folder the lane must read or write to this user (the agent keeps root's reach)."""
         os.chown(path, self.uid, self.gid)
 
+    def blocked_at(self, path: Path) -> Path | None:
+        """The first folder on the way to `path` this user may not pass through (its key file and
+        the models lie below), or None. `path` itself and what is below it are not looked at:
+        the agent makes those passable (may_pass)."""
+        for folder in reversed(path.resolve().parents):
+            try:
+                st = os.stat(folder)
+            except FileNotFoundError:
+                return None  # the agent makes the rest (0755)
+            if st.st_uid == self.uid:
+                allowed = st.st_mode & 0o100
+            elif st.st_gid == self.gid or st.st_gid in self.groups:
+                allowed = st.st_mode & 0o010
+            else:
+                allowed = st.st_mode & 0o001
+            if not allowed:
+                return folder
+        return None
+
     def may_pass(self, *folders: Path) -> None:
         """Let it pass through these folders, not list them (0711), to reach its key file there."""
         for folder in folders:

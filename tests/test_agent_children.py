@@ -467,3 +467,21 @@ def test_a_lane_user_that_cannot_be_used_is_refused_in_one_line(tmp_path):
                           str(tmp_path), "--lane-user", "no-such-lane-user", "--data", str(tmp_path / "d")],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert_one_line_error(run, "--lane-user", "no user 'no-such-lane-user'")
+
+
+def test_a_lane_user_that_cannot_reach_the_data_folder_is_refused_at_start(tmp_path, unprivileged, tiny_models):
+    """--data under a folder only root may pass (root's home, pytest's tmp): the lane could never
+    read its key file; the agent says so in one line instead of starting lanes that die."""
+    from test_cli_offline import assert_one_line_error
+
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0o700)
+    models = tmp_path / "models"
+    models.mkdir()
+    run = subprocess.run([sys.executable, "-m", "lanes.cli", "agent", "--nats", "nats://127.0.0.1:1", "--models",
+                          str(models), "--lane-user", LANE_USER, "--data", str(closed / "agent")],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert_one_line_error(run, f"--lane-user {LANE_USER} cannot pass through", "--data")
+    assert unprivileged.blocked_at(closed / "agent") is not None
+    open_base = Path("/tmp")
+    assert unprivileged.blocked_at(open_base / "somewhere" / "agent") is None  # /tmp: 1777

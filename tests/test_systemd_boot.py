@@ -108,7 +108,7 @@ def test_the_units_boot_serve_and_keep_their_lane_across_an_agent_restart_and_ki
             " && systemctl restart lanes-planner lanes-agent lanes-gateway")
         assert _in("stat -c '%U:%G %a' /etc/lanes/lanes.env") == "root:lanes 640"
         assert _in("systemctl is-active lanes-planner lanes-agent lanes-gateway").split() == ["active"] * 3
-        assert _in("systemctl show -p User --value lanes-agent") == "lanes"
+        assert _in("systemctl show -p User --value lanes-agent") == "root"  # so its lanes run as lanes-lane
         try:
             eventually_blocking(lambda: _ready(url, key), timeout=180, what="gemma ready through the gateway")
         except AssertionError:
@@ -116,7 +116,12 @@ def test_the_units_boot_serve_and_keep_their_lane_across_an_agent_restart_and_ki
             raise AssertionError(f"gemma not ready through the gateway; the units' journal:\n{journal}") from None
         assert _complete(url, key)["choices"][0]["text"]
         lane = _lane_pid()
-        assert lane and _in(f"ps -o user= -p {lane}") == "lanes"
+        assert lane and _in(f"ps -o user= -p {lane}") == "lanes-lane"
+        # What a compromised lane would try, as its user: the agent's environment and the credentials file.
+        agent = _in("systemctl show -p MainPID --value lanes-agent")
+        for path in (f"/proc/{agent}/environ", "/etc/lanes/lanes.env", "/etc/lanes/gateway.env"):
+            denied = _in(f"runuser -u lanes-lane -- cat {path} 2>&1; echo rc=$?", check=False)
+            assert "Permission denied" in denied and not denied.endswith("rc=0"), (path, denied)
 
         _in("systemctl restart lanes-agent")  # SIGUSR1: the agent leaves its lane to the next one
         eventually_blocking(lambda: "adopted running lane" in _in("journalctl -u lanes-agent --no-pager"),

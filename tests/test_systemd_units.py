@@ -43,7 +43,11 @@ def test_systemd_analyze_verify(tmp_path):
 @pytest.mark.parametrize("name", NAMES)
 def test_restart_credentials_and_hardening(name):
     s = _settings(name)
-    assert s["Restart"] == ["on-failure"] and s["User"] == ["lanes"]
+    # The agent is root so that its lanes run as lanes-lane (issue 36 point 4); the others as lanes.
+    user = "root" if name == "lanes-agent.service" else "lanes"
+    assert s["Restart"] == ["on-failure"] and s["User"] == [user]
+    if user == "root":
+        assert "LANES_LANE_USER=lanes-lane" in s["Environment"]
     assert "/etc/lanes/lanes.env" in s["EnvironmentFile"]
     for key, value in (("NoNewPrivileges", "yes"), ("ProtectSystem", "strict"), ("PrivateTmp", "yes")):
         assert s[key] == [value], key
