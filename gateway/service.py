@@ -33,6 +33,7 @@ from gateway.sync import SharedView, SlotsPoll, share_usage
 from shared import defaults, subjects
 from shared.bus import connect, kv_bucket, quietly, run_until, secrets_bucket, watch_forever
 from shared.nats_auth import NatsAuth
+from shared.lane_secrets import fingerprint
 from shared.llama.endpoints import connect_host
 from shared.messages.activity import GatewayActivity, ModelWake, TenantActivity
 from shared.messages.status import SessionSecret
@@ -66,6 +67,7 @@ class Gateway:
     shared: SharedView | None = None  # the prefix index shared with the other gateways (settings.shared_prefix)
     loops: Loops = field(default_factory=lambda: Loops("gateway"))  # its supervised loops (shared.supervise)
     probe_misses: dict[LaneKey, int] = field(default_factory=dict)  # its /health misses in a row (gateway/fleet/probe.py)
+    secrets_kv: object | None = None  # bucket lanes-secrets once open (a missing lane key is read at once)
 
     def __post_init__(self) -> None:
         self.admission = admission_for(self.view, self.settings)
@@ -114,6 +116,22 @@ class Gateway:
         problem = self.view.apply_entry(key, value)
         if problem:
             log.warning("bad entry dropped", reason=problem)
+        elif key.startswith("status.") and self.secrets_kv is not None:
+            await self._fetch_missing_keys()
+
+    async def _fetch_missing_keys(self) -> None:
+        """A lane whose status names a key this gateway does not hold yet (restarted just now):
+        read it from the bucket at once rather than wait for the secrets watch to bring it."""
+        for lane in self.view.lanes():
+            held = fingerprint(lane.api_key) if lane.api_key else ""
+            if lane.key_id and lane.state == "healthy" and held != lane.key_id:
+                key = subjects.lane_secret_key(lane.host_id, lane.lane_id)
+                try:
+                    entry = await asyncio.wait_for(self.secrets_kv.get(key), 2.0)
+                except Exception as exc:
+                    log.info("lane key not read yet", lane=lane.lane_id, error=str(exc) or type(exc).__name__)
+                    continue
+                await self.on_secret(key, entry.value, entry.revision or 0)
 
     async def on_secret(self, key: str, value: bytes | None, revision: int) -> None:
         if key == subjects.SESSION_SECRET_KEY:
@@ -293,6 +311,7 @@ async def _replicas(nc) -> int:
 async def _follow_secrets(gw: Gateway, nc, resync: asyncio.Event, stop: asyncio.Event) -> None:
     """Every lane's key (bucket lanes-secrets, which only gateways may read), into the view."""
     bucket = await _bucket(lambda: secrets_bucket(nc), subjects.SECRETS_BUCKET, stop)
+    gw.secrets_kv = bucket
     if bucket is not None:
         await watch_forever(bucket, subjects.ALL_SECRETS, gw.on_secret, resync=resync, stop=stop,
                             on_caught_up=lambda: gw.share_session_secret(bucket))  # fmt: skip
