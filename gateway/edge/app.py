@@ -25,9 +25,10 @@ from gateway import routing
 from gateway.admission import (
     Admission, HeldFull, LoadFailed, LoadTimeout, ModelView, Waker, catalogue, classify, only_model,
 )
-from gateway.edge import adapters, assemble, bounds
+from gateway.edge import adapters, assemble, bounds, relay
 from gateway.edge.access import CookieSecret
-from gateway.edge.app_keys import ADMISSION, COOKIE_SECRET, KEYS, METRICS, SESSION, SETTINGS, TENANT, USAGE, VIEW, WAKER
+from gateway.edge.app_keys import (ADMISSION, COOKIE_SECRET, KEYS, LEFT, METRICS, SESSION, SETTINGS, TENANT, USAGE,
+                                   VIEW, WAKER)  # fmt: skip
 from gateway.edge.forward import Shape, forward
 from gateway.edge.openai_errors import give_up, openai_error
 from gateway.edge.tenancy import cache_route, errors_and_keys, tenant_of, tenant_refusal
@@ -149,6 +150,8 @@ async def _answer(
             kind = assemble.kind_of(request.path, payload)  # a plain answer, asked as a stream
             if kind is not None:
                 body = assemble.streamed_body(payload)
+            elif streamed:
+                body = assemble.timed_stream_body(request.path, payload, body)
             shape = Shape(label, mark, too_small, tokens, streamed, kind)
             response = await forward(request, name, body, started, shape)
     return response
@@ -253,6 +256,7 @@ def build_app(
         app[KEYS] = keys
     app[USAGE] = UsageBook(settings.gateway_id or "local")
     app[COOKIE_SECRET] = CookieSecret()
+    app[LEFT] = set()
     app[METRICS] = metrics or GatewayMetrics(view, admission.counts)
     app[WAKER] = waker or Waker(view, max_held=settings.queue_depth)
     if app[WAKER].on_cold_start is None:
@@ -273,6 +277,7 @@ def build_app(
         async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
             app[SESSION] = session
             yield
+            await relay.settle_left(app)  # before the session closes their connections
 
     app.cleanup_ctx.append(client_session)
     app.router.add_get("/health", _health)

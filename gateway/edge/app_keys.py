@@ -21,6 +21,7 @@ WAKER = web.AppKey("waker", Waker)
 KEYS = web.AppKey("keys", object)  # a KeysFile, or None without --keys-file
 USAGE = web.AppKey("usage", UsageBook)  # tenants' tokens this minute and day, every gateway's
 COOKIE_SECRET = web.AppKey("cookie_secret", CookieSecret)  # signs the dashboard's session cookies
+LEFT = web.AppKey("left", set)  # answers whose client left, read on until their lane stops (gateway/edge/relay.py)
 TENANT = web.RequestKey("tenant", Tenant)  # the request's Tenant, as its key said
 KEY_ID = web.RequestKey("key_id", str)  # the sha256 of the key it came with (a cookie names it too)
 ROLE = web.RequestKey("role", str)  # what that key opens: tenant, ops or admin (gateway/tenants/keys.py)

@@ -16,11 +16,11 @@ from gateway.admission import Lease
 from gateway.edge import adapters
 from gateway.edge.app_keys import ADMISSION, METRICS, SESSION, SETTINGS, TENANT, VIEW
 from gateway.edge.openai_errors import give_up, openai_error
-from gateway.edge.relay import assembled, relay
+from gateway.edge.relay import assembled, cut_short, relay
 from gateway.fleet import FleetView
 from gateway.refusals import AdmissionError, Refused
 from gateway.routing import Attempt, Failure, Fingerprint, GiveUp
-from gateway.tenants import Tenant
+from gateway.tenants import AnswerReader, Tenant
 
 log = structlog.get_logger("lanes.gateway")
 
@@ -106,8 +106,11 @@ async def forward(
             else:  # the request's own time is up
                 history.append(Attempt(lane.key, Failure.TIMEOUT))
             continue
-        except BaseException:
-            _drop(upstream, lease)
+        except BaseException:  # its client left (the handler cancelled)
+            if upstream is not None and upstream.status == 200 and (shape.streamed or shape.assembled):
+                cut_short(app, lease, upstream, AnswerReader(True), lane_ok=True)  # mid-prefill: read till it stops
+            else:
+                _drop(upstream, lease)
             raise
         if upstream.status in routing.RETRY_STATUSES:
             upstream.release()

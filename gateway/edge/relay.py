@@ -15,13 +15,15 @@ from aiohttp import web
 from gateway import routing
 from gateway.admission import Lease
 from gateway.edge import assemble
-from gateway.edge.app_keys import METRICS, SETTINGS, VIEW, WAKER
+from gateway.edge.app_keys import LEFT, METRICS, SETTINGS, VIEW, WAKER
 from gateway.edge.openai_errors import give_up, openai_error, sse_error
 from gateway.edge.tenancy import count_cut_short, count_usage
 from gateway.routing import Attempt, Failure, GiveUp
 from gateway.tenants import AnswerReader, output_tokens, prompt_usage
 
 log = structlog.get_logger("lanes.gateway")
+
+STOP_WAIT = 5.0  # the most an answer whose client left is read on, until its lane stops (b11434: 40 ms)
 
 
 class _Stalled(Exception):
@@ -67,7 +69,7 @@ async def relay(
     if upstream.content_length is not None:
         resp.content_length = upstream.content_length
     resp.headers["X-Lanes-Lane"] = f"{lane.host_id}/{lane.lane_id}"
-    finished = charged = False
+    finished = charged = broken = False
     streamed = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
     read = AnswerReader(streamed)  # what the answer cost, in bounded memory
     counting = upstream.status == 200
@@ -90,6 +92,7 @@ async def relay(
                 count_usage(app, lease, read.usage(), read.output(), measure)
         except (aiohttp.ClientError, asyncio.TimeoutError, _Stalled, _TimeUp) as exc:
             # Bytes went out: routing ends the answer with its error, whatever other lanes there are.
+            broken = not isinstance(exc, _TimeUp)
             end = _broken(app, lane, exc)
             if streamed:
                 await resp.write(sse_error(end))
@@ -97,16 +100,13 @@ async def relay(
                 raise  # a plain answer cut short: drop the connection, the client sees it incomplete
         await resp.write_eof()
     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-        pass  # the client left; closing upstream below stops the lane's generation
+        pass  # the client left: the lane is told below, and read until it stops
     finally:
         if finished:
             upstream.release()
-        else:
-            upstream.close()
-        if counting and not charged:  # its client left, or its lane broke off: what it carried is charged
-            count_cut_short(app, lease, read)
-        lease.release()
-        app[WAKER].touch(lane.alias)  # the answer's end counts as use too: a long stream is not idle time
+            _done(app, lease)
+        else:  # its client left, or its lane broke off: what the lane sent until it stopped is charged
+            cut_short(app, lease, upstream, read if counting and not charged else None, lane_ok=not broken)
     return resp
 
 
@@ -120,25 +120,27 @@ async def assembled(
     deadline = asyncio.get_running_loop().time() + settings.request_timeout - (time.perf_counter() - started)
     parts = assemble.Assembler(kind)
     read = AnswerReader(True)
-    finished = False
+    finished = lane_ok = False
     try:
         async for chunk in _chunks(upstream, first_chunk, settings.stream_idle_timeout, deadline):
             parts.feed(chunk)
             read.feed(chunk)
         finished = True
     except (aiohttp.ClientError, asyncio.TimeoutError, _Stalled, _TimeUp) as exc:
+        lane_ok = isinstance(exc, _TimeUp)
         return give_up(_broken(app, lane, exc), settings)
     except ValueError as exc:  # not the stream llama-server sends
         return openai_error(502, f"lane {lane.host_id}/{lane.lane_id} sent a stream that is not JSON: {exc}",
                             "lane_failed")  # fmt: skip
+    except BaseException:  # its client left (the handler cancelled)
+        lane_ok = True
+        raise
     finally:
         if finished:
             upstream.release()
-        else:
-            upstream.close()  # the lane stops generating
-            count_cut_short(app, lease, read)  # its client left, or its lane broke off
-        lease.release()
-        app[WAKER].touch(lane.alias)
+            _done(app, lease)
+        else:  # its client left, or its lane broke off: what the lane sent until it stopped is charged
+            cut_short(app, lease, upstream, read, lane_ok=lane_ok)
     if parts.error is not None:
         status = parts.error.get("error", {}).get("code") if isinstance(parts.error.get("error"), dict) else None
         return web.json_response(parts.error, status=status if isinstance(status, int) and 400 <= status < 600 else 500)
@@ -147,6 +149,60 @@ async def assembled(
     app[METRICS].ttfb.labels(lane.alias).observe(time.perf_counter() - started)
     return web.Response(body=body, content_type="application/json",
                         headers={"X-Lanes-Lane": f"{lane.host_id}/{lane.lane_id}"})  # fmt: skip
+
+
+def _done(app: web.Application, lease: Lease) -> None:
+    lease.release()
+    app[WAKER].touch(lease.lane.alias)  # the answer's end counts as use too: a long stream is not idle time
+
+
+def cut_short(
+    app: web.Application, lease: Lease, upstream: aiohttp.ClientResponse, read: AnswerReader | None, lane_ok: bool
+) -> None:
+    """An answer that ended before its lane finished it. A lane that broke is let go at once;
+    one whose client left (or whose time ran out) is told, and read until it stops, in the
+    background: its slot stays leased and its tokens are charged once it has."""
+    if not lane_ok:
+        upstream.close()
+        if read is not None:
+            count_cut_short(app, lease, read)
+        _done(app, lease)
+        return
+    task = asyncio.get_running_loop().create_task(_until_stopped(app, lease, upstream, read))
+    app[LEFT].add(task)
+    task.add_done_callback(app[LEFT].discard)
+
+
+async def _until_stopped(app: web.Application, lease: Lease, upstream: aiohttp.ClientResponse,
+                         read: AnswerReader | None) -> None:  # fmt: skip
+    """The gateway ends its side of the lane's connection and reads, relaying nothing, until the
+    lane hangs up. llama-server sees the end at once and cancels the request (40 ms on b11434,
+    where a closed connection took 1.7 s to notice), and every token it generated till then
+    has been sent: the tokens charged are the tokens its /metrics count (tests/test_charging_real.py)."""
+    try:
+        connection = upstream.connection
+        transport = connection.transport if connection is not None else None
+        if transport is not None and transport.can_write_eof():
+            transport.write_eof()
+            async with asyncio.timeout(STOP_WAIT):
+                while chunk := await upstream.content.readany():
+                    if read is not None:
+                        read.feed(chunk)
+    except (aiohttp.ClientError, OSError, TimeoutError):
+        pass  # what came is charged; the lane is let go below
+    finally:
+        upstream.close()
+        if read is not None:
+            count_cut_short(app, lease, read)
+        _done(app, lease)
+
+
+async def settle_left(app: web.Application) -> None:
+    """At shutdown: the answers still read until their lanes stop end now (closed, charged, released)."""
+    left = list(app[LEFT])
+    for task in left:
+        task.cancel()
+    await asyncio.gather(*left, return_exceptions=True)
 
 
 def _broken(app: web.Application, lane, exc: BaseException) -> GiveUp:
