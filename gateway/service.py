@@ -117,12 +117,14 @@ class Gateway:
         if problem:
             log.warning("bad entry dropped", reason=problem)
         elif key.startswith("status.") and self.secrets_kv is not None:
-            await self._fetch_missing_keys()
+            await self._fetch_missing_keys(key)
 
-    async def _fetch_missing_keys(self) -> None:
-        """A lane whose status names a key this gateway does not hold yet (restarted just now):
-        read it from the bucket at once rather than wait for the secrets watch to bring it."""
+    async def _fetch_missing_keys(self, status_key: str) -> None:
+        """A lane of the host whose status just came that names a key this gateway does not hold yet
+        (restarted just now): read it from the bucket at once rather than wait for the secrets watch."""
         for lane in self.view.lanes():
+            if subjects.status_key(lane.host_id) != status_key:
+                continue
             held = fingerprint(lane.api_key) if lane.api_key else ""
             if lane.key_id and lane.state == "healthy" and held != lane.key_id:
                 key = subjects.lane_secret_key(lane.host_id, lane.lane_id)
