@@ -90,6 +90,12 @@ class GatewayMetrics:
             ["model", "status"],
             registry=self.registry,
         )
+        self.endpoint_requests = Counter(
+            "lanes_gateway_endpoint_requests",
+            "Requests answered, by endpoint (one of the paths the gateway forwards) and HTTP status",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
         self.retries = Counter(
             "lanes_gateway_retries", "Requests sent to a second lane after the first failed before any byte",
             ["model"], registry=self.registry,

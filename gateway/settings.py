@@ -69,6 +69,9 @@ class GatewaySettings:
     # The operator's word that a gateway listening beyond loopback with no key is meant (--no-auth);
     # without it such a gateway refuses to start (lanes/online.py), with it it warns every hour.
     no_auth: bool = False
+    # Web pages of which origins may call the gateway (llama-server's --cors-origins and its default:
+    # "*" reflects any Origin; "localhost" reflects localhost ones only; else a comma-separated list).
+    cors_origins: str = "*"
 
     def open_beyond_loopback(self) -> bool:
         """Whether anyone but this machine can reach it and no key guards it."""

@@ -105,6 +105,10 @@ def _add_gateway_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-auth", action="store_true", default=os.environ.get("LANES_GATEWAY_NO_AUTH") == "1",
                    help="serve without keys even beyond loopback (env LANES_GATEWAY_NO_AUTH=1); without it a "
                    "gateway on another --host than loopback refuses to start with no key; warns every hour")  # fmt: skip
+    p.add_argument("--cors-origins", default=os.environ.get("LANES_GATEWAY_CORS_ORIGINS"),
+                   help="web page origins that may call the gateway, as llama-server's --cors-origins: * (any; the "
+                   "default), localhost (localhost pages only) or a comma-separated list (env "
+                   "LANES_GATEWAY_CORS_ORIGINS)")  # fmt: skip
     # (--tls-cert/--tls-key are NATS's, for mutual TLS to the bus: the gateway's own HTTPS has its names.)
     p.add_argument("--https-cert", default=os.environ.get("LANES_GATEWAY_HTTPS_CERT"),
                    help="serve HTTPS with this certificate chain (PEM; env LANES_GATEWAY_HTTPS_CERT); "

@@ -97,6 +97,7 @@ def gateway_settings(args: argparse.Namespace) -> GatewaySettings:
         gateway_id=getattr(args, "gateway_id", None) or base.gateway_id,
         keys_file=_keys_file(getattr(args, "keys_file", None)),
         no_auth=getattr(args, "no_auth", False),
+        cors_origins=getattr(args, "cors_origins", None) or base.cors_origins,
         kv_replicas=getattr(args, "kv_replicas", None) if args.command == "gateway" else None,
         **_https(getattr(args, "https_cert", None), getattr(args, "https_key", None)),
     )

@@ -27,6 +27,10 @@ from gateway.tenants.usage import EDGE_BYTES, PLAIN_BODY_BYTES, AnswerReader
 ANSWERS = json.loads((Path(__file__).parent / "llama_answers.json").read_text())
 # What each recorded answer says it cost: (prompt tokens, output tokens).
 SAID = {"text_stream": (6, 8), "chat_stream": (26, 5), "embeddings": (17, 0), "rerank": (46, 0)}
+# Anthropic's usage leaves the cached prompt out of input_tokens (27 = 5 read + 22 cached in the stream,
+# 27 + 0 in the plain answer); Responses' counts it in (27, of them 22 cached).
+OTHER_APIS = {"messages_plain": (27, 5), "messages_stream": (27, 5), "responses_plain": (27, 5),
+              "responses_stream": (27, 5)}  # fmt: skip
 
 
 def _events(stream: str) -> list[bytes]:
@@ -58,6 +62,27 @@ def test_a_stream_costs_what_it_says_and_cut_short_the_tokens_it_carried(kind, s
     for kept in range(len(events) - 1):  # cut before its last event (the one that says the cost)
         cut = _fed(AnswerReader(True), b"".join(events[:kept]), step)
         assert cut.usage() is None and cut.output() == max(0, kept - (kind == "chat_stream"))
+
+
+@pytest.mark.parametrize("kind", sorted(OTHER_APIS))
+@pytest.mark.parametrize("step", [1, 7, 100_000])
+def test_anthropic_and_responses_answers_cost_what_they_say_and_cut_short_the_deltas_they_carried(kind, step):
+    body = ANSWERS[kind].encode()
+    streamed = kind.endswith("stream")
+    read = _fed(AnswerReader(streamed), body, step)
+    assert (read.usage().prompt, read.output()) == OTHER_APIS[kind]
+    if not streamed:
+        return
+    assert read.token_events == OTHER_APIS[kind][1]  # one delta event a token
+    events = _events(ANSWERS[kind])
+    deltas = [e for e in events if b"content_block_delta" in e or b"output_text.delta" in e]
+    opening = events[: events.index(deltas[0])]
+    # A long answer cut short: its opening (Anthropic says the prompt there) far out of the kept tail.
+    cut = _fed(AnswerReader(True), b"".join(opening + deltas * 4000), step if step > 1 else 4096)
+    assert cut.output() == 4000 * len(deltas)
+    if kind == "messages_stream":
+        assert cut.usage().prompt == 27  # from the stream's head
+    assert len(cut.tail) <= 16384 and len(cut.head) <= EDGE_BYTES
 
 
 def test_a_plain_answer_too_long_to_keep_is_read_from_its_head_and_tail_in_bounded_memory():

@@ -25,10 +25,11 @@ from gateway import routing
 from gateway.admission import (
     Admission, HeldFull, LoadFailed, LoadTimeout, ModelView, Waker, catalogue, classify, only_model,
 )
-from gateway.edge import adapters, assemble, bounds, relay
+from gateway.edge import adapters, assemble, bounds, cors, relay
 from gateway.edge.access import CookieSecret
 from gateway.edge.app_keys import (ADMISSION, COOKIE_SECRET, KEYS, LEFT, METRICS, SESSION, SETTINGS, TENANT, USAGE,
                                    VIEW, WAKER)  # fmt: skip
+from gateway.edge.endpoints import ENDPOINTS
 from gateway.edge.forward import Shape, forward
 from gateway.edge.openai_errors import give_up, openai_error
 from gateway.edge.tenancy import cache_route, errors_and_keys, tenant_of, tenant_refusal
@@ -41,7 +42,6 @@ from shared import defaults
 
 log = structlog.get_logger("lanes.gateway")
 
-PROXIED = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/rerank", "/rerank")
 
 
 # ------------------------------------------------------------------ routes
@@ -118,8 +118,10 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
         response = await _answer(request, model, name, payload, body, started, label)
     except asyncio.CancelledError:  # the client hung up (handler cancellation): nginx's 499
         metrics.requests.labels(label, "499").inc()
+        metrics.endpoint_requests.labels(request.path, "499").inc()
         raise
     metrics.requests.labels(label, str(response.status)).inc()
+    metrics.endpoint_requests.labels(request.path, str(response.status)).inc()
     metrics.tenant_requests.labels(tenant.name, tenant.klass, str(response.status)).inc()
     metrics.latency.labels(label).observe(time.perf_counter() - started)
     return response
@@ -241,7 +243,8 @@ def build_app(
     waker: Waker | None = None,
 ) -> web.Application:
     """The gateway's aiohttp application; more routes may be added before it starts."""
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[errors_and_keys])
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[cors.preflights, errors_and_keys])
+    app.on_response_prepare.append(cors.name_the_origin)
     app[VIEW] = view
     app[SETTINGS] = settings
     admission = admission or admission_for(view, settings)
@@ -284,6 +287,6 @@ def build_app(
     app.router.add_get("/ready", _ready)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/v1/models", _models)
-    for path in PROXIED:
+    for path in ENDPOINTS:
         app.router.add_post(path, _proxy)
     return app

@@ -21,6 +21,27 @@ def openai_error(status: int, message: str, code: str | None = None, retry_after
     return web.json_response(body, status=status, headers=headers)
 
 
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error", 529: "overloaded_error"}  # fmt: skip
+
+
+def anthropic_error(response: web.Response) -> web.Response:
+    """An error the gateway answered itself, in Anthropic's shape (what the anthropic client reads):
+    {"type": "error", "error": {"type", "message"}}, the gateway's code kept beside them."""
+    try:
+        said = msgspec.json.decode(response.body or b"")
+    except (msgspec.DecodeError, TypeError):
+        return response
+    error = said.get("error") if isinstance(said, dict) else None
+    if not isinstance(error, dict) or said.get("type") == "error":
+        return response
+    body = {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(response.status, "api_error"),
+                                       "message": error.get("message", ""), "code": error.get("code")}}  # fmt: skip
+    headers = {k: v for k, v in response.headers.items() if k == "Retry-After"}
+    return web.json_response(body, status=response.status, headers=headers or None)
+
+
 def sse_error(end: GiveUp) -> bytes:
     """An error event the openai client raises on, for a stream that broke after it began."""
     body = {"error": {"message": end.message, "type": "server_error", "param": None, "code": end.code}}

@@ -10,13 +10,21 @@ from aiohttp import web
 from gateway.admission import Lease
 from gateway.edge import access
 from gateway.edge.app_keys import ADMISSION, COOKIE_SECRET, KEY_ID, KEYS, METRICS, ROLE, SETTINGS, TENANT, USAGE
-from gateway.edge.openai_errors import openai_error
+from gateway.edge.endpoints import api_of
+from gateway.edge.openai_errors import anthropic_error, openai_error
 from gateway.settings import GatewaySettings
 from gateway.tenants import PLAIN, PLAIN_ROLE, AnswerReader, KeysFile, Tenant, Usage, digest
 
 
 @web.middleware
 async def errors_and_keys(request: web.Request, handler):
+    response = await _keyed(request, handler)
+    if api_of(request.path) == "anthropic" and type(response) is web.Response and response.status >= 400:
+        return anthropic_error(response)  # the gateway's own; a lane's error is relayed as the lane said it
+    return response
+
+
+async def _keyed(request: web.Request, handler):
     settings = request.app[SETTINGS]
     keyed = bool(settings.api_keys) or request.app[KEYS] is not None
     if keyed and access.needs_key(request.path):
@@ -28,7 +36,7 @@ async def errors_and_keys(request: web.Request, handler):
     try:
         return await handler(request)
     except web.HTTPException as exc:
-        if not request.path.startswith("/v1/") or exc.status < 400:
+        if exc.status < 400:
             raise
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status)
         return openai_error(exc.status, exc.reason if exc.status != 413 else exc.text or exc.reason, code)
@@ -37,6 +45,8 @@ async def errors_and_keys(request: web.Request, handler):
 def _key_presented(request: web.Request, settings: GatewaySettings) -> bool:
     """A valid bearer key, or (dashboard paths only) a valid session cookie (gateway/edge/access.py)."""
     scheme, _, presented = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer" and "x-api-key" in request.headers:  # Anthropic's clients send it so
+        scheme, presented = "bearer", request.headers["x-api-key"]
     if scheme.lower() == "bearer":
         tenant = tenant_of(request.app, presented.strip())
         if tenant is not None:

@@ -35,7 +35,7 @@ class Prompt:
     """What a request asks the lane to read."""
 
     text: str  # the rendering the affinity hashes
-    kind: str  # "chat" | "completion" | "embedding"
+    kind: str  # "chat" | "completion" | "embedding", or the path of an API the lane counts itself (OWN_COUNTERS)
     messages: tuple[dict, ...] = ()  # chat: the messages as sent (for /apply-template)
     extra_bytes: int = 0  # bytes the template renders beyond the text (tools, as JSON)
 
@@ -76,6 +76,11 @@ def prompt_of(path: str, payload: object) -> Prompt | None:
     """The prompt of a proxied request body, or None when it carries none the gateway can read."""
     if not isinstance(payload, dict):
         return None
+    if path in OWN_COUNTERS:
+        return _own_api_prompt(path, payload)
+    if path == "/completion":  # llama-server's native completion: a prompt string
+        value = payload.get("prompt")
+        return Prompt(text=value, kind="completion") if isinstance(value, str) else None
     if path.endswith("/chat/completions"):
         messages = payload.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
@@ -94,6 +99,26 @@ def prompt_of(path: str, payload: object) -> Prompt | None:
     if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
         return Prompt(text=_RS.join(value), kind=kind)
     return None  # token arrays and mixed inputs: nothing to hash or count
+
+
+# Anthropic Messages and OpenAI Responses requests: each counted by the lane's own counter for
+# that API (the rendering llama-server applies), not by /apply-template, which reads chat messages.
+OWN_COUNTERS = {"/v1/messages": "/v1/messages/count_tokens", "/v1/responses": "/v1/responses/input_tokens"}
+
+
+def _own_api_prompt(path: str, payload: dict) -> Prompt | None:
+    """The rendering of a Messages request (system, then messages) or a Responses one
+    (instructions, then input: a string or a list of items)."""
+    head = payload.get("system") if path == "/v1/messages" else payload.get("instructions")
+    items = payload.get("messages") if path == "/v1/messages" else payload.get("input")
+    if isinstance(items, str) and path == "/v1/responses":  # Responses takes one string as the user's turn
+        items = [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items or not all(isinstance(m, dict) for m in items):
+        return None
+    tools = payload.get("tools")
+    extra = len(msgspec.json.encode(tools)) if tools else 0
+    text = (_content_text(head) + _RS if head else "") + "".join(_message_text(m) + _RS for m in items)
+    return Prompt(text=text, kind=path, messages=tuple(items), extra_bytes=extra)
 
 
 def takes_images(path: str, payload: object) -> bool:

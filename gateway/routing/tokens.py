@@ -14,7 +14,7 @@ import asyncio
 import aiohttp
 import msgspec
 
-from gateway.routing.prompts import Prompt
+from gateway.routing.prompts import OWN_COUNTERS, Prompt
 
 
 async def _post(session: aiohttp.ClientSession, url: str, body: bytes, timeout: float, auth: dict[str, str]) -> object:
@@ -33,6 +33,10 @@ async def count_tokens(
     `auth`: the headers that open the lane (LaneRoute.auth)."""
     auth = auth or {}
     try:
+        if prompt.kind in OWN_COUNTERS:  # the lane's counter for that API renders it as the lane will
+            counted = await _post(session, lane_url + OWN_COUNTERS[prompt.kind], body, timeout, auth)
+            tokens = counted.get("input_tokens") if isinstance(counted, dict) else None
+            return tokens if isinstance(tokens, int) and tokens >= 0 else None
         if prompt.kind == "chat":
             rendered = await _post(session, lane_url + "/apply-template", body, timeout, auth)
             text = rendered.get("prompt") if isinstance(rendered, dict) else None

@@ -42,6 +42,21 @@ def _from_answer(answer: object) -> Usage | None:
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else 0
         return Usage(usage["prompt_tokens"], cached if isinstance(cached, int) else 0)
+    if isinstance(usage, dict) and isinstance(usage.get("input_tokens"), int):
+        read = usage.get("cache_read_input_tokens")  # Anthropic's: input_tokens leaves out what was cached
+        if isinstance(read, int):
+            return Usage(usage["input_tokens"] + read, read)
+        details = usage.get("input_tokens_details")  # OpenAI Responses': input_tokens counts it
+        cached = details.get("cached_tokens") if isinstance(details, dict) else 0
+        return Usage(usage["input_tokens"], cached if isinstance(cached, int) else 0)
+    return _from_answer(_inner(answer))
+
+
+def _inner(answer: dict) -> dict | None:
+    """The message an Anthropic `message_start` event carries, or the response a Responses event does."""
+    for key in ("message", "response"):
+        if isinstance(answer.get(key), dict):
+            return answer[key]
     return None
 
 
@@ -71,9 +86,11 @@ def _output_of(answer: object) -> int | None:
     timings, usage = answer.get("timings"), answer.get("usage")
     if isinstance(timings, dict) and isinstance(timings.get("predicted_n"), int):
         return max(0, timings["predicted_n"])
-    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-        return max(0, usage["completion_tokens"])
-    return None
+    if isinstance(usage, dict):
+        for key in ("completion_tokens", "output_tokens"):  # OpenAI's; Anthropic's and Responses'
+            if isinstance(usage.get(key), int):
+                return max(0, usage[key])
+    return _output_of(_inner(answer))
 
 
 def output_tokens(body: bytes, streamed: bool) -> int:
@@ -102,9 +119,14 @@ EDGE_BYTES = 16384  # of a plain answer too long to keep: its head (embeddings a
 # One generated token is one event in llama-server's streams (measured on b11434, chat and text
 # completions): every event before the last says `"finish_reason":null`; a chat stream opens with
 # one more that only names the role.
+# An Anthropic stream says each token in a `content_block_delta` event, a Responses stream in a
+# `response.*.delta` one (measured on b11434).
 TOKEN_EVENT = b'"finish_reason":null'
 ROLE_EVENT = b'"delta":{"role":"assistant","content":null}'
-_CARRY = max(len(TOKEN_EVENT), len(ROLE_EVENT)) - 1
+_MARKERS = ((TOKEN_EVENT, 1), (ROLE_EVENT, -1), (b'"type":"content_block_delta"', 1),
+            (b'"type":"response.output_text.delta"', 1), (b'"type":"response.reasoning_text.delta"', 1),
+            (b'"type":"response.function_call_arguments.delta"', 1))  # fmt: skip
+_CARRY = max(len(marker) for marker, _ in _MARKERS) - 1
 _OBJECT = {b"timings": re.compile(rb'"timings"\s*:\s*(\{[^{}]*\})'),
            b"usage": re.compile(rb'"usage"\s*:\s*(\{[^{}]*(?:\{[^{}]*\}[^{}]*)*\})')}  # fmt: skip
 
@@ -139,9 +161,9 @@ class AnswerReader:
         self.size += len(chunk)
         if self.streamed:
             seam, joined = self._seam, self._seam + chunk  # a marker the seam holds whole was counted
-            self.token_events += (joined.count(TOKEN_EVENT) - seam.count(TOKEN_EVENT)
-                                  - joined.count(ROLE_EVENT) + seam.count(ROLE_EVENT))  # fmt: skip
+            self.token_events += sum(sign * (joined.count(marker) - seam.count(marker)) for marker, sign in _MARKERS)
             self._seam = joined[-_CARRY:]
+            self.head += chunk[: max(0, EDGE_BYTES - len(self.head))]  # where Anthropic's stream says its prompt
         elif self.size <= PLAIN_BODY_BYTES:
             self.head += chunk
         else:  # too long to keep whole: its first EDGE_BYTES only
@@ -160,7 +182,7 @@ class AnswerReader:
         if whole is not None:
             return prompt_usage(whole, False)
         if self.streamed:
-            return prompt_usage(bytes(self.tail), True)
+            return prompt_usage(bytes(self.tail), True) or prompt_usage(bytes(self.head), True)
         return _from_answer(_found_in(bytes(self.tail))) or _from_answer(_found_in(bytes(self.head)))
 
     def said_output(self) -> int | None:
