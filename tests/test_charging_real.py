@@ -13,12 +13,12 @@ from __future__ import annotations
 import asyncio
 import random
 import re
-import subprocess
 
 import aiohttp
 import pytest
 from aiohttp import web
 from fixtures_bus import free_port_base
+from real_lane import lane_healthy, start_lane
 from test_charging import _charged
 from test_gateway_core import healthy, put_plan, put_status, spec
 from waiting import eventually
@@ -79,9 +79,7 @@ async def _ask(http: aiohttp.ClientSession, url: str, gw: Gateway, rng: random.R
 @pytest.fixture
 async def gemma_behind_gateway(llama_server, gemma_model):
     port = free_port_base(1)
-    proc = subprocess.Popen([llama_server, "-m", str(gemma_model), "--host", "127.0.0.1", "--port", str(port), "-c",
-                             "4096", "-np", "2", "--metrics", "-t", "2"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = start_lane(llama_server, gemma_model, port, "--metrics")
     gw = Gateway(GatewaySettings(port=0))
     put_plan(gw.view, "h", spec("a", "gemma", parallel=2, port=port))
     put_status(gw.view, "h", healthy("a", port))
@@ -92,15 +90,7 @@ async def gemma_behind_gateway(llama_server, gemma_model):
     await site.start()
     try:
         async with aiohttp.ClientSession() as http:
-
-            async def up() -> bool:
-                try:
-                    async with http.get(f"http://127.0.0.1:{port}/health") as resp:
-                        return resp.status == 200
-                except aiohttp.ClientError:
-                    return False
-
-            await eventually(up, timeout=120, what="llama-server healthy")
+            await lane_healthy(http, f"http://127.0.0.1:{port}")
             yield gw, http, f"http://127.0.0.1:{runner.addresses[0][1]}", port
     finally:
         await runner.cleanup()

@@ -14,10 +14,11 @@ from stub_http import lane_app, serve
 from test_gateway_core import healthy, put_plan, put_status, spec
 
 from gateway import routing
-from gateway.edge import cors
+from gateway.edge import conversations, cors
 from gateway.edge.endpoints import ENDPOINTS
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
+from gateway.tenants import Tenant
 
 KEY = "sk-lanes-fast-whole-api"
 
@@ -184,3 +185,59 @@ async def test_a_web_page_on_another_origin_calls_the_fleet_from_headless_chromi
     finally:
         await runner.cleanup()
     assert answer == {"lane": "beta", "path": "/v1/chat/completions"}, answer
+
+
+async def test_a_tenant_finds_and_resumes_its_own_conversations_only(tmp_path):
+    """Two tenants send the same X-Conversation-Id: the lane holds two conversations, and each
+    tenant's lookup and resume reach its own (the stub keeps what the lane would)."""
+    held: dict[str, bytes] = {}
+
+    async def chat(request: web.Request) -> web.Response:
+        conv = request.headers["X-Conversation-Id"]
+        held[conv] = f"data: {{\"for\": \"{conv}\"}}\n\n".encode()
+        return web.Response(body=held[conv], content_type="text/event-stream")
+
+    async def lookup(request: web.Request) -> web.Response:
+        ids = (await request.json())["conversation_ids"]
+        return web.json_response([{"conversation_id": i, "is_done": True, "total_bytes": len(held[i]),
+                                   "started_at": 1, "completed_at": 2} for i in ids if i in held])  # fmt: skip
+
+    async def stream(request: web.Request) -> web.Response:
+        conv = request.query["conv_id"]
+        return web.Response(body=held[conv][int(request.query.get("from", 0)):], content_type="text/event-stream")
+
+    app = lane_app({"/v1/chat/completions": chat, "/v1/streams/lookup": lookup})
+    app.router.add_get("/v1/stream", stream)
+    lane, lane_port = await serve(app)
+    keys = tmp_path / "keys.toml"
+    keys.write_text('[[keys]]\nkey = "sk-acme-000000000001"\ntenant = "acme"\n\n'
+                    '[[keys]]\nkey = "sk-beta-000000000001"\ntenant = "beta"\n')  # fmt: skip
+    gw = Gateway(GatewaySettings(port=0, keys_file=str(keys)))
+    put_plan(gw.view, "h", spec("a", "m", port=lane_port))
+    put_status(gw.view, "h", healthy("a", lane_port))
+    gw.view.mark_synced()
+    front, port = await serve(gw.app)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as http:
+            for key in ("sk-acme-000000000001", "sk-beta-000000000001"):
+                headers = {"Authorization": f"Bearer {key}", "X-Conversation-Id": "c1"}
+                async with http.post(url + "/v1/chat/completions", json={"model": "m", "stream": True,
+                                     "messages": [{"role": "user", "content": "hi"}]}, headers=headers) as resp:  # fmt: skip
+                    assert resp.status == 200
+            assert len(held) == 2  # one conversation each, apart at the lane
+            for key in ("sk-acme-000000000001", "sk-beta-000000000001"):
+                auth = {"Authorization": f"Bearer {key}"}
+                async with http.post(url + "/v1/streams/lookup", json={"conversation_ids": ["c1", "c2"]},
+                                     headers=auth) as resp:  # fmt: skip
+                    (entry,) = await resp.json()
+                assert entry["conversation_id"] == "c1"
+                async with http.get(url + "/v1/stream", params={"conv_id": "c1"}, headers=auth) as resp:
+                    mine = await resp.read()
+                tenant = "acme" if "acme" in key else "beta"
+                assert mine == held[conversations.scoped(Tenant(tenant), "c1")]
+            async with http.get(url + "/v1/stream", params={"conv_id": "c1"}) as resp:
+                assert resp.status == 401  # no key, no conversation
+    finally:
+        await front.cleanup()
+        await lane.cleanup()

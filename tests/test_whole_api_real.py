@@ -7,7 +7,6 @@ sent straight to the lane: the same status, the same keys in the JSON, the same 
 from __future__ import annotations
 
 import json
-import subprocess
 
 import aiohttp
 import anthropic
@@ -15,6 +14,7 @@ import openai
 import pytest
 from aiohttp import web
 from fixtures_bus import free_port_base
+from real_lane import lane_healthy, start_lane
 from test_gateway_core import healthy, put_plan, put_status, spec
 from waiting import eventually
 
@@ -32,8 +32,7 @@ CHAT = [{"role": "user", "content": "Name three colors."}]
 async def door(llama_server, gemma_model):
     """(gateway URL, lane URL, the gateway): the real binary behind a gateway that needs a key."""
     port = free_port_base(1)
-    proc = subprocess.Popen([llama_server, "-m", str(gemma_model), "--host", "127.0.0.1", "--port", str(port), "-c",
-                             "4096", "-np", "2", "-t", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    proc = start_lane(llama_server, gemma_model, port)
     gw = Gateway(GatewaySettings(port=0, api_keys=(KEY,)))
     put_plan(gw.view, "h", spec("a", "gemma", parallel=2, port=port))
     put_status(gw.view, "h", healthy("a", port))
@@ -45,15 +44,7 @@ async def door(llama_server, gemma_model):
     lane = f"http://127.0.0.1:{port}"
     try:
         async with aiohttp.ClientSession() as http:
-
-            async def up() -> bool:
-                try:
-                    async with http.get(lane + "/health") as resp:
-                        return resp.status == 200
-                except aiohttp.ClientError:
-                    return False
-
-            await eventually(up, timeout=120, what="llama-server healthy")
+            await lane_healthy(http, lane)
         yield f"http://127.0.0.1:{runner.addresses[0][1]}", lane, gw
     finally:
         await runner.cleanup()

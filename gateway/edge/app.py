@@ -25,7 +25,7 @@ from gateway import routing
 from gateway.admission import (
     Admission, HeldFull, LoadFailed, LoadTimeout, ModelView, Waker, catalogue, classify, only_model,
 )
-from gateway.edge import adapters, assemble, bounds, cors, relay
+from gateway.edge import adapters, assemble, bounds, conversations, cors, relay
 from gateway.edge.access import CookieSecret
 from gateway.edge.app_keys import (ADMISSION, COOKIE_SECRET, KEYS, LEFT, METRICS, SESSION, SETTINGS, TENANT, USAGE,
                                    VIEW, WAKER)  # fmt: skip
@@ -90,6 +90,10 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
         return openai_error(400, *out_of_bounds)
     name = payload.get("model")
     view, metrics = app[VIEW], app[METRICS]
+    if conversations.HEADER in request.headers:
+        refused = conversations.refusal(request.headers[conversations.HEADER])
+        if refused is not None:
+            return refused
     if not await view.wait_synced(defaults.FLEET_SYNC_WAIT):
         return openai_error(503, "the gateway has not read the fleet from NATS yet (is NATS up, and the planner?)",
                             "fleet_not_read", app[SETTINGS].retry_after)  # fmt: skip
@@ -149,12 +153,17 @@ async def _answer(
             if tokens is None and prompt is not None and prompt.kind != "embedding":
                 tokens = prompt.token_bound()  # an upper bound: a first-byte timeout on the safe side
             streamed = isinstance(payload, dict) and payload.get("stream") is True
-            kind = assemble.kind_of(request.path, payload)  # a plain answer, asked as a stream
+            # Resumable (X-Conversation-Id): the lane keeps it, under the tenant's scope, and its own
+            # bytes are relayed as they are, as the client will ask for them again (never assembled).
+            conversation = request.headers.get(conversations.HEADER)
+            kind = assemble.kind_of(request.path, payload) if conversation is None else None  # plain, as a stream
             if kind is not None:
                 body = assemble.streamed_body(payload)
             elif streamed:
                 body = assemble.timed_stream_body(request.path, payload, body)
-            shape = Shape(label, mark, too_small, tokens, streamed, kind)
+            if conversation is not None:
+                conversation = conversations.scoped(request.get(TENANT) or Tenant(), conversation)
+            shape = Shape(label, mark, too_small, tokens, streamed, kind, conversation)
             response = await forward(request, name, body, started, shape)
     return response
 
@@ -289,4 +298,7 @@ def build_app(
     app.router.add_get("/v1/models", _models)
     for path in ENDPOINTS:
         app.router.add_post(path, _proxy)
+    app.router.add_post("/v1/streams/lookup", conversations.lookup)
+    app.router.add_get("/v1/stream", conversations.resume)
+    app.router.add_delete("/v1/stream", conversations.resume)
     return app

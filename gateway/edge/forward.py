@@ -35,6 +35,7 @@ class Shape:
     tokens: int | None = None  # its prompt's tokens (counted, or their upper bound)
     streamed: bool = False  # "stream": true: the first token's time is the first byte's
     assembled: str | None = None  # plain, asked of the lane as a stream and put together (gateway/edge/assemble.py)
+    conversation: str | None = None  # X-Conversation-Id as the lane sees it: a resumable stream (conversations.py)
 
 
 def lane_headers(accept: str, streamed: bool) -> dict[str, str]:
@@ -88,7 +89,7 @@ async def forward(
                     lane.url + request.path,
                     data=adapters.body_for(body, name, lane),
                     headers=lane_headers(request.headers.get("Accept", "*/*"), bool(shape.streamed or shape.assembled))
-                    | lane.auth,
+                    | lane.auth | ({"X-Conversation-Id": shape.conversation} if shape.conversation else {}),
                     timeout=aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout),
                 )
                 if (shape.streamed or shape.assembled) and upstream.status == 200:
@@ -134,7 +135,7 @@ async def forward(
         sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
         if shape.assembled and upstream.status == 200 and sse:  # (a lane that answers plain is relayed as it is)
             return await assembled(request, upstream, lease, started, first, shape.assembled)
-        return await relay(request, upstream, lease, started, first)
+        return await relay(request, upstream, lease, started, first, resumable=shape.conversation is not None)
 
 
 def _drop(upstream: aiohttp.ClientResponse | None, lease: Lease) -> None:

@@ -54,9 +54,12 @@ async def _chunks(upstream: aiohttp.ClientResponse, first: bytes, idle: float, d
 
 
 async def relay(
-    request: web.Request, upstream: aiohttp.ClientResponse, lease: Lease, started: float, first_chunk: bytes = b""
+    request: web.Request, upstream: aiohttp.ClientResponse, lease: Lease, started: float, first_chunk: bytes = b"",
+    resumable: bool = False,
 ) -> web.StreamResponse:
     """Copy the lane's answer as it arrives; a break after the first byte ends the stream with an error.
+    A `resumable` one (X-Conversation-Id) goes on when its client leaves: the client may come back
+    for the rest (gateway/edge/conversations.py), so it is read to its end and charged whole.
 
     A stream that reaches the request timeout while it still flows is ended, and its lane stays in
     rotation; one whose lane sends nothing for --stream-idle-timeout marks the lane stalled.
@@ -106,7 +109,8 @@ async def relay(
             upstream.release()
             _done(app, lease)
         else:  # its client left, or its lane broke off: what the lane sent until it stopped is charged
-            cut_short(app, lease, upstream, read if counting and not charged else None, lane_ok=not broken)
+            cut_short(app, lease, upstream, read if counting and not charged else None, lane_ok=not broken,
+                      to_the_end=deadline if resumable else None)  # fmt: skip
     return resp
 
 
@@ -157,24 +161,26 @@ def _done(app: web.Application, lease: Lease) -> None:
 
 
 def cut_short(
-    app: web.Application, lease: Lease, upstream: aiohttp.ClientResponse, read: AnswerReader | None, lane_ok: bool
+    app: web.Application, lease: Lease, upstream: aiohttp.ClientResponse, read: AnswerReader | None, lane_ok: bool,
+    to_the_end: float | None = None,
 ) -> None:
     """An answer that ended before its lane finished it. A lane that broke is let go at once;
     one whose client left (or whose time ran out) is told, and read until it stops, in the
-    background: its slot stays leased and its tokens are charged once it has."""
+    background: its slot stays leased and its tokens are charged once it has. A resumable one
+    is not told: it is read, untold, until it ends or the loop time `to_the_end`."""
     if not lane_ok:
         upstream.close()
         if read is not None:
             count_cut_short(app, lease, read)
         _done(app, lease)
         return
-    task = asyncio.get_running_loop().create_task(_until_stopped(app, lease, upstream, read))
+    task = asyncio.get_running_loop().create_task(_until_stopped(app, lease, upstream, read, to_the_end))
     app[LEFT].add(task)
     task.add_done_callback(app[LEFT].discard)
 
 
 async def _until_stopped(app: web.Application, lease: Lease, upstream: aiohttp.ClientResponse,
-                         read: AnswerReader | None) -> None:  # fmt: skip
+                         read: AnswerReader | None, to_the_end: float | None = None) -> None:  # fmt: skip
     """The gateway ends its side of the lane's connection and reads, relaying nothing, until the
     lane hangs up. llama-server sees the end at once and cancels the request (40 ms on b11434,
     where a closed connection took 1.7 s to notice), and every token it generated till then
@@ -182,9 +188,10 @@ async def _until_stopped(app: web.Application, lease: Lease, upstream: aiohttp.C
     try:
         connection = upstream.connection
         transport = connection.transport if connection is not None else None
-        if transport is not None and transport.can_write_eof():
-            transport.write_eof()
-            async with asyncio.timeout(STOP_WAIT):
+        if to_the_end is not None or (transport is not None and transport.can_write_eof()):
+            if to_the_end is None:
+                transport.write_eof()
+            async with asyncio.timeout_at(to_the_end) if to_the_end is not None else asyncio.timeout(STOP_WAIT):
                 while chunk := await upstream.content.readany():
                     if read is not None:
                         read.feed(chunk)
