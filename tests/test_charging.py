@@ -18,7 +18,7 @@ from stub_http import lane_app, serve
 from test_gateway_core import healthy, put_plan, put_status, spec
 from waiting import eventually
 
-from gateway.edge import adapters
+from gateway.edge import adapters, counted
 from gateway.edge.app_keys import METRICS
 from gateway.service import Gateway
 from gateway.settings import GatewaySettings
@@ -30,7 +30,7 @@ SAID = {"text_stream": (6, 8), "chat_stream": (26, 5), "embeddings": (17, 0), "r
 # Anthropic's usage leaves the cached prompt out of input_tokens (27 = 5 read + 22 cached in the stream,
 # 27 + 0 in the plain answer); Responses' counts it in (27, of them 22 cached).
 OTHER_APIS = {"messages_plain": (27, 5), "messages_stream": (27, 5), "responses_plain": (27, 5),
-              "responses_stream": (27, 5)}  # fmt: skip
+              "responses_stream": (27, 5), "infill_stream": (19, 3), "infill_fields": (19, 3)}  # fmt: skip
 
 
 def _events(stream: str) -> list[bytes]:
@@ -75,7 +75,7 @@ def test_anthropic_and_responses_answers_cost_what_they_say_and_cut_short_the_de
         return
     assert read.token_events == OTHER_APIS[kind][1]  # one delta event a token
     events = _events(ANSWERS[kind])
-    deltas = [e for e in events if b"content_block_delta" in e or b"output_text.delta" in e]
+    deltas = [e for e in events if b"content_block_delta" in e or b"output_text.delta" in e or b'"stop":false' in e]
     opening = events[: events.index(deltas[0])]
     # A long answer cut short: its opening (Anthropic says the prompt there) far out of the kept tail.
     cut = _fed(AnswerReader(True), b"".join(opening + deltas * 4000), step if step > 1 else 4096)
@@ -83,6 +83,19 @@ def test_anthropic_and_responses_answers_cost_what_they_say_and_cut_short_the_de
     if kind == "messages_stream":
         assert cut.usage().prompt == 27  # from the stream's head
     assert len(cut.tail) <= 16384 and len(cut.head) <= EDGE_BYTES
+
+
+def test_what_charging_needs_is_asked_of_the_lane_and_nothing_else_is_touched():
+    stream = {"model": "m", "stream": True, "messages": []}
+    assert json.loads(counted.counted_body("/v1/chat/completions", stream, b"{}", True))["timings_per_token"] is True
+    assert counted.counted_body("/v1/chat/completions", stream | {"timings_per_token": False}, b"x", True) == b"x"
+    assert counted.counted_body("/v1/messages", stream, b"x", True) == b"x"  # its usage is in its events already
+    vscode = {"response_fields": ["content", "timings/prompt_n"]}
+    asked = json.loads(counted.counted_body("/infill", vscode, b"x", False))["response_fields"]
+    assert asked == ["content", "timings/prompt_n", "timings/cache_n", "timings/predicted_n"]
+    whole = {"response_fields": ["content", *counted.CHARGED_FIELDS]}
+    assert counted.counted_body("/infill", whole, b"x", False) == b"x"
+    assert counted.counted_body("/infill", {"prompt": "x"}, b"x", False) == b"x"
 
 
 def test_a_plain_answer_too_long_to_keep_is_read_from_its_head_and_tail_in_bounded_memory():

@@ -7,6 +7,7 @@ sent straight to the lane: the same status, the same keys in the JSON, the same 
 from __future__ import annotations
 
 import json
+from contextlib import asynccontextmanager
 
 import aiohttp
 import anthropic
@@ -28,19 +29,19 @@ KEY = "sk-lanes-whole-api-test"
 CHAT = [{"role": "user", "content": "Name three colors."}]
 
 
-@pytest.fixture(scope="module")
-async def door(llama_server, gemma_model):
-    """(gateway URL, lane URL, the gateway): the real binary behind a gateway that needs a key."""
+@asynccontextmanager
+async def _gateway_before(binary: str, model, name: str):
+    """(gateway URL, lane URL, the gateway): the real binary serving `model` as `name`, behind a
+    gateway that needs a key."""
     port = free_port_base(1)
-    proc = start_lane(llama_server, gemma_model, port)
+    proc = start_lane(binary, model, port)
     gw = Gateway(GatewaySettings(port=0, api_keys=(KEY,)))
-    put_plan(gw.view, "h", spec("a", "gemma", parallel=2, port=port))
-    put_status(gw.view, "h", healthy("a", port))
+    put_plan(gw.view, "h", spec(f"{name}-0", name, parallel=2, port=port))
+    put_status(gw.view, "h", healthy(f"{name}-0", port))
     gw.view.mark_synced()
     runner = web.AppRunner(gw.app, handler_cancellation=True)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
     lane = f"http://127.0.0.1:{port}"
     try:
         async with aiohttp.ClientSession() as http:
@@ -50,6 +51,12 @@ async def door(llama_server, gemma_model):
         await runner.cleanup()
         proc.terminate()
         proc.wait(15)
+
+
+@pytest.fixture(scope="module")
+async def door(llama_server, gemma_model):
+    async with _gateway_before(llama_server, gemma_model, "gemma") as found:
+        yield found
 
 
 async def _both(door, path: str, body: dict) -> tuple[tuple[int, object], tuple[int, object]]:
@@ -198,3 +205,49 @@ async def test_messages_are_charged_what_the_lane_said(door):
     seen = registry.get_sample_value("lanes_gateway_endpoint_requests_total", {"endpoint": "/v1/messages",
                                      "status": "200"})  # fmt: skip
     assert seen and seen >= 2
+
+
+# What llama.vscode sends for a completion at the cursor (its llama_server_infill request).
+VSCODE_INFILL = {"input_prefix": "def add(a, b):\n    ", "input_suffix": "\n\nprint(add(1, 2))\n",
+                 "input_extra": [{"filename": "util.py", "text": "def sub(a, b):\n    return a - b\n"}],
+                 "prompt": "    ", "n_predict": 8, "top_k": 40, "top_p": 0.99, "stream": False,
+                 "samplers": ["top_k", "top_p", "infill"], "cache_prompt": True, "t_max_prompt_ms": 500,
+                 "t_max_predict_ms": 1000, "response_fields": ["content", "timings/prompt_n", "timings/predicted_n",
+                 "timings/predicted_ms", "truncated", "tokens_cached"]}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+async def fim_door(llama_server, tmp_path_factory):
+    """A code model (fill-in-the-middle tokens; generated) behind a gateway: what editors talk to."""
+    import tinymodels
+
+    model = tinymodels.write_llama(tmp_path_factory.mktemp("fim") / "coder.gguf", fim=True, n_vocab=512)
+    async with _gateway_before(llama_server, model, "coder") as found:
+        yield found
+
+
+async def test_editor_completion_at_the_cursor_through_the_gateway_is_charged(fim_door):
+    gateway, lane, gw = fim_door
+    registry = gw.app[METRICS].registry
+
+    def charged() -> tuple[float, float]:
+        return tuple(registry.get_sample_value("lanes_gateway_tenant_tokens_total", {"tenant": "default",
+                     "class": "standard", "kind": kind}) or 0.0 for kind in ("prompt", "output"))  # fmt: skip
+
+    before = charged()
+    via, direct = await _both(fim_door, "/infill", {"model": "coder", **VSCODE_INFILL})
+    assert via[0] == direct[0] == 200, (via, direct)
+    # The fields it asked for, and the timings the gateway charges by (added to its response_fields).
+    assert set(via[1]) == set(direct[1]) | {"timings/cache_n"}, (via, direct)
+    assert charged()[1] - before[1] == via[1]["timings/predicted_n"] > 0
+    assert charged()[0] - before[0] == via[1]["timings/prompt_n"] + via[1]["timings/cache_n"] > 0
+    body = {"model": "coder", **VSCODE_INFILL, "stream": True, "response_fields": None}
+    async with aiohttp.ClientSession() as http:
+        answers = []
+        for url, headers in ((gateway, {"Authorization": f"Bearer {KEY}"}), (lane, {})):
+            async with http.post(url + "/infill", json=body, headers=headers) as resp:
+                assert resp.status == 200
+                events = [json.loads(line[6:]) for line in (await resp.read()).decode().splitlines()
+                          if line.startswith("data: {")]  # fmt: skip
+                answers.append([sorted(e) for e in events])
+    assert answers[0] == answers[1] and len(answers[0]) > 1  # the same events, field for field

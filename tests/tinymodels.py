@@ -8,6 +8,7 @@ import gguf
 import numpy as np
 
 N_VOCAB = 259  # <unk> <s> </s> + 256 byte tokens: SPM needs every byte token
+FIM_PIECES = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
 
 
 def _tokenizer(writer: gguf.GGUFWriter, n_vocab: int = N_VOCAB, special: tuple[str, ...] = ()) -> None:
@@ -58,6 +59,7 @@ def write_llama(
     cls_labels: tuple[str, ...] = (),
     matrix_type: str = "f16",
     special: tuple[str, ...] = (),
+    fim: bool = False,
 ) -> Path:
     """A llama (GQA) model, or with arch="gemma3" and n_swa > 0 a sliding-window one.
 
@@ -67,6 +69,7 @@ def write_llama(
     `matrix_type` (f16, q8_0, q4_0) is the blocks' matrices' type (quantized ones a CPU may repack).
     arch="qwen3" with pooling=4 (rank) and `cls_labels` is a reranker as convert_hf_to_gguf writes
     Qwen3-Reranker: classifier.output_labels and a cls.output.weight head of one row per label.
+    `fim` adds fill-in-the-middle tokens (Qwen2.5-Coder's pieces and ids in the metadata): /infill serves it.
     """
     path = Path(path)
     rng = np.random.default_rng(seed)
@@ -90,6 +93,11 @@ def write_llama(
         w.add_sliding_window(n_swa)
     if cls_labels:
         w.add_classifier_output_labels(list(cls_labels))
+    if fim:  # the pieces follow the byte tokens: ids 259, 260, 261
+        special = (*FIM_PIECES, *special)
+        for key, offset in ((gguf.Keys.Tokenizer.FIM_PRE_ID, 0), (gguf.Keys.Tokenizer.FIM_SUF_ID, 1),
+                            (gguf.Keys.Tokenizer.FIM_MID_ID, 2)):  # fmt: skip
+            w.add_uint32(key, 259 + offset)
     _tokenizer(w, n_vocab, special)
 
     q, kv = n_head * head_dim, n_head_kv * head_dim

@@ -25,7 +25,7 @@ from gateway import routing
 from gateway.admission import (
     Admission, HeldFull, LoadFailed, LoadTimeout, ModelView, Waker, catalogue, classify, only_model,
 )
-from gateway.edge import adapters, assemble, bounds, conversations, cors, relay
+from gateway.edge import adapters, assemble, bounds, conversations, cors, counted, relay
 from gateway.edge.access import CookieSecret
 from gateway.edge.app_keys import (ADMISSION, COOKIE_SECRET, KEYS, LEFT, METRICS, SESSION, SETTINGS, TENANT, USAGE,
                                    VIEW, WAKER)  # fmt: skip
@@ -159,8 +159,8 @@ async def _answer(
             kind = assemble.kind_of(request.path, payload) if conversation is None else None  # plain, as a stream
             if kind is not None:
                 body = assemble.streamed_body(payload)
-            elif streamed:
-                body = assemble.timed_stream_body(request.path, payload, body)
+            else:
+                body = counted.counted_body(request.path, payload, body, streamed)
             if conversation is not None:
                 conversation = conversations.scoped(request.get(TENANT) or Tenant(), conversation)
             shape = Shape(label, mark, too_small, tokens, streamed, kind, conversation)

@@ -41,15 +41,6 @@ def streamed_body(payload: dict) -> bytes:
                                  "timings_per_token": True}).encode()  # fmt: skip
 
 
-def timed_stream_body(path: str, payload: object, body: bytes) -> bytes:
-    """A streamed completion asked with llama-server's `timings_per_token`: every chunk says the
-    prompt tokens the lane read and the tokens it generated so far, so a stream cut short (its
-    client left) is charged what the lane said rather than an estimate. Other requests go as they came."""
-    if path not in ASSEMBLED_PATHS or not isinstance(payload, dict) or payload.get("timings_per_token") is not None:
-        return body
-    return json.dumps(payload | {"timings_per_token": True}).encode()
-
-
 class Assembler:
     """Feeds on the lane's server-sent events; `result()` is the plain answer they add up to."""
 

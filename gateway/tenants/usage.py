@@ -27,10 +27,18 @@ class Usage(NamedTuple):
     prefill_rate: float | None = None  # tokens per second it processed the rest at (timings), when enough
 
 
+def _timings(answer: dict) -> object:
+    """An answer's timings: an object, or (llama-server's `response_fields`) keys "timings/<name>"."""
+    if "timings" in answer:
+        return answer["timings"]
+    flat = {key[8:]: value for key, value in answer.items() if key.startswith("timings/")}
+    return flat or None
+
+
 def _from_answer(answer: object) -> Usage | None:
     if not isinstance(answer, dict):
         return None
-    timings = answer.get("timings")
+    timings = _timings(answer)
     if isinstance(timings, dict):
         done, cached = timings.get("prompt_n"), timings.get("cache_n")
         if isinstance(done, int) and isinstance(cached, int) and done >= 0 and cached >= 0:
@@ -83,7 +91,7 @@ def prompt_usage(body: bytes, streamed: bool) -> Usage | None:
 def _output_of(answer: object) -> int | None:
     if not isinstance(answer, dict):
         return None
-    timings, usage = answer.get("timings"), answer.get("usage")
+    timings, usage = _timings(answer), answer.get("usage")
     if isinstance(timings, dict) and isinstance(timings.get("predicted_n"), int):
         return max(0, timings["predicted_n"])
     if isinstance(usage, dict):
@@ -120,10 +128,10 @@ EDGE_BYTES = 16384  # of a plain answer too long to keep: its head (embeddings a
 # completions): every event before the last says `"finish_reason":null`; a chat stream opens with
 # one more that only names the role.
 # An Anthropic stream says each token in a `content_block_delta` event, a Responses stream in a
-# `response.*.delta` one (measured on b11434).
+# `response.*.delta` one, a native one (/completion, /infill) in one with `"stop":false` (measured on b11434).
 TOKEN_EVENT = b'"finish_reason":null'
 ROLE_EVENT = b'"delta":{"role":"assistant","content":null}'
-_MARKERS = ((TOKEN_EVENT, 1), (ROLE_EVENT, -1), (b'"type":"content_block_delta"', 1),
+_MARKERS = ((TOKEN_EVENT, 1), (ROLE_EVENT, -1), (b'"type":"content_block_delta"', 1), (b'"stop":false', 1),
             (b'"type":"response.output_text.delta"', 1), (b'"type":"response.reasoning_text.delta"', 1),
             (b'"type":"response.function_call_arguments.delta"', 1))  # fmt: skip
 _CARRY = max(len(marker) for marker, _ in _MARKERS) - 1
