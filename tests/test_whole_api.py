@@ -53,6 +53,16 @@ async def door():
             await runner.cleanup()
 
 
+async def _gateway_to(lane_port: int, settings: GatewaySettings) -> tuple[Gateway, web.AppRunner, str]:
+    """A gateway whose fleet is one lane of model `m` at lane_port: (it, its runner, its URL)."""
+    gw = Gateway(settings)
+    put_plan(gw.view, "h", spec("a", "m", port=lane_port))
+    put_status(gw.view, "h", healthy("a", lane_port))
+    gw.view.mark_synced()
+    front, port = await serve(gw.app)
+    return gw, front, f"http://127.0.0.1:{port}"
+
+
 async def _post(url: str, body: dict, headers: dict | None = None) -> tuple[int, dict]:
     async with aiohttp.ClientSession() as http, http.post(url, json=body, headers=headers) as resp:
         return resp.status, json.loads(await resp.read())
@@ -101,6 +111,7 @@ async def test_a_prompt_past_every_window_is_counted_by_the_lanes_own_counter_an
     status, answer = await _post(url + "/v1/messages", {"model": "beta", "max_tokens": 4, "messages": long},
                                  {"x-api-key": KEY})  # fmt: skip
     assert status == 400 and answer["type"] == "error" and answer["error"]["code"] == "context_length_exceeded"
+    assert (answer["error"]["n_prompt_tokens"], answer["error"]["n_ctx"]) == (100_000, 2048)  # the lane's fields
     status, answer = await _post(url + "/v1/responses", {"model": "beta", "input": "word " * 3000},
                                  {"Authorization": f"Bearer {KEY}"})  # fmt: skip
     assert status == 400 and answer["error"]["code"] == "context_length_exceeded"
@@ -212,12 +223,7 @@ async def test_a_tenant_finds_and_resumes_its_own_conversations_only(tmp_path):
     keys = tmp_path / "keys.toml"
     keys.write_text('[[keys]]\nkey = "sk-acme-000000000001"\ntenant = "acme"\n\n'
                     '[[keys]]\nkey = "sk-beta-000000000001"\ntenant = "beta"\n')  # fmt: skip
-    gw = Gateway(GatewaySettings(port=0, keys_file=str(keys)))
-    put_plan(gw.view, "h", spec("a", "m", port=lane_port))
-    put_status(gw.view, "h", healthy("a", lane_port))
-    gw.view.mark_synced()
-    front, port = await serve(gw.app)
-    url = f"http://127.0.0.1:{port}"
+    _, front, url = await _gateway_to(lane_port, GatewaySettings(port=0, keys_file=str(keys)))
     try:
         async with aiohttp.ClientSession() as http:
             for key in ("sk-acme-000000000001", "sk-beta-000000000001"):
@@ -238,6 +244,34 @@ async def test_a_tenant_finds_and_resumes_its_own_conversations_only(tmp_path):
                 assert mine == held[conversations.scoped(Tenant(tenant), "c1")]
             async with http.get(url + "/v1/stream", params={"conv_id": "c1"}) as resp:
                 assert resp.status == 401  # no key, no conversation
+    finally:
+        await front.cleanup()
+        await lane.cleanup()
+
+
+async def test_an_endpoint_a_lanes_build_lacks_is_a_501_naming_the_build_that_has_it():
+    async def no_route(_: web.Request) -> web.Response:  # what b11434 answers for a path it has no route for
+        return web.json_response({"error": {"message": "File Not Found", "type": "not_found_error", "code": 404}},
+                                 status=404)  # fmt: skip
+
+    async def props(_: web.Request) -> web.Response:
+        return web.json_response({"total_slots": 2, "model_path": "/m/m.gguf"})
+
+    app = lane_app({"/v1/responses": no_route, "/v1/chat/completions": no_route})
+    app.router.add_get("/props", props)
+    lane, lane_port = await serve(app)
+    _, front, url = await _gateway_to(lane_port, GatewaySettings(port=0))
+    try:
+        status, answer = await _post(url + "/v1/responses", {"model": "m", "input": "hi"})
+        assert status == 501 and answer["error"]["code"] == "not_supported_by_lane"
+        assert "b11434" in answer["error"]["message"] and "/v1/responses" in answer["error"]["message"]
+        async with aiohttp.ClientSession() as http:
+            async with http.get(url + "/props") as resp:  # the fleet's one model
+                assert resp.status == 200 and (await resp.json())["total_slots"] == 2
+            async with http.get(url + "/props", params={"model": "nope"}) as resp:
+                assert resp.status == 404 and (await resp.json())["error"]["code"] == "model_not_found"
+            async with http.get(url + "/models") as resp:
+                assert [m["id"] for m in (await resp.json())["data"]] == ["m"]
     finally:
         await front.cleanup()
         await lane.cleanup()

@@ -131,7 +131,12 @@ async def test_anthropic_errors_come_in_anthropics_shape_and_its_client_raises_t
     too_long = [{"role": "user", "content": "word " * 5000}]
     with pytest.raises(anthropic.BadRequestError) as caught:  # counted by the lane's own counter, refused
         await client.messages.create(model="gemma", max_tokens=4, messages=too_long)
-    assert caught.value.body["error"]["code"] == "context_length_exceeded"
+    refused = caught.value.body["error"]
+    assert refused["code"] == "context_length_exceeded" and refused["n_prompt_tokens"] > refused["n_ctx"] == 2048
+    via, direct = await _both(door, "/v1/chat/completions", {"model": "gemma", "messages": too_long})
+    assert via[0] == direct[0] == 400 and direct[1]["error"]["type"] == "exceed_context_size_error"
+    assert {k: via[1]["error"][k] for k in ("n_prompt_tokens", "n_ctx")} == \
+        {k: direct[1]["error"][k] for k in ("n_prompt_tokens", "n_ctx")}  # fmt: skip
 
 
 async def test_codex_and_the_responses_api_through_the_gateway(door):
@@ -251,3 +256,15 @@ async def test_editor_completion_at_the_cursor_through_the_gateway_is_charged(fi
                           if line.startswith("data: {")]  # fmt: skip
                 answers.append([sorted(e) for e in events])
     assert answers[0] == answers[1] and len(answers[0]) > 1  # the same events, field for field
+
+
+async def test_props_of_a_model_are_its_lanes_own(door):
+    gateway, lane, _ = door
+    async with aiohttp.ClientSession() as http:
+        async with http.get(gateway + "/props", params={"model": "gemma"},
+                            headers={"Authorization": f"Bearer {KEY}"}) as resp:  # fmt: skip
+            via = (resp.status, await resp.json())
+        async with http.get(lane + "/props") as resp:
+            direct = (resp.status, await resp.json())
+    assert via[0] == direct[0] == 200 and via[1].keys() == direct[1].keys()
+    assert via[1]["total_slots"] == direct[1]["total_slots"] == 2

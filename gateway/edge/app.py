@@ -66,6 +66,27 @@ async def _models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": catalogue(request.app[VIEW])})
 
 
+async def _props(request: web.Request) -> web.Response:
+    """GET /props?model=: a ready lane's own /props for that model (or the fleet's only one), as
+    llama-server's router answers it."""
+    app = request.app
+    name = request.query.get("model") or only_model(catalogue(app[VIEW]))[0]
+    if not name:
+        return openai_error(400, "say which model: /props?model=<name> (GET /v1/models lists them)", "model_required")
+    lanes = app[VIEW].routable(name)
+    if not lanes:
+        return openai_error(404, f"no ready lane serves model {name!r} (GET /v1/models says its state)",
+                            "model_not_found")  # fmt: skip
+    timeout = aiohttp.ClientTimeout(total=app[SETTINGS].connect_timeout * 3, connect=app[SETTINGS].connect_timeout)
+    try:
+        async with app[SESSION].get(lanes[0].url + "/props", headers=lanes[0].auth, timeout=timeout) as upstream:
+            return web.Response(body=await upstream.read(), status=upstream.status,
+                                content_type="application/json")  # fmt: skip
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        return openai_error(502, f"lane {lanes[0].host_id}/{lanes[0].lane_id} did not answer /props: {exc!r}",
+                            "lane_failed")  # fmt: skip
+
+
 async def _metrics(request: web.Request) -> web.Response:
     body = generate_latest(request.app[METRICS].registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -296,6 +317,8 @@ def build_app(
     app.router.add_get("/ready", _ready)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/v1/models", _models)
+    app.router.add_get("/models", _models)
+    app.router.add_get("/props", _props)
     for path in ENDPOINTS:
         app.router.add_post(path, _proxy)
     app.router.add_post("/v1/streams/lookup", conversations.lookup)

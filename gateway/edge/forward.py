@@ -14,6 +14,7 @@ from aiohttp import web
 from gateway import routing
 from gateway.admission import Lease
 from gateway.edge import adapters
+from gateway.edge.endpoints import ENDPOINTS
 from gateway.edge.app_keys import ADMISSION, METRICS, SESSION, SETTINGS, TENANT, VIEW
 from gateway.edge.openai_errors import give_up, openai_error
 from gateway.edge.relay import assembled, cut_short, relay
@@ -113,12 +114,21 @@ async def forward(
             else:
                 _drop(upstream, lease)
             raise
+        small = (upstream.content_length or routing.REFUSAL_BYTES + 1) <= routing.REFUSAL_BYTES
+        if upstream.status == 404 and request.path in ENDPOINTS and small:
+            first = await upstream.read()  # relayed as the answer unless the lane has no such route
+        if upstream.status == 404 and NO_ROUTE in first:
+            upstream.release()
+            lease.release()
+            return openai_error(501, f"lane {lane.host_id}/{lane.lane_id}'s llama-server does not serve {request.path}: "
+                                f"its build is older than {TESTED_BUILD}, the build lanes is tested with (`lanes "
+                                "install-llama` installs it)", "not_supported_by_lane")  # fmt: skip
         if upstream.status in routing.RETRY_STATUSES:
             upstream.release()
             lease.release()
             history.append(Attempt(lane.key, Failure.STATUS, status=upstream.status))
             continue
-        if upstream.status == 400 and (upstream.content_length or routing.REFUSAL_BYTES + 1) <= routing.REFUSAL_BYTES:
+        if upstream.status == 400 and small:
             first = await upstream.read()  # relayed as the answer's first chunk unless it is a window refusal
             tokens = routing.context_refusal(first)
             if tokens is not None:
@@ -136,6 +146,10 @@ async def forward(
         if shape.assembled and upstream.status == 200 and sse:  # (a lane that answers plain is relayed as it is)
             return await assembled(request, upstream, lease, started, first, shape.assembled)
         return await relay(request, upstream, lease, started, first, resumable=shape.conversation is not None)
+
+
+TESTED_BUILD = "b11434"  # llama.cpp's build whose endpoints gateway/edge/endpoints.py lists
+NO_ROUTE = b'"File Not Found"'  # llama-server's 404 for a path it has no route for (b11434)
 
 
 def _drop(upstream: aiohttp.ClientResponse | None, lease: Lease) -> None:

@@ -14,9 +14,10 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
                 429: "rate_limit_error"}  # fmt: skip
 
 
-def openai_error(status: int, message: str, code: str | None = None, retry_after: int | None = None) -> web.Response:
+def openai_error(status: int, message: str, code: str | None = None, retry_after: int | None = None,
+                 detail: tuple[tuple[str, int], ...] = ()) -> web.Response:  # fmt: skip
     body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": None,
-                      "code": code}}  # fmt: skip
+                      "code": code, **dict(detail)}}  # fmt: skip
     headers = {"Retry-After": str(retry_after)} if retry_after else None
     return web.json_response(body, status=status, headers=headers)
 
@@ -36,8 +37,9 @@ def anthropic_error(response: web.Response) -> web.Response:
     error = said.get("error") if isinstance(said, dict) else None
     if not isinstance(error, dict) or said.get("type") == "error":
         return response
+    kept = {k: v for k, v in error.items() if k not in ("message", "type", "param")}  # its code and details
     body = {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(response.status, "api_error"),
-                                       "message": error.get("message", ""), "code": error.get("code")}}  # fmt: skip
+                                       "message": error.get("message", ""), **kept}}  # fmt: skip
     headers = {k: v for k, v in response.headers.items() if k == "Retry-After"}
     return web.json_response(body, status=response.status, headers=headers or None)
 
@@ -49,4 +51,5 @@ def sse_error(end: GiveUp) -> bytes:
 
 
 def give_up(step: GiveUp, settings: GatewaySettings) -> web.Response:
-    return openai_error(step.status, step.message, step.code, settings.retry_after if step.retry_after else None)
+    return openai_error(step.status, step.message, step.code, settings.retry_after if step.retry_after else None,
+                        step.detail)  # fmt: skip

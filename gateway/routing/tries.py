@@ -65,6 +65,7 @@ class GiveUp:
     message: str
     code: str
     retry_after: bool = False  # with the gateway's Retry-After header
+    detail: tuple[tuple[str, int], ...] = ()  # fields beside the code, as the lane says them (n_prompt_tokens, n_ctx)
 
 
 Step = Try | GiveUp
@@ -230,4 +231,5 @@ def context_exceeded(windows: Mapping[LaneKey, int], tokens: int) -> GiveUp | No
         f"This model's maximum context length is {largest} tokens per request; the prompt has {tokens}"
         " (counted by the lane's tokenizer). Shorten the prompt.",
         "context_length_exceeded",
+        detail=(("n_prompt_tokens", tokens), ("n_ctx", largest)),  # llama-server's own fields for it
     )
