@@ -268,3 +268,55 @@ async def test_props_of_a_model_are_its_lanes_own(door):
             direct = (resp.status, await resp.json())
     assert via[0] == direct[0] == 200 and via[1].keys() == direct[1].keys()
     assert via[1]["total_slots"] == direct[1]["total_slots"] == 2
+
+
+async def test_a_control_reaches_the_lane_running_the_completion(door):
+    gateway, lane, _ = door
+    auth = {"Authorization": f"Bearer {KEY}"}
+    ask = {"model": "gemma", "max_tokens": 120, "stream": True, "messages": CHAT}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(gateway + "/v1/chat/completions", json=ask, headers=auth) as resp:
+            first = json.loads((await resp.content.readline()).decode()[6:])  # its first event names it
+            said = []
+            for body in ({"id": first["id"], "action": "reasoning_end"}, {"id": "chatcmpl-nobody", "action":
+                         "reasoning_end"}, {"id": first["id"], "action": "no-such-action"}):  # fmt: skip
+                async with http.post(gateway + "/v1/chat/completions/control", json=body, headers=auth) as answer:
+                    said.append((answer.status, await answer.json()))
+    # Gemma has no reasoning to end: the lane running it says so; another completion is nowhere.
+    assert said[0] == (200, {"success": False, "message": "reasoning control not enabled for this completion"})
+    assert said[1] == (200, {"success": False, "message": "no active completion for this id"})
+    assert said[2][0] == 400 and said[2][1]["error"]["message"] == "unknown control action"
+
+
+def _wav(seconds: float = 0.2, rate: int = 16000) -> bytes:
+    import io
+    import wave
+
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(b"\x00\x00" * int(seconds * rate))
+    return out.getvalue()
+
+
+async def test_speech_to_text_is_relayed_as_a_form_to_a_lane_of_its_model(door):
+    gateway, lane, gw = door
+    answers = []
+    async with aiohttp.ClientSession() as http:
+        for url, headers in ((gateway, {"Authorization": f"Bearer {KEY}"}), (lane, {})):
+            form = aiohttp.FormData()
+            form.add_field("model", "gemma")
+            form.add_field("file", _wav(), filename="hello.wav", content_type="audio/wav")
+            async with http.post(url + "/v1/audio/transcriptions", data=form, headers=headers) as resp:
+                answers.append((resp.status, await resp.json()))
+    # Gemma has no audio projector: the lane's own refusal, through the gateway as straight from it.
+    assert answers[0] == answers[1] and answers[0][0] == 501, answers
+    client = openai.AsyncOpenAI(base_url=gateway + "/v1", api_key=KEY, max_retries=0)  # as it sends audio
+    with pytest.raises(openai.APIStatusError) as caught:
+        await client.audio.transcriptions.create(model="gemma", file=("hello.wav", _wav(), "audio/wav"))
+    assert caught.value.status_code == 501 and caught.value.body == answers[1][1]["error"]
+    seen = gw.app[METRICS].registry.get_sample_value("lanes_gateway_endpoint_requests_total",
+                                                     {"endpoint": "/v1/audio/transcriptions", "status": "501"})  # fmt: skip
+    assert seen == 2

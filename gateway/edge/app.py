@@ -25,7 +25,7 @@ from gateway import routing
 from gateway.admission import (
     Admission, HeldFull, LoadFailed, LoadTimeout, ModelView, Waker, catalogue, classify, only_model,
 )
-from gateway.edge import adapters, assemble, bounds, conversations, cors, counted, relay
+from gateway.edge import adapters, assemble, bounds, conversations, cors, counted, endpoints, relay
 from gateway.edge.access import CookieSecret
 from gateway.edge.app_keys import (ADMISSION, COOKIE_SECRET, KEYS, LEFT, METRICS, SESSION, SETTINGS, TENANT, USAGE,
                                    VIEW, WAKER)  # fmt: skip
@@ -102,8 +102,9 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
                             "request_timeout")  # fmt: skip
         slow.force_close()  # the rest of the body is never read: the connection goes
         return slow
+    form = ENDPOINTS[request.path].form
     try:
-        payload = msgspec.json.decode(body)
+        payload = endpoints.form_fields(body) if form else msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
         return openai_error(400, f"request body is not JSON: {exc}", "invalid_json")
     out_of_bounds = bounds.refusal(payload)
@@ -123,7 +124,7 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
         name, why = only_model(catalogue(view))
         if name is None:
             return openai_error(400, f"the request names no model (field 'model') and {why}", "model_required")
-    name = adapters.requested(name, payload)  # a LoRA adapter: "base:adapter"
+    name = adapters.requested(name, payload) if not form else name  # a LoRA adapter: "base:adapter"
     if ":" not in name and adapters.applied_by_id(payload):
         return openai_error(400, "apply a LoRA adapter by name (model \"base:adapter\", or lora [{\"name\": ..., "
                             "\"scale\": ...}]): ids differ between lanes", "adapter_by_id")  # fmt: skip
@@ -184,7 +185,8 @@ async def _answer(
                 body = counted.counted_body(request.path, payload, body, streamed)
             if conversation is not None:
                 conversation = conversations.scoped(request.get(TENANT) or Tenant(), conversation)
-            shape = Shape(label, mark, too_small, tokens, streamed, kind, conversation)
+            content_type = request.headers.get("Content-Type", "") if ENDPOINTS[request.path].form else None
+            shape = Shape(label, mark, too_small, tokens, streamed, kind, conversation, content_type)
             response = await forward(request, name, body, started, shape)
     return response
 
@@ -322,6 +324,7 @@ def build_app(
     for path in ENDPOINTS:
         app.router.add_post(path, _proxy)
     app.router.add_post("/v1/streams/lookup", conversations.lookup)
+    app.router.add_post("/v1/chat/completions/control", conversations.control)
     app.router.add_get("/v1/stream", conversations.resume)
     app.router.add_delete("/v1/stream", conversations.resume)
     return app

@@ -1,4 +1,4 @@
-"""Resumable streams (llama-server's `X-Conversation-Id`), through any gateway.
+"""Resumable streams (llama-server's `X-Conversation-Id`) and completion controls, through any gateway.
 
 A lane keeps a stream that carries the header alive after its client leaves, buffers its bytes,
 and serves them again from any byte offset (`GET /v1/stream?conv_id=&from=`; measured on b11434,
@@ -6,7 +6,9 @@ tools/server/server-stream.h). The gateway passes the header on, scoped to the c
 (`<tenant digest>.<id>`: one tenant can neither look up nor resume another's, and two tenants'
 equal ids never meet), relays the lane's bytes untouched (so the client's offset is the lane's),
 and finds the lane that holds a conversation by asking the lanes themselves
-(`POST /v1/streams/lookup`), which any gateway can do: one that dies mid-stream loses nothing."""
+(`POST /v1/streams/lookup`), which any gateway can do: one that dies mid-stream loses nothing.
+A control (`POST /v1/chat/completions/control`: end a completion's reasoning) is found its lane
+the same way: every lane is asked, and the one running that completion answers."""
 
 from __future__ import annotations
 
@@ -45,29 +47,53 @@ def refusal(conversation: str) -> web.Response | None:
     return None
 
 
-async def _holds(app: web.Application, lane: LaneRoute, ids: list[str]) -> list[dict]:
-    """What a lane says of these conversations (those it holds), or nothing when it cannot say."""
-    try:
-        async with asyncio.timeout(LOOKUP_WAIT), app[SESSION].post(
-                lane.url + "/v1/streams/lookup", json={"conversation_ids": ids},
-                headers=lane.auth) as resp:  # fmt: skip
-            found = msgspec.json.decode(await resp.read()) if resp.status == 200 else []
-    except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError):
-        return []
-    return [entry for entry in found if isinstance(entry, dict)] if isinstance(found, list) else []
+async def _ask_every_lane(app: web.Application, path: str, body: dict) -> list[tuple[LaneRoute, int, object]]:
+    """(lane, status, its JSON answer) from every healthy lane asked at once; one that cannot say is left out."""
+    lanes = [lane for lane in app[VIEW].lanes() if lane.state == "healthy"]
+
+    async def ask(lane: LaneRoute) -> tuple[int, object] | None:
+        try:
+            async with asyncio.timeout(LOOKUP_WAIT), app[SESSION].post(lane.url + path, json=body,
+                                                                       headers=lane.auth) as resp:  # fmt: skip
+                return resp.status, msgspec.json.decode(await resp.read())
+        except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError):
+            return None
+
+    answers = await asyncio.gather(*(ask(lane) for lane in lanes))
+    return [(lane, *answer) for lane, answer in zip(lanes, answers) if answer is not None]
 
 
 async def find(app: web.Application, ids: list[str]) -> dict[str, tuple[LaneRoute, dict]]:
     """The lane holding each of these (lane-side) conversation ids, asked of every healthy lane at once."""
-    lanes = [lane for lane in app[VIEW].lanes() if lane.state == "healthy"]
-    answers = await asyncio.gather(*(_holds(app, lane, ids) for lane in lanes))
     found: dict[str, tuple[LaneRoute, dict]] = {}
-    for lane, entries in zip(lanes, answers):
-        for entry in entries:
-            conv = entry.get("conversation_id")
+    for lane, status, entries in await _ask_every_lane(app, "/v1/streams/lookup", {"conversation_ids": ids}):
+        for entry in entries if status == 200 and isinstance(entries, list) else ():
+            conv = entry.get("conversation_id") if isinstance(entry, dict) else None
             if conv in ids and (conv not in found or entry.get("started_at", 0) > found[conv][1].get("started_at", 0)):
                 found[conv] = (lane, entry)  # (the newest, should two lanes hold one id)
     return found
+
+
+NOT_HERE = "no active completion for this id"  # a lane's answer to a control for another lane's completion (b11434)
+
+
+async def control(request: web.Request) -> web.Response:
+    """POST /v1/chat/completions/control ({"id", "action"}): the answer of the lane running that
+    completion; when none is, a lane's own "no active completion" answer."""
+    try:
+        asked = msgspec.json.decode(await request.read())
+    except msgspec.DecodeError as exc:
+        return openai_error(400, f"request body is not JSON: {exc}", "invalid_json")
+    if not isinstance(asked, dict) or not isinstance(asked.get("id"), str) or not asked["id"]:
+        return openai_error(400, "missing completion id", "invalid_request")  # llama-server's words
+    answers = [(status, answer) for _, status, answer in await _ask_every_lane(request.app, request.path, asked)]
+    elsewhere = [(status, a) for status, a in answers
+                 if status == 200 and isinstance(a, dict) and a.get("message") == NOT_HERE]  # fmt: skip
+    running = [(status, a) for status, a in answers if (status, a) not in elsewhere]
+    if running or elsewhere:  # the lane running it (or refusing the request itself), else "not here"
+        status, answer = (running or elsewhere)[0]
+        return web.json_response(answer, status=status)
+    return openai_error(503, "no lane could be asked", "no_lane", request.app[SETTINGS].retry_after)
 
 
 async def lookup(request: web.Request) -> web.Response:

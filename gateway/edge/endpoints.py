@@ -6,6 +6,7 @@ body names none, as llama-server itself does. Aliases without `/v1` are llama-se
 
 from __future__ import annotations
 
+import re
 from typing import Literal, NamedTuple
 
 Api = Literal["openai", "anthropic", "responses", "native"]
@@ -14,6 +15,7 @@ Api = Literal["openai", "anthropic", "responses", "native"]
 class Endpoint(NamedTuple):
     api: Api  # whose request, answer and error shapes it speaks
     generates: bool  # takes a slot to generate (vs. counting, rendering or embedding)
+    form: bool = False  # a multipart form (an audio file), not JSON: relayed as it came
 
 
 ENDPOINTS: dict[str, Endpoint] = {
@@ -38,7 +40,17 @@ ENDPOINTS: dict[str, Endpoint] = {
     "/tokenize": Endpoint("native", False),
     "/detokenize": Endpoint("native", False),
     "/apply-template": Endpoint("native", False),
+    "/v1/audio/transcriptions": Endpoint("openai", True, form=True),
 }
+
+
+FORM_MODEL = re.compile(rb'Content-Disposition: form-data; name="model"\r\n(?:[^\r\n]+\r\n)*\r\n([^\r\n]{1,256})\r\n')
+
+
+def form_fields(body: bytes) -> dict:
+    """What routing reads of a multipart form (an audio file and its fields): its `model`."""
+    found = FORM_MODEL.search(body)
+    return {"model": found.group(1).decode("utf-8", "replace")} if found else {}
 
 
 def api_of(path: str) -> Api:

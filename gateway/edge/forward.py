@@ -37,6 +37,7 @@ class Shape:
     streamed: bool = False  # "stream": true: the first token's time is the first byte's
     assembled: str | None = None  # plain, asked of the lane as a stream and put together (gateway/edge/assemble.py)
     conversation: str | None = None  # X-Conversation-Id as the lane sees it: a resumable stream (conversations.py)
+    content_type: str | None = None  # a form's own (multipart, with its boundary); None: JSON
 
 
 def lane_headers(accept: str, streamed: bool) -> dict[str, str]:
@@ -88,9 +89,10 @@ async def forward(
             async with asyncio.timeout(wait):
                 upstream = await app[SESSION].post(
                     lane.url + request.path,
-                    data=adapters.body_for(body, name, lane),
+                    data=body if shape.content_type else adapters.body_for(body, name, lane),
                     headers=lane_headers(request.headers.get("Accept", "*/*"), bool(shape.streamed or shape.assembled))
-                    | lane.auth | ({"X-Conversation-Id": shape.conversation} if shape.conversation else {}),
+                    | lane.auth | ({"X-Conversation-Id": shape.conversation} if shape.conversation else {})
+                    | ({"Content-Type": shape.content_type} if shape.content_type else {}),
                     timeout=aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout),
                 )
                 if (shape.streamed or shape.assembled) and upstream.status == 200:
