@@ -320,3 +320,13 @@ async def test_speech_to_text_is_relayed_as_a_form_to_a_lane_of_its_model(door):
     seen = gw.app[METRICS].registry.get_sample_value("lanes_gateway_endpoint_requests_total",
                                                      {"endpoint": "/v1/audio/transcriptions", "status": "501"})  # fmt: skip
     assert seen == 2
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 6}),
+    ("/v1/completions", {"prompt": "The sky is", "max_tokens": 6}),
+])  # fmt: skip
+async def test_a_plain_answer_put_together_from_a_stream_has_every_field_the_lane_sends(door, path, body):
+    via, direct = await _both(door, path, {"model": "gemma", **body})
+    assert via[0] == direct[0] == 200
+    assert _shape(via[1]) == _shape(direct[1]), (via, direct)
