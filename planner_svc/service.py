@@ -263,11 +263,14 @@ async def run_planner(
 
         nc = await connect(servers, name="lanes-planner", auth=auth, on_reconnect=on_reconnect)
         stack.push_async_callback(quietly(nc.drain))
-        kv = await kv_bucket(nc, create=True, replicas=replicas)
-        try:  # lanes' keys: the planner makes their bucket and never reads it
+        # Lanes' keys first: the planner makes their bucket (and never reads it) before the lanes
+        # bucket, which agents wait for, so an agent finds both and never tries to make the
+        # first itself (auth.conf refuses it that: a permissions violation in its log).
+        try:
             await secrets_bucket(nc, create=True, replicas=replicas)
         except Exception as exc:  # an agent makes it where it must; gateways wait for it
             log.warning("secrets bucket not made", error=str(exc) or type(exc).__name__)
+        kv = await kv_bucket(nc, create=True, replicas=replicas)
         service = PlannerService(nc, kv, lease_ttl=lease_ttl, name=name)
         await endpoints.ensure_config(service)
         await endpoints.add_endpoints(service, stack)
