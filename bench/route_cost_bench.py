@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from gateway.admission.queue import Admission  # noqa: E402
-from gateway.routing.affinity import fingerprint  # noqa: E402
+from gateway.routing.chunks import fingerprint  # noqa: E402
 from gateway.fleet.view import FleetView  # noqa: E402
 from test_gateway_core import healthy, put_plan, put_status, spec  # noqa: E402
 

@@ -11,17 +11,16 @@ import pytest
 import gateway.routing.tries as routing
 from gateway.admission.queue import Admission
 from gateway.routing.affinity import (
-    CHUNK_CHARS,
     DEFAULT_PREFILL_RATE,
     PATIENCE_FACTOR,
     AffinityIndex,
     LaneLoad,
     choose,
-    fingerprint,
     most_free,
     patience,
     within_bound,
 )
+from gateway.routing.chunks import CHUNK_CHARS, fingerprint
 from gateway.fleet.view import FleetView
 from gateway.routing.prompts import TEMPLATE_TOKENS, TEMPLATE_TOKENS_PER_MESSAGE, prompt_of
 from gateway.tenants.usage import prompt_usage
@@ -116,6 +115,48 @@ def test_the_index_matches_the_longest_prefix_sent_to_each_lane():
     index.record(B, turn2.hashes)
     assert index.matched(B, turn2.hashes) == len(turn2.hashes)
     assert index.matched(A, ()) == 0
+
+
+def test_a_lane_sent_a_prompt_holds_its_end_past_the_last_whole_chunk():
+    """A conversation's next turn repeats the last prompt whole: the lane holds the part of it
+    inside the last, partial chunk too (on a short conversation, most of what it holds)."""
+    index = AffinityIndex()
+    first = "conversation\n" + "lane slot cache " * 40  # 653 characters: 2 whole chunks, 141 more
+    sent = fingerprint("m", first)
+    assert sent.tail() is not None and sent.tail()[0] == len(first) - 2 * CHUNK_CHARS
+    assert fingerprint("m", "x" * CHUNK_CHARS * 2).tail() is None  # ends on a chunk: nothing past it
+    index.record(A, sent.hashes, sent.tail())
+    nxt = fingerprint("m", first + "\nuser: and then?")
+    assert index.matched(A, nxt.hashes) == 2
+    assert index.beyond(A, nxt, 2) == len(first) - 2 * CHUNK_CHARS
+    assert index.beyond(B, nxt, 2) == 0
+    branched = fingerprint("m", first[:-5] + "other things")  # the same whole chunks, another end
+    assert index.matched(A, branched.hashes) == 2 and index.beyond(A, branched, 2) == 0
+    index.drop(A, sent.hashes[-1:])  # its chunk found evicted: its end goes with it
+    assert index.beyond(A, nxt, 2) == 0 and index.tails[A] == {}
+
+
+def test_what_a_lane_is_said_to_hold_of_a_prompt_is_never_more_than_it_was_sent():
+    rng = random.Random(5)
+    for _ in range(300):
+        words = [rng.choice("ab c\n") * rng.randint(1, 40) for _ in range(rng.randint(1, 60))]
+        sent = "".join(words)
+        other = sent[: rng.randint(0, len(sent))] + "".join(rng.choice("abc ") for _ in range(rng.randint(0, 600)))
+        index = AffinityIndex()
+        fp = fingerprint("m", sent)
+        index.record(A, fp.hashes, fp.tail())
+        probe = fingerprint("m", other)
+        chunks = index.matched(A, probe.hashes)
+        shared = next((i for i, (x, y) in enumerate(zip(sent, other)) if x != y), min(len(sent), len(other)))
+        assert chunks * CHUNK_CHARS + index.beyond(A, probe, chunks) <= shared
+
+
+def test_the_ends_kept_go_with_their_chunks_when_the_index_is_trimmed():
+    index = AffinityIndex(capacity=4)
+    for i in range(20):
+        fp = fingerprint("m", f"{i} " * 300)
+        index.record(A, fp.hashes, fp.tail())
+    assert len(index.lanes[A]) == 4 and set(index.tails[A]) <= set(index.lanes[A])
 
 
 def test_the_index_is_bounded_and_forgets_the_least_recently_sent():

@@ -15,7 +15,7 @@ from test_gateway import ALIAS, SYSTEMS, _openai, fleet, gateway  # noqa: F401 (
 from waiting import eventually
 
 from gateway.admission.queue import Admission
-from gateway.routing.affinity import CHUNK_CHARS
+from gateway.routing.chunks import CHUNK_CHARS
 from gateway.fleet.view import FleetView
 from gateway.sync.shared_view import KVEventBatch, SharedView, from_wire, kv_event_batch, to_wire
 from shared import subjects

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.admission.queue import Admission
-from gateway.routing.affinity import CHUNK_CHARS, DEFAULT_PREFILL_RATE, fingerprint
+from gateway.routing.affinity import DEFAULT_PREFILL_RATE
+from gateway.routing.chunks import CHUNK_CHARS, fingerprint
 from gateway.fleet.view import FleetView
 from gateway.routing.prefix_index import MIN_CHUNKS, PrefixIndex, budget_chunks
 from gateway.routing.token_cost import LaneTokens, choose_by_cost, first_token_cost
@@ -37,9 +38,18 @@ def lane_strategy(key):
 fleets = st.tuples(lane_strategy(A), lane_strategy(B), lane_strategy(C)).map(list)
 
 
+def ranked_cost(lane: LaneTokens, lanes: list[LaneTokens], tokens: int) -> float:
+    """What lanes are compared by: the first-token cost, plus once more the seconds of prefill the
+    lane would do beyond the warmest lane's."""
+    warmest = min(tokens, max(x.matched for x in lanes))
+    rate = lane.rate or DEFAULT_PREFILL_RATE
+    return first_token_cost(lane, tokens) + max(0, warmest - lane.matched) / rate
+
+
 @given(fleets, st.integers(1, 4000))
 @settings(max_examples=300, deadline=None)
 def test_the_choice_is_the_open_lane_whose_first_token_comes_soonest(lanes, tokens):
+    """Soonest, where a colder lane's extra prefill counts twice."""
     choice = choose_by_cost(lanes, tokens, KEY)
     open_lanes = [x for x in lanes if x.busy < x.slots]
     if not open_lanes:
@@ -47,8 +57,8 @@ def test_the_choice_is_the_open_lane_whose_first_token_comes_soonest(lanes, toke
         return
     chosen = next(x for x in lanes if x.key == choice.lane)
     assert chosen.busy < chosen.slots  # never a full lane
-    cheapest = min(first_token_cost(x, tokens) for x in open_lanes)
-    assert round(first_token_cost(chosen, tokens), 6) == round(cheapest, 6)
+    cheapest = min(ranked_cost(x, lanes, tokens) for x in open_lanes)
+    assert round(ranked_cost(chosen, lanes, tokens), 6) == round(cheapest, 6)
     assert choice.reason == ("affinity" if chosen.matched else "overflow" if any(x.matched for x in lanes) else "miss")
 
 
@@ -57,12 +67,14 @@ def test_the_choice_is_the_open_lane_whose_first_token_comes_soonest(lanes, toke
 def test_a_patient_request_waits_only_for_a_full_lane_cheaper_than_any_open_one(lanes, tokens):
     choice = choose_by_cost(lanes, tokens, KEY, patient=True)
     costs = {x.key: first_token_cost(x, tokens) for x in lanes}
-    open_costs = [costs[x.key] for x in lanes if x.busy < x.slots]
+    ranks = {x.key: ranked_cost(x, lanes, tokens) for x in lanes}
+    open_lanes = [x for x in lanes if x.busy < x.slots]
     if choice.reason == "wait":
         awaited = next(x for x in lanes if x.key == choice.wait_for)
         assert awaited.busy >= awaited.slots
-        assert all(round(costs[awaited.key], 6) <= round(c, 6) for c in open_costs)
-        assert choice.patience == (min(open_costs) if open_costs else 0.0)  # no longer than going now costs
+        assert all(round(ranks[awaited.key], 6) <= round(ranks[x.key], 6) for x in open_lanes)
+        # no longer than going now to the open lane it would take costs
+        assert choice.patience == (costs[choose_by_cost(lanes, tokens, KEY).lane] if open_lanes else 0.0)
     else:
         assert choice == choose_by_cost(lanes, tokens, KEY)  # an open lane is cheapest: the same as impatient
 
@@ -99,10 +111,25 @@ def test_holding_more_of_the_prompt_never_loses_the_chosen_lane_its_request(lane
     assert choose_by_cost(warmer, tokens, KEY).lane == choice.lane
 
 
-def test_a_warm_lane_is_kept_while_waiting_for_it_costs_less_than_a_cold_prefill():
-    rate, prompt = 100.0, 3000  # a 30 s cold prefill
+def test_a_conversation_stays_on_its_warm_lane_when_two_like_lanes_are_timed_apart():
+    """Measured in a loaded run of tests/test_slot_save_real.py (two identical lanes on one
+    2-core host): their prefill was timed at 4203 and 9114 tokens/s. A 999-token turn whose
+    previous 938 tokens the slower lane holds (2 whole chunks and the end of the last prompt),
+    another turn's 61 tokens ahead on each lane, stays on the warm lane. Counted by whole chunks
+    alone and the cold lane's extra work once, a turn like it went cold and halved the round's
+    cached share (its lane's other conversation then went cold too)."""
+    warm = LaneTokens(A, 2, 1, pending=61, rate=4203.0, matched=938, chunks=2)
+    cold = LaneTokens(B, 2, 1, pending=61, rate=9114.0)
+    assert choose_by_cost([warm, cold], 999, KEY).lane == A
+    # Held by whole chunks alone, with more ahead of it, it still stays: the cold lane's extra work counts twice.
+    assert choose_by_cost([LaneTokens(A, 2, 1, pending=330, rate=4203.0, matched=730, chunks=2),
+                           LaneTokens(B, 2, 1, pending=330, rate=9114.0)], 999, KEY).lane == A  # fmt: skip
+
+
+def test_a_warm_lane_is_kept_while_waiting_for_it_costs_less_than_a_cold_prefill_whose_extra_work_counts_twice():
+    rate, prompt = 100.0, 3000  # a 30 s cold prefill, 29 s of it more than the warm lane's 1 s
     cold = LaneTokens(B, 2, 0, rate=rate)
-    for pending, kept in ((0, True), (2800, True), (3100, False)):  # 28 s + 1 s against 30 s, then 32 s
+    for pending, kept in ((0, True), (5700, True), (5900, False)):  # 57 s + 1 s against 30 + 29 s, then 60 s
         warm = LaneTokens(A, 2, 1, pending=pending, rate=rate, matched=2900, chunks=45)
         assert (choose_by_cost([warm, cold], prompt, KEY).lane == A) is kept, pending
     # Full: a patient request waits for it as long as a cold prefill would take, then goes.

@@ -210,12 +210,13 @@ class Admission:
         candidates = [x for x in loads if x.key not in exclude]
         hashes = prompt.hashes if prompt is not None and self.use_affinity else ()
         matched = {x.key: self.index.matched(x.key, hashes) for x in candidates} if hashes else {}
+        beyond = {k: self.index.beyond(k, prompt, m) for k, m in matched.items() if m} if prompt is not None else {}
         # A prompt shorter than a chunk has no prefix worth keeping: equals rotate, as without one.
         key = prompt.key if prompt is not None and prompt.hashes and self.use_affinity else None
         held = {x.key: self.index.held(x.key) for x in candidates} if key is not None else None
         cpt = counts.cpt(routable[0].model) if routable else routing.CHARS_PER_TOKEN
         if key is not None and prompt is not None:
-            by_tokens = self._by_tokens(candidates, matched, prompt, cpt, name, asking)
+            by_tokens = self._by_tokens(candidates, matched, beyond, prompt, cpt, name, asking)
             choice = routing.choose_by_cost(by_tokens, round(prompt.chars / cpt), key, held, patient)
         else:
             choice = routing.choose(candidates, matched, key, next(self._turns), held=held, patient=patient)
@@ -226,29 +227,33 @@ class Admission:
         if prompt is not None:
             lease.mark, lease.chunks = prompt, matched.get(lane.key, 0)
             lease.stamp = self.index.stamp(lane.key, prompt.hashes, lease.chunks)
-            lease.pending = max(0, round((prompt.chars - lease.chunks * routing.CHUNK_CHARS) / cpt))
+            held_chars = lease.chunks * routing.CHUNK_CHARS + beyond.get(lane.key, 0)
+            lease.pending = max(0, round((prompt.chars - held_chars) / cpt))
             lease.prompt_tokens = round(prompt.chars / cpt)
             counts.pending[lane.key] = counts.pending.get(lane.key, 0) + lease.pending
-            self.index.record(lane.key, prompt.hashes)
+            self.index.record(lane.key, prompt.hashes, prompt.tail())
             if self.on_prefix is not None:
                 self.on_prefix(lane.key, lane.model, prompt.hashes, (), 0)
         counts.routes[(lane.alias, choice.reason)] = counts.routes.get((lane.alias, choice.reason), 0) + 1
         counts.in_flight[lane.key] = counts.busy(lane.key) + 1
         return lease, choice
 
-    def _by_tokens(self, lanes: list[LaneLoad], matched: dict[LaneKey, int], prompt: Fingerprint, cpt: float,
-                   name: str, asking: Waiter | None) -> list[routing.LaneTokens]:  # fmt: skip
-        """Each lane's prefill ahead (sent and awaited) and its match of this prompt, in tokens."""
+    def _by_tokens(self, lanes: list[LaneLoad], matched: dict[LaneKey, int], beyond: dict[LaneKey, int],
+                   prompt: Fingerprint, cpt: float, name: str, asking: Waiter | None) -> list[routing.LaneTokens]:  # fmt: skip
+        """Each lane's prefill ahead (sent and awaited) and its match of this prompt, in tokens
+        (`beyond`: characters a lane holds past its matched chunks)."""
         counts, ahead = self.counts, dict(self.counts.pending)
         for waiter in self._queues.get(name, ()):
             if waiter.waiting_for is not None and waiter is not asking and waiter.prompt is not None \
                     and not waiter.future.done():
-                done = self.index.matched(waiter.waiting_for, waiter.prompt.hashes) * routing.CHUNK_CHARS
+                chunks = self.index.matched(waiter.waiting_for, waiter.prompt.hashes)
+                done = chunks * routing.CHUNK_CHARS + self.index.beyond(waiter.waiting_for, waiter.prompt, chunks)
                 ahead[waiter.waiting_for] = ahead.get(waiter.waiting_for, 0) + round(
                     max(0, waiter.prompt.chars - done) / cpt)
         return [routing.LaneTokens(
             x.key, x.slots, x.busy, x.waiting, ahead.get(x.key, 0), counts.prefill_rate.get(x.key),
-            counts.hold.get(x.key), round(min(prompt.chars, matched.get(x.key, 0) * routing.CHUNK_CHARS) / cpt),
+            counts.hold.get(x.key),
+            round(min(prompt.chars, matched.get(x.key, 0) * routing.CHUNK_CHARS + beyond.get(x.key, 0)) / cpt),
             matched.get(x.key, 0)) for x in lanes]  # fmt: skip
 
     def release(self, key: LaneKey, lease: Lease | None = None) -> None:

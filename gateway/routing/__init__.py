@@ -1,9 +1,8 @@
 """Where a request goes, decided without sockets: its prompt and tokens, the lane holding its
 prefix, the cost of each lane, and the next try after a failure (or giving up)."""
 
-from gateway.routing.affinity import (
-    CHARS_PER_TOKEN, CHUNK_CHARS, AffinityIndex, Choice, Fingerprint, LaneLoad, choose, fingerprint, patience,
-)
+from gateway.routing.affinity import CHARS_PER_TOKEN, AffinityIndex, Choice, LaneLoad, choose, patience
+from gateway.routing.chunks import CHUNK_CHARS, Fingerprint, fingerprint
 from gateway.routing.prefix_index import budget_chunks
 from gateway.routing.prompts import Prompt, prompt_of, takes_images
 from gateway.routing.token_cost import LaneTokens, choose_by_cost

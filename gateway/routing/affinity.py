@@ -42,46 +42,18 @@ a new conversation goes whenever they agree on the load (each reads /slots).
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from gateway.fleet import LaneKey
+from gateway.routing.chunks import CHUNK_CHARS, chunk_hash
 from gateway.routing.prefix_index import PrefixIndex
-
-CHUNK_CHARS = 256
-MAX_CHUNKS = 512  # 128k characters (about 32k tokens): longer prompts match on this much
 LOAD_BOUND = 1.25  # a warm lane's load may reach 125% of its fair share
 MIN_CAP = 2  # ... or two requests: one other request on it costs less than a cold prefill at low load
 CHARS_PER_TOKEN = 4  # to turn matched characters into the tokens a cold lane would prefill
 DEFAULT_PREFILL_RATE = 500.0  # tokens per second, until a lane's answers timed it
 PATIENCE_FACTOR = 4  # a wait worth up to this many cold prefills of the warm prefix
-
-
-def _h(data: bytes) -> int:
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
-
-
-@dataclass(frozen=True)
-class Fingerprint:
-    """A prompt's chained chunk hashes, and the key that places it when no lane holds it."""
-
-    hashes: tuple[int, ...]
-    key: int  # the first chunk's hash, or the whole short text's
-    chars: int = 0  # the rendered prompt's length: its tokens, at the lane's characters per token
-
-
-def fingerprint(model: str, text: str, chunk: int = CHUNK_CHARS, max_chunks: int = MAX_CHUNKS) -> Fingerprint:
-    seed = _h(model.encode())
-    hashes: list[int] = []
-    previous = seed
-    whole = min(len(text) // chunk, max_chunks)
-    for i in range(whole):
-        previous = _h(previous.to_bytes(8, "little") + text[i * chunk : (i + 1) * chunk].encode())
-        hashes.append(previous)
-    key = hashes[0] if hashes else _h(seed.to_bytes(8, "little") + text.encode())
-    return Fingerprint(tuple(hashes), key, len(text))
 
 
 AffinityIndex = PrefixIndex  # the name the rest of the gateway knew it by
@@ -127,7 +99,7 @@ def within_bound(lane: LaneLoad, lanes: Sequence[LaneLoad], bound: float = LOAD_
 
 
 def rendezvous(key: int, lane: LaneKey) -> int:
-    return _h(key.to_bytes(8, "little") + f"{lane[0]}\x1f{lane[1]}".encode())
+    return chunk_hash(key.to_bytes(8, "little") + f"{lane[0]}\x1f{lane[1]}".encode())
 
 
 def most_free(

@@ -1,6 +1,6 @@
 """Per lane, the prompt prefixes it holds, corrected by what its answers say it reused. Pure.
 
-An entry is one chained chunk hash (gateway/routing/affinity.py): hash i stands for the prompt's
+An entry is one chained chunk hash (gateway/routing/chunks.py): hash i stands for the prompt's
 first i+1 chunks. Entries are recorded on the lane a prompt is sent to, the moment it is
 sent, with a stamp from the lane's own counter; the oldest go first.
 
@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from gateway.fleet import LaneKey
+from gateway.routing.chunks import Fingerprint
 
 LANE_CAPACITY = 16384  # chunks per lane whose budget is not known (4M characters)
 MIN_CHUNKS = 64  # no budget below this: a lane always keeps its slots' last prompts
@@ -49,6 +50,10 @@ class PrefixIndex:
     budgets: dict[LaneKey, int] = field(default_factory=dict)
     lanes: dict[LaneKey, OrderedDict[int, int]] = field(default_factory=dict)
     clocks: dict[LaneKey, int] = field(default_factory=dict)
+    # Per lane: chunk hash -> (characters, hash) of the last prompt sent that ended after that
+    # chunk, inside the next (Fingerprint.tail): the lane holds that much more of a prompt that
+    # repeats it. Gone with the chunk's entry.
+    tails: dict[LaneKey, dict[int, tuple[int, int]]] = field(default_factory=dict)
 
     def set_budget(self, lane: LaneKey, chunks: int) -> None:
         self.budgets[lane] = max(1, chunks)
@@ -57,7 +62,7 @@ class PrefixIndex:
     def limit(self, lane: LaneKey) -> int:
         return self.budgets.get(lane, self.capacity)
 
-    def record(self, lane: LaneKey, hashes: Sequence[int]) -> None:
+    def record(self, lane: LaneKey, hashes: Sequence[int], tail: tuple[int, int] | None = None) -> None:
         held = self.lanes.setdefault(lane, OrderedDict())
         clock = self.clocks.get(lane, 0)
         for h in hashes:
@@ -65,12 +70,25 @@ class PrefixIndex:
             held[h] = clock
             held.move_to_end(h)
         self.clocks[lane] = clock
+        if tail is not None and hashes:
+            self.tails.setdefault(lane, {})[hashes[-1]] = tail
         self._trim(lane)
 
     def _trim(self, lane: LaneKey) -> None:
         held, cap = self.lanes.get(lane), self.limit(lane)
         while held and len(held) > cap:
-            held.popitem(last=False)
+            self._forget(lane, held.popitem(last=False)[0])
+
+    def _forget(self, lane: LaneKey, h: int) -> None:
+        tails = self.tails.get(lane)
+        if tails:
+            tails.pop(h, None)
+
+    def beyond(self, lane: LaneKey, prompt: Fingerprint, matched: int) -> int:
+        """Characters the lane holds past the prompt's first `matched` whole chunks: the end of an
+        earlier prompt, sent to it, that this one repeats."""
+        tail = self.tails.get(lane, {}).get(prompt.hashes[matched - 1]) if matched > 0 else None
+        return tail[0] if tail is not None and prompt.after(matched, tail[0]) == tail[1] else 0
 
     def matched(self, lane: LaneKey, hashes: Sequence[int]) -> int:
         """Leading chunks of the prompt the lane holds: hash i stands for the whole prefix up to i."""
@@ -107,6 +125,7 @@ class PrefixIndex:
             if s > stamp:
                 break
             held.popitem(last=False)
+            self._forget(lane, h)
             dropped.append(h)
         return Correction(reused, tuple(dropped))
 
@@ -115,6 +134,7 @@ class PrefixIndex:
         if held:
             for h in hashes:
                 held.pop(h, None)
+                self._forget(lane, h)
 
     def held(self, lane: LaneKey) -> int:
         return len(self.lanes.get(lane, ()))
@@ -125,5 +145,6 @@ class PrefixIndex:
         for lane in [k for k in self.lanes if k not in keep]:
             del self.lanes[lane]
             self.clocks.pop(lane, None)
+            self.tails.pop(lane, None)
         for lane in [k for k in self.budgets if k not in keep]:
             del self.budgets[lane]

@@ -10,9 +10,10 @@ So the time a prompt waits for its first token on a lane is about
 
 where its own uncached tokens are the prompt's tokens less the prefix the lane holds, and
 the slot wait is the requests ahead of it for a slot times how long a request holds one,
-shared over the lane's slots. The lane with the least of it wins: a warm lane is kept while
+shared over the lane's slots. The lane with the least of it wins, where the prefill a lane
+would do beyond the warmest lane's counts twice (`colder_work`): a warm lane is kept while
 waiting for it costs less than a cold prefill elsewhere, and a hot prefix spreads once the
-prefill queued behind it outweighs a cold copy. Ties go as most free slots does
+prefill queued behind it clearly outweighs a cold copy. Ties go as most free slots does
 (gateway/routing/affinity.py: free slots, the fewest chunks held, the prompt's rendezvous hash).
 """
 
@@ -47,6 +48,16 @@ def first_token_cost(lane: LaneTokens, prompt_tokens: int) -> float:
     return ahead * hold / max(1, lane.slots) + (lane.pending + uncached) / rate
 
 
+def colder_work(lane: LaneTokens, warmest: int) -> float:
+    """Seconds `lane` prefills this prompt beyond what the warmest lane would: counted a second
+    time when lanes are compared. That work also delays every request behind it on that lane
+    (on a CPU host, its other lanes too, sharing the cores) and writes over what its cache held;
+    and measured speeds are noisy (two identical lanes on one 2-core host, loaded, timed 2.2x
+    apart), so a conversation leaves its warm lane only for a clear gain, not a coin toss."""
+    rate = lane.rate if lane.rate and lane.rate > 0 else DEFAULT_PREFILL_RATE
+    return max(0, warmest - lane.matched) / rate
+
+
 def _order(lane: LaneTokens, cost: float, key: int, held: Mapping[LaneKey, int]) -> tuple:
     # Costs within a microsecond are equal; then the most free slots, the fewest chunks held, the hash.
     return (round(cost, 6), lane.busy + lane.waiting - lane.slots, held.get(lane.key, 0), -rendezvous(key, lane.key))
@@ -67,7 +78,8 @@ def choose_by_cost(
     if not lanes:
         return Choice(None, "no_slot")
     costs = {x.key: first_token_cost(x, prompt_tokens) for x in lanes}
-    ranked = sorted(lanes, key=lambda x: _order(x, costs[x.key], key, held))
+    warmest = min(prompt_tokens, max(x.matched for x in lanes))
+    ranked = sorted(lanes, key=lambda x: _order(x, costs[x.key] + colder_work(x, warmest), key, held))
     open_lanes = [x for x in ranked if x.busy < x.slots]
     best = ranked[0]
     warm = any(x.matched > 0 for x in lanes)
