@@ -33,6 +33,7 @@ from shared.llama.logs import (
     devices_from_lines,
     is_buffer_line,
     is_kv_size_line,
+    is_run_start_line,
     kv_mib_from_log,
 )
 from shared.messages.config import LANE_LOG_FILES, LANE_LOG_MAX_BYTES
@@ -85,6 +86,7 @@ class LaneProcess:
         self.buffer_lines: list[str] = []
         self._log = None  # the log file as this lane reads it (kept open: followed across a rotation)
         self._partial = b""  # the start of a line whose end is not written yet
+        self._recorded = False  # the load's lines are known (an adopting agent's facts): the log's are not taken
 
     @property
     def argv(self) -> list[str]:
@@ -142,8 +144,12 @@ class LaneProcess:
         lane = cls(spec, binary, log_path, launched, **kw)
         lane.adopted = p
         lane._take_lines(facts)
+        # The tail may hold the very lines the facts are (a young lane's whole log): read for the
+        # tail only, unless it shows this run's start, from which its own lines stand.
+        lane._recorded = bool(facts)
         lane._follow(tail=TAIL_BYTES)
         lane.read_log()
+        lane._recorded = False
         return lane
 
     def started_at(self) -> float | None:
@@ -255,6 +261,10 @@ class LaneProcess:
     def _take_lines(self, lines: Iterable[str]) -> None:
         for line in lines:
             self.tail.append(line)
+            if is_run_start_line(line):  # the log file holds earlier runs too: only the last one's lines count
+                self.kv_lines, self.buffer_lines, self._recorded = [], [], False
+            if self._recorded:
+                continue
             if is_kv_size_line(line):
                 self.kv_lines.append(line)
             if is_buffer_line(line):

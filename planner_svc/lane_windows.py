@@ -239,15 +239,16 @@ def grow_windows(lanes: list[PlannedLane], budget: Mapping[Resource, int], cost,
 
 
 def size_prompt_caches(pool: list[PlannedLane], budget: Mapping[Resource, int], cost, prev: HostPlan | None,
-                       config: FleetConfig, has_cache_ram: bool) -> None:  # fmt: skip
-    """Each lane's --cache-ram from the host RAM its buffers leave (planner_svc/prompt_cache.py)."""
+                       config: FleetConfig, has_cache_ram: bool, pressed: bool = True) -> None:  # fmt: skip
+    """Each lane's --cache-ram from the host RAM its buffers leave (planner_svc/prompt_cache.py);
+    `pressed`: the host's free RAM is below its headroom (a larger limit is kept only when not)."""
     if not pool or not has_cache_ram:
         return
     used = sum(cost(lane, lane.window).get(CPU_RESOURCE, 0) for lane in pool)
     before = {s.lane_id: s.cache_ram_mib for s in prev.lanes} if prev else {}
     factor = max(lane.factor for lane in pool)
     planned = plan_cache_ram([lane.lane_id for lane in pool], budget.get(CPU_RESOURCE, 0) - used, before,
-                             config.min_gain_fraction, factor)  # fmt: skip
+                             config.min_gain_fraction, factor, pressed)  # fmt: skip
     for lane in pool:
         mib, reason = planned[lane.lane_id]
         lane.cache_ram = mib * MIB

@@ -17,7 +17,7 @@ from planner_svc.kept_windows import keep_stable_windows
 from planner_svc.lane_specs import lane_spec
 from planner_svc.lane_windows import PlannedLane, cost_key, grow_windows, lane_cost, lane_id_for, size_prompt_caches
 from planner_svc.layouts import CPU_RESOURCE, Resource
-from planner_svc.policy import host_budgets
+from planner_svc.policy import host_budgets, ram_pressed
 from planner_svc.span_lanes import LaneKit, SpanBook, grow_spans, place_span
 from planner_svc.threads import with_threads
 from shared.llama.flags import lane_args
@@ -145,7 +145,8 @@ def _host_plan(
         grow_windows(single, grow_budget, cost, [cost_key(lane, report, config.n_ubatch) for lane in single])
         keep_stable_windows(single, grow_budget, cost, prev, config, report.server.has_kv_unified)
         # A span lane's cache stays 0: its host's RAM went to the lanes and what it lends.
-        size_prompt_caches(single, grow_budget, cost, prev, config, report.server.has_cache_ram)
+        size_prompt_caches(single, grow_budget, cost, prev, config, report.server.has_cache_ram,
+                           ram_pressed(report, config))  # fmt: skip
         busy = {fb.port: fb.detail for fb in feedback if fb.kind == "port_busy" and fb.port}
         specs, no_port = _assign_ports(report, [lane_spec(report, config, lane) for lane in lanes], prev, busy)
         specs = with_threads(report, config, specs, prev)

@@ -23,11 +23,20 @@ DEFAULT_CTX_CEILING = 131072
 # ------------------------------------------------------------------ budgets
 
 
+def ram_headroom(report: HostReport, config: FleetConfig) -> int:
+    return config.headroom_bytes + int(config.headroom_fraction * report.ram_total)
+
+
 def ram_budget(report: HostReport, config: FleetConfig) -> int:
     """RAM lanes may use: what is free plus what our own lanes hold, less headroom."""
     usable = min(report.ram_total, report.ram_available + report.lanes_rss + report.workers_rss)
-    headroom = config.headroom_bytes + int(config.headroom_fraction * report.ram_total)
-    return max(0, usable - headroom)
+    return max(0, usable - ram_headroom(report, config))
+
+
+def ram_pressed(report: HostReport, config: FleetConfig) -> bool:
+    """The host's free RAM is below the headroom: what runs (lanes' buffers and what their caches
+    filled, and everything else) no longer leaves it. Limits are lowered only then."""
+    return report.ram_available < ram_headroom(report, config)
 
 
 GPU_RESERVE = 256 * 1024 * 1024  # per GPU, beyond the headroom fraction: driver, display, fragmentation

@@ -9,8 +9,13 @@ So every lane gets an explicit limit, counted in the host's RAM budget: llama-se
 default where the host has it, else an equal share of the RAM left after every lane's
 buffers (the windows grow first: a window is what a lane can serve at all, the cache
 only makes it faster), in steps of CACHE_STEP_MIB, and 0 (off) where nothing is left.
-A lane keeps its previous limit while that still fits and the new share is not
-min_gain_fraction larger, so budgets drifting with every report do not restart lanes.
+A lane keeps its previous limit while the new share is not min_gain_fraction larger, so
+budgets drifting with every report do not restart lanes; a limit above the new share is kept
+too while the host is not pressed (its free RAM above the headroom): the limit is a ceiling
+llama-server fills lazily, and lowering it restarts the lane and throws away every cached
+conversation for memory nobody used. Another program taking RAM on a workstation, or the
+reported free RAM moving, then restarts nothing; the limits come down when the RAM really runs
+short (each lane's restart paced by the rollout).
 """
 
 from __future__ import annotations
@@ -28,12 +33,14 @@ def plan_cache_ram(
     previous: Mapping[str, int | None],
     min_gain_fraction: float,
     factor: float = 1.0,
+    pressed: bool = True,
 ) -> dict[str, tuple[int, str]]:
     """{lane id: (--cache-ram MiB, the reason)} for the lanes of one host.
 
     `ram_left`: the host's RAM budget less every lane's buffers at its window; `factor`:
     the largest correction the host's lanes carry (a lane that used more than planned
-    would use more here too); `previous`: each lane's limit in the plan it runs.
+    would use more here too); `previous`: each lane's limit in the plan it runs; `pressed`:
+    the host's free RAM is below its headroom (planner_svc/policy.py, ram_pressed).
     """
     if not lane_ids:
         return {}
@@ -42,10 +49,14 @@ def plan_cache_ram(
     out = {}
     for lane_id in lane_ids:
         before = previous.get(lane_id)
-        keep = before is not None and before != fair and before <= share // MIB
+        keep = before is not None and before != fair and (before <= share // MIB or not pressed)
         if keep and fair < before * (1 + min_gain_fraction) + CACHE_STEP_MIB:
             mib = before
-            why = f"kept its {before} MiB: still fits, and {fair} MiB would gain under {min_gain_fraction:.0%}"
+            if before <= share // MIB:
+                why = f"kept its {before} MiB: still fits, and {fair} MiB would gain under {min_gain_fraction:.0%}"
+            else:
+                why = (f"kept its {before} MiB over a share of {fair} MiB: the host's free RAM is above its "
+                       "headroom (a ceiling filled lazily; lowered when RAM runs short)")  # fmt: skip
         else:
             mib = fair
             if fair == DEFAULT_CACHE_RAM_MIB:

@@ -206,6 +206,49 @@ def test_an_adopted_lane_reads_its_log_from_the_tail_and_its_load_facts_from_the
         proc.wait()
 
 
+BUILD = "0.00.003.239 I cmn  common_param: common_params_print_info: build 0 (unknown) with GNU 12.2.0 for Linux x86_64"
+SWA_KV = (  # Gemma 3 270M on b11434: a sliding-window model prints two KV caches
+    "0.01.346.382 I llama_kv_cache: size =   24.00 MiB (  4096 cells,   3 layers,  2/2 seqs), K (f16):   12.00 MiB, V (f16):   12.00 MiB",
+    "0.01.380.185 I llama_kv_cache: size =   30.00 MiB (  1024 cells,  15 layers,  2/2 seqs), K (f16):   15.00 MiB, V (f16):   15.00 MiB",
+)
+
+
+def _adopt_with_log(tmp_path, lines: list[str], facts: list[str]) -> LaneProcess:
+    log = tmp_path / "lane.log"
+    log.write_text("".join(f"{line}\n" for line in lines))
+    args = ("--port", "2")
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", *args])
+    try:
+        eventually_blocking(lambda: psutil.Process(proc.pid).cmdline()[-2:] == list(args), timeout=10,
+                            what="the child's exec")  # fmt: skip
+        return LaneProcess.adopt(_spec(), args, "llama-server", log, proc.pid, facts=facts)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_young_lane_adopted_counts_its_kv_once(tmp_path):
+    """Its whole log is in the tail, the same lines as the facts the last agent saved: the KV is
+    what it printed, once (it was read twice: 'lane uses more than planned', exactly twice the plan,
+    and every lane restarted after `lanes up` was killed and started again)."""
+    run = [BUILD, "llama_model_loader: loaded meta data", *SWA_KV, "main: model loaded", "srv  update_slots: idle"]
+    adopted = _adopt_with_log(tmp_path, run, facts=list(SWA_KV))
+    assert adopted.kv_bytes() == 54 * MIB and adopted.facts() == list(SWA_KV)
+    assert adopted.tail[-1] == "srv  update_slots: idle"
+    partial = _adopt_with_log(tmp_path, run[2:], facts=list(SWA_KV))  # the tail starts after the run's start
+    assert partial.kv_bytes() == 54 * MIB
+
+
+def test_a_lane_log_holding_earlier_runs_counts_the_last_run_only(tmp_path):
+    older = "llama_kv_cache: size =  512.00 MiB ( 32768 cells,   8 layers,  1/1 seqs), K (f16):  256.00 MiB, V (f16):  256.00 MiB"
+    log = [BUILD, older, "main: model loaded", "received SIGTERM", BUILD, *SWA_KV, "main: model loaded"]
+    assert _adopt_with_log(tmp_path, log, facts=[]).kv_bytes() == 54 * MIB  # no facts saved: read off the tail
+    assert _adopt_with_log(tmp_path, log, facts=list(SWA_KV)).kv_bytes() == 54 * MIB
+    lane = LaneProcess(_spec(), "llama-server", tmp_path / "x.log", ())
+    lane._take_lines(log)
+    assert lane.kv_bytes() == 54 * MIB
+
+
 # ------------------------------------------------------------------ an agent's lanes (fake llama-server)
 
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from planner_svc.layouts import GPU_CONTEXT_BYTES
 from planner_svc.planner import plan
+from planner_svc.policy import ram_headroom, ram_pressed
 from shared.memory import QUANTIZED
 from shared.messages.config import Demand, FleetConfig, Persona
 from shared.messages.hosts import GpuInfo, HostReport, ModelFacts, ServerCaps
@@ -146,8 +147,18 @@ def device_use(lanes, report: HostReport) -> tuple[int, list[int]]:
     return used_ram, used_gpu
 
 
-def check_invariants(fleet: FleetPlan, reports: list[HostReport]) -> None:
-    """What every plan must satisfy, whatever the inputs."""
+KEPT_OVER_SHARE = "over a share of"  # planner_svc/prompt_cache.py: a limit kept while the host is not pressed
+
+
+def kept_caches(lanes) -> int:
+    """Host RAM of the prompt caches kept above their share (over-committed on purpose: a ceiling
+    filled lazily, lowered once the host is pressed)."""
+    return sum(d.prompt_cache_bytes for lane in lanes if any(KEPT_OVER_SHARE in r for r in lane.reasons)
+               for d in lane.memory.devices if d.index < 0)  # fmt: skip
+
+
+def check_invariants(fleet: FleetPlan, reports: list[HostReport], config: FleetConfig | None = None) -> None:
+    """What every plan must satisfy, whatever the inputs (`config`: the one planned with)."""
     # Every plan must survive the wire: decoding validates ports, names, ctx >= 256, ...
     assert msgspec.json.decode(msgspec.json.encode(fleet), type=FleetPlan) == fleet
     by_id = {r.host_id: r for r in reports}
@@ -158,7 +169,10 @@ def check_invariants(fleet: FleetPlan, reports: list[HostReport]) -> None:
         used_ram, used_gpu = device_use(hp.lanes, report)
         for lane in hp.lanes:
             assert lane.memory.total_bytes == sum(d.total for d in lane.memory.devices) + lane.memory.overhead_bytes
-        assert used_ram <= hp.budget_ram, (hp.host_id, used_ram, hp.budget_ram)
+        # Every buffer fits, and every prompt cache but those kept over their share on a host not pressed.
+        assert used_ram - kept_caches(hp.lanes) <= hp.budget_ram, (hp.host_id, used_ram, hp.budget_ram)
+        if config is not None and ram_pressed(report, config):
+            assert kept_caches(hp.lanes) == 0
         for g, used in enumerate(used_gpu):
             assert used <= hp.budget_gpus[g], (hp.host_id, g, used, hp.budget_gpus)
         ports = [lane.port for lane in hp.lanes]
@@ -310,6 +324,45 @@ def test_property_replan_same_inputs_is_stable(scenario):
     second = plan(reports, config, demand, previous=previous)
     assert encode(second) == encode(first)
     assert all(hp.plan_revision == 1 for hp in second.hosts)
+
+
+def _running(report: HostReport, hp: HostPlan, fill: float, taken: int) -> HostReport:
+    """The host's report once the plan's lanes run: their host-RAM buffers, and `fill` of their
+    prompt caches, held by lanes (lanes_rss); `taken` more held by other programs."""
+    held = 0
+    for spec in hp.lanes:
+        for d in spec.memory.devices:
+            if d.index == -1:
+                held += d.total - d.prompt_cache_bytes + int(fill * d.prompt_cache_bytes)
+    held = min(held, report.ram_available)
+    return msgspec.structs.replace(report, ram_available=max(0, report.ram_available - held - taken), lanes_rss=held)
+
+
+@PROPS
+@given(fleet_strategy(), st.floats(min_value=0.0, max_value=1.0), st.floats(min_value=0.0, max_value=1.0))
+def test_property_a_restarted_planner_plans_what_runs_and_others_taking_ram_shrink_no_cache(scenario, fill, share):
+    """Planning again from the reports of the lanes it planned (their RAM counted as in use by
+    lanes, caches filled anywhere up to their limit) yields the same plan; and while other
+    programs take RAM but the host's free RAM stays above its headroom, no lane's --cache-ram
+    is lowered (a lane whose window moved restarts anyway, and is not counted)."""
+    reports, config, demand = scenario
+    first = plan(reports, config, demand)
+    previous = {hp.host_id: hp for hp in first.hosts}
+    running = [_running(r, previous[r.host_id], fill, 0) for r in reports]
+    again = plan(running, config, demand, previous=previous)
+    assert [hp.lanes for hp in again.hosts] == [hp.lanes for hp in first.hosts]
+    # Others take `share` of what is free above the headroom: the host is never pressed.
+    busy = [_running(r, previous[r.host_id], fill, int(share * max(0, x.ram_available - ram_headroom(x, config))))
+            for r, x in zip(reports, running)]  # fmt: skip
+    assert not any(ram_pressed(x, config) for x, r in zip(busy, running) if not ram_pressed(r, config))
+    moved = plan(busy, config, demand, previous=previous)
+    for before, after in zip(first.hosts, moved.hosts):
+        old = {s.lane_id: s for s in before.lanes}
+        for spec in after.lanes:
+            was = old.get(spec.lane_id)
+            if was is not None and (was.ctx_total, was.parallel, was.model_path) == (
+                    spec.ctx_total, spec.parallel, spec.model_path):  # fmt: skip
+                assert spec.cache_ram_mib == was.cache_ram_mib, (was.cache_ram_mib, spec.cache_ram_mib)
 
 
 @PROPS
@@ -742,7 +795,7 @@ def test_property_replan_with_previous_keeps_invariants(scenario, factor):
     changed = [msgspec.structs.replace(r, ram_available=min(r.ram_total, int(r.ram_available * factor))) for r in reports]
     previous = {hp.host_id: hp for hp in first.hosts}
     second = plan(changed, config, demand, previous=previous)
-    check_invariants(second, changed)
+    check_invariants(second, changed, config)
     old = {(hp.host_id, lane.lane_id): lane for hp in first.hosts for lane in hp.lanes}
     for hp in second.hosts:
         prev = previous[hp.host_id]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from planner_svc.planner import plan
+from planner_svc.policy import ram_pressed
 from planner_svc.prompt_cache import CACHE_STEP_MIB, DEFAULT_CACHE_RAM_MIB, MIB, plan_cache_ram
 from shared.gguf_facts import read_model_facts
 from shared.llama.flags import args_problem, lane_args, parse_caps
@@ -63,6 +64,31 @@ def test_the_plan_passes_and_counts_the_cache():
     legacy = only_lane(plan([host(server=msgspec.structs.replace(ServerCaps(), has_cache_ram=False),
                                   models=(llama_1b(),))], FleetConfig(), Demand(personas=(Persona(model="llama-1b", ctx_max=4096),))))  # fmt: skip
     assert legacy.cache_ram_mib is None and "--cache-ram" not in legacy.args and legacy.memory.prompt_cache_bytes == 0
+
+
+def test_ram_another_program_takes_lowers_no_limit_until_the_host_is_pressed():
+    """The issue's workstation: 2 lanes with llama-server's 8192 MiB each, 22 GiB free of 32. A
+    program takes 4 GiB: no limit comes down (each would restart its lane and lose its cached
+    conversations for memory nobody used). Most of the RAM taken: the host is pressed, they do."""
+    config = FleetConfig()
+    demand = Demand(personas=(Persona(model="llama-1b", lanes=2, ctx_max=4096),))
+    quiet = host(ram_available=22 * GIB, ram_total=32 * GIB, models=(llama_1b(),))
+    first = only_host(plan([quiet], config, demand))
+    assert [s.cache_ram_mib for s in first.lanes] == [DEFAULT_CACHE_RAM_MIB] * 2
+    held = sum(d.total - d.prompt_cache_bytes for s in first.lanes for d in s.memory.devices if d.index == -1)
+
+    def running(taken: int):
+        report = msgspec.structs.replace(quiet, ram_available=quiet.ram_available - held - taken, lanes_rss=held)
+        return report, only_host(plan([report], config, demand, previous={"h1": first}))
+
+    report, busy = running(4 * GIB)
+    assert not ram_pressed(report, config)
+    assert [s.cache_ram_mib for s in busy.lanes] == [DEFAULT_CACHE_RAM_MIB] * 2
+    assert [s.ctx_total for s in busy.lanes] == [s.ctx_total for s in first.lanes]
+    assert all("above its headroom" in " ".join(s.reasons) for s in busy.lanes)
+    report, pressed = running(quiet.ram_available - held - GIB)  # 1 GiB free: under 5% of 32 GiB + 512 MiB
+    assert ram_pressed(report, config)
+    assert all(s.cache_ram_mib < DEFAULT_CACHE_RAM_MIB for s in pressed.lanes)
 
 
 def test_lane_memory_counts_the_cache_in_host_ram_only(tiny_models):

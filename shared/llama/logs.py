@@ -43,6 +43,10 @@ _USING = re.compile(r"llama_prepare_model_devices: using device (\S+) \(([^)]*)\
 _HOST_BUFFER = re.compile(r"^(CPU\w*|\w+_Host|\w+_Mapped|\w+_REPACK)$")
 _DEVICE_BUFFER = re.compile(r"^(?:CUDA|RPC|Vulkan|ROCm|MTL|SYCL|CANN|OpenCL)(\d+)")
 _RPC_BUFFER = re.compile(r"RPC\d+\[(.*)\]$")
+# The build line each run of the binary prints as it starts ("common_params_print_info: build 0
+# (unknown) with GNU 12.2.0 ..." on b11434, "build: 4585 (a4417ddd) with cc ..." on older builds):
+# a lane's log file holds earlier runs too.
+_RUN_START = re.compile(r"\bbuild:? \d+ \(\S*\) with ")
 # Printed once the model is loaded (INFO, any verbosity): the lane's memory is all allocated.
 _LOADED = re.compile(r"srv    load_model: initializing|main: model loaded|server is listening")
 # Memory exhaustion at start, including the address-space kind a container limit or
@@ -74,6 +78,10 @@ def is_buffer_line(line: str) -> bool:
     number a pinned lane's devices from 0 and tell RPC servers apart by endpoint)."""
     return any(p.search(line) is not None for p in (_BUFFER, _LORA_BUFFER, _OFFLOADED, _USING, _CLIP_USING,
                                                     _CLIP_WEIGHTS, _CLIP_COMPUTE))  # fmt: skip
+
+
+def is_run_start_line(line: str) -> bool:
+    return _RUN_START.search(line) is not None
 
 
 def is_loaded_line(line: str) -> bool:
