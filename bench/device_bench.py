@@ -47,12 +47,15 @@ class Case:
     n_cpu_moe: int = 0
     overrides: tuple[str, ...] = ()  # -ot PATTERN=BUFFER
     cache_v: str | None = None  # V's type when it differs from K's (`cache`)
+    swa_full: bool = False  # --swa-full: the sliding-window layers cache the whole window
 
     def __str__(self) -> str:
         moe = (f" ncmoe{self.n_cpu_moe}" if self.n_cpu_moe else "") + "".join(f" ot:{o}" for o in self.overrides)
         split = ":".join(f"{s:g}" for s in self.split)
         cache = self.cache + (f"/{self.cache_v}" if self.cache_v else "")
-        return f"c{self.ctx}x{self.parallel} fa{self.flash_attn} {cache} ngl{self.ngl} dev{self.n_devices}{split and ' ts' + split}{moe}"
+        swa = " swa-full" if self.swa_full else ""
+        return (f"c{self.ctx}x{self.parallel} fa{self.flash_attn} {cache} ngl{self.ngl} dev{self.n_devices}"
+                f"{split and ' ts' + split}{moe}{swa}")  # fmt: skip
 
     def argv(self, model: str, endpoints: list[str]) -> list[str]:
         args = ["-m", model, "-c", str(self.ctx), "-np", str(self.parallel), "-fa", self.flash_attn,
@@ -66,14 +69,14 @@ class Case:
             args += ["--n-cpu-moe", str(self.n_cpu_moe)]
         for override in self.overrides:
             args += ["-ot", override]
-        return args
+        return args + (["--swa-full"] if self.swa_full else [])
 
     def shape(self) -> LaneShape:
         return LaneShape(
             ctx=self.ctx, parallel=self.parallel, type_k=self.cache, type_v=self.cache_v or self.cache,
             flash_attn=self.flash_attn == "on", n_ubatch=self.ubatch, n_gpu_layers=self.ngl,
             tensor_split=self.split, devices=(self.backend,) * self.n_devices, n_cpu_moe=self.n_cpu_moe,
-            tensor_overrides=tuple(parse_override(o) for o in self.overrides),
+            tensor_overrides=tuple(parse_override(o) for o in self.overrides), swa_full=self.swa_full,
         )  # fmt: skip
 
 

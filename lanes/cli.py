@@ -178,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=_positive_ctx, required=True, help="total context (--ctx-size)")
     p.add_argument("--parallel", type=_positive, default=1)
     p.add_argument("--kv-unified", action="store_true")
+    p.add_argument("--swa-full", action="store_true",
+                   help="a sliding-window model's whole window cached (llama-server --swa-full)")
     p.add_argument("--cache-type-k", type=_cache_type, default="f16")
     p.add_argument("--cache-type-v", type=_cache_type, default="f16")
     p.add_argument("--flash-attn", choices=["on", "off", "auto"], default="auto")

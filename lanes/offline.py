@@ -145,7 +145,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if args.n_cpu_moe and not caps.has_n_cpu_moe:
         raise UserError(f"--n-cpu-moe: this llama-server build ({caps.build}) does not have it")
     shape = LaneShape(
-        ctx=args.ctx, parallel=args.parallel, kv_unified=args.kv_unified, type_k=args.cache_type_k,
+        ctx=args.ctx, parallel=args.parallel, kv_unified=args.kv_unified, swa_full=args.swa_full,
+        type_k=args.cache_type_k,
         type_v=args.cache_type_v, flash_attn=flash.on, layout=caps.kv_layout, n_ubatch=args.ubatch,
         n_gpu_layers=ngl, tensor_split=shares, devices=(backend,) * len(gpus), split_mode=args.split_mode,
         main_gpu=args.main_gpu, no_kv_offload=args.no_kv_offload, ngl_rule=caps.ngl_rule,

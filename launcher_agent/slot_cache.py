@@ -57,9 +57,22 @@ class SlotSeen:
 
 
 def layout_key(spec: LaneSpec, model_size: int, model_mtime_ns: int) -> str:
-    """What a slot file needs to read back: the same model file and the same K/V types."""
-    raw = f"{spec.model_path}\0{model_size}\0{model_mtime_ns}\0{cache_pair(spec.cache_type_k, spec.cache_type_v)}"
+    """What a slot file needs to read back: the same model file, K/V types and cache shape (flash
+    attention stores V untransposed; --kv-unified and --swa-full change the cells a slot has)."""
+    shape = f"{spec.flash_attn or 'auto'}\0{spec.kv_unified}\0{spec.swa_full}"
+    raw = f"{spec.model_path}\0{model_size}\0{model_mtime_ns}\0{cache_pair(spec.cache_type_k, spec.cache_type_v)}\0{shape}"
     return hashlib.sha256(raw.encode()).hexdigest()[:24]
+
+
+def layout_change(old: LaneSpec, new: LaneSpec) -> str:
+    """What changed between two layouts of one lane, as its `slots_discarded` event says it."""
+    before, after = cache_pair(old.cache_type_k, old.cache_type_v), cache_pair(new.cache_type_k, new.cache_type_v)
+    changes = [f"cache types {before} -> {after}"] if before != after else []
+    for name, a, b in (("flash attention", old.flash_attn or "auto", new.flash_attn or "auto"),
+                       ("--kv-unified", old.kv_unified, new.kv_unified), ("--swa-full", old.swa_full, new.swa_full)):
+        if a != b:
+            changes.append(f"{name} {a} -> {b}")
+    return ", ".join(changes) or "the model file changed"
 
 
 def file_name(layout: str, lane_id: str, slot: int, saved_at: float) -> str:
@@ -75,8 +88,8 @@ def not_reusable(spec: LaneSpec) -> str | None:
     prefix from a context checkpoint, and checkpoints live in the slot's memory, not in its
     file: llama-server then reprocesses the whole prompt (measured with Gemma 3: cached 0 of
     370 after a restore, 337 with --swa-full). Its slots are not saved."""
-    if spec.memory.swa_cells:
-        return "its sliding-window KV cache keeps no context checkpoints in a slot file"
+    if spec.memory.swa_cells and not spec.swa_full:
+        return "its sliding-window KV cache (without --swa-full) keeps no context checkpoints in a slot file"
     if spec.memory.recurrent_bytes:
         return "its recurrent state keeps no context checkpoints in a slot file"
     return None

@@ -20,7 +20,6 @@ import structlog
 from launcher_agent import lane_http, slot_cache
 from launcher_agent.lane import Emit, Lane
 from launcher_agent.slot_cache import Entry, SlotSeen
-from shared.llama.flags import cache_pair
 from shared.messages.plans import LaneSpec
 
 log = structlog.get_logger("lanes.agent")
@@ -91,8 +90,7 @@ class SlotStore:
         held = [tokens for _, tokens, _, _ in contents or () if tokens >= slot_cache.MIN_TOKENS]
         if not gone and not held:
             return
-        before, after = cache_pair(lane.spec.cache_type_k, lane.spec.cache_type_v), cache_pair(new.cache_type_k, new.cache_type_v)
-        what = f"cache types {before} -> {after}" if before != after else "the model file changed"
+        what = slot_cache.layout_change(lane.spec, new)
         await self.emit(lane, "slots_discarded", f"KV layout changed ({what}): {len(held)} slot(s) holding "
                                                  f"{sum(held)} tokens not saved, {len(gone)} saved file(s) removed; "
                                                  "they cannot be restored")  # fmt: skip

@@ -50,6 +50,7 @@ def lane_spec(report: HostReport, config: FleetConfig, lane: PlannedLane) -> Lan
         ctx_per_slot=lane.window if not lane.persona.kv_unified else lane.total_ctx(lane.window),
         parallel=lane.persona.parallel,
         kv_unified=lane.persona.kv_unified and caps.has_kv_unified,
+        swa_full=lane.swa_full,
         n_gpu_layers=spec_n_gpu_layers(lane),
         gpu_devices=pins.gpu_devices,
         device_names=pins.device_names,

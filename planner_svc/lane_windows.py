@@ -44,10 +44,11 @@ class PlannedLane:
     reasons: list[str] = field(default_factory=list)
     window: int = 0
     cache_ram: int = 0  # bytes of prompt cache (--cache-ram), decided once the windows are
+    swa_full: bool = False  # --swa-full (planner_svc/swa_full.py), decided once the windows are
     # A span lane (one lane across hosts): its workers and the serving host's view of them.
     span: spans.Span | None = None
     span_workers: tuple[SpanWorker, ...] = ()
-    # (report, n_ubatch, cache_ram, number) of the last _CostKeys.key of this lane
+    # (report, n_ubatch, cache_ram, swa_full, number) of the last _CostKeys.key of this lane
     cost_key: tuple | None = field(default=None, repr=False, compare=False)
     adapters: tuple[AdapterFacts, ...] = ()  # LoRA adapters it loads (planner_svc/adapters.py)
     speculation: Speculation | None = None  # speculative decoding (planner_svc/speculative.py)
@@ -71,6 +72,7 @@ class PlannedLane:
             ctx=ctx,
             parallel=self.persona.parallel,
             kv_unified=self.persona.kv_unified,
+            swa_full=self.swa_full,
             type_k=effective_cache_type(self.flags.cache_type_k),
             type_v=effective_cache_type(self.flags.cache_type_v),
             # `auto` resolved per backend as llama-server does (RPC devices run the CPU's kernels)
@@ -141,8 +143,8 @@ class _CostKeys:
 
     def key(self, lane: PlannedLane, report: HostReport, n_ubatch: int) -> int:
         last = lane.cost_key
-        if last is not None and last[0] is report and last[1] == n_ubatch and last[2] == lane.cache_ram:
-            return last[3]
+        if last is not None and last[0] is report and last[1:4] == (n_ubatch, lane.cache_ram, lane.swa_full):
+            return last[4]
         gpus = lane.layout.gpus
         devices = tuple((report.gpus[g].backend, report.gpus[g].unified) for g in gpus) if gpus else ()
         # Every input of shape() and flash_attn_for, cheaper to hash than the shape it gives.
@@ -150,12 +152,12 @@ class _CostKeys:
         inputs = (
             self.number(lane.facts), lane.layout, lane.persona.parallel, lane.persona.kv_unified, flags.cache_type_k,
             flags.cache_type_v, flags.flash_attn, self.number(report.server), devices, report.cpu_repack, lane.factor,
-            n_ubatch, lane.cache_ram, lane.adapters, lane.persona.embeddings, lane.persona.reranking,
+            n_ubatch, lane.cache_ram, lane.swa_full, lane.adapters, lane.persona.embeddings, lane.persona.reranking,
             lane.persona.vision,
             lane.speculation and (lane.speculation.spec_type, lane.speculation.draft and self.number(lane.speculation.draft)),
         )  # fmt: skip
         number = self.number(inputs, by_id=False)
-        lane.cost_key = (report, n_ubatch, lane.cache_ram, number)
+        lane.cost_key = (report, n_ubatch, lane.cache_ram, lane.swa_full, number)
         return number
 
     def number(self, value, by_id: bool = True) -> int:

@@ -18,6 +18,7 @@ from planner_svc.lane_specs import lane_spec
 from planner_svc.lane_windows import PlannedLane, cost_key, grow_windows, lane_cost, lane_id_for, size_prompt_caches
 from planner_svc.layouts import CPU_RESOURCE, Resource
 from planner_svc.policy import host_budgets, ram_pressed
+from planner_svc.swa_full import choose_swa_full
 from planner_svc.span_lanes import LaneKit, SpanBook, grow_spans, place_span
 from planner_svc.threads import with_threads
 from shared.llama.flags import lane_args
@@ -144,6 +145,7 @@ def _host_plan(
 
         grow_windows(single, grow_budget, cost, [cost_key(lane, report, config.n_ubatch) for lane in single])
         keep_stable_windows(single, grow_budget, cost, prev, config, report.server.has_kv_unified)
+        choose_swa_full(single, grow_budget, cost, config, report.server)
         # A span lane's cache stays 0: its host's RAM went to the lanes and what it lends.
         size_prompt_caches(single, grow_budget, cost, prev, config, report.server.has_cache_ram,
                            ram_pressed(report, config))  # fmt: skip

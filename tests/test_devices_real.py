@@ -87,6 +87,9 @@ GEMMA_CASES = [
     # inputs (one per cache, per pipeline copy: memory.compute.rotation_inputs); 5 MiB low without
     Case(8192, 4, "off", "q8_0", "all", 2, (1.0, 1.0), cache_v="f16"),
     Case(16384, 4, "off", "q8_0", "all", 2, (3.0, 1.0), cache_v="f16"),
+    # --swa-full (planner_svc/swa_full.py): the sliding-window layers cache the whole window
+    Case(8192, 2, "on", "f16", 0, 0, swa_full=True),
+    Case(4096, 2, "off", "f16", "all", 2, (1.0, 1.0), swa_full=True),
 ]
 
 

@@ -51,20 +51,21 @@ CASES = {
     "q4_0": ("llama", {"kv_cache_type": "q4_0"}, 1),
     "q8_0K-f16V": ("llama", {"kv_cache_type_k": "q8_0"}, 1),
     "3-slots-q8_0": ("llama", {"kv_cache_type": "q8_0"}, 3),
-    "gemma3-swa-2-slots": ("gemma3", {}, 2),
+    "gemma3-swa-2-slots": ("gemma3", {}, 2),  # the window at its ceiling: --swa-full by default
+    "gemma3-swa-2-slots-not-full": ("gemma3", {}, 2, {"swa_full": False}),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 async def test_reported_kv_equals_plan(case, nats_server, tmp_path, llama_server):
-    arch, config, slots = CASES[case]
+    arch, config, slots, *persona = CASES[case]
     models = tmp_path / "models"
     models.mkdir()
     if arch == "llama":
         write_llama(models / "m.gguf", n_layer=8, n_embd=512, n_head=8, n_head_kv=8, head_dim=64, n_ctx_train=32768)
     else:
         write_gemma3(models / "m.gguf", n_layer=6, n_swa=512, n_ctx_train=32768)
-    demand = Demand(personas=(Persona(model="m", parallel=slots, ctx_min=1024, ctx_max=3000),))
+    demand = Demand(personas=(Persona(model="m", parallel=slots, ctx_min=1024, ctx_max=3000, **(persona or [{}])[0]),))
     cfg = agent_config(tmp_path, "real", models, llama_server)
     async with services(nats_server.url) as s, client(nats_server.url) as nc:
         await _planner_with(nc, s, config, demand)
@@ -93,6 +94,7 @@ async def test_reported_kv_equals_plan(case, nats_server, tmp_path, llama_server
             assert argv[argv.index(flag) + 1] == value
     if not config:
         assert "--flash-attn" not in argv and "--cache-type-k" not in argv
+    assert ("--swa-full" in argv) == spec.swa_full == (arch == "gemma3" and not persona)
 
 
 async def test_props_show_planned_context_and_slots(nats_server, tmp_path, llama_server):

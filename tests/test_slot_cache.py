@@ -16,6 +16,7 @@ from launcher_agent.slot_cache import (
     decide_save,
     discarded_by_change,
     file_name,
+    layout_change,
     layout_key,
     missing_or_stray,
     not_reusable,
@@ -49,6 +50,9 @@ def test_the_layout_key_follows_the_model_file_and_cache_types_not_threads_or_po
     assert layout_key(spec(cache_type_v="q8_0", flash_attn="on"), 1000, 5) != base
     assert layout_key(spec(), 1001, 5) != base and layout_key(spec(), 1000, 6) != base  # the file was replaced
     assert layout_key(spec(model_path="/models/n.gguf"), 1000, 5) != base
+    assert layout_key(spec(flash_attn="auto"), 1000, 5) == base  # auto is the default
+    for other in (spec(flash_attn="on"), spec(kv_unified=True), spec(swa_full=True)):  # another cache shape
+        assert layout_key(other, 1000, 5) != base
 
 
 def test_file_names_are_plain_and_unique_per_lane_slot_and_moment():
@@ -237,3 +241,10 @@ def test_a_restarted_agent_drops_stray_files_and_entries_whose_file_is_gone(tmp_
     assert store.entries == [kept] and store.used == 10
     assert sorted(p.name for p in folder.iterdir()) == ["kept.slot", MANIFEST]
     assert msgspec.json.decode((folder / MANIFEST).read_bytes(), type=list[Entry]) == [kept]
+
+
+def test_a_discard_says_what_changed_in_the_layout():
+    assert layout_change(spec(), spec(cache_type_k="q8_0", cache_type_v="q8_0", flash_attn="on")) == \
+        "cache types f16/f16 -> q8_0/q8_0, flash attention auto -> on"  # fmt: skip
+    assert layout_change(spec(swa_full=True), spec()) == "--swa-full True -> False"
+    assert layout_change(spec(), spec()) == "the model file changed"

@@ -77,6 +77,8 @@ def lane_args(spec: LaneSpec, caps: ServerCaps, slot_dir: str | None = None, key
         args += ["--tensor-split", ",".join(map(str, spec.tensor_split))]
     if spec.kv_unified:
         args.append("--kv-unified")
+    if spec.swa_full:
+        args.append("--swa-full")
     if spec.cache_type_k is not None:
         args += ["--cache-type-k", spec.cache_type_k]
     if spec.cache_type_v is not None:

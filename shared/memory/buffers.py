@@ -192,7 +192,7 @@ def lane_memory(
     model = model_bytes(facts, placement, cpu_repack)
     kv = kv_size(
         facts, ctx=shape.ctx, parallel=shape.parallel, kv_unified=shape.kv_unified, type_k=shape.type_k,
-        type_v=shape.type_v, layout=shape.layout, n_ubatch=shape.n_ubatch,
+        type_v=shape.type_v, layout=shape.layout, n_ubatch=shape.n_ubatch, swa_full=shape.swa_full,
     )  # fmt: skip
     kv_dev = kv_bytes(kv, placement, shape.no_kv_offload)
     recurrent = recurrent_per_device(facts, placement, shape.parallel)

@@ -19,6 +19,7 @@ class LaneShape:
     ctx: int
     parallel: int = 1
     kv_unified: bool = False
+    swa_full: bool = False  # --swa-full: the sliding-window layers cache the whole window
     type_k: str = "f16"
     type_v: str = "f16"
     flash_attn: bool = False

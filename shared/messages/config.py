@@ -97,6 +97,10 @@ class Persona(msgspec.Struct, frozen=True, gc=False, kw_only=True, forbid_unknow
     parallel: Annotated[int, msgspec.Meta(ge=1, le=256)] = 1
     # One KV cache shared by the slots (--kv-unified) instead of one window per slot.
     kv_unified: bool = False
+    # A sliding-window model's lanes run with --swa-full, so their saved slots read back complete
+    # (docs/slot-cache.md): None, where that costs the window nothing (the memory comes off the
+    # prompt cache) and slots are saved; True, wherever it fits; False, never.
+    swa_full: bool | None = None
     # The window floor per slot: a lane that cannot get it is not placed.
     ctx_min: Annotated[int, msgspec.Meta(ge=256, le=2**31 - 1)] = 2048
     # The window ceiling per slot (also capped at the model's trained context); None: the trained context.

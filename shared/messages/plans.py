@@ -149,6 +149,8 @@ class LaneSpec(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     ctx_per_slot: Int32
     parallel: Annotated[int, msgspec.Meta(ge=1, le=256)]
     kv_unified: bool = False
+    # --swa-full: a sliding-window model's whole window cached, so a saved slot reads back complete
+    swa_full: bool = False
     n_gpu_layers: Annotated[int, msgspec.Meta(ge=0, le=65536)] = 0
     # Indices into the host's reported gpus the lane is pinned to (--device), in order;
     # with more than one, tensor_split gives each its share of the layers (-ts).
