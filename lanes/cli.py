@@ -295,7 +295,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="hosts, lanes, planned vs used memory, health")
     _add_connection(p)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="the reply as JSON (with --all: one line per page)")
+    p.add_argument("--host", default="", help="only this host, or the hosts whose id starts with PREFIX*")
+    p.add_argument("--model", default="", help="only hosts with a lane of this model")
+    p.add_argument("--state", default="", help="only hosts live or lost, or with a lane in this state (failed ...)")
+    p.add_argument("--limit", type=_int_at_least(1, "must be at least 1"), default=50,
+                   help="hosts per page (default 50; a page also stops at 256 KiB)")  # fmt: skip
+    p.add_argument("--after", default="", help="the page after this host id (the last one shown)")
+    p.add_argument("--all", action="store_true", help="every page, not only the first")
 
     p = sub.add_parser("config", help="get or set the fleet config")
     csub = p.add_subparsers(dest="action", required=True)

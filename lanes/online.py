@@ -31,7 +31,7 @@ from shared.llama.printed import device_lines
 from shared.logs import setup_logging
 from shared.messages.config import Demand, FleetConfig
 from shared.messages.plans import LaneSpec
-from shared.messages.replies import ConfigSet, FleetStatus, HostQuery
+from shared.messages.replies import ConfigSet, FleetQuery, FleetStatus, FleetSummary, HostQuery
 from shared.messages.wire import encode
 from shared.nats_auth import NatsAuth, auth_from_args
 from shared.natsserver import NatsServer, NatsServerError
@@ -319,11 +319,19 @@ async def _request_command(args: argparse.Namespace, auth: NatsAuth) -> int:
         elif args.command == "explain":
             print((await _request(nc, subjects.PLAN_EXPLAIN, encode(HostQuery(host_id=args.host_id)))).decode())
         elif args.command == "status":
-            raw = await _request(nc, subjects.FLEET_STATUS, b"")
-            if args.json:
-                print(raw.decode())
-            else:
-                print(render_status(msgspec.json.decode(raw, type=FleetStatus)))
+            query = FleetQuery(host=args.host, model=args.model, state=args.state, limit=min(args.limit, 1000),
+                               after=args.after)  # fmt: skip
+            while True:
+                raw = await _request(nc, subjects.FLEET_STATUS, encode(query))
+                fleet = msgspec.json.decode(raw, type=FleetStatus)
+                if args.json:
+                    print(raw.decode())
+                else:
+                    print(render_status(fleet, summary=query.after == args.after, more=not args.all))
+                if not (args.all and fleet.next_after):
+                    break
+                query = msgspec.structs.replace(query, after=fleet.next_after)
+            if not args.json:
                 try:
                     lines = await tenant_lines(nc)
                 except Exception as exc:  # the fleet was shown: say why the tenants' lines are not
@@ -370,14 +378,32 @@ async def tenant_lines(nc) -> list[str]:
     return out
 
 
-def render_status(fleet: FleetStatus) -> str:
+def summary_lines(s: FleetSummary) -> list[str]:
+    """The whole fleet in a few lines, whatever its size."""
+    out = [f"fleet: {s.hosts} host(s), {s.hosts_lost} lost, {s.hosts_rejecting} refusing their plan; "
+           f"memory planned {gib(s.planned_bytes)}, used {gib(s.used_bytes)}; lane errors {s.lane_errors}, "
+           f"feedback {s.feedback}, unplaced {s.unplaced}"]  # fmt: skip
+    by_model: dict[str, list[str]] = {}
+    for x in s.lanes:
+        by_model.setdefault(x.model, []).append(f"{x.lanes} {x.state}")
+    out += [f"  {model}: {', '.join(states)}" for model, states in sorted(by_model.items())]
+    return out
+
+
+def render_status(fleet: FleetStatus, summary: bool = True, more: bool = True) -> str:
+    """One page of the fleet (`summary`: with the fleet-wide lines first; `more`: say how to ask
+    for the next page)."""
     c: FleetConfig = fleet.config
     # The K/V types the plans give (a host whose llama-server lacks the configured type runs another).
     planned = sorted({cache_pair(s.cache_type_k, s.cache_type_v) for p in fleet.plans for s in p.lanes})
-    out = [f"config r{fleet.config_revision}: kv {', '.join(planned) or '-'} as planned,"
-           f" flash_attn {c.flash_attn or 'unset'}"]  # fmt: skip
-    if fleet.planner_id:
-        out.append(f"planner {fleet.planner_id} ({'active' if fleet.planner_active else 'stand-by'})")
+    out = []
+    if summary:
+        out.append(f"config r{fleet.config_revision}: kv {', '.join(planned) or '-'} as planned,"
+                   f" flash_attn {c.flash_attn or 'unset'}")  # fmt: skip
+        if fleet.planner_id:
+            out.append(f"planner {fleet.planner_id} ({'active' if fleet.planner_active else 'stand-by'})")
+        if fleet.summary is not None:
+            out += summary_lines(fleet.summary)
     statuses = {s.host_id: s for s in fleet.statuses}
     plans = {p.host_id: p for p in fleet.plans}
     liveness = {h.host_id: h for h in fleet.hosts}
@@ -450,4 +476,7 @@ def render_status(fleet: FleetStatus) -> str:
         rows = [[m.name, m.model, m.state, ",".join(m.hosts) or "-", ",".join(m.holders) or "-", m.reason[:80]]
                 for m in fleet.models]  # fmt: skip
         out.append(table(["model", "file", "state", "lanes on", "held by", "reason"], rows))
+    if fleet.next_after and more:
+        out.append(f"{len(fleet.hosts)} of {fleet.matched} host(s) shown; the next page: lanes status "
+                   f"--after {fleet.next_after} (or --all, or --host/--model/--state to narrow)")  # fmt: skip
     return "\n".join(out)

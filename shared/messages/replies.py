@@ -12,7 +12,7 @@ from shared.messages.config import FleetConfig
 from shared.messages.hosts import HostReport
 from shared.messages.plans import HostPlan
 from shared.messages.status import HostStatus
-from shared.messages.wire import MANY, Label, Message, Name, Revision, Seconds, Text
+from shared.messages.wire import MANY, Bytes, Int32, Label, Message, Name, Revision, Seconds, Text
 
 HostState = Literal["live", "lost"]
 
@@ -32,6 +32,39 @@ class ConfigSet(Message, tag="config_set", kw_only=True):
 
 class HostQuery(Message, tag="host_query", kw_only=True):
     host_id: Name
+
+
+class FleetQuery(Message, tag="fleet_query", kw_only=True):
+    """One page of the fleet's status: the hosts after `after` (by host id) that match every filter
+    given, at most `limit` of them and never a reply over PAGE_BYTES (planner_svc/fleet_pages.py)."""
+
+    host: Label = ""  # a host id, or a prefix ending in "*"
+    model: Label = ""  # hosts with a lane of this model planned or running
+    state: Label = ""  # hosts "live" or "lost", or with a lane in this state ("failed", "healthy" ...)
+    after: Label = ""  # the last host id of the page before ("": from the first)
+    limit: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 100
+
+
+class ModelLanes(msgspec.Struct, frozen=True, gc=False, kw_only=True):
+    """One model's lanes in one state, fleet-wide."""
+
+    model: Name
+    state: Label  # a lane state as agents report it, or "planned" (in a plan, not reported yet)
+    lanes: Int32 = 0
+
+
+class FleetSummary(msgspec.Struct, frozen=True, gc=False, kw_only=True):
+    """The whole fleet in a few numbers: its size does not grow with the hosts."""
+
+    hosts: Int32 = 0
+    hosts_lost: Int32 = 0
+    hosts_rejecting: Int32 = 0  # whose agent refused its latest plan
+    lanes: Annotated[tuple[ModelLanes, ...], MANY] = ()
+    planned_bytes: Bytes = 0  # every planned lane's memory
+    used_bytes: Bytes = 0  # what the running lanes hold (their RSS)
+    lane_errors: Int32 = 0  # lanes failed, crashed, mismatched or unresponsive
+    feedback: Int32 = 0  # what agents say the plans got wrong
+    unplaced: Int32 = 0  # models the plans could not place
 
 
 class ErrorReply(Message, tag="error", kw_only=True):
@@ -64,3 +97,7 @@ class FleetStatus(Message, tag="fleet_status", kw_only=True):
     planner_id: Label = ""  # the planner that answered
     planner_active: bool = True  # False: a stand-by answered (it plans nothing)
     models: Annotated[tuple[ModelState, ...], MANY] = ()  # every servable model and whether it is loaded
+    # Paged (a FleetQuery asked): the hosts above are one page, the models name only them.
+    summary: FleetSummary | None = None  # the whole fleet, whatever the page
+    matched: Int32 = 0  # hosts matching the query's filters
+    next_after: Label = ""  # ask again with this as `after` for the next page; "": none left
