@@ -15,7 +15,8 @@ again, and that turn's time, with saved slots (slot_cache_bytes at its default) 
 (slot_cache_bytes=0, as before them); each mode on a fresh fleet.
 
 Models: `llama8`, a generated llama (8 layers, 512 wide, one token per byte, no sliding window);
-`gemma`, Gemma 3 270M (sliding-window attention: its slots are not saved, see docs/slot-cache.md).
+`gemma`, Gemma 3 270M (sliding-window attention: its lanes get --swa-full while slots are saved, so
+their saved slots read back whole; without saved slots they run without it; docs/slot-cache.md).
 """
 
 from __future__ import annotations

@@ -180,6 +180,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-unified", action="store_true")
     p.add_argument("--swa-full", action="store_true",
                    help="a sliding-window model's whole window cached (llama-server --swa-full)")
+    p.add_argument("--spec-type", default="none",
+                   help="speculative decoding: draft-simple (with --spec-draft-model) or an n-gram kind "
+                        "(ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod, ngram-cache)")  # fmt: skip
+    p.add_argument("--spec-draft-model", "-md", "--model-draft", default="", help="the draft model (draft-simple)")
+    p.add_argument("--spec-draft-ngl", "-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft", default="auto",
+                   help="the draft's layers on the GPUs: a count, all, auto (default: all where --gpus is given)")
+    p.add_argument("--spec-draft-type-k", "-ctkd", "--cache-type-k-draft", default="f16", help="the draft's K cache type")
+    p.add_argument("--spec-draft-type-v", "-ctvd", "--cache-type-v-draft", default="f16", help="the draft's V cache type")
+    p.add_argument("--spec-draft-n-max", type=_positive, default=None,
+                   help="the longest draft (default: the type's: 3 for a draft model, 48 or 64 for n-grams, 8 ngram-cache)")
     p.add_argument("--cache-type-k", type=_cache_type, default="f16")
     p.add_argument("--cache-type-v", type=_cache_type, default="f16")
     p.add_argument("--flash-attn", choices=["on", "off", "auto"], default="auto")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 import msgspec
@@ -16,6 +17,10 @@ from shared.gguf_facts import ModelError, read_model_facts
 from shared.llama.flags import cache_pair, lane_args, needs_flash_attn
 from shared.llama.flash_attn import resolve_flash_attn
 from shared.memory import BLOCK_BYTES, MemoryModelError
+from shared.memory.shape import LaneShape
+from shared.memory.speculative import (
+    DRAFT_KINDS, N_MAX, draft_shape, speculator_host_bytes, target_shape, with_speculation,
+)
 from shared.messages.config import Demand, FleetConfig
 from shared.messages.hosts import HostReport, ServerCaps
 from shared.messages.plans import NGpuLayers
@@ -66,6 +71,39 @@ def _n_gpu_layers(text: str) -> NGpuLayers:
     if value < -1:
         raise UserError(f"--n-gpu-layers {value}: use a count, all, auto or -1")
     return value
+
+
+def _with_speculation(args: argparse.Namespace, facts, shape: LaneShape):
+    """The lane with llama-server's speculative flags: the target's outputs for every drafted token,
+    the draft model's buffers on the devices -ngld puts it, and the speculator's host bytes
+    (shared/memory/speculative.py)."""
+    from launcher_agent.hardware import cpu_repack
+    from shared.memory import lane_memory
+
+    spec_type = args.spec_type if args.spec_type != "none" else "draft-simple"
+    if spec_type not in N_MAX:
+        raise UserError(f"--spec-type {spec_type}: not predicted yet (lanes predicts {', '.join(sorted(N_MAX))})")
+    if args.spec_draft_n_max is not None and spec_type not in DRAFT_KINDS:
+        raise UserError(f"--spec-draft-n-max sets a draft model's longest draft; {spec_type}'s is not predicted "
+                        "with another length yet")  # fmt: skip
+    if (spec_type in DRAFT_KINDS) != bool(args.spec_draft_model):
+        raise UserError(f"--spec-type {spec_type}: " + ("a draft model (--spec-draft-model) is needed"
+                        if spec_type in DRAFT_KINDS else "takes no draft model (--spec-draft-model)"))  # fmt: skip
+    for name, value in (("--spec-draft-type-k", args.spec_draft_type_k), ("--spec-draft-type-v", args.spec_draft_type_v)):
+        if value not in BLOCK_BYTES:
+            raise UserError(f"{name} {value}: unknown cache type; choose one of {', '.join(BLOCK_BYTES)}")
+    target = lane_memory(facts, target_shape(shape, spec_type, args.spec_draft_n_max), cpu_repack())
+    draft = None
+    if args.spec_draft_model:
+        try:
+            draft_facts = read_model_facts(args.spec_draft_model)
+        except (ModelError, OSError) as exc:
+            raise UserError(str(exc)) from None
+        layers = _n_gpu_layers(args.spec_draft_ngl) if shape.devices else 0
+        draft = lane_memory(draft_facts, dataclasses.replace(
+            draft_shape(shape, args.spec_draft_type_k, args.spec_draft_type_v), n_gpu_layers=layers), cpu_repack())  # fmt: skip
+    host = speculator_host_bytes(spec_type, facts.n_vocab, shape.parallel, shape.n_ubatch, args.spec_draft_n_max)
+    return with_speculation(target, draft, host)
 
 
 def _sizes(text: str) -> list[int]:
@@ -155,7 +193,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         mmproj=bool(args.mmproj), mmproj_offload=bool(gpus) and not args.no_mmproj_offload,
     )  # fmt: skip
     try:
-        mem = lane_memory(facts, shape, cpu_repack())
+        mem = _with_speculation(args, facts, shape) if args.spec_type != "none" or args.spec_draft_model \
+            else lane_memory(facts, shape, cpu_repack())  # fmt: skip
     except (MemoryModelError, PlacementError) as exc:
         raise UserError(str(exc)) from None
     over = [
@@ -177,6 +216,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         ["process overhead", mib(mem.overhead_bytes)],
         ["prompt cache (--cache-ram)", mib(mem.prompt_cache_bytes)],
         *([["projector (--mmproj)", mib(mem.projector_bytes)]] if args.mmproj else []),
+        *([["of which the draft model", mib(mem.draft_bytes)]] if mem.draft_bytes else []),
+        *([[f"speculator ({args.spec_type}), unprinted", mib(mem.speculator_bytes)]] if mem.speculator_bytes else []),
         ["total", gib(mem.total_bytes)],
     ]  # fmt: skip
     print(f"{facts.name}: ctx {args.ctx}, {args.parallel} slot(s), kv layout '{caps.kv_layout}'; {flash.reason}")

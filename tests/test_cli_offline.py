@@ -145,6 +145,28 @@ def test_estimate_table(tiny_models):
     assert "kv total" in run.stdout and "swa" in run.stdout
 
 
+def test_estimate_takes_llama_servers_speculative_and_swa_flags(tiny_models):
+    """Its figures against the binary: tests/test_speculative_real.py (a draft, its cache types and
+    --spec-draft-n-max), tests/test_devices_real.py (--swa-full)."""
+    model = tiny_models["gemma3"]
+    plain = json.loads(lanes("estimate", model, "--ctx", "4096", "--parallel", "2", "--json").stdout)
+    full = json.loads(lanes("estimate", model, "--ctx", "4096", "--parallel", "2", "--swa-full", "--json").stdout)
+    assert full["swa_cells"] == full["kv_cells"] > plain["swa_cells"] and full["kv_bytes"] > plain["kv_bytes"]
+    ngram = json.loads(lanes("estimate", model, "--ctx", "4096", "--parallel", "2", "--spec-type", "ngram-mod", "--json").stdout)
+    assert ngram["speculator_bytes"] >= 16 * 2**20 and ngram["draft_bytes"] == 0  # ngram-mod's 16 MiB table
+    drafted = lanes("estimate", model, "--ctx", "4096", "-md", tiny_models["llama8"], "-ctkd", "q8_0", "--json")
+    assert drafted.returncode == 0, drafted.stderr  # a draft model alone means draft-simple, as llama-server reads it
+    assert json.loads(drafted.stdout)["draft_bytes"] > 0
+    table = lanes("estimate", model, "--ctx", "4096", "--spec-type", "draft-simple", "-md", tiny_models["llama8"])
+    assert "of which the draft model" in table.stdout and "speculator (draft-simple)" in table.stdout
+    for flags, says in ((["--spec-type", "draft-mtp"], "not predicted yet"),
+                        (["--spec-type", "draft-simple"], "a draft model (--spec-draft-model) is needed"),
+                        (["--spec-type", "ngram-simple", "--spec-draft-n-max", "8"], "not predicted with another length"),
+                        (["--spec-type", "ngram-mod", "-md", str(tiny_models["llama8"])], "takes no draft model")):  # fmt: skip
+        run = lanes("estimate", model, "--ctx", "4096", *flags)
+        assert run.returncode != 0 and says in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
+
+
 # ------------------------------------------------------------------ plan
 
 

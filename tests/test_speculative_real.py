@@ -5,10 +5,13 @@ client), and their buffers per device exactly as the binary prints them."""
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
+import sys
 
 import openai
 import psutil
+import pytest
 from fixtures_bus import agent_config, client, fleet_status, free_port_base, host_status, lane_of, services
 from test_real_llama import _planner_with
 from tinymodels import write_llama
@@ -89,15 +92,19 @@ async def test_draft_and_ngram_lanes_serve_through_the_gateway(nats_server, tmp_
     assert target.memory.draft_bytes > 0 and ngram.memory.speculator_bytes >= 16 * MIB
 
 
-def test_a_draft_with_its_own_cache_types_is_planned_as_printed(tmp_path, llama_server):
+@pytest.mark.parametrize("n_max", [None, 8])
+def test_a_draft_with_its_own_cache_types_is_planned_as_printed(tmp_path, llama_server, n_max):
     """The draft's K/V types (-ctkd/-ctvd) size its cache: q8_0 for the draft, f16 for the target,
-    two slots, every printed buffer equal to the plan (shared/memory/speculative.py)."""
+    two slots, every printed buffer equal to the plan (shared/memory/speculative.py); with a longer
+    draft (--spec-draft-n-max 8) the target reserves more outputs. `lanes estimate`, given the same
+    flags as llama-server spells them, says the same figures."""
     target = write_llama(tmp_path / "target.gguf", n_layer=4, n_embd=256, n_vocab=32000, seed=1)
     draft = write_llama(tmp_path / "draft.gguf", n_layer=2, n_embd=256, n_vocab=32000, seed=2)
+    flags = ["--ctx-size", "4096", "--parallel", "2", "--flash-attn", "on", "--spec-type", "draft-simple",
+             "--spec-draft-model", str(draft), "--spec-draft-ngl", "0", "--spec-draft-type-k", "q8_0",
+             "--spec-draft-type-v", "q8_0", *(["--spec-draft-n-max", str(n_max)] if n_max else [])]  # fmt: skip
     argv = [llama_server, "--model", str(target), "--host", "127.0.0.1", "--port", str(free_port_base(1)),
-            "--ctx-size", "4096", "--parallel", "2", "--n-gpu-layers", "0", "--flash-attn", "on", "-fit", "off",
-            "--spec-type", "draft-simple", "--spec-draft-model", str(draft), "--spec-draft-ngl", "0",
-            "--spec-draft-type-k", "q8_0", "--spec-draft-type-v", "q8_0", "--verbosity", "4"]  # fmt: skip
+            "--n-gpu-layers", "0", "-fit", "off", *flags, "--verbosity", "4"]  # fmt: skip
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     try:
@@ -115,11 +122,20 @@ def test_a_draft_with_its_own_cache_types_is_planned_as_printed(tmp_path, llama_
     assert any("model loaded" in line for line in lines), lines[-5:]
     base = LaneShape(ctx=4096, parallel=2, flash_attn=True)
     planned = with_speculation(
-        lane_memory(read_model_facts(target), target_shape(base, "draft-simple")),
+        lane_memory(read_model_facts(target), target_shape(base, "draft-simple", n_max)),
         lane_memory(read_model_facts(draft), draft_shape(base, "q8_0", "q8_0")),
-        speculator_host_bytes("draft-simple", 32000, 2, base.n_ubatch),
+        speculator_host_bytes("draft-simple", 32000, 2, base.n_ubatch, n_max),
     )
     checks = compare(planned.devices, parse_buffers(lines))
     assert {c.kind for c in checks} == {"model", "KV", "compute", "output"}
     assert all(c.ok for c in checks), checks
     assert any("K (q8_0)" in line for line in lines)  # the draft's cache is the q8_0 one
+    estimate = [a.replace("--ctx-size", "--ctx") for a in flags if a not in ("--spec-draft-ngl", "0")]
+    run = subprocess.run([sys.executable, "-m", "lanes.cli", "estimate", str(target), *estimate, "--json"],
+                         capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    said = json.loads(run.stdout)
+    assert [(d["device"], d["model_bytes"], d["kv_bytes"], d["compute_bytes"], d["output_bytes"], d["draft_bytes"])
+            for d in said["devices"]] == [(d.device, d.model_bytes, d.kv_bytes, d.compute_bytes, d.output_bytes,
+                                           d.draft_bytes) for d in planned.devices]  # fmt: skip
+    assert said["speculator_bytes"] == planned.speculator_bytes > 0

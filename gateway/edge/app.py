@@ -43,7 +43,6 @@ from shared import defaults
 log = structlog.get_logger("lanes.gateway")
 
 
-
 # ------------------------------------------------------------------ routes
 
 

@@ -42,19 +42,20 @@ NGRAM_MEASURED_PER_SLOT = 12 * MIB
 DEFAULT_N_BATCH = 2048
 
 
-def n_outputs(spec_type: str | None, parallel: int, n_ubatch: int) -> int:
-    """The target's n_outputs_max (server_output_limits): one per slot without speculation."""
+def n_outputs(spec_type: str | None, parallel: int, n_ubatch: int, n_max: int | None = None) -> int:
+    """The target's n_outputs_max (server_output_limits): one per slot without speculation.
+    `n_max`: the longest draft when not the type's default (--spec-draft-n-max)."""
     if spec_type is None:
         return parallel
     n_batch = max(DEFAULT_N_BATCH, n_ubatch)  # lane_args passes --batch-size only above 2048
-    return max(1, min(n_batch, parallel * (1 + N_MAX[spec_type])))
+    return max(1, min(n_batch, parallel * (1 + (N_MAX[spec_type] if n_max is None else n_max))))
 
 
-def target_shape(shape: LaneShape, spec_type: str | None) -> LaneShape:
+def target_shape(shape: LaneShape, spec_type: str | None, n_max: int | None = None) -> LaneShape:
     """The target's shape with the outputs its speculator makes it reserve."""
     if spec_type is None:
         return shape
-    return dataclasses.replace(shape, n_outputs=n_outputs(spec_type, shape.parallel, shape.n_ubatch))
+    return dataclasses.replace(shape, n_outputs=n_outputs(spec_type, shape.parallel, shape.n_ubatch, n_max))
 
 
 def draft_shape(shape: LaneShape, type_k: str = "f16", type_v: str = "f16") -> LaneShape:
@@ -63,12 +64,13 @@ def draft_shape(shape: LaneShape, type_k: str = "f16", type_v: str = "f16") -> L
     return dataclasses.replace(shape, type_k=type_k, type_v=type_v, n_outputs=0, cache_ram=0)
 
 
-def speculator_host_bytes(spec_type: str | None, n_vocab: int, parallel: int, n_ubatch: int) -> int:
+def speculator_host_bytes(spec_type: str | None, n_vocab: int, parallel: int, n_ubatch: int,
+                          n_max: int | None = None) -> int:  # fmt: skip
     """Host RAM the speculator takes that no line prints: the output buffer's growth to every drafted
     token's logits, and the n-gram tables."""
     if spec_type is None:
         return 0
-    growth = (n_outputs(spec_type, parallel, n_ubatch) - parallel) * n_vocab * 4
+    growth = (n_outputs(spec_type, parallel, n_ubatch, n_max) - parallel) * n_vocab * 4
     table = NGRAM_MOD_TABLE if spec_type == "ngram-mod" else 0
     measured = NGRAM_MEASURED_PER_SLOT * parallel if spec_type.startswith("ngram-") else 0
     return growth + table + measured
