@@ -39,7 +39,8 @@ from shared.bus import connect, kv_bucket  # noqa: E402
 from shared.messages.activity import ModelStates  # noqa: E402
 from shared.messages.config import FleetConfig  # noqa: E402
 from shared.messages.hosts import HostReport, ModelFacts, ServerCaps  # noqa: E402
-from shared.messages.replies import FleetHosts, FleetStatus  # noqa: E402
+from planner_svc.fleet_pages import Fleet, hosts_value, models_value, page  # noqa: E402
+from shared.messages.replies import FleetQuery, FleetStatus  # noqa: E402
 from shared.messages.wire import encode  # noqa: E402
 from shared.natsserver import NatsServer  # noqa: E402
 from shared.subjects import kv_subject  # noqa: E402
@@ -124,11 +125,14 @@ def whole_fleet_values(reports, plans) -> dict[str, int]:
         state.apply(subjects.report_key(report.host_id), encode(report), i + 1)
     state.plans.update({subjects.host_token(p.host_id): p for p in plans})
     models = state.model_states()[0].models
-    status = FleetStatus(reports=tuple(reports), plans=tuple(plans), hosts=state.liveness(), models=models)
+    whole = FleetStatus(reports=tuple(reports), plans=tuple(plans), hosts=state.liveness(), models=models)
+    fleet = Fleet(reports={r.host_id: r for r in reports}, plans={p.host_id: p for p in plans}, statuses={},
+                  liveness=state.liveness(), models=models)  # fmt: skip
     return {
-        "hosts_key_bytes": len(encode(FleetHosts(hosts=state.liveness()))),
-        "models_key_bytes": len(encode(ModelStates(models=models))),
-        "status_bytes": len(encode(status)),
+        "hosts_key_bytes": len(encode(hosts_value(state.liveness()))),
+        "models_key_bytes": len(encode(models_value(ModelStates(models=models)))),
+        "status_page_bytes": len(encode(page(fleet, FleetQuery(limit=1000), FleetStatus()))),
+        "status_whole_bytes": len(encode(whole)),  # the one reply of before: not sent any more
         "report_bytes": len(encode(reports[0])),
     }
 
@@ -286,9 +290,10 @@ def main() -> None:
         f"A host plan is {fan['plan_bytes_median'] / 1024:.1f} KiB (median; largest {fan['plan_bytes_max'] / 1024:.1f} KiB);",
         f"all {fan['hosts']} plans {fan['plans_bytes'] / 2**20:.1f} MiB per revision; a host report"
         f" {fan['report_bytes'] / 1024:.1f} KiB (these facts carry no per-layer weights, real ones do).",
-        f"Values that hold every host at once, against the server's max payload of {fan['max_payload'] / 2**20:.0f} MiB:",
-        f"the `hosts` key {fan['hosts_key_bytes'] / 1024:.0f} KiB, the `models` key {fan['models_key_bytes'] / 1024:.0f} KiB,",
-        f"the planner's fleet.status reply (`lanes status`) {fan['status_bytes'] / 2**20:.1f} MiB.",
+        f"Values every gateway or `lanes status` reads, against the server's max payload of {fan['max_payload'] / 2**20:.0f} MiB:",
+        f"the `hosts` key {fan['hosts_key_bytes'] / 1024:.1f} KiB, the `models` key {fan['models_key_bytes'] / 1024:.1f} KiB,",
+        f"a page of the planner's fleet.status reply (`lanes status`) {fan['status_page_bytes'] / 1024:.0f} KiB",
+        f"(the whole fleet in one reply, as before paging: {fan['status_whole_bytes'] / 2**20:.1f} MiB).",
     ]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}")

@@ -16,13 +16,13 @@ import socket
 import time
 from contextlib import AsyncExitStack
 
-import msgspec
 import structlog
 from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError, KeyValueError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from planner_svc import endpoints, plan_writes, rollout
+from planner_svc.fleet_pages import hosts_value, models_value
 from planner_svc.lease import DEFAULT_TTL, Lease
 from planner_svc.metrics import PlannerMetrics
 from planner_svc.state import PlannerState
@@ -31,7 +31,6 @@ from shared.bus import connect, kv_bucket, leader_view, quietly, run_until, secr
 from shared.llama.flags import cache_pair
 from shared.messages.activity import GatewayActivity, ModelWake
 from shared.messages.plans import HostPlan
-from shared.messages.replies import FleetHosts
 from shared.messages.status import PlanRejected
 from shared.messages.wire import encode
 from shared.metrics_http import serve_metrics
@@ -98,7 +97,7 @@ class PlannerService:
         if not (self.ready.is_set() and self.lease.holds()):
             return
         states, self.state.demand_state = self.state.model_states()
-        data = encode(states)
+        data = encode(models_value(states))
         if data == self._models_written:
             return
         try:
@@ -116,9 +115,7 @@ class PlannerService:
             if due:
                 self.dirty.set()
             await self.publish_models()
-            hosts = encode(
-                FleetHosts(hosts=tuple(msgspec.structs.replace(h, seen_ago_s=0.0) for h in self.state.liveness()))
-            )
+            hosts = encode(hosts_value(self.state.liveness()))
             if hosts != written and self.ready.is_set() and self.lease.holds():
                 try:
                     await self.kv.put(subjects.HOSTS_KEY, hosts)

@@ -84,6 +84,10 @@ class ModelState(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     state: ModelLoad = "unloaded"
     hosts: Annotated[tuple[Label, ...], MANY] = ()  # where its lanes are planned
     holders: Annotated[tuple[Label, ...], MANY] = ()  # hosts that hold its file
+    # In the `models` key the lists above name at most NAMED_HOSTS hosts each; these count them all
+    # (0: not cut, the lists are whole).
+    host_count: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] = 0
+    holder_count: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] = 0
     reason: Text = ""
     file_bytes: Bytes = 0
     # Loaded on request only (it was unloaded once, or no persona names the file): a planner

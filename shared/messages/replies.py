@@ -81,10 +81,12 @@ class HostLiveness(msgspec.Struct, frozen=True, gc=False, kw_only=True):
 
 
 class FleetHosts(Message, tag="fleet_hosts", kw_only=True):
-    """KV key `hosts`: every host's liveness, put by the active planner when a state changes
-    (seen_ago_s is 0 there: the key changes with states, not with time)."""
+    """KV key `hosts`: the hosts that are not simply live (lost, or refusing their plan), put by the
+    active planner when a state changes (seen_ago_s is 0 there: the key changes with states, not
+    with time). A host it does not list is live: the key does not grow with a healthy fleet."""
 
     hosts: Annotated[tuple[HostLiveness, ...], MANY] = ()
+    total: Int32 = 0  # hosts the planner knows, listed or not (0: a planner from before, listing every host)
 
 
 class FleetStatus(Message, tag="fleet_status", kw_only=True):
