@@ -52,7 +52,7 @@ from shared.messages.activity import GatewayActivity, ModelWake, PlannerLease
 from shared.messages.config import Demand, FleetConfig
 from shared.messages.hosts import HostReport
 from shared.messages.plans import HostPlan, LaneSpec
-from shared.messages.replies import ConfigSet, FleetStatus, HostQuery
+from shared.messages.replies import ConfigSet, FleetQuery, FleetStatus, HostQuery
 from shared.messages.status import HostStatus, PlanRejected
 from shared.messages.wire import encode
 from shared.natsserver import NatsServer
@@ -427,6 +427,9 @@ demand_requests = payloads(Demand, [{"kind": "demand", "personas": [{"model": "l
 query_requests = st.one_of(payloads(HostQuery, [{"kind": "host_query", "host_id": "host1"}]),
                            st.builds(lambda h: _dumps({"kind": "host_query", "host_id": h}), _HOST_IDS))  # fmt: skip
 
+fleet_queries = payloads(FleetQuery, [{"kind": "fleet_query", "host": "host*", "state": "live", "limit": 2},
+                                      {"kind": "fleet_query", "after": "host1", "model": "llama8"}])  # fmt: skip
+
 ENDPOINTS = ["config.set", "demand.set", "plan.get", "plan.explain", "config.get", "fleet.status", "agent", "srv"]
 
 
@@ -467,9 +470,14 @@ def _fuzz_request_endpoints(fleet, endpoint, data):
     elif endpoint == "config.get":
         reply = fleet.run(fleet.nc.request(subjects.CONFIG_GET, data.draw(payloads()), timeout=5))
         assert msgspec.json.decode(reply.data, type=FleetConfig) == fleet.config
-    elif endpoint == "fleet.status":
-        reply = fleet.run(fleet.nc.request(subjects.FLEET_STATUS, data.draw(payloads()), timeout=5))
-        assert msgspec.json.decode(reply.data, type=FleetStatus).config == fleet.config
+    elif endpoint == "fleet.status":  # a page of the fleet: an empty body asks for the first, a FleetQuery for one
+        body = data.draw(fleet_queries)
+        reply = fleet.run(fleet.nc.request(subjects.FLEET_STATUS, body, timeout=5))
+        if body.strip() and decodes(body, FleetQuery) is None:
+            assert _code(reply) == "400", (body, reply.headers)
+        else:
+            assert _code(reply) is None, (body, reply.headers)
+            assert msgspec.json.decode(reply.data, type=FleetStatus).config == fleet.config
     elif endpoint == "agent":
         name = data.draw(st.sampled_from(["status", "info"]))
         reply = fleet.run(fleet.nc.request(f"{subjects.agent_group(HOST)}.{name}", data.draw(payloads()), timeout=5))
