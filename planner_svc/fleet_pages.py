@@ -38,10 +38,15 @@ class Fleet:
     models: Sequence[ModelState]
 
 
+def _stem(lane_id: str) -> str:
+    """The model a lane id names (planner_svc/lane_windows.py lane_id_for: "<model>-<index>")."""
+    return lane_id.rpartition("-")[0] or lane_id
+
+
 def _lane_models(fleet: Fleet, host: str) -> dict[str, str]:
     """Lane id -> model on a host: its plan's, else the lane id's stem (a lane the plan has left)."""
     plan, status = fleet.plans.get(host), fleet.statuses.get(host)
-    out = {x.lane_id: x.lane_id.rpartition("-")[0] or x.lane_id for x in (status.lanes if status else ())}
+    out = {x.lane_id: _stem(x.lane_id) for x in (status.lanes if status else ())}
     out.update({s.lane_id: s.model for s in (plan.lanes if plan else ())})
     return out
 
@@ -83,7 +88,7 @@ def matches(query: FleetQuery, fleet: Fleet, live: HostLiveness) -> bool:
     if query.model:
         plan = fleet.plans.get(host)
         planned = any(s.model == query.model for s in (plan.lanes if plan else ()))
-        if not planned and not any(x.lane_id.rpartition("-")[0] == query.model for x in (status.lanes if status else ())):
+        if not planned and not any(_stem(x.lane_id) == query.model for x in (status.lanes if status else ())):
             return False
     if query.state and query.state != live.state:
         if not any(x.state == query.state for x in (status.lanes if status else ())):
