@@ -18,28 +18,15 @@ def port_taken(bind: str, port: int) -> bool:
         return probe.connect_ex((endpoints.connect_host(bind), port)) == 0
 
 
-# Each running lane's API key (launcher_agent/lane_secret.py) by its address, set when the agent
-# starts or adopts it: every request below carries it (llama-server asks for it on every path
-# but /health).
-_KEYS: dict[tuple[str, int], str] = {}
-
-
-def use_key(spec: LaneSpec, key: str | None) -> None:
-    """From now on, requests to this lane's address carry `key` (None: no key)."""
-    if key:
-        _KEYS[(spec.bind, spec.port)] = key
-    else:
-        _KEYS.pop((spec.bind, spec.port), None)
-
-
-def key_header(bind: str, port: int) -> str:
-    key = _KEYS.get((bind, port))
+def key_header(key: str | None) -> str:
+    """The lane's API key (launcher_agent/lane_secret.py) as a request header: llama-server asks for
+    it on every path but /health. Passed with each request, never kept here: two lanes can share an
+    address over time (or, in tests, two agents in one process), and only the lane knows its key."""
     return f"Authorization: Bearer {key}\r\n" if key else ""
 
 
-def auth_headers(spec: LaneSpec) -> dict[str, str]:
+def auth_headers(key: str | None) -> dict[str, str]:
     """The same, for an aiohttp request (the agent's scrape of /metrics)."""
-    key = _KEYS.get((spec.bind, spec.port))
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
@@ -69,50 +56,50 @@ async def _exchange(bind: str, port: int, request: Callable[[str], bytes], timeo
         return status, None
 
 
-async def http_get(bind: str, port: int, path: str, timeout: float = 2.0) -> tuple[int, object]:
+async def http_get(bind: str, port: int, path: str, key: str | None, timeout: float = 2.0) -> tuple[int, object]:
     """A tiny HTTP/1.0 GET; (status, JSON body or None). Status 0 when nothing answers."""
-    auth = key_header(bind, port)
+    auth = key_header(key)
     return await _exchange(bind, port, lambda host: f"GET {path} HTTP/1.0\r\nHost: {host}\r\n{auth}\r\n".encode(), timeout)
 
 
-async def http_post(bind: str, port: int, path: str, body: object, timeout: float) -> tuple[int, object]:
+async def http_post(bind: str, port: int, path: str, body: object, key: str | None, timeout: float) -> tuple[int, object]:
     """A tiny HTTP/1.0 POST of a JSON body; (status, JSON body or None). Status 0 when nothing answers."""
     data = json.dumps(body).encode()
     head = "POST {} HTTP/1.0\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{}\r\n"
-    auth = key_header(bind, port)
+    auth = key_header(key)
     return await _exchange(bind, port, lambda host: head.format(path, host, len(data), auth).encode() + data, timeout)
 
 
-async def readiness(spec: LaneSpec) -> tuple[endpoints.Readiness, str]:
+async def readiness(spec: LaneSpec, key: str | None) -> tuple[endpoints.Readiness, str]:
     """("loading" | "healthy" | "mismatch", detail) from /health and /props."""
-    status, _ = await http_get(spec.bind, spec.port, endpoints.HEALTH)
+    status, _ = await http_get(spec.bind, spec.port, endpoints.HEALTH, key)
     if not endpoints.is_healthy(status):
         return "loading", endpoints.answered(endpoints.HEALTH, status)
-    status, props = await http_get(spec.bind, spec.port, endpoints.PROPS)
+    status, props = await http_get(spec.bind, spec.port, endpoints.PROPS, key)
     return endpoints.props_readiness(status, props, ctx_per_slot=spec.ctx_per_slot, parallel=spec.parallel)
 
 
-async def alive(spec: LaneSpec, timeout: float) -> bool:
+async def alive(spec: LaneSpec, key: str | None, timeout: float) -> bool:
     """Does the serving lane still answer /health? (Cheap: no request reaches the model.)"""
-    status, _ = await http_get(spec.bind, spec.port, endpoints.HEALTH, timeout=timeout)
+    status, _ = await http_get(spec.bind, spec.port, endpoints.HEALTH, key, timeout=timeout)
     return endpoints.is_healthy(status)
 
 
-async def busy_slots(spec: LaneSpec) -> int | None:
+async def busy_slots(spec: LaneSpec, key: str | None) -> int | None:
     """Slots processing a request (llama-server's /slots); None when nothing answers."""
-    return endpoints.busy_slots(*await http_get(spec.bind, spec.port, endpoints.SLOTS))
+    return endpoints.busy_slots(*await http_get(spec.bind, spec.port, endpoints.SLOTS, key))
 
 
-async def loop_work(spec: LaneSpec, timeout: float) -> endpoints.LoopWork | None:
+async def loop_work(spec: LaneSpec, key: str | None, timeout: float) -> endpoints.LoopWork | None:
     """What the lane's inference loop is doing (/slots); None when it does not answer in time."""
-    return endpoints.loop_work(*await http_get(spec.bind, spec.port, endpoints.SLOTS, timeout=timeout))
+    return endpoints.loop_work(*await http_get(spec.bind, spec.port, endpoints.SLOTS, key, timeout=timeout))
 
 
-async def slot_contents(spec: LaneSpec, timeout: float = 5.0):
+async def slot_contents(spec: LaneSpec, key: str | None, timeout: float = 5.0):
     """Each slot's (id, tokens, last task, busy); None when the lane does not say."""
-    return endpoints.slot_contents(*await http_get(spec.bind, spec.port, endpoints.SLOTS, timeout=timeout))
+    return endpoints.slot_contents(*await http_get(spec.bind, spec.port, endpoints.SLOTS, key, timeout=timeout))
 
 
-async def slot_file(spec: LaneSpec, slot: int, action: str, filename: str, timeout: float) -> tuple[int, object]:
+async def slot_file(spec: LaneSpec, key: str | None, slot: int, action: str, filename: str, timeout: float) -> tuple[int, object]:
     """Save a slot to, or restore it from, a file in the lane's --slot-save-path."""
-    return await http_post(spec.bind, spec.port, endpoints.slot_action(slot, action), {"filename": filename}, timeout)
+    return await http_post(spec.bind, spec.port, endpoints.slot_action(slot, action), {"filename": filename}, key, timeout)

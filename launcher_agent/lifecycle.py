@@ -12,7 +12,7 @@ import structlog
 from launcher_agent.config import AgentConfig
 from launcher_agent.feedback import Feedback
 from launcher_agent.lane import Emit, Lane
-from launcher_agent import lane_http, lane_secret
+from launcher_agent import lane_secret
 from launcher_agent.lane_http import port_taken
 from launcher_agent.persistence import Saved
 from launcher_agent.process import DryRunLane, LaneProcess, LogLimits
@@ -94,7 +94,6 @@ class Lifecycle:
             await process.start()
             lane.started_mono = time.monotonic()
             lane.api_key = key
-            lane_http.use_key(spec, key)
         except OSError as exc:
             lane.state, lane.last_error, lane.failure = "failed", f"cannot start {self.cfg.binary}: {exc}", "other"
             self.lanes[spec.lane_id] = lane
@@ -111,7 +110,6 @@ class Lifecycle:
             return
         await lane.process.stop()
         lane.process.close_log()
-        lane_http.use_key(lane.spec, None)
         lane_secret.remove_key(self._key_path(lane_id))  # a stopped lane's key opens nothing again
         self.on_change()
         log.info("lane stopped", lane=lane_id, reason=reason)
@@ -139,7 +137,6 @@ class Lifecycle:
             if proc is not None:
                 key = lane_secret.read_key(self._key_path(lane_id))  # None: started before lanes had keys
                 self.lanes[lane_id] = Lane(spec=spec, process=proc, state="loading", api_key=key)
-                lane_http.use_key(spec, key)
                 log.info("adopted running lane", lane=lane_id, pid=pid)
 
     def _key_path(self, lane_id: str):

@@ -99,7 +99,7 @@ class AgentMetrics:
     async def _scrape(self, session: aiohttp.ClientSession, lane) -> list[Metric]:
         url = endpoints.url(lane.spec.bind, lane.spec.port, endpoints.METRICS)
         try:
-            async with session.get(url, headers=lane_http.auth_headers(lane.spec)) as resp:
+            async with session.get(url, headers=lane_http.auth_headers(lane.api_key)) as resp:
                 if resp.status != 200:
                     return []
                 text = await resp.text()

@@ -278,18 +278,18 @@ class LaneProcess:
         mib = kv_mib_from_log(self.kv_lines)
         return None if mib is None else round(mib * MIB)
 
-    async def probe_health(self) -> tuple[str, str]:
+    async def probe_health(self, key: str | None) -> tuple[str, str]:
         """("loading" | "healthy" | "mismatch", detail) from /health and /props."""
-        return await lane_http.readiness(self.spec)
+        return await lane_http.readiness(self.spec, key)
 
-    async def alive(self, timeout: float) -> bool:
-        return await lane_http.alive(self.spec, timeout)
+    async def alive(self, key: str | None, timeout: float) -> bool:
+        return await lane_http.alive(self.spec, key, timeout)
 
-    async def busy_slots(self) -> int | None:
-        return await lane_http.busy_slots(self.spec)
+    async def busy_slots(self, key: str | None) -> int | None:
+        return await lane_http.busy_slots(self.spec, key)
 
-    async def loop_work(self, timeout: float):
-        return await lane_http.loop_work(self.spec, timeout)
+    async def loop_work(self, key: str | None, timeout: float):
+        return await lane_http.loop_work(self.spec, key, timeout)
 
     async def kill(self) -> None:
         """SIGKILL: a wedged (even SIGSTOPped) process cannot be asked to stop."""
@@ -364,10 +364,10 @@ class DryRunLane(LaneProcess):
     def read_log(self) -> None:
         pass
 
-    async def probe_health(self) -> tuple[str, str]:
+    async def probe_health(self, key: str | None) -> tuple[str, str]:
         return "healthy", ""
 
-    async def alive(self, timeout: float) -> bool:
+    async def alive(self, key: str | None, timeout: float) -> bool:
         return True
 
     async def kill(self) -> None:

@@ -32,6 +32,46 @@ MIN_TOKENS = 64
 DISK_RESERVE = 1024 * 1024 * 1024
 
 
+class SlotOrigin(msgspec.Struct, frozen=True, gc=False, kw_only=True):
+    """What made a slot file, each fact one llama-server does not check (or checks too late)."""
+
+    model_sha256: str  # the weights: another quantization or fine-tune of one shape reads back "fine"
+    build: str  # llama-server's version line: the file format and the graph that filled the cells
+    cache_types: str  # "k/v" as cache_pair spells them
+    flash_attn: str  # on/off/auto: V is stored transposed without it
+    kv_unified: bool
+    swa_full: bool
+    ctx: int  # the slot's context then: a file reads back into a slot that holds its tokens
+
+
+def origin_of(spec: LaneSpec, model_sha256: str, build: str) -> SlotOrigin:
+    ctx = spec.ctx_total if spec.kv_unified else spec.ctx_per_slot
+    return SlotOrigin(model_sha256=model_sha256, build=build, cache_types=cache_pair(spec.cache_type_k, spec.cache_type_v),
+                      flash_attn=spec.flash_attn or "auto", kv_unified=spec.kv_unified, swa_full=spec.swa_full,
+                      ctx=ctx)  # fmt: skip
+
+
+def refusal(saved: SlotOrigin | None, tokens: int, lane: SlotOrigin) -> str | None:
+    """Why a file saved under `saved` must not be handed to a lane of origin `lane`, or None.
+
+    Every fact must match but the context, which need only hold the file's tokens (the binary
+    reads a file into a larger or smaller slot alike; tests/test_slot_origin_real.py)."""
+    if saved is None:
+        return "saved without its origin (an older agent): which model made it is unknown"
+    if saved.model_sha256 != lane.model_sha256:
+        return f"saved from another model file (sha256 {saved.model_sha256[:12]}, this lane's {lane.model_sha256[:12]})"
+    if saved.build != lane.build:
+        return f"saved by another llama-server build ({saved.build!r}, this lane runs {lane.build!r})"
+    for name, a, b in (("cache types", saved.cache_types, lane.cache_types),
+                       ("flash attention", saved.flash_attn, lane.flash_attn),
+                       ("--kv-unified", saved.kv_unified, lane.kv_unified), ("--swa-full", saved.swa_full, lane.swa_full)):
+        if a != b:
+            return f"saved with {name} {a}, this lane runs {b}"
+    if tokens > lane.ctx:
+        return f"holds {tokens} tokens, more than this lane's slot context of {lane.ctx}"
+    return None
+
+
 class Entry(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     """One saved slot file, as the manifest keeps it."""
 
@@ -44,6 +84,7 @@ class Entry(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     size: int  # bytes on disk
     saved_at: float  # wall clock, seconds
     last_task: int = -1  # the slot's last task id then: within one save, larger is more recent
+    origin: SlotOrigin | None = None  # None: saved by an agent before origins were kept
 
 
 @dataclass(frozen=True)
@@ -158,19 +199,37 @@ def over_budget(kept: Iterable[Entry], budget: int) -> tuple[Entry, ...]:
 @dataclass(frozen=True)
 class RestoreDecision:
     restore: tuple[tuple[int, Entry], ...]  # (slot id, file) pairs
-    discard: tuple[Entry, ...]  # files of this model under another layout: they cannot be restored
+    discard: tuple[Entry, ...]  # files that can never be restored here: removed
+    refused: tuple[tuple[Entry, str], ...] = ()  # every candidate not restored for a reason, with it
 
 
-def decide_restore(kept: Sequence[Entry], *, lane_id: str, model: str, layout: str, slots: int,
-                   ctx_per_slot: int) -> RestoreDecision:  # fmt: skip
-    """What a new lane restores before it serves: files of its layout, the ones its own lane id
-    saved first (the gateway's index still sends those conversations here), then the most
-    recent, one per slot, each fitting the slot's window. Files of the same model under another
-    layout (cache types or the model file changed) are discarded."""
-    discard = tuple(e for e in kept if e.model == model and e.layout != layout)
-    usable = [e for e in kept if e.layout == layout and e.tokens <= ctx_per_slot]
+def restore_candidates(kept: Sequence[Entry], *, lane_id: str, model: str) -> list[Entry]:
+    """The files a new lane looks at: its own lane id's, and any saved from its model path."""
+    return [e for e in kept if e.lane_id == lane_id or e.model == model]
+
+
+def decide_restore(kept: Sequence[Entry], *, lane_id: str, model: str, origin: SlotOrigin, slots: int) -> RestoreDecision:
+    """What a new lane restores before it serves: the files whose origin matches its own
+    (slot_cache.refusal), the ones its own lane id saved first (the gateway's index still sends
+    those conversations here), then the most recent, one per slot. No refused file is ever handed
+    to llama-server. A refused file is removed when no lane can ever restore it: its own lane's
+    (the lane now runs otherwise), one saved before origins were kept, or one of a model file
+    since replaced. Another lane's (another persona of the model) stays for that lane, and so
+    does a file refused only for its length (a lane with a longer window may take it)."""
+    usable, refused, discard = [], [], []
+    for e in restore_candidates(kept, lane_id=lane_id, model=model):
+        why = refusal(e.origin, e.tokens, origin)
+        if why is None:
+            usable.append(e)
+            continue
+        refused.append((e, why))
+        if e.origin is not None and refusal(e.origin, 0, origin) is None:
+            continue  # only too long for this lane's slots
+        replaced = e.origin is not None and e.model == model and e.origin.model_sha256 != origin.model_sha256
+        if e.lane_id == lane_id or e.origin is None or replaced:
+            discard.append(e)
     usable.sort(key=lambda e: (e.lane_id != lane_id, -e.saved_at, -e.last_task))
-    return RestoreDecision(tuple(enumerate(usable[:slots])), discard)
+    return RestoreDecision(tuple(enumerate(usable[:slots])), tuple(discard), tuple(refused))
 
 
 def discarded_by_change(kept: Sequence[Entry], model: str, old_layout: str, new_layout: str) -> tuple[Entry, ...]:

@@ -19,11 +19,13 @@ import structlog
 
 from launcher_agent import lane_http, slot_cache
 from launcher_agent.lane import Emit, Lane
-from launcher_agent.slot_cache import Entry, SlotSeen
+from launcher_agent.model_digest import ModelDigests
+from launcher_agent.slot_cache import Entry, SlotOrigin, SlotSeen
 from shared.messages.plans import LaneSpec
 
 log = structlog.get_logger("lanes.agent")
 MANIFEST = "slots.json"
+DIGESTS = "model-digests.json"
 SAVE_TIMEOUT = 30.0  # per slot: a save waits for the slot to be idle (the drain has ended by then)
 MIB = 1024 * 1024
 
@@ -42,10 +44,13 @@ class SlotStore:
     folder: Path
     emit: Emit
     budget: int = 0  # the plan's slot_cache_bytes
+    build: str = ""  # the lanes' llama-server version line: part of every file's origin
     entries: list[Entry] = field(default_factory=list)
+    digests: ModelDigests = field(init=False)
 
     def __post_init__(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
+        self.digests = ModelDigests(self.folder / DIGESTS)
         try:
             self.entries = list(msgspec.json.decode((self.folder / MANIFEST).read_bytes(), type=list[Entry]))
         except (OSError, msgspec.DecodeError, msgspec.ValidationError):
@@ -86,7 +91,7 @@ class SlotStore:
             return
         gone = slot_cache.discarded_by_change(self.entries, lane.spec.model_path, old_layout, new_layout or "")
         self._remove(gone)
-        contents = await lane_http.slot_contents(lane.spec) if lane.state == "healthy" else None
+        contents = await lane_http.slot_contents(lane.spec, lane.api_key) if lane.state == "healthy" else None
         held = [tokens for _, tokens, _, _ in contents or () if tokens >= slot_cache.MIN_TOKENS]
         if not gone and not held:
             return
@@ -104,8 +109,11 @@ class SlotStore:
         if (why := slot_cache.not_reusable(spec)) is not None:
             log.info("slots not saved", lane=spec.lane_id, reason=why)
             return
-        contents = await lane_http.slot_contents(spec)
+        contents = await lane_http.slot_contents(spec, lane.api_key)
         if not contents:
+            return
+        origin = await self._origin(spec)
+        if origin is None:
             return
         restored = lane.restored_tokens
         seen = [SlotSeen(i, tokens or (restored.get(i, 0) if task < 0 else 0), task, busy)
@@ -117,7 +125,7 @@ class SlotStore:
         for s in decision.save:
             now = time.time()
             name = slot_cache.file_name(layout, spec.lane_id, s.slot, now)
-            status, body = await lane_http.slot_file(spec, s.slot, "save", name, SAVE_TIMEOUT)
+            status, body = await lane_http.slot_file(spec, lane.api_key, s.slot, "save", name, SAVE_TIMEOUT)
             if status != 200 or not isinstance(body, dict):
                 log.info("slot not saved", lane=spec.lane_id, slot=s.slot, status=status, answer=str(body)[:200])
                 (self.folder / name).unlink(missing_ok=True)
@@ -125,7 +133,7 @@ class SlotStore:
             size = (self.folder / name).stat().st_size if (self.folder / name).exists() else int(body.get("n_written", 0))
             saved.append(Entry(file=name, model=spec.model_path, layout=layout, lane_id=spec.lane_id, slot=s.slot,
                                tokens=int(body.get("n_saved", s.tokens)), size=size, saved_at=now,
-                               last_task=s.last_task))  # fmt: skip
+                               last_task=s.last_task, origin=origin))  # fmt: skip
             tokens += saved[-1].tokens
         self.entries += saved
         self._write()
@@ -135,21 +143,32 @@ class SlotStore:
             await self.emit(lane, "slots_saved", f"{len(saved)} slot(s), {tokens} tokens, "
                                                  f"{sum(e.size for e in saved) / MIB:.1f} MiB in {took:.2f} s")  # fmt: skip
 
+    async def _origin(self, spec: LaneSpec) -> SlotOrigin | None:
+        sha = await self.digests.of(spec.model_path)
+        return None if sha is None else slot_cache.origin_of(spec, sha, self.build)
+
     async def restore(self, lane: Lane) -> None:
-        """A new lane, loaded and not yet reported healthy: restore its layout's saved slots."""
+        """A new lane, loaded and not yet reported healthy: restore the saved slots whose origin
+        matches its own (slot_cache.decide_restore); say why each other one was refused."""
         spec = lane.spec
-        layout = model_layout(spec)
-        if layout is None:
+        if not slot_cache.restore_candidates(self.entries, lane_id=spec.lane_id, model=spec.model_path):
+            return  # nothing to look at: the model file is not even hashed
+        origin = await self._origin(spec)
+        if origin is None:
             return
-        decision = slot_cache.decide_restore(self.entries, lane_id=spec.lane_id, model=spec.model_path, layout=layout,
-                                             slots=spec.parallel, ctx_per_slot=spec.ctx_per_slot)  # fmt: skip
+        decision = slot_cache.decide_restore(self.entries, lane_id=spec.lane_id, model=spec.model_path, origin=origin,
+                                             slots=spec.parallel)  # fmt: skip
+        for entry, why in decision.refused:
+            log.info("saved slot refused", lane=spec.lane_id, file=entry.file, reason=why)
         if decision.discard:
             self._remove(decision.discard)
-            await self.emit(lane, "slots_discarded", f"{len(decision.discard)} saved slot file(s) of this model were "
-                                                     "saved under another KV layout (cache types or model file); removed")  # fmt: skip
+            gone = {e.file for e in decision.discard}
+            reasons = sorted({why for e, why in decision.refused if e.file in gone})
+            await self.emit(lane, "slots_discarded", f"{len(gone)} saved slot file(s) refused and removed: "
+                                                     + "; ".join(reasons))  # fmt: skip
         started, done, tokens, failed = time.monotonic(), [], 0, []
         for slot, entry in decision.restore:
-            status, body = await lane_http.slot_file(spec, slot, "restore", entry.file, SAVE_TIMEOUT)
+            status, body = await lane_http.slot_file(spec, lane.api_key, slot, "restore", entry.file, SAVE_TIMEOUT)
             if status == 200 and isinstance(body, dict):
                 done.append(entry)
                 tokens += int(body.get("n_restored", entry.tokens))

@@ -58,7 +58,7 @@ class Supervisor:
         self.drains = Drains(self.emit)
         self.procs = Lifecycle(self.cfg, self.emit, self.feedback, on_change=self._save)
         if not self.cfg.dry_run and self.cfg.caps.has_slot_save:
-            self.procs.slots = SlotStore(self.cfg.data_dir / "slots", self.emit)
+            self.procs.slots = SlotStore(self.cfg.data_dir / "slots", self.emit, build=self.cfg.caps.version)
             if self.cfg.lane_user is not None:  # llama-server writes the saved slots there
                 self.cfg.lane_user.give(self.procs.slots.folder)
         if not self.cfg.dry_run and self.cfg.lane_user is not None:  # and reads its key file in lanes/
@@ -124,11 +124,11 @@ class Supervisor:
         proc = lane.process
         assert proc is not None
         ask = health.what_to_probe(health_of(lane), now) if proc.returncode is None else None
-        ready = await proc.probe_health() if ask == "ready" else None
+        ready = await proc.probe_health(lane.api_key) if ask == "ready" else None
         alive, loop = None, "unasked"
         if ask == "alive":  # /health (its HTTP thread) and /slots (its inference loop) side by side
             timeout = self.cfg.probe_timeout
-            alive, loop = await asyncio.gather(proc.alive(timeout), proc.loop_work(timeout))
+            alive, loop = await asyncio.gather(proc.alive(lane.api_key, timeout), proc.loop_work(lane.api_key, timeout))
         if proc.returncode is not None:
             await proc.drained()  # its last lines say why it exited
         proc.read_log()
@@ -179,7 +179,7 @@ class Supervisor:
             hold_changes=self.halted is not None,
         )
         actions = await self.drains.gate(
-            actions, self.lanes, now=now, timeout=self.plan.drain_timeout, busy=lambda lane: lane.process.busy_slots()
+            actions, self.lanes, now=now, timeout=self.plan.drain_timeout, busy=lambda lane: lane.process.busy_slots(lane.api_key)
         )
         await self.procs.apply(actions, self.plan.plan_revision)
         if actions:

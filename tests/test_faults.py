@@ -14,7 +14,7 @@ import signal
 import msgspec
 import psutil
 import pytest
-from fixtures_bus import agent_config, client, fake_binary, host_status, lane_of, services
+from fixtures_bus import agent_config, client, fake_binary, free_port_base, host_status, lane_of, services
 from test_reconcile import respelled
 from waiting import eventually
 
@@ -118,6 +118,22 @@ async def test_fleet_survives_one_fault_after_another(nats_server, tmp_path, fle
                 lambda: _restarted(nc, "h2", "llama8-0", victim.pid), what="killed lane restarted"
             )
             revs = await invariants(nc, tmp_path, revs)
+
+
+async def test_lanes_racing_for_one_port_each_come_up_with_their_own_key(nats_server, tmp_path, fleet_dirs):
+    """Two agents whose lanes race for the same ports (one port range, one machine): each
+    loser fails to bind, is fed back and moved, and every lane comes up. The agents' requests
+    carry each lane's own key: when a lane's key was looked up by its address, the loser's
+    start and stop overwrote and then erased the winner's, whose /props then answered 401
+    for ever ("loading"; the fault test above failed so when its two hosts drew one range)."""
+    binary = fake_binary(tmp_path / "bin")
+    base = free_port_base()
+    async with services(nats_server.url) as s:
+        s.start_planner()
+        for host in HOSTS:
+            s.start_agent(agent_config(tmp_path, host, fleet_dirs[host], binary, port_base=base))
+        async with client(nats_server.url) as nc:
+            await invariants(nc, tmp_path, {})
 
 
 async def test_an_agent_upgraded_to_another_renderer_adopts_every_lane_and_restarts_none(

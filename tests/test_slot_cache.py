@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from launcher_agent.slot_cache import (
     Entry,
+    SlotOrigin,
     SlotSeen,
     budget_now,
     decide_restore,
@@ -20,7 +21,9 @@ from launcher_agent.slot_cache import (
     layout_key,
     missing_or_stray,
     not_reusable,
+    origin_of,
     over_budget,
+    refusal,
 )
 from shared.llama import endpoints
 from shared.llama.flags import args_problem, lane_args
@@ -33,10 +36,21 @@ def spec(**kw) -> LaneSpec:
     return LaneSpec(**(base | kw))
 
 
+SHA = "a" * 64
+
+
+def origin(**kw) -> SlotOrigin:
+    base = dict(model_sha256=SHA, build="version: 11434 (abc)", cache_types="f16/f16", flash_attn="auto",
+                kv_unified=False, swa_full=False, ctx=4096)  # fmt: skip
+    return SlotOrigin(**(base | kw))
+
+
 def entry(name: str, *, size: int = 100, saved_at: float = 0.0, layout: str = "L", model: str = "/m", lane: str = "a",
-          tokens: int = 500, task: int = 0) -> Entry:  # fmt: skip
+          tokens: int = 500, task: int = 0, made: SlotOrigin | None | str = "this lane's") -> Entry:  # fmt: skip
+    """A manifest entry; `made` None: saved by an agent that kept no origin."""
+    made = origin() if made == "this lane's" else made
     return Entry(file=name, model=model, layout=layout, lane_id=lane, slot=0, tokens=tokens, size=size,
-                 saved_at=saved_at, last_task=task)  # fmt: skip
+                 saved_at=saved_at, last_task=task, origin=made)  # fmt: skip
 
 
 # ------------------------------------------------------------------ layout and names
@@ -139,22 +153,52 @@ def test_over_budget_removes_the_oldest_until_the_rest_fits(kept, budget):
 def test_a_new_lane_restores_its_own_files_first_then_the_most_recent_one_per_slot():
     kept = [entry("other-new", lane="b", saved_at=9), entry("own-old", lane="a", saved_at=1),
             entry("own-new", lane="a", saved_at=5), entry("other-old", lane="b", saved_at=2)]  # fmt: skip
-    d = decide_restore(kept, lane_id="a", model="/m", layout="L", slots=3, ctx_per_slot=4096)
+    d = decide_restore(kept, lane_id="a", model="/m", origin=origin(), slots=3)
     assert [(slot, e.file) for slot, e in d.restore] == [(0, "own-new"), (1, "own-old"), (2, "other-new")]
-    assert d.discard == ()
+    assert d.discard == () and d.refused == ()
 
 
 def test_a_file_too_long_for_the_slot_window_is_kept_for_a_larger_lane():
     kept = [entry("long", tokens=5000), entry("short", tokens=100)]
-    d = decide_restore(kept, lane_id="a", model="/m", layout="L", slots=2, ctx_per_slot=4096)
+    d = decide_restore(kept, lane_id="a", model="/m", origin=origin(), slots=2)
     assert [e.file for _, e in d.restore] == ["short"] and d.discard == ()
+    assert [(e.file, why) for e, why in d.refused] == [("long", "holds 5000 tokens, more than this lane's slot context of 4096")]
 
 
-def test_files_of_the_same_model_under_another_layout_are_discarded_and_other_models_kept():
-    kept = [entry("q8", layout="Q8"), entry("f16", layout="L"), entry("evicted", layout="X", model="/other")]
-    d = decide_restore(kept, lane_id="a", model="/m", layout="L", slots=4, ctx_per_slot=4096)
-    assert [e.file for _, e in d.restore] == ["f16"]
-    assert [e.file for e in d.discard] == ["q8"]  # an evicted model's files wait for it to come back
+def test_each_fact_of_a_files_origin_must_match_and_the_refusal_names_it():
+    lane = origin()
+    assert refusal(origin(), 4096, lane) is None
+    assert refusal(origin(ctx=8192), 100, lane) is None  # a slot of another size that holds its tokens
+    cases = {
+        "saved from another model file (sha256 bbbbbbbbbbbb, this lane's aaaaaaaaaaaa)": origin(model_sha256="b" * 64),
+        "saved by another llama-server build ('version: 11435 (def)', this lane runs 'version: 11434 (abc)')":
+            origin(build="version: 11435 (def)"),
+        "saved with cache types q8_0/q8_0, this lane runs f16/f16": origin(cache_types="q8_0/q8_0"),
+        "saved with flash attention on, this lane runs auto": origin(flash_attn="on"),
+        "saved with --kv-unified True, this lane runs False": origin(kv_unified=True),
+        "saved with --swa-full True, this lane runs False": origin(swa_full=True),
+    }
+    assert {refusal(saved, 100, lane): said for said, saved in cases.items()} == {said: said for said in cases}
+    assert refusal(None, 100, lane) == "saved without its origin (an older agent): which model made it is unknown"
+
+
+def test_the_origin_of_a_lane_is_its_model_digest_build_and_cache_shape_not_its_port_or_threads():
+    base = origin_of(spec(), SHA, "b")
+    assert base == SlotOrigin(model_sha256=SHA, build="b", cache_types="f16/f16", flash_attn="auto", kv_unified=False,
+                              swa_full=False, ctx=2048)  # fmt: skip
+    assert origin_of(spec(threads=3, port=8081, cpus=(0, 1), model_path="/elsewhere/m.gguf"), SHA, "b") == base
+    assert origin_of(spec(kv_unified=True), SHA, "b").ctx == 4096  # one pool: a slot may fill it
+
+
+def test_refused_files_go_when_no_lane_can_take_them_and_stay_for_the_lane_that_can():
+    kept = [entry("q8-own", made=origin(cache_types="q8_0/q8_0")),
+            entry("q8-other-persona", lane="b", made=origin(cache_types="q8_0/q8_0")),
+            entry("replaced-file", lane="b", made=origin(model_sha256="c" * 64)),
+            entry("older-agent", lane="b", made=None), entry("match", lane="b")]  # fmt: skip
+    d = decide_restore(kept, lane_id="a", model="/m", origin=origin(), slots=4)
+    assert [e.file for _, e in d.restore] == ["match"]
+    assert sorted(e.file for e in d.discard) == ["older-agent", "q8-own", "replaced-file"]
+    assert sorted(e.file for e, _ in d.refused) == ["older-agent", "q8-other-persona", "q8-own", "replaced-file"]
 
 
 def test_a_change_of_layout_discards_the_models_files_of_the_old_layout_only():
@@ -163,20 +207,28 @@ def test_a_change_of_layout_discards_the_models_files_of_the_old_layout_only():
     assert discarded_by_change(kept, "/m", "OLD", "OLD") == ()
 
 
+ORIGINS = st.builds(origin, model_sha256=st.sampled_from([SHA, "b" * 64]), build=st.sampled_from(["x", "y"]),
+                    cache_types=st.sampled_from(["f16/f16", "q8_0/q8_0"]), flash_attn=st.sampled_from(["auto", "on"]),
+                    kv_unified=st.booleans(), swa_full=st.booleans(), ctx=st.sampled_from([2048, 4096]))  # fmt: skip
+
+
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.builds(entry, st.uuids().map(str), layout=st.sampled_from("LMN"), model=st.sampled_from(["/m", "/n"]),
-                          lane=st.sampled_from("ab"), tokens=st.integers(1, 5000), saved_at=st.floats(0, 9)),
+@given(st.lists(st.builds(entry, st.uuids().map(str), model=st.sampled_from(["/m", "/n"]), lane=st.sampled_from("ab"),
+                          tokens=st.integers(1, 5000), saved_at=st.floats(0, 9), made=st.one_of(st.none(), ORIGINS)),
                 max_size=10),
-       st.integers(1, 4), st.sampled_from("ab"))  # fmt: skip
-def test_restore_fills_each_slot_at_most_once_with_a_file_of_its_layout_that_fits(kept, slots, lane):
-    d = decide_restore(kept, lane_id=lane, model="/m", layout="L", slots=slots, ctx_per_slot=4096)
+       st.integers(1, 4), st.sampled_from("ab"), ORIGINS)  # fmt: skip
+def test_no_refused_file_is_ever_restored_and_each_slot_is_filled_at_most_once(kept, slots, lane, here):
+    d = decide_restore(kept, lane_id=lane, model="/m", origin=here, slots=slots)
     ids = [slot for slot, _ in d.restore]
     assert ids == list(range(len(ids))) and len(ids) <= slots
-    assert all(e.layout == "L" and e.tokens <= 4096 for _, e in d.restore)
-    assert all(e.model == "/m" and e.layout != "L" for e in d.discard)
-    assert not {e.file for _, e in d.restore} & {e.file for e in d.discard}
-    fitting = [e for e in kept if e.layout == "L" and e.tokens <= 4096]
-    assert len(ids) == min(slots, len(fitting))
+    assert all(refusal(e.origin, e.tokens, here) is None for _, e in d.restore)
+    assert all(why == refusal(e.origin, e.tokens, here) and why for e, why in d.refused)
+    restored, refused = {e.file for _, e in d.restore}, {e.file for e, _ in d.refused}
+    assert not restored & refused and {e.file for e in d.discard} <= refused
+    candidates = [e for e in kept if e.lane_id == lane or e.model == "/m"]
+    assert {e.file for e in candidates} >= restored | refused  # nothing of another lane's other model is touched
+    fitting = [e for e in candidates if refusal(e.origin, e.tokens, here) is None]
+    assert len(ids) == min(slots, len(fitting)) and len(fitting) + len(refused) == len(candidates)
     if any(e.lane_id == lane for e in fitting):  # its own first
         own = sum(1 for e in fitting if e.lane_id == lane)
         assert all(e.lane_id == lane for _, e in d.restore[: min(own, slots)])
