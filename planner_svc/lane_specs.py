@@ -34,6 +34,13 @@ def lane_spec(report: HostReport, config: FleetConfig, lane: PlannedLane) -> Lan
     if embeddings:
         asked = "the persona asks for them" if lane.persona.embeddings else f"the model declares {lane.facts.pooling} pooling"
         reasons.append(f"embeddings only (--embeddings): {asked}" + ("; --pooling mean: the model declares none" if pooling else ""))
+    kv_unified = lane.persona.kv_unified and caps.has_kv_unified
+    cache_ram_mib = lane.cache_ram // MIB if caps.has_cache_ram else None
+    keep_idle = kv_unified and config.slot_cache_bytes > 0 and caps.has_cache_idle_slots and cache_ram_mib != 0
+    if keep_idle:
+        reasons.append("--no-cache-idle-slots: with --kv-unified llama-server would empty every idle slot, a restored "
+                       "one too, into the RAM prompt cache at each new task (and lose it where the cache is smaller); "
+                       "they stay in the KV pool until a task needs the room")  # fmt: skip
     mmproj = lane.facts.mmproj if lane.loads_projector and caps.has_mmproj else None
     if mmproj is not None:
         where = "GPU0, the lane's first device" if lane.layout.gpus else "host RAM"
@@ -49,8 +56,9 @@ def lane_spec(report: HostReport, config: FleetConfig, lane: PlannedLane) -> Lan
         ctx_total=lane.total_ctx(lane.window),
         ctx_per_slot=lane.window if not lane.persona.kv_unified else lane.total_ctx(lane.window),
         parallel=lane.persona.parallel,
-        kv_unified=lane.persona.kv_unified and caps.has_kv_unified,
+        kv_unified=kv_unified,
         swa_full=lane.swa_full,
+        cache_idle_slots=False if keep_idle else None,
         n_gpu_layers=spec_n_gpu_layers(lane),
         gpu_devices=pins.gpu_devices,
         device_names=pins.device_names,
@@ -68,7 +76,7 @@ def lane_spec(report: HostReport, config: FleetConfig, lane: PlannedLane) -> Lan
         layout=lane.layout,
         n_cpu_moe=lane.layout.n_cpu_moe,
         chat_template=chat_template_for(lane.facts, caps)[0],
-        cache_ram_mib=lane.cache_ram // MIB if caps.has_cache_ram else None,
+        cache_ram_mib=cache_ram_mib,
         embeddings=embeddings,
         pooling=pooling,
         workers=lane.span_workers,

@@ -21,7 +21,7 @@ from shared.messages.plans import LaneSpec
 # lane is placed on (tests/test_lane_key.py holds the list to lane_args).
 KEY_FIELDS = (
     "model_path", "alias", "bind", "port",
-    "ctx_total", "parallel", "kv_unified", "swa_full", "n_ubatch",
+    "ctx_total", "parallel", "kv_unified", "swa_full", "cache_idle_slots", "n_ubatch",
     "n_gpu_layers", "gpu_devices", "device_names", "tensor_split", "split_mode", "main_gpu", "rpc_servers",
     "cache_type_k", "cache_type_v", "flash_attn", "fit_off", "n_cpu_moe",
     "threads", "threads_batch", "cpus", "poll",

@@ -19,7 +19,7 @@ CAPS = (ServerCaps(), ServerCaps(flash_attn_form="switch", has_no_jinja=False))
 # the key or out of it.
 OTHER = {
     "model_path": "/models/n.gguf", "alias": "n", "bind": "0.0.0.0", "port": 8081,
-    "ctx_total": 8192, "parallel": 2, "kv_unified": True, "swa_full": True, "n_ubatch": 1024,
+    "ctx_total": 8192, "parallel": 2, "kv_unified": True, "swa_full": True, "cache_idle_slots": False, "n_ubatch": 1024,
     "n_gpu_layers": 10, "gpu_devices": (0,), "device_names": ("CUDA0",), "tensor_split": (1, 2),
     "split_mode": "layer", "main_gpu": 1, "rpc_servers": ("10.0.0.2:50052",),
     "cache_type_k": "q8_0", "cache_type_v": "q8_0", "flash_attn": "on", "fit_off": True, "n_cpu_moe": 3,

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from planner_svc.layouts import GPU_CONTEXT_BYTES
 from planner_svc.planner import plan
 from planner_svc.policy import ram_headroom, ram_pressed
+from shared.llama.flags import lane_args
 from shared.memory import QUANTIZED
 from shared.messages.config import Demand, FleetConfig, Persona
 from shared.messages.hosts import GpuInfo, HostReport, ModelFacts, ServerCaps
@@ -785,6 +786,28 @@ def test_stability_kv_unified_persona_on_build_without_kvu():
     lane = only_lane(run(16 * GIB + 300 * MIB, previous=first))
     assert lane.ctx_total == only_lane(first).ctx_total
     assert any("kept window" in r for r in lane.reasons)
+
+
+def test_a_unified_cache_whose_slots_are_saved_keeps_its_idle_slots_in_place():
+    """With --kv-unified, llama-server's default empties every idle slot (a restored one too) into
+    the RAM prompt cache at each new task (tests/test_slot_origin_real.py shows a restored slot lost
+    so): --no-cache-idle-slots where slots are saved, the unified cache asked for, the binary has
+    the flag and the RAM cache is on; otherwise the binary's default."""
+    caps = ServerCaps(has_cache_idle_slots=True)
+
+    def lane_for(persona: Persona, config: FleetConfig = FleetConfig(), server: ServerCaps = caps) -> LaneSpec:
+        return only_lane(plan([host(ram_available=16 * GIB, server=server)], config, Demand(personas=(persona,))))
+
+    unified = Persona(model="llama-8b", parallel=2, kv_unified=True, ctx_max=8192)
+    kept = lane_for(unified)
+    assert kept.cache_idle_slots is False and "--no-cache-idle-slots" in lane_args(kept, caps)
+    assert any(r.startswith("--no-cache-idle-slots: with --kv-unified") for r in kept.reasons)
+    assert kept.cache_ram_mib > 0
+    for spec in (lane_for(Persona(model="llama-8b", parallel=2, ctx_max=8192)),  # a stream per slot: nothing emptied
+                 lane_for(unified, FleetConfig(slot_cache_bytes=0)),  # nothing restored, the default stands
+                 lane_for(unified, server=ServerCaps()),  # a binary without the flag
+                 lane_for(msgspec.structs.replace(unified, ctx_max=None))):  # no RAM left: no RAM cache to empty into
+        assert spec.cache_idle_slots is None and "--no-cache-idle-slots" not in lane_args(spec, caps), spec.reasons
 
 
 @PROPS

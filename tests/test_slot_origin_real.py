@@ -1,4 +1,4 @@
-"""Saved slots bound to what made them, with the real llama-server (issue 33, point 4).
+"""Saved slots bound to what made them, and kept where they are, with the real llama-server (issue 33, points 4 and 6).
 
 A slot file records the cache's shape, not the model: llama-server reads one saved by another
 quantization of a model, or by another model of the same shape, and answers from the wrong
@@ -53,13 +53,15 @@ async def serving(binary: str, spec: LaneSpec, slot_dir: str, log):
         await proc.wait()
 
 
-async def complete(spec: LaneSpec, prompt: str) -> tuple[int, int]:
-    """(prompt tokens prefilled, tokens taken from the cache)."""
+async def complete(spec: LaneSpec, prompt: str, slot: list | None = None) -> tuple[int, int]:
+    """(prompt tokens prefilled, tokens taken from the cache); `slot` gets the slot that served it."""
     url = endpoints.url(spec.bind, spec.port, "/completion")
     body = {"prompt": prompt, "n_predict": 2, "temperature": 0, "cache_prompt": True}
     async with aiohttp.ClientSession() as http, http.post(url, json=body) as resp:
         answer = await resp.json()
         assert resp.status == 200, answer
+    if slot is not None:
+        slot.append(answer["id_slot"])
     return answer["timings"]["prompt_n"], answer["timings"]["cache_n"]
 
 
@@ -133,6 +135,41 @@ async def test_only_a_file_of_the_same_model_build_and_cache_shape_is_restored(t
     larger = msgspec_replace(spec, ctx_total=2048, ctx_per_slot=2048)
     prefilled, cached = await restore_into(larger, None)
     assert cached > 200 and prefilled < 40, (prefilled, cached)
+
+
+async def test_a_restored_slot_of_a_unified_cache_is_kept_by_the_planned_flags(tmp_path, llama_server):
+    """Issue 33, point 6. With --kv-unified, llama-server's default (--cache-idle-slots) empties
+    every idle slot into the RAM prompt cache when another task starts: a just-restored slot too,
+    lost where the cache is smaller than the slot (here a 1 MiB --cache-ram and a 2.3 MiB slot).
+    The planner gives such lanes --no-cache-idle-slots (tests/test_planner.py): the restored slot
+    stays in the pool and the conversation's next turn is served from it."""
+    caps = probe(llama_server)
+    assert caps.has_cache_idle_slots
+    served = write_llama(tmp_path / "m.gguf", seed=0, **SHAPE)
+    slots = tmp_path / "slots"
+    events = Events()
+    store = SlotStore(slots, events, budget=1 << 30, build=caps.version)
+    log = open(tmp_path / "lanes.log", "ab")
+    other = " ".join(f"step {i} of another talk about planners, gateways and budgets" for i in range(8))
+    results = {}
+    for idle in (None, False):  # the binary's default, then the planned flag
+        spec = LaneSpec(lane_id="m-0", model="m", model_path=str(served), alias="m", port=free_port_base(),
+                        ctx_total=2048, ctx_per_slot=2048, parallel=2, kv_unified=True, cache_ram_mib=1,
+                        cache_idle_slots=idle, threads=1, threads_batch=1)  # fmt: skip
+        async with serving(llama_server, spec, str(slots), log) as lane:
+            await complete(spec, PROMPT)
+            await store.save(lane)
+        async with serving(llama_server, spec, str(slots), log) as lane:
+            events.clear()
+            await store.restore(lane)
+            assert [e for e, _ in events] == ["slots_restored"], events
+            took: list[int] = []
+            await complete(spec, other, took)  # another conversation starts in the other slot
+            assert took != [0], "the other conversation was given the restored slot"
+            results[idle] = await complete(spec, PROMPT + " and one more turn")
+    (_, lost), (prefilled, kept) = results[None], results[False]
+    assert lost == 0, f"the binary's default kept the restored slot ({results}): is the trap gone in this build?"
+    assert kept > 500 and prefilled < 40, results
 
 
 def msgspec_replace(spec: LaneSpec, **changes) -> LaneSpec:

@@ -79,6 +79,8 @@ def lane_args(spec: LaneSpec, caps: ServerCaps, slot_dir: str | None = None, key
         args.append("--kv-unified")
     if spec.swa_full:
         args.append("--swa-full")
+    if spec.cache_idle_slots is False:
+        args.append("--no-cache-idle-slots")
     if spec.cache_type_k is not None:
         args += ["--cache-type-k", spec.cache_type_k]
     if spec.cache_type_v is not None:
@@ -255,6 +257,7 @@ def parse_caps(help_text: str, version_text: str = "") -> ServerCaps:
         has_reranking="--reranking" in help_text,
         has_slot_save="--slot-save-path" in help_text,
         has_mmproj="--no-mmproj-offload" in help_text,
+        has_cache_idle_slots="--no-cache-idle-slots" in help_text,
         spec_types=_spec_types(help_text),
         spec_flags=tuple(f for f in SPEC_FLAGS if re.search(rf"(^|[\s,]){re.escape(f)}[\s,=]", help_text, re.M)),
     )

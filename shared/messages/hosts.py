@@ -79,6 +79,9 @@ class ServerCaps(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     has_lora: bool = True
     has_reranking: bool = True
     has_mmproj: bool = True  # --mmproj and --mmproj-offload/--no-mmproj-offload
+    # --no-cache-idle-slots (builds of 2026): without it, a unified cache empties its idle slots
+    # into the RAM prompt cache at every new task (False: an older binary, or one not probed)
+    has_cache_idle_slots: bool = False
     # --spec-type's values (empty: a binary without speculative decoding), and which of the draft
     # flags lanes renders its --help lists, by their current long names (a removed one never shows).
     spec_types: Annotated[tuple[Label, ...], FEW] = ()

@@ -151,6 +151,9 @@ class LaneSpec(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     kv_unified: bool = False
     # --swa-full: a sliding-window model's whole window cached, so a saved slot reads back complete
     swa_full: bool = False
+    # False: --no-cache-idle-slots (a unified cache keeps idle and restored slots in place; None:
+    # the binary's default, which empties them into the RAM prompt cache at each new task)
+    cache_idle_slots: bool | None = None
     n_gpu_layers: Annotated[int, msgspec.Meta(ge=0, le=65536)] = 0
     # Indices into the host's reported gpus the lane is pinned to (--device), in order;
     # with more than one, tensor_split gives each its share of the layers (-ts).
