@@ -26,6 +26,7 @@ def host_report(
     lane_pids: list[int] | None = None,
     lanes_gpu: dict[int, int] | None = None,
     workers_rss: int = 0,
+    serving: tuple[str, ...] = (),
 ) -> HostReport:
     """`facts_cache` keeps each GGUF's facts between reports (a file is read once per change).
 
@@ -47,6 +48,7 @@ def host_report(
         ram_total=total,
         ram_available=available,
         lanes_rss=lanes_rss,
+        serving_lanes=serving,
         gpus=_gpus(cfg, lane_pids or [], lanes_gpu or {}),
         cpu_repack=hardware.cpu_repack(),
         server=cfg.caps,

@@ -84,13 +84,14 @@ class Agent:
     async def report(self) -> HostReport:
         """The lanes' figures are read here, on the loop (the lanes change on it); the rest blocks
         (NVML, a GGUF scan, subprocesses) and runs in a worker thread, one report at a time."""
-        lanes = (self.sup.lanes_rss(), self.sup.lane_pids(), self.sup.lanes_gpu_bytes())
+        lanes = (self.sup.lanes_rss(), self.sup.lane_pids(), self.sup.lanes_gpu_bytes(), self.sup.serving_keys())
         workers_rss = self.workers.rss() if self.workers else 0
         return await asyncio.to_thread(self._build_report, *lanes, workers_rss)
 
-    def _build_report(self, rss: int, pids: list[int], gpu: dict[int, int], workers_rss: int) -> HostReport:
+    def _build_report(self, rss: int, pids: list[int], gpu: dict[int, int], serving: tuple[str, ...],
+                      workers_rss: int) -> HostReport:  # fmt: skip
         with self._reporting:
-            return host_report(self.cfg, rss, self._facts_cache, pids, gpu, workers_rss=workers_rss)
+            return host_report(self.cfg, rss, self._facts_cache, pids, gpu, workers_rss=workers_rss, serving=serving)
 
     # ------------------------------------------------------------ plans in
 

@@ -214,6 +214,10 @@ class Supervisor:
     def lanes_rss(self) -> int:
         return sum(lane.process.rss() or 0 for lane in self.lanes.values() if lane.process)
 
+    def serving_keys(self) -> tuple[str, ...]:
+        """The lane keys of the lanes serving now (healthy: loaded, their buffers resident)."""
+        return tuple(sorted(lane_key(lane.spec) for lane in self.lanes.values() if lane.state == "healthy"))
+
     def lane_pids(self) -> list[int]:
         return [lane.process.pid for lane in self.lanes.values() if lane.process and lane.process.pid]
 

@@ -144,11 +144,12 @@ def _host_plan(
             return lane_cost(lane, window, report, config.n_ubatch)
 
         grow_windows(single, grow_budget, cost, [cost_key(lane, report, config.n_ubatch) for lane in single])
-        keep_stable_windows(single, grow_budget, cost, prev, config, report.server.has_kv_unified)
+        pressed = ram_pressed(report, config)
+        keep_stable_windows(single, grow_budget, cost, prev, config, report.server.has_kv_unified, pressed,
+                            frozenset(report.serving_lanes))  # fmt: skip
         choose_swa_full(single, grow_budget, cost, config, report.server)
         # A span lane's cache stays 0: its host's RAM went to the lanes and what it lends.
-        size_prompt_caches(single, grow_budget, cost, prev, config, report.server.has_cache_ram,
-                           ram_pressed(report, config))  # fmt: skip
+        size_prompt_caches(single, grow_budget, cost, prev, config, report.server.has_cache_ram, pressed)
         busy = {fb.port: fb.detail for fb in feedback if fb.kind == "port_busy" and fb.port}
         specs, no_port = _assign_ports(report, [lane_spec(report, config, lane) for lane in lanes], prev, busy)
         specs = with_threads(report, config, specs, prev)

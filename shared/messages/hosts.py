@@ -10,6 +10,7 @@ import msgspec
 from shared import defaults
 from shared.messages.wire import (
     FEW,
+    LINES,
     MANY,
     Bytes,
     CacheType,
@@ -222,6 +223,9 @@ class HostReport(Message, tag="host_report", kw_only=True):
     # Memory the host's own lanes hold now: the planner may hand it out again.
     lanes_rss: Bytes = 0
     lanes_vram: Bytes = 0
+    # The lane keys (shared.lane_key) of the lanes serving now, their buffers resident: a window
+    # a replan would merely shrink is kept while the host is not pressed (planner_svc/kept_windows.py).
+    serving_lanes: Annotated[tuple[Label, ...], LINES] = ()
     gpus: Annotated[tuple[GpuInfo, ...], FEW] = ()
     # Matrix weight types this host's CPU backend repacks into CPU_REPACK, as "TYPE:rows"
     # (rows: the multiple the row count must have). None: unknown, assume x86 AVX2's set.
