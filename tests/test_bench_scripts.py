@@ -23,6 +23,17 @@ def test_planner_bench_small(tmp_path):
     assert "| 100 | 300 |" in text and "One host's report changing in a fleet of 100" in text
 
 
+def test_plan_churn_bench_holds_serving_windows(tmp_path):
+    out = tmp_path / "churn.json"
+    result = run("plan_churn.py", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    rows = {(r["scenario"], r["swing"], r["resident"], r["serving_reported"]): r for r in json.loads(out.read_text())}
+    for (scenario, swing, resident, serving), r in rows.items():
+        if resident < 1 and serving:  # the host keeps its headroom: nothing restarts
+            assert r["restarts_per_hour"] == 0 and r["pressed_intervals"] == 0, r
+    assert rows[("one 8B lane whose window fills the budget", 0.25, 0.8, False)]["restarts_per_hour"] > 0  # the old rule
+
+
 def test_convergence_bench_small(tmp_path):
     out = tmp_path / "convergence.md"
     result = run("convergence_bench.py", "--agents", "5", "--trials", "1", "--out", str(out))
