@@ -200,6 +200,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llama-server", help="follow this binary's KV layout, cache types and devices")
     p.add_argument("--mmproj", help="a multimodal projector file the lane loads (llama-server --mmproj)")
     p.add_argument("--no-mmproj-offload", action="store_true", help="the projector in host RAM, not on the first device")
+    p.add_argument("--mmproj-device", "-mmdev", metavar="DEVICE",
+                   help="none: the projector in host RAM (as --no-mmproj-offload); another device is refused")
+    p.add_argument("--lora", action="append", default=[], metavar="FNAME[,FNAME...]",
+                   help="LoRA adapters the lane loads (repeatable, or comma-separated, as llama-server takes them)")
+    p.add_argument("--lora-scaled", action="append", default=[], metavar="FNAME:SCALE[,...]",
+                   help="LoRA adapters with a scale: the same buffers whatever the scale")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="llama-server's warm-up run: the same buffers with and without (measured on b11434)")
+    for flag, what in (("--image-min-tokens", "a projector's smallest image"), ("--image-max-tokens", "a projector's largest image"),
+                       ("--spec-draft-device", "the draft's own devices")):  # fmt: skip
+        p.add_argument(flag, dest=flag.strip("-").replace("-", "_"), metavar="N", help=f"{what}: not predicted yet (refused)")
+    p.add_argument("-devd", "--device-draft", dest="spec_draft_device", help=argparse.SUPPRESS)
     p.add_argument("--llama-build", type=_positive,
                    help="plan for this llama.cpp build's rules without the binary (b6325 -> 6325)")
     p.add_argument("--n-cpu-moe", "-ncmoe", type=_int_at_least(0, "must not be negative"), default=0,

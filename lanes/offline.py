@@ -182,6 +182,14 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from None
     if args.n_cpu_moe and not caps.has_n_cpu_moe:
         raise UserError(f"--n-cpu-moe: this llama-server build ({caps.build}) does not have it")
+    for flag in ("image_min_tokens", "image_max_tokens", "spec_draft_device"):
+        if getattr(args, flag) is not None:
+            raise UserError(f"--{flag.replace('_', '-')}: the estimate cannot predict it yet; leave it out")
+    if args.mmproj_device not in (None, "none"):
+        raise UserError(f"--mmproj-device {args.mmproj_device}: the estimate places a projector on the first "
+                        "device or, with none, in host RAM; another device is not predicted yet")  # fmt: skip
+    mmproj_in_ram = args.no_mmproj_offload or args.mmproj_device == "none"
+    adapters = _adapters(args.model, args.lora, args.lora_scaled)
     shape = LaneShape(
         ctx=args.ctx, parallel=args.parallel, kv_unified=args.kv_unified, swa_full=args.swa_full,
         type_k=args.cache_type_k,
@@ -190,7 +198,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         main_gpu=args.main_gpu, no_kv_offload=args.no_kv_offload, ngl_rule=caps.ngl_rule,
         n_cpu_moe=args.n_cpu_moe, tensor_overrides=overrides,
         cache_ram=args.cache_ram * 2**20, llama_build=caps.build or 0,
-        mmproj=bool(args.mmproj), mmproj_offload=bool(gpus) and not args.no_mmproj_offload,
+        mmproj=bool(args.mmproj), mmproj_offload=bool(gpus) and not mmproj_in_ram, adapters=adapters,
     )  # fmt: skip
     try:
         mem = _with_speculation(args, facts, shape) if args.spec_type != "none" or args.spec_draft_model \
@@ -216,6 +224,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         ["process overhead", mib(mem.overhead_bytes)],
         ["prompt cache (--cache-ram)", mib(mem.prompt_cache_bytes)],
         *([["projector (--mmproj)", mib(mem.projector_bytes)]] if args.mmproj else []),
+        *([[f"LoRA adapters ({len(adapters)})", mib(mem.adapter_bytes)]] if adapters else []),
         *([["of which the draft model", mib(mem.draft_bytes)]] if mem.draft_bytes else []),
         *([[f"speculator ({args.spec_type}), unprinted", mib(mem.speculator_bytes)]] if mem.speculator_bytes else []),
         ["total", gib(mem.total_bytes)],
@@ -229,6 +238,38 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     for line in over:
         print(f"does not fit: {line}")
     return 0
+
+
+def _adapters(model: str, plain: list[str], scaled: list[str]) -> tuple:
+    """The adapters of --lora and --lora-scaled (llama-server's comma lists), each checked as
+    llama.cpp checks it against the model: an adapter it would refuse is refused here."""
+    from shared.adapters import fits, is_adapter, read_adapter
+    from shared.gguf_scan import GGUFFormatError, read_header
+
+    paths = [p for arg in plain for p in arg.split(",") if p]
+    for arg in scaled:
+        for item in (i for i in arg.split(",") if i):
+            path, sep, scale = item.rpartition(":")
+            try:
+                float(scale)
+            except ValueError:
+                sep = ""
+            if not sep or not path:
+                raise UserError(f"--lora-scaled {item}: give FNAME:SCALE, as llama-server takes it")
+            paths.append(path)
+    out = []
+    for path in paths:
+        try:
+            header, base = read_header(path), read_header(model)
+        except (GGUFFormatError, OSError) as exc:
+            raise UserError(f"--lora {path}: {exc}") from None
+        if not is_adapter(header):
+            raise UserError(f"--lora {path}: not a LoRA adapter (general.type is not adapter)")
+        if not fits(header, base):
+            raise UserError(f"--lora {path}: does not fit {Path(model).name} (another architecture or shape); "
+                            "llama-server refuses to load it")  # fmt: skip
+        out.append(read_adapter(path, header))
+    return tuple(out)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -167,6 +167,33 @@ def test_estimate_takes_llama_servers_speculative_and_swa_flags(tiny_models):
         assert run.returncode != 0 and says in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
 
 
+def test_estimate_takes_loras_as_llama_server_does_and_refuses_what_it_cannot_predict(tmp_path):
+    """--lora and --lora-scaled (comma lists, repeatable): the adapters' buffers equal the binary's
+    `LoRA buffer size` lines recorded in tests/lora_figures.json; an adapter llama.cpp would not
+    load into the model is refused, and so is each flag the estimate cannot predict yet."""
+    from record_lora_figures import FIGURES, write_case
+    from tinymodels import write_llama, write_lora
+
+    base, files = write_case(tmp_path / "case", "f16-all-embd-out-r64-v32000")
+    printed = json.loads(FIGURES.read_text())["f16-all-embd-out-r64-v32000"]
+    scaled = ",".join(f"{f}:0.5" for f in files)
+    for flags in (["--lora", ",".join(map(str, files))], ["--lora-scaled", scaled]):
+        run = lanes("estimate", base, "--ctx", "1024", *flags, "--json")
+        assert run.returncode == 0, run.stderr
+        assert json.loads(run.stdout)["adapter_bytes"] / 2**20 == pytest.approx(printed["CPU"], abs=0.011)
+    table = lanes("estimate", base, "--ctx", "1024", "--lora", files[0], "--no-warmup", "-mmdev", "none")
+    assert "LoRA adapters (1)" in table.stdout, table.stderr
+    wide = write_lora(tmp_path / "wide.gguf", n_embd=512)
+    other = write_llama(tmp_path / "other.gguf")
+    for flags, says in ((["--lora", wide], "does not fit base.gguf"), (["--lora", other], "not a LoRA adapter"),
+                        (["--lora-scaled", files[0]], "give FNAME:SCALE"),
+                        (["--image-max-tokens", "1024"], "--image-max-tokens: the estimate cannot predict it yet"),
+                        (["--image-min-tokens", "64"], "--image-min-tokens: the estimate cannot predict it yet"),
+                        (["-devd", "CUDA0"], "--spec-draft-device: the estimate cannot predict it yet"),
+                        (["-mmdev", "CUDA1"], "another device is not predicted yet")):  # fmt: skip
+        assert_one_line_error(lanes("estimate", base, "--ctx", "1024", *flags), says)
+
+
 # ------------------------------------------------------------------ plan
 
 
