@@ -34,6 +34,15 @@ def test_plan_churn_bench_holds_serving_windows(tmp_path):
     assert rows[("one 8B lane whose window fills the budget", 0.25, 0.8, False)]["restarts_per_hour"] > 0  # the old rule
 
 
+def test_slot_move_bench_small(tmp_path, llama_server):
+    """A slot saved on one real lane, sent through NATS and restored on another serves the next turn."""
+    out = tmp_path / "move.json"
+    result = run("slot_move_bench.py", "--tokens", "256", "--runs", "1", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    m = json.loads(out.read_text())["median"]
+    assert m["n_restored"] == m["n_saved"] >= 200 and m["moved_cached"] > 0.9 and m["cold_cached"] == 0, m
+
+
 def test_convergence_bench_small(tmp_path):
     out = tmp_path / "convergence.md"
     result = run("convergence_bench.py", "--agents", "5", "--trials", "1", "--out", str(out))
