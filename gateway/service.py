@@ -36,8 +36,8 @@ from shared.nats_auth import NatsAuth
 from shared.lane_secrets import fingerprint
 from shared.llama.endpoints import connect_host
 from shared.messages.activity import GatewayActivity, ModelWake, TenantActivity
-from shared.messages.status import SessionSecret
-from shared.messages.wire import encode
+from shared.messages.status import LaneEvent, SessionSecret
+from shared.messages.wire import decode, encode
 from shared.supervise import Loops, running
 
 log = structlog.get_logger("lanes.gateway")
@@ -167,6 +167,20 @@ class Gateway:
         except Exception as exc:
             log.info("session secret not shared", error=str(exc) or type(exc).__name__)
 
+    def slots_moved(self, data: bytes) -> None:
+        """A lane took another's saved slots (launcher_agent/slot_moves.py): route those
+        conversations to it. A bad event is logged and dropped."""
+        try:
+            event = decode(data, LaneEvent)
+        except ValueError as exc:
+            log.warning("lane event dropped", reason=str(exc)[:200])
+            return
+        if event.event != "slots_received" or event.from_host is None or event.from_lane is None:
+            return
+        copied = self.admission.index.copy((event.from_host, event.from_lane), (event.host_id, event.lane_id))
+        log.info("conversations follow their slots", source=f"{event.from_host}/{event.from_lane}",
+                 target=f"{event.host_id}/{event.lane_id}", chunks=copied)  # fmt: skip
+
     async def on_caught_up(self) -> None:
         if not self.view.synced:
             log.info("fleet read from NATS", lanes=len(self.view.lanes()))
@@ -274,6 +288,8 @@ async def _bus_side(gw: Gateway, servers: str, auth: NatsAuth, stop: asyncio.Eve
 
     async def on_event(msg) -> None:  # nats-py takes coroutine callbacks only
         gw.dashboard.on_event(msg.data, msg.subject)
+        if msg.subject.endswith(".slots_received"):
+            gw.slots_moved(msg.data)
 
     await nc.subscribe(subjects.ALL_EVENTS, cb=on_event)
     replicas = gw.settings.kv_replicas or await _replicas(nc)

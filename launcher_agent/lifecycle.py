@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -36,6 +36,8 @@ class Lifecycle:
     lanes: dict[str, Lane] = field(default_factory=dict)
     log_limits: LogLimits = LogLimits()  # the plan's; a lane started after a change follows it
     slots: SlotStore | None = None  # saved slots (--slot-save-path); None: a dry run, or a binary without it
+    # Sends a going lane's saved slots to its buddy (launcher_agent/slot_moves.py); None: no NATS yet.
+    send_slots: Callable[[Lane, list], Awaitable[object]] | None = None
 
     async def apply(self, actions: Sequence[Action], plan_revision: int) -> None:
         for action in actions:
@@ -59,9 +61,15 @@ class Lifecycle:
             await self.slots.discard_for_change(lane, new)
             return
         try:
-            await self.slots.save(lane)
+            saved = await self.slots.save(lane)
         except OSError as exc:  # a full or unwritable disk: the lane goes anyway
             log.warning("slots not saved", lane=lane.spec.lane_id, error=str(exc))
+            return
+        if saved and self.send_slots is not None:
+            try:  # its conversations go to its buddy meanwhile: their caches go first
+                await self.send_slots(lane, saved)
+            except Exception as exc:  # NATS away, the stream full or missing: the lane goes anyway
+                log.warning("slots not sent", lane=lane.spec.lane_id, error=str(exc) or type(exc).__name__)
 
     async def start(self, spec: LaneSpec, plan_revision: int, previous: Lane | None = None) -> None:
         slot_dir = str(self.slots.folder) if self.slots is not None else None

@@ -373,10 +373,10 @@ class DryRunLane(LaneProcess):
     async def kill(self) -> None:
         self._stopped = True
 
-    async def busy_slots(self) -> int | None:
+    async def busy_slots(self, key: str | None) -> int | None:
         return 0
 
-    async def loop_work(self, timeout: float):
+    async def loop_work(self, key: str | None, timeout: float):
         return ()
 
     async def stop(self, timeout: float = 10.0) -> None:

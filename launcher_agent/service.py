@@ -30,14 +30,16 @@ from launcher_agent.metrics import AgentMetrics
 from launcher_agent.report import host_report
 from shared.version import VERSION
 from launcher_agent.rpc_worker import RpcWorkers, WorkerSettings
+from launcher_agent import slot_moves
 from launcher_agent.supervisor import Supervisor
 from shared import subjects
 from shared.bus import connect, follow_key, kv_bucket, logged_endpoint, quietly, run_until, secrets_bucket
 from shared.gguf_facts import FactsCache
 from shared.messages.hosts import HostReport
 from shared.messages.plans import HostPlan
+from shared.messages.slots import SlotsOffer
 from shared.messages.status import LaneEvent, LaneSecret, PlanRejected
-from shared.messages.wire import encode
+from shared.messages.wire import decode, encode
 from shared.metrics_http import serve_metrics
 from shared.nats_auth import NatsAuth
 from shared.supervise import Loops, running
@@ -236,6 +238,7 @@ async def _serve_bus(agent: Agent, stop: asyncio.Event) -> None:
         except Exception as exc:
             log.warning("lanes-secrets bucket not reachable: gateways cannot reach this host's lanes",
                         error=str(exc) or type(exc).__name__)  # fmt: skip
+    offers = None  # the subscription to slot offers (launcher_agent/slot_moves.py)
     svc = await add_service(
         agent.nc,
         name=subjects.AGENT_SERVICE,
@@ -257,6 +260,7 @@ async def _serve_bus(agent: Agent, stop: asyncio.Event) -> None:
                                        ("info", subjects.agent_info(agent.host), info_handler)):  # fmt: skip
             await group.add_endpoint(name=name, subject=subjects.endpoint_tail(subject, where),
                                      handler=logged_endpoint(handler, name))  # fmt: skip
+        offers = await _follow_slot_offers(agent)
         await agent.publish_report()
         await follow_key(
             agent.nc,
@@ -268,7 +272,40 @@ async def _serve_bus(agent: Agent, stop: asyncio.Event) -> None:
             every=agent.cfg.report_interval,
         )
     finally:
+        if offers is not None:
+            await quietly(offers.unsubscribe)()
         await quietly(svc.stop)()
+
+
+async def _follow_slot_offers(agent: Agent):
+    """Send going lanes' slots to their buddies, and take those offered to this host's lanes. An
+    offer is handled in its subscription's order, one at a time (a bound: restores are serial)."""
+    store = agent.sup.procs.slots
+    if store is None:
+        return None
+
+    async def send(lane, saved) -> None:
+        await slot_moves.send(agent.nc, agent.cfg.host_id, store, lane, saved)
+
+    async def publish(event: LaneEvent) -> None:
+        await agent.nc.publish(subjects.event_subject(agent.host, event.lane_id, event.event), encode(event))
+
+    async def on_offer(msg) -> None:
+        try:
+            offer = decode(msg.data, SlotsOffer)
+        except ValueError as exc:
+            log.warning("slot offer dropped", subject=msg.subject, reason=str(exc)[:200])
+            return
+        if offer.to_host != agent.cfg.host_id:
+            return
+        try:
+            await slot_moves.take(agent.nc, agent.cfg.host_id, store, agent.sup.lanes, offer, publish)
+        except Exception as exc:  # a lane gone meanwhile, NATS away: the conversations start cold
+            log.warning("offered slots not taken", source=f"{offer.from_host}/{offer.from_lane}",
+                        error=str(exc) or type(exc).__name__)  # fmt: skip
+
+    agent.sup.procs.send_slots = send
+    return await agent.nc.subscribe(subjects.ALL_SLOT_OFFERS, cb=on_offer)
 
 
 async def _report_loop(agent: Agent, stop: asyncio.Event) -> None:

@@ -25,23 +25,12 @@ import msgspec
 
 from shared.llama.flags import cache_pair
 from shared.messages.plans import LaneSpec
+from shared.messages.slots import SlotOrigin
 
 # A slot holding fewer tokens is not worth a file: its prefill costs less than the round trip.
 MIN_TOKENS = 64
 # Disk the agent leaves free on its data folder whatever the budget says.
 DISK_RESERVE = 1024 * 1024 * 1024
-
-
-class SlotOrigin(msgspec.Struct, frozen=True, gc=False, kw_only=True):
-    """What made a slot file, each fact one llama-server does not check (or checks too late)."""
-
-    model_sha256: str  # the weights: another quantization or fine-tune of one shape reads back "fine"
-    build: str  # llama-server's version line: the file format and the graph that filled the cells
-    cache_types: str  # "k/v" as cache_pair spells them
-    flash_attn: str  # on/off/auto: V is stored transposed without it
-    kv_unified: bool
-    swa_full: bool
-    ctx: int  # the slot's context then: a file reads back into a slot that holds its tokens
 
 
 def origin_of(spec: LaneSpec, model_sha256: str, build: str) -> SlotOrigin:

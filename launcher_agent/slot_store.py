@@ -20,7 +20,8 @@ import structlog
 from launcher_agent import lane_http, slot_cache
 from launcher_agent.lane import Emit, Lane
 from launcher_agent.model_digest import ModelDigests
-from launcher_agent.slot_cache import Entry, SlotOrigin, SlotSeen
+from launcher_agent.slot_cache import Entry, SlotSeen
+from shared.messages.slots import SlotOrigin
 from shared.messages.plans import LaneSpec
 
 log = structlog.get_logger("lanes.agent")
@@ -100,21 +101,21 @@ class SlotStore:
                                                  f"{sum(held)} tokens not saved, {len(gone)} saved file(s) removed; "
                                                  "they cannot be restored")  # fmt: skip
 
-    async def save(self, lane: Lane) -> None:
-        """Before a planned restart or stop of a serving lane: save the slots worth keeping."""
+    async def save(self, lane: Lane) -> list[Entry]:
+        """Before a planned restart or stop of a serving lane: save the slots worth keeping (those saved)."""
         spec = lane.spec
         layout = model_layout(spec)
         if layout is None or self.budget <= 0 or lane.state != "healthy":
-            return
+            return []
         if (why := slot_cache.not_reusable(spec)) is not None:
             log.info("slots not saved", lane=spec.lane_id, reason=why)
-            return
+            return []
         contents = await lane_http.slot_contents(spec, lane.api_key)
         if not contents:
-            return
+            return []
         origin = await self._origin(spec)
         if origin is None:
-            return
+            return []
         restored = lane.restored_tokens
         seen = [SlotSeen(i, tokens or (restored.get(i, 0) if task < 0 else 0), task, busy)
                 for i, tokens, task, busy in contents]  # fmt: skip
@@ -142,6 +143,7 @@ class SlotStore:
             took = time.monotonic() - started
             await self.emit(lane, "slots_saved", f"{len(saved)} slot(s), {tokens} tokens, "
                                                  f"{sum(e.size for e in saved) / MIB:.1f} MiB in {took:.2f} s")  # fmt: skip
+        return saved
 
     async def _origin(self, spec: LaneSpec) -> SlotOrigin | None:
         sha = await self.digests.of(spec.model_path)

@@ -203,10 +203,11 @@ def _host_plan(
 
 def _asked(plan: HostPlan) -> HostPlan:
     """The plan without what follows from the rest of it (each lane's layout, each device's
-    backend): a plan an older planner wrote, which lacks them, asks for the same."""
+    backend): a plan an older planner wrote, which lacks them, asks for the same. Nor each
+    lane's buddy, which the fleet decides after (planner_svc/slot_buddies.py)."""
     lanes = tuple(
         msgspec.structs.replace(
-            s, layout=None,
+            s, layout=None, slot_buddy_host=None, slot_buddy_lane=None,
             memory=msgspec.structs.replace(
                 s.memory, devices=tuple(msgspec.structs.replace(d, backend="") for d in s.memory.devices)
             ),

@@ -26,8 +26,8 @@ from planner_svc.fleet_pages import hosts_value, models_value
 from planner_svc.lease import DEFAULT_TTL, Lease
 from planner_svc.metrics import PlannerMetrics
 from planner_svc.state import PlannerState
-from shared import subjects
-from shared.bus import connect, kv_bucket, leader_view, quietly, run_until, secrets_bucket, watch_forever
+from shared import defaults, subjects
+from shared.bus import connect, kv_bucket, leader_view, quietly, run_until, secrets_bucket, slots_stream, watch_forever
 from shared.llama.flags import cache_pair
 from shared.messages.activity import GatewayActivity, ModelWake
 from shared.messages.plans import HostPlan
@@ -268,6 +268,10 @@ async def run_planner(
         except Exception as exc:  # an agent makes it where it must; gateways wait for it
             log.warning("secrets bucket not made", error=str(exc) or type(exc).__name__)
         kv = await kv_bucket(nc, create=True, replicas=replicas)
+        try:  # where saved slots move between lanes: bounded by the default budget until the config is read
+            await slots_stream(nc, max_bytes=defaults.SLOT_CACHE_BYTES, replicas=replicas)
+        except Exception as exc:  # no JetStream room, or an older server: slots then stay on their host
+            log.warning("slots stream not made", error=str(exc) or type(exc).__name__)
         service = PlannerService(nc, kv, lease_ttl=lease_ttl, name=name)
         await endpoints.ensure_config(service)
         await endpoints.add_endpoints(service, stack)

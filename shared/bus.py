@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 import nats
 import structlog
 from nats.aio.client import Client
-from nats.js.api import KeyValueConfig, StorageType
+from nats.js.api import DiscardPolicy, KeyValueConfig, StorageType, StreamConfig
 from nats.js.kv import KeyValue
 from nats.micro.request import Request, ServiceError
 
@@ -113,6 +113,24 @@ async def secrets_bucket(nc: Client, *, create: bool = False, replicas: int = 1)
         except Exception as exc:
             log.info("secrets bucket exists or cannot be created", error=str(exc))
     return await js.key_value(subjects.SECRETS_BUCKET)
+
+
+SLOT_CHUNK_BYTES = 512 * 1024
+SLOTS_MAX_AGE = 600.0  # seconds an offered slot's pieces are kept: its receiver reads them at once
+
+
+async def slots_stream(nc: Client, *, max_bytes: int, replicas: int = 1) -> None:
+    """Stream LANES_SLOTS: the pieces of slot files moving between lanes (shared/messages/slots.py).
+    On disk, bounded (the fleet's slot_cache_bytes: the oldest pieces go first) and short-lived;
+    direct gets, so a receiving agent reads pieces with no consumer of its own. The planner makes it."""
+    js = nc.jetstream()
+    config = StreamConfig(name=subjects.SLOTS_STREAM, subjects=[subjects.SLOT_CHUNKS], storage=StorageType.FILE,
+                          num_replicas=replicas, max_bytes=max(max_bytes, 64 * SLOT_CHUNK_BYTES), max_age=SLOTS_MAX_AGE,
+                          discard=DiscardPolicy.OLD, allow_direct=True, max_msg_size=SLOT_CHUNK_BYTES + 4096)  # fmt: skip
+    try:
+        await js.add_stream(config)
+    except Exception:  # made before: its limits follow the config
+        await js.update_stream(config)
 
 
 def leader_view(kv: KeyValue) -> KeyValue:

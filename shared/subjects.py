@@ -134,6 +134,19 @@ def kv_events_subject(host_id: str, lane_id: str) -> str:
     return f"{PREFIX}.kvevents.{host_token(host_id)}.{host_token(lane_id)}"
 
 
+def slot_offer_subject(host_id: str) -> str:
+    """A host's offers of saved slots to another lane (SlotsOffer, shared/messages/slots.py)."""
+    return f"{PREFIX}.slots.{host_token(host_id)}.offer"
+
+
+def slot_chunk_subject(host_id: str, move: str, part: str, n: int) -> str:
+    """One 512 KiB piece of an offered slot file, in stream SLOTS_STREAM."""
+    return f"{PREFIX}.slots.{host_token(host_id)}.{host_token(move)}.{host_token(part)}.{n}"
+
+
+SLOTS_STREAM = "LANES_SLOTS"  # the offered slot files' pieces (made by the planner, bounded, short-lived)
+SLOT_CHUNKS = f"{PREFIX}.slots.*.*.*.*"
+ALL_SLOT_OFFERS = f"{PREFIX}.slots.*.offer"
 PREFIX_STREAM = "LANES_PREFIX"  # JetStream stream of every lane's prefix subject
 ALL_PREFIX = f"{PREFIX}.prefix.>"
 ALL_WAKES = f"{PREFIX}.wake.*"

@@ -136,6 +136,20 @@ def test_a_lane_sent_a_prompt_holds_its_end_past_the_last_whole_chunk():
     assert index.beyond(A, nxt, 2) == 0 and index.tails[A] == {}
 
 
+def test_a_lane_that_took_anothers_slots_holds_its_conversations_too():
+    """A slots_received event (launcher_agent/slot_moves.py): what the index holds of the source
+    lane, ends included, is held by the target too, so those conversations are sent there."""
+    index = AffinityIndex()
+    first = "conversation\n" + "lane slot cache " * 40
+    sent = fingerprint("m", first)
+    index.record(A, sent.hashes, sent.tail())
+    nxt = fingerprint("m", first + "\nuser: and then?")
+    assert index.matched(B, nxt.hashes) == 0
+    assert index.copy(A, B) == len(sent.hashes) and index.copy(B, B) == 0 and index.copy(("x", "y"), B) == 0
+    assert index.matched(B, nxt.hashes) == index.matched(A, nxt.hashes) == 2
+    assert index.beyond(B, nxt, 2) == index.beyond(A, nxt, 2) > 0
+
+
 def test_what_a_lane_is_said_to_hold_of_a_prompt_is_never_more_than_it_was_sent():
     rng = random.Random(5)
     for _ in range(300):

@@ -322,8 +322,10 @@ async def test_agent_user_is_refused_all_but_its_own(auth_server, passwords):
                 await agent.request(subject, b"{}", timeout=1)
             await _violation(errors, "publish to", subject)
         assert (await js_admin.consumer_info("KV_lanes", planners_watch.name)).name == planners_watch.name
-        # Refused: another host's events, telemetry and rejections.
-        for subject in ("lanes.event.host2.x-0.started", "lanes.telemetry.host2", "lanes.rejected.host2"):
+        # Refused: another host's events, telemetry and rejections, and its slot offers and pieces
+        # (a host cannot offer conversations' caches in another's name).
+        for subject in ("lanes.event.host2.x-0.started", "lanes.telemetry.host2", "lanes.rejected.host2",
+                        "lanes.slots.host2.offer", "lanes.slots.host2.m.s0.0"):  # fmt: skip
             await agent.publish(subject, b"{}")
             await _violation(errors, "publish to", subject)
     finally:

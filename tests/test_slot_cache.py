@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 from launcher_agent.slot_cache import (
     Entry,
-    SlotOrigin,
     SlotSeen,
     budget_now,
     decide_restore,
@@ -29,6 +28,7 @@ from shared.llama import endpoints
 from shared.llama.flags import args_problem, lane_args
 from shared.messages.hosts import ServerCaps
 from shared.messages.plans import LaneSpec, MemoryBreakdown
+from shared.messages.slots import SlotOrigin
 
 
 def spec(**kw) -> LaneSpec:

@@ -136,6 +136,21 @@ class PrefixIndex:
                 held.pop(h, None)
                 self._forget(lane, h)
 
+    def copy(self, source: LaneKey, target: LaneKey) -> int:
+        """A lane's saved slots were restored into `target` (a slots_received event): what the
+        index holds of `source` is held by `target` too, so those conversations are sent there.
+        Recorded as the target's newest entries, in the source's order; the chunks copied."""
+        held = self.lanes.get(source)
+        if not held or source == target:
+            return 0
+        hashes = list(held)  # oldest first
+        tails = dict(self.tails.get(source, {}))
+        self.record(target, hashes)
+        if tails:
+            kept = self.lanes.get(target, {})
+            self.tails.setdefault(target, {}).update({h: t for h, t in tails.items() if h in kept})
+        return len(hashes)
+
     def held(self, lane: LaneKey) -> int:
         return len(self.lanes.get(lane, ()))
 

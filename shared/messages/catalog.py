@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from shared.messages import activity, config, hosts, plans, prefixes, replies, status, wire
+from shared.messages import activity, config, hosts, plans, prefixes, replies, slots, status, wire
 
 WIRE_TYPES: tuple[type, ...] = (
     hosts.HostReport,
@@ -29,12 +29,13 @@ WIRE_TYPES: tuple[type, ...] = (
     activity.ModelStates,
     activity.TenantUsage,
     prefixes.PrefixEvent,
+    slots.SlotsOffer,
 )
 
 # Every module of the package that defines messages, in the order of the flow: the wire's
 # vocabulary, what a host has, what is wanted, the plan, what runs, the planner's answers,
-# models on demand, the prefix view (docs/reference/messages.md follows it).
-MODULES = (wire, hosts, config, plans, status, replies, activity, prefixes)
+# models on demand, the prefix view, saved slots that move (docs/reference/messages.md follows it).
+MODULES = (wire, hosts, config, plans, status, replies, activity, prefixes, slots)
 
 
 def structs() -> list[type[msgspec.Struct]]:

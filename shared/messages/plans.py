@@ -210,6 +210,10 @@ class LaneSpec(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     draft_n_gpu_layers: Annotated[int, msgspec.Meta(ge=0, le=65536)] = 0
     draft_cache_type_k: CacheType | None = None
     draft_cache_type_v: CacheType | None = None
+    # Where its saved slots go when it stops or restarts (shared/messages/slots.py): another lane of
+    # its model that serves meanwhile (None: none). Not a launch field: a new buddy restarts nothing.
+    slot_buddy_host: Name | None = None
+    slot_buddy_lane: Name | None = None
 
 
 class Unplaced(msgspec.Struct, frozen=True, gc=False, kw_only=True):

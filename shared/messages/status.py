@@ -116,10 +116,13 @@ class LaneEvent(Message, tag="lane_event", kw_only=True):
     lane_id: Name
     event: Literal[
         "started", "healthy", "unresponsive", "crashed", "stopped", "failed", "mismatch", "rejected", "rolled_back",
-        "draining", "slots_saved", "slots_restored", "slots_discarded",
+        "draining", "slots_saved", "slots_restored", "slots_discarded", "slots_received",
     ]
     detail: Text = ""
     pid: Pid | None = None
+    # slots_received: the lane whose conversations' slots this one took (gateways route them here)
+    from_host: Name | None = None
+    from_lane: Name | None = None
 
 
 class PlanRejected(Message, tag="plan_rejected", kw_only=True):

@@ -1,0 +1,124 @@
+"""Saved slots sent to a lane's buddy on another host, and taken from others (docs/slot-cache.md, "Moves").
+
+Sending: a lane about to stop or restart has saved its slots (launcher_agent/slot_store.py); if
+its spec names a buddy, each file goes in 512 KiB pieces on this host's own subjects of stream
+LANES_SLOTS (published with acknowledgement), then one SlotsOffer names them. Taking: an offer
+for one of this host's lanes is read back by direct get (no consumer: an agent's NATS user may
+make none), each file checked (its sha256 and size, and an origin matching the lane's:
+slot_cache.refusal; a refused file is never handed to llama-server), restored into the lane's
+emptiest idle slots, and said in a `slots_received` event naming the lane it came from, by
+which gateways send those conversations here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import structlog
+
+from launcher_agent import lane_http, slot_cache
+from launcher_agent.lane import Lane
+from launcher_agent.slot_cache import Entry
+from launcher_agent.slot_store import SAVE_TIMEOUT, SlotStore
+from shared import subjects
+from shared.bus import SLOT_CHUNK_BYTES
+from shared.messages.slots import OfferedSlot, SlotsOffer
+from shared.messages.status import LaneEvent
+from shared.messages.wire import encode
+
+log = structlog.get_logger("lanes.agent")
+MAX_OFFERED = 64  # files in one offer (its slots: a lane has at most 256, but only the hot ones are saved)
+
+
+def _pieces(path: Path) -> tuple[list[bytes], str]:
+    data = path.read_bytes()
+    return [data[i : i + SLOT_CHUNK_BYTES] for i in range(0, len(data), SLOT_CHUNK_BYTES)] or [b""], \
+        hashlib.sha256(data).hexdigest()  # fmt: skip
+
+
+async def send(nc, host_id: str, store: SlotStore, lane: Lane, saved: Sequence[Entry]) -> SlotsOffer | None:
+    """Offer the files just saved from `lane` to its buddy; None when there is nothing to send."""
+    spec = lane.spec
+    if spec.slot_buddy_host is None or spec.slot_buddy_lane is None or not saved:
+        return None
+    js = nc.jetstream()
+    move = uuid.uuid4().hex[:16]
+    offered = []
+    for i, entry in enumerate(saved[:MAX_OFFERED]):
+        if entry.origin is None:
+            continue
+        pieces, sha = await asyncio.to_thread(_pieces, store.folder / entry.file)
+        part = f"s{i}"
+        for n, piece in enumerate(pieces):
+            await js.publish(subjects.slot_chunk_subject(host_id, move, part, n), piece, stream=subjects.SLOTS_STREAM)
+        offered.append(OfferedSlot(part=part, chunks=len(pieces), size=sum(map(len, pieces)), sha256=sha,
+                                   tokens=entry.tokens, origin=entry.origin))  # fmt: skip
+    if not offered:
+        return None
+    offer = SlotsOffer(from_host=host_id, from_lane=spec.lane_id, move=move, model=spec.model,
+                       to_host=spec.slot_buddy_host, to_lane=spec.slot_buddy_lane, slots=tuple(offered))  # fmt: skip
+    await nc.publish(subjects.slot_offer_subject(host_id), encode(offer))
+    log.info("slots offered", lane=spec.lane_id, to=f"{offer.to_host}/{offer.to_lane}", slots=len(offered))
+    return offer
+
+
+async def take(nc, host_id: str, store: SlotStore, lanes: dict[str, Lane], offer: SlotsOffer,
+               publish_event: Callable[[LaneEvent], object]) -> int:  # fmt: skip
+    """Restore an offer's files into the named lane of this host; the number restored."""
+    lane = lanes.get(offer.to_lane)
+    if offer.to_host != host_id or lane is None or lane.state != "healthy" or lane.draining:
+        return 0
+    spec = lane.spec
+    sha = await store.digests.of(spec.model_path)
+    if sha is None:
+        return 0
+    here = slot_cache.origin_of(spec, sha, store.build)
+    contents = await lane_http.slot_contents(spec, lane.api_key) or []
+    idle = sorted(((tokens, task, slot) for slot, tokens, task, busy in contents if not busy))
+    js = nc.jetstream()
+    began, restored, tokens, refused = time.monotonic(), 0, 0, []
+    for offered in sorted(offer.slots, key=lambda s: -s.tokens):  # the longest first: they save the most
+        why = slot_cache.refusal(offered.origin, offered.tokens, here)
+        if why is not None:
+            refused.append(why)
+            continue
+        if not idle:
+            break
+        name = f"moved-{offer.move}-{offered.part}.slot"
+        path = store.folder / name
+        try:
+            data = bytearray()
+            for n in range(offered.chunks):
+                subject = subjects.slot_chunk_subject(offer.from_host, offer.move, offered.part, n)
+                data += (await js.get_msg(subjects.SLOTS_STREAM, subject=subject, direct=True)).data
+        except Exception as exc:  # gone from the stream (its age or size limit), or NATS away
+            refused.append(f"not read back: {exc or type(exc).__name__}")
+            continue
+        if len(data) != offered.size or hashlib.sha256(data).hexdigest() != offered.sha256:
+            refused.append("its pieces do not make the file offered (size or sha256)")
+            continue
+        _, _, slot = idle.pop(0)
+        try:
+            await asyncio.to_thread(path.write_bytes, bytes(data))
+            status, body = await lane_http.slot_file(spec, lane.api_key, slot, "restore", name, SAVE_TIMEOUT)
+        finally:
+            path.unlink(missing_ok=True)
+        if status == 200 and isinstance(body, dict):
+            restored += 1
+            tokens += int(body.get("n_restored", offered.tokens))
+            lane.restored_tokens[slot] = int(body.get("n_restored", offered.tokens))
+        else:
+            refused.append(f"llama-server answered {status}: {str(body)[:120]}")
+    for why in refused:
+        log.info("moved slot refused", lane=spec.lane_id, source=f"{offer.from_host}/{offer.from_lane}", reason=why)
+    if restored:
+        detail = (f"{restored} slot(s), {tokens} tokens from {offer.from_host}/{offer.from_lane} in "
+                  f"{time.monotonic() - began:.2f} s" + (f"; {len(refused)} refused" if refused else ""))  # fmt: skip
+        await publish_event(LaneEvent(host_id=host_id, lane_id=spec.lane_id, event="slots_received", detail=detail,
+                                      from_host=offer.from_host, from_lane=offer.from_lane))  # fmt: skip
+    return restored

@@ -1,0 +1,80 @@
+"""A lane's conversations keep their cache when it stops: its saved slots go to its buddy on another
+host through NATS and are restored there (issue 33, point 5), with the real llama-server, planner,
+two agents and a gateway.
+
+Two hosts (two agents, each with its own data folder, port range and copy of one model file)
+each run a lane of model "m" with four slots; four conversations through the gateway. The
+demand then asks for one lane: the planner stops one host's lane, which saves its slots and
+offers them to its buddy (the other host's lane, named in its spec by the planner); that agent
+reads them back from stream LANES_SLOTS, checks each file's sha256 and origin, and restores them
+into its idle slots. Every conversation's next turn, now all on the remaining lane, is >= 0.9
+cached; without the move, those of the stopped lane start cold.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+
+import aiohttp
+import msgspec
+from fixtures_bus import agent_config, client, services
+from test_on_demand import gateway
+from test_real_llama import _planner_with
+from test_slot_save_real import CONVERSATIONS, _round, _routes, _text
+from tinymodels import write_llama
+from waiting import eventually
+
+from shared import subjects
+from shared.messages.config import Demand, Persona
+from shared.messages.status import LaneEvent
+from shared.messages.wire import encode
+
+
+def demand(lanes: int | None) -> Demand:
+    return Demand(personas=(Persona(model="m", alias="m", lanes=lanes, parallel=4, ctx_min=2048, ctx_max=2048),))
+
+
+async def test_a_stopped_lanes_conversations_keep_their_cache_on_its_buddy_on_another_host(
+    nats_server, tmp_path, llama_server
+):
+    made = write_llama(tmp_path / "m.gguf", n_layer=2, n_ctx_train=8192)
+    folders = {}
+    for host in ("h1", "h2"):
+        folders[host] = tmp_path / f"models-{host}"
+        folders[host].mkdir()
+        shutil.copy(made, folders[host] / "m.gguf")  # the same weights: the same sha256 on both hosts
+    events: list[LaneEvent] = []
+    rng = random.Random(33)
+    async with services(nats_server.url) as s, client(nats_server.url) as nc:
+
+        async def on_event(msg) -> None:
+            events.append(msgspec.json.decode(msg.data, type=LaneEvent))
+
+        await nc.subscribe(subjects.ALL_EVENTS, cb=on_event)
+        await _planner_with(nc, s, {}, demand(None))  # one lane on every host that holds the model
+        for host in ("h1", "h2"):
+            s.start_agent(agent_config(tmp_path, host, folders[host], llama_server))
+        async with gateway(nats_server.url) as gw, aiohttp.ClientSession() as http:
+            await eventually(lambda: len(gw.view.routable("m")) == 2, timeout=120, what="both hosts' lanes routable")
+            prompts = [f"conversation {i}\nsystem: " + _text(rng, 600) for i in range(CONVERSATIONS)]
+            for _ in range(2):
+                warm = await _round(http, gw.url, prompts, rng)
+            assert warm >= 0.8, f"later turns cached at {warm:.2f}{_routes()}"
+            reply = await nc.request(subjects.DEMAND_SET, encode(demand(1)), timeout=5)
+            assert not (reply.headers or {}).get("Nats-Service-Error"), reply.headers
+            await eventually(lambda: len(gw.view.routable("m")) == 1, timeout=60, what="one lane left")
+            stopped = await eventually(lambda: next((e for e in events if e.event == "stopped"), None),
+                                       what="a lane stopped")  # fmt: skip
+            kept = gw.view.routable("m")[0]
+            received = await eventually(
+                lambda: next((e for e in events if e.event == "slots_received"), None), timeout=30,
+                what=f"the slots of {stopped.host_id}/{stopped.lane_id} received; events: {[(e.event, e.detail) for e in events]}")  # fmt: skip
+            assert (received.host_id, received.lane_id) == kept.key
+            assert (received.from_host, received.from_lane) == (stopped.host_id, stopped.lane_id)
+            index, source = gw.admission.index, (stopped.host_id, stopped.lane_id)
+            await eventually(lambda: 0 < len(index.lanes.get(source, {})) and set(index.lanes[source]) <= set(
+                index.lanes.get(kept.key, {})), what="the gateway's index sends the moved conversations to their slots")
+            after = await _round(http, gw.url, prompts, rng)
+            print(f"moved: {received.detail}; the next turn of every conversation cached {after:.3f}{_routes()}")
+            assert after >= 0.9, f"the first turn after the move was cached at {after:.2f}{_routes()}"
