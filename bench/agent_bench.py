@@ -298,7 +298,7 @@ async def change_config(bus: Bus, changes: dict, timeout: float) -> Change:
                 ev.lane_id for _, ev in bus.events[ei:] if ev.event == "started" and ev.pid not in old_pids.values()
             }
             for lane_id in spawned - set(served):
-                status, _ = await http_get("127.0.0.1", ports[lane_id], "/health", timeout=1.0)
+                status, _ = await http_get("127.0.0.1", ports[lane_id], "/health", None, timeout=1.0)
                 if status == 200:
                     served[lane_id] = time.monotonic()
             await asyncio.sleep(POLL)

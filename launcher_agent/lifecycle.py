@@ -37,7 +37,7 @@ class Lifecycle:
     log_limits: LogLimits = LogLimits()  # the plan's; a lane started after a change follows it
     slots: SlotStore | None = None  # saved slots (--slot-save-path); None: a dry run, or a binary without it
     # Sends a going lane's saved slots to its buddy (launcher_agent/slot_moves.py); None: no NATS yet.
-    send_slots: Callable[[Lane, list], Awaitable[object]] | None = None
+    send_slots: Callable[[Lane, list, bool], Awaitable[object]] | None = None
 
     async def apply(self, actions: Sequence[Action], plan_revision: int) -> None:
         for action in actions:
@@ -67,7 +67,7 @@ class Lifecycle:
             return
         if saved and self.send_slots is not None:
             try:  # its conversations go to its buddy meanwhile: their caches go first
-                await self.send_slots(lane, saved)
+                await self.send_slots(lane, saved, new is None)  # leaving: no next spec
             except Exception as exc:  # NATS away, the stream full or missing: the lane goes anyway
                 log.warning("slots not sent", lane=lane.spec.lane_id, error=str(exc) or type(exc).__name__)
 

@@ -284,8 +284,8 @@ async def _follow_slot_offers(agent: Agent):
     if store is None:
         return None
 
-    async def send(lane, saved) -> None:
-        await slot_moves.send(agent.nc, agent.cfg.host_id, store, lane, saved)
+    async def send(lane, saved, leaving: bool) -> None:
+        await slot_moves.send(agent.nc, agent.cfg.host_id, store, lane, saved, leaving)
 
     async def publish(event: LaneEvent) -> None:
         await agent.nc.publish(subjects.event_subject(agent.host, event.lane_id, event.event), encode(event))

@@ -6,8 +6,8 @@ LANES_SLOTS (published with acknowledgement), then one SlotsOffer names them. Ta
 for one of this host's lanes is read back by direct get (no consumer: an agent's NATS user may
 make none), each file checked (its sha256 and size, and an origin matching the lane's:
 slot_cache.refusal; a refused file is never handed to llama-server), restored into the lane's
-emptiest idle slots, and said in a `slots_received` event naming the lane it came from, by
-which gateways send those conversations here.
+empty idle slots (one holding a conversation keeps it), and said in a `slots_received` event
+naming the lane it came from, by which gateways send those conversations here.
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ def _pieces(path: Path) -> tuple[list[bytes], str]:
         hashlib.sha256(data).hexdigest()  # fmt: skip
 
 
-async def send(nc, host_id: str, store: SlotStore, lane: Lane, saved: Sequence[Entry]) -> SlotsOffer | None:
-    """Offer the files just saved from `lane` to its buddy; None when there is nothing to send."""
+async def send(nc, host_id: str, store: SlotStore, lane: Lane, saved: Sequence[Entry], leaving: bool = True) -> SlotsOffer | None:
+    """Offer the files just saved from `lane` to its buddy; None when there is nothing to send.
+    `leaving`: the lane stops for good (else it restarts and restores its own copies)."""
     spec = lane.spec
     if spec.slot_buddy_host is None or spec.slot_buddy_lane is None or not saved:
         return None
@@ -61,7 +62,8 @@ async def send(nc, host_id: str, store: SlotStore, lane: Lane, saved: Sequence[E
     if not offered:
         return None
     offer = SlotsOffer(from_host=host_id, from_lane=spec.lane_id, move=move, model=spec.model,
-                       to_host=spec.slot_buddy_host, to_lane=spec.slot_buddy_lane, slots=tuple(offered))  # fmt: skip
+                       to_host=spec.slot_buddy_host, to_lane=spec.slot_buddy_lane, slots=tuple(offered),
+                       leaving=leaving)  # fmt: skip
     await nc.publish(subjects.slot_offer_subject(host_id), encode(offer))
     log.info("slots offered", lane=spec.lane_id, to=f"{offer.to_host}/{offer.to_lane}", slots=len(offered))
     return offer
@@ -79,7 +81,12 @@ async def take(nc, host_id: str, store: SlotStore, lanes: dict[str, Lane], offer
         return 0
     here = slot_cache.origin_of(spec, sha, store.build)
     contents = await lane_http.slot_contents(spec, lane.api_key) or []
-    idle = sorted(((tokens, task, slot) for slot, tokens, task, busy in contents if not busy))
+    # Only empty slots take a moved one: a slot holding a conversation keeps it (what stays behind
+    # goes cold, as it would have without the move). A slot restored and not used since shows no
+    # tokens in /slots: what was restored into it counts.
+    held = {slot: tokens or (lane.restored_tokens.get(slot, 0) if task < 0 else 0) for slot, tokens, task, _ in contents}
+    idle = sorted((held[slot], task, slot) for slot, _, task, busy in contents
+                  if not busy and held[slot] < slot_cache.MIN_TOKENS)  # fmt: skip
     js = nc.jetstream()
     began, restored, tokens, refused = time.monotonic(), 0, 0, []
     for offered in sorted(offer.slots, key=lambda s: -s.tokens):  # the longest first: they save the most
@@ -119,6 +126,9 @@ async def take(nc, host_id: str, store: SlotStore, lanes: dict[str, Lane], offer
     if restored:
         detail = (f"{restored} slot(s), {tokens} tokens from {offer.from_host}/{offer.from_lane} in "
                   f"{time.monotonic() - began:.2f} s" + (f"; {len(refused)} refused" if refused else ""))  # fmt: skip
+        # The source named only when it leaves: gateways then send its conversations here. A lane
+        # that restarts restores its own copies, and its conversations go back to it.
+        source = (offer.from_host, offer.from_lane) if offer.leaving else (None, None)
         await publish_event(LaneEvent(host_id=host_id, lane_id=spec.lane_id, event="slots_received", detail=detail,
-                                      from_host=offer.from_host, from_lane=offer.from_lane))  # fmt: skip
+                                      from_host=source[0], from_lane=source[1]))  # fmt: skip
     return restored

@@ -49,6 +49,9 @@ class Planned(NamedTuple):
 
     plans: dict[str, HostPlan]
     outcome: Outcome
+    # Other hosts' plans rewritten for their lanes' buddies alone (planner_svc/slot_buddies.py): a
+    # host whose next plan waits for its rollout turn keeps that one (its buddies come with it).
+    buddies: dict[str, HostPlan] = {}
 
 
 def planning_job(state: PlanningInputs) -> Callable[[], Planned]:
@@ -95,9 +98,11 @@ def planning_job(state: PlanningInputs) -> Callable[[], Planned]:
             reports, config, demand, demand_state, now=now, previous=previous, feedback=per_host,
             config_revision=config_revision,
         )  # fmt: skip
-        made = with_buddies({h.host_id: h for h in fleet.hosts}, every, lost)
-        plans = {subjects.host_token(h): msgspec.structs.replace(p, planned_by=me) for h, p in made.items()}
-        return Planned(plans, outcome)
+        planned = {h.host_id: h for h in fleet.hosts}
+        made = with_buddies(planned, every, lost)
+        plans = {subjects.host_token(h): msgspec.structs.replace(p, planned_by=me) for h, p in made.items() if h in planned}
+        others = {subjects.host_token(h): msgspec.structs.replace(p, planned_by=me) for h, p in made.items() if h not in planned}
+        return Planned(plans, outcome, others)
 
     return job
 

@@ -159,12 +159,13 @@ class PlannerService:
     async def write_plans(self) -> None:
         started = time.monotonic()
         try:
-            plans, outcome = await asyncio.to_thread(self.state.planning_job())
+            plans, outcome, buddies = await asyncio.to_thread(self.state.planning_job())
         except BaseException:
             self.state.replan_all = True  # the job's hosts were taken off the list: plan all again
             raise
         self.state.demand_state = self.state.settle_demand(outcome)
         plans = self._paced(plans)
+        plans.update({h: p for h, p in buddies.items() if h not in self.desired and h not in plans})
         self.last_replan_seconds = time.monotonic() - started
         self.replans += 1
         self.metrics.replan_seconds.observe(self.last_replan_seconds)

@@ -21,7 +21,7 @@ import msgspec
 from fixtures_bus import agent_config, client, services
 from test_on_demand import gateway
 from test_real_llama import _planner_with
-from test_slot_save_real import CONVERSATIONS, _round, _routes, _text
+from test_slot_save_real import CONVERSATIONS, _config, _restarted_with, _round, _routes, _text
 from tinymodels import write_llama
 from waiting import eventually
 
@@ -31,6 +31,23 @@ from shared.messages.status import LaneEvent
 from shared.messages.wire import encode
 
 
+async def two_hosts(url: str, tmp_path, binary: str, s, nc, events: list):
+    """One model file copied to two hosts' folders (the same sha256), an agent for each."""
+    made = write_llama(tmp_path / "m.gguf", n_layer=2, n_ctx_train=8192)
+    for host in ("h1", "h2"):
+        folder = tmp_path / f"models-{host}"
+        folder.mkdir()
+        shutil.copy(made, folder / "m.gguf")
+
+    async def on_event(msg) -> None:
+        events.append(msgspec.json.decode(msg.data, type=LaneEvent))
+
+    await nc.subscribe(subjects.ALL_EVENTS, cb=on_event)
+    await _planner_with(nc, s, {}, demand(None))  # one lane on every host that holds the model
+    for host in ("h1", "h2"):
+        s.start_agent(agent_config(tmp_path, host, tmp_path / f"models-{host}", binary))
+
+
 def demand(lanes: int | None) -> Demand:
     return Demand(personas=(Persona(model="m", alias="m", lanes=lanes, parallel=4, ctx_min=2048, ctx_max=2048),))
 
@@ -38,23 +55,10 @@ def demand(lanes: int | None) -> Demand:
 async def test_a_stopped_lanes_conversations_keep_their_cache_on_its_buddy_on_another_host(
     nats_server, tmp_path, llama_server
 ):
-    made = write_llama(tmp_path / "m.gguf", n_layer=2, n_ctx_train=8192)
-    folders = {}
-    for host in ("h1", "h2"):
-        folders[host] = tmp_path / f"models-{host}"
-        folders[host].mkdir()
-        shutil.copy(made, folders[host] / "m.gguf")  # the same weights: the same sha256 on both hosts
     events: list[LaneEvent] = []
     rng = random.Random(33)
     async with services(nats_server.url) as s, client(nats_server.url) as nc:
-
-        async def on_event(msg) -> None:
-            events.append(msgspec.json.decode(msg.data, type=LaneEvent))
-
-        await nc.subscribe(subjects.ALL_EVENTS, cb=on_event)
-        await _planner_with(nc, s, {}, demand(None))  # one lane on every host that holds the model
-        for host in ("h1", "h2"):
-            s.start_agent(agent_config(tmp_path, host, folders[host], llama_server))
+        await two_hosts(nats_server.url, tmp_path, llama_server, s, nc, events)
         async with gateway(nats_server.url) as gw, aiohttp.ClientSession() as http:
             await eventually(lambda: len(gw.view.routable("m")) == 2, timeout=120, what="both hosts' lanes routable")
             prompts = [f"conversation {i}\nsystem: " + _text(rng, 600) for i in range(CONVERSATIONS)]
@@ -78,3 +82,32 @@ async def test_a_stopped_lanes_conversations_keep_their_cache_on_its_buddy_on_an
             after = await _round(http, gw.url, prompts, rng)
             print(f"moved: {received.detail}; the next turn of every conversation cached {after:.3f}{_routes()}")
             assert after >= 0.9, f"the first turn after the move was cached at {after:.2f}{_routes()}"
+
+
+async def test_a_rollout_sends_each_lanes_slots_to_the_other_host_while_it_restarts(nats_server, tmp_path, llama_server):
+    """The issue's case: `config set threads=...` restarts the model's two lanes one at a time. Each
+    sends its slots to the other host's lane before it goes (and keeps a copy it restores itself),
+    so the conversations the gateway sends there meanwhile, and every next turn after the rollout,
+    are cached."""
+    events: list[LaneEvent] = []
+    rng = random.Random(34)
+    async with services(nats_server.url) as s, client(nats_server.url) as nc:
+        await two_hosts(nats_server.url, tmp_path, llama_server, s, nc, events)
+        async with gateway(nats_server.url) as gw, aiohttp.ClientSession() as http:
+            await eventually(lambda: len(gw.view.routable("m")) == 2, timeout=120, what="both hosts' lanes routable")
+            prompts = [f"conversation {i}\nsystem: " + _text(rng, 600) for i in range(CONVERSATIONS)]
+            for _ in range(2):
+                warm = await _round(http, gw.url, prompts, rng)
+            assert warm >= 0.8, f"later turns cached at {warm:.2f}{_routes()}"
+            await _config(nc, {"threads": 1})
+            await eventually(_restarted_with(nc, "--threads 1"), timeout=180, what="both lanes restarted")
+            await eventually(lambda: len(gw.view.routable("m")) == 2, timeout=60, what="both routable again")
+            received = [e for e in events if e.event == "slots_received"]
+            # A restarting lane keeps its own copies too: the source is said in the detail only, and
+            # gateways keep sending its conversations to it.
+            assert sorted((e.host_id, e.detail.split(" from ")[1].split(" ")[0]) for e in received) == [
+                ("h1", "h2/m-0"), ("h2", "h1/m-0")], [(e.event, e.host_id, e.detail) for e in events]
+            assert all(e.from_host is None for e in received)
+            after = await _round(http, gw.url, prompts, rng)
+            print(f"moved: {[e.detail for e in received]}; the next turn after the rollout cached {after:.3f}{_routes()}")
+            assert after >= 0.9, f"the first turn after the rollout was cached at {after:.2f}{_routes()}"

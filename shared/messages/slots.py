@@ -50,3 +50,6 @@ class SlotsOffer(Message, tag="slots_offer", kw_only=True):
     to_host: Name
     to_lane: Name
     slots: Annotated[tuple[OfferedSlot, ...], FEW] = ()
+    # The source lane stops for good (a scale-down, an eviction, a move); False: it restarts and
+    # restores its own copies, so gateways keep routing its conversations to it.
+    leaving: bool = True

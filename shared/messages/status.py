@@ -120,7 +120,8 @@ class LaneEvent(Message, tag="lane_event", kw_only=True):
     ]
     detail: Text = ""
     pid: Pid | None = None
-    # slots_received: the lane whose conversations' slots this one took (gateways route them here)
+    # slots_received: the lane, leaving for good, whose conversations' slots this one took (gateways
+    # route them here); unset when that lane restarts and keeps its own copies
     from_host: Name | None = None
     from_lane: Name | None = None
 
