@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+import msgspec
 import structlog
 
 from launcher_agent import health
@@ -91,6 +92,7 @@ class Supervisor:
             return None
         log.info("plan applied", plan_revision=plan.plan_revision, lanes=[s.lane_id for s in plan.lanes])
         self.plan = plan
+        self._follow_buddies(plan)
         self.procs.log_limits = log_limits(plan)
         if self.procs.slots is not None:
             self.procs.slots.budget = plan.slot_cache_bytes
@@ -213,6 +215,16 @@ class Supervisor:
 
     def lanes_rss(self) -> int:
         return sum(lane.process.rss() or 0 for lane in self.lanes.values() if lane.process)
+
+    def _follow_buddies(self, plan: HostPlan) -> None:
+        """A running lane the plan keeps as it is takes the plan's buddy for it (no launch field: it
+        restarts nothing): its slots go there when it stops or restarts (launcher_agent/slot_moves.py)."""
+        for spec in plan.lanes:
+            lane = self.lanes.get(spec.lane_id)
+            if lane is not None and (lane.spec.slot_buddy_host, lane.spec.slot_buddy_lane) != (
+                    spec.slot_buddy_host, spec.slot_buddy_lane) and lane_key(lane.spec) == lane_key(spec):  # fmt: skip
+                lane.spec = msgspec.structs.replace(lane.spec, slot_buddy_host=spec.slot_buddy_host,
+                                                    slot_buddy_lane=spec.slot_buddy_lane)  # fmt: skip
 
     def serving_keys(self) -> tuple[str, ...]:
         """The lane keys of the lanes serving now (healthy: loaded, their buffers resident)."""

@@ -48,6 +48,16 @@ async def two_hosts(url: str, tmp_path, binary: str, s, nc, events: list):
         s.start_agent(agent_config(tmp_path, host, tmp_path / f"models-{host}", binary))
 
 
+async def warm_conversations(gw, http, rng: random.Random) -> list[str]:
+    """Once both hosts' lanes are routable: four conversations, two turns each (the second cached)."""
+    await eventually(lambda: len(gw.view.routable("m")) == 2, timeout=120, what="both hosts' lanes routable")
+    prompts = [f"conversation {i}\nsystem: " + _text(rng, 600) for i in range(CONVERSATIONS)]
+    for _ in range(2):
+        warm = await _round(http, gw.url, prompts, rng)
+    assert warm >= 0.8, f"later turns cached at {warm:.2f}{_routes()}"
+    return prompts
+
+
 def demand(lanes: int | None) -> Demand:
     return Demand(personas=(Persona(model="m", alias="m", lanes=lanes, parallel=4, ctx_min=2048, ctx_max=2048),))
 
@@ -60,11 +70,7 @@ async def test_a_stopped_lanes_conversations_keep_their_cache_on_its_buddy_on_an
     async with services(nats_server.url) as s, client(nats_server.url) as nc:
         await two_hosts(nats_server.url, tmp_path, llama_server, s, nc, events)
         async with gateway(nats_server.url) as gw, aiohttp.ClientSession() as http:
-            await eventually(lambda: len(gw.view.routable("m")) == 2, timeout=120, what="both hosts' lanes routable")
-            prompts = [f"conversation {i}\nsystem: " + _text(rng, 600) for i in range(CONVERSATIONS)]
-            for _ in range(2):
-                warm = await _round(http, gw.url, prompts, rng)
-            assert warm >= 0.8, f"later turns cached at {warm:.2f}{_routes()}"
+            prompts = await warm_conversations(gw, http, rng)
             reply = await nc.request(subjects.DEMAND_SET, encode(demand(1)), timeout=5)
             assert not (reply.headers or {}).get("Nats-Service-Error"), reply.headers
             await eventually(lambda: len(gw.view.routable("m")) == 1, timeout=60, what="one lane left")
@@ -94,11 +100,7 @@ async def test_a_rollout_sends_each_lanes_slots_to_the_other_host_while_it_resta
     async with services(nats_server.url) as s, client(nats_server.url) as nc:
         await two_hosts(nats_server.url, tmp_path, llama_server, s, nc, events)
         async with gateway(nats_server.url) as gw, aiohttp.ClientSession() as http:
-            await eventually(lambda: len(gw.view.routable("m")) == 2, timeout=120, what="both hosts' lanes routable")
-            prompts = [f"conversation {i}\nsystem: " + _text(rng, 600) for i in range(CONVERSATIONS)]
-            for _ in range(2):
-                warm = await _round(http, gw.url, prompts, rng)
-            assert warm >= 0.8, f"later turns cached at {warm:.2f}{_routes()}"
+            prompts = await warm_conversations(gw, http, rng)
             await _config(nc, {"threads": 1})
             await eventually(_restarted_with(nc, "--threads 1"), timeout=180, what="both lanes restarted")
             await eventually(lambda: len(gw.view.routable("m")) == 2, timeout=60, what="both routable again")
