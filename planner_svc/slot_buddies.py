@@ -1,8 +1,9 @@
 """Where each lane's saved slots go when it stops or restarts: its buddy, another lane of the same
 model that serves meanwhile (docs/slot-cache.md, "Moves"). Pure; planner_svc/planning.py calls it.
 
-A lane keeps its buddy while that lane still serves the model (a new buddy would rewrite plans for
-nothing); a lane without one gets a lane of its model on its own host first (no network between
+Buddies are chosen when a host's lanes change (a replan that changes no lane keeps them as they
+are: a restarted planner rewrites no plan). A lane keeps its buddy while that lane still serves the
+model; a lane without one gets a lane of its model on its own host first (no network between
 them), else the first lane of the next host by id that serves the model (a ring: each host's
 slots go to one other, none takes everyone's). Lost hosts serve nothing.
 """
@@ -23,7 +24,7 @@ def with_buddies(new: Mapping[str, HostPlan], fleet: Mapping[str, HostPlan], los
     every other host's plan whose buddies change with them (a lane that had none, or whose buddy
     left): a plan that changes only so is written as its next revision."""
     lost = set(lost)
-    quick = _kept_as_they_were(new, fleet, lambda h: new.get(h) or (fleet.get(h) if h not in lost else None))
+    quick = _kept_as_they_were(new, fleet)
     if quick is not None:
         return quick
     plans = {h: p for h, p in fleet.items() if h not in lost} | dict(new)
@@ -53,20 +54,18 @@ def with_buddies(new: Mapping[str, HostPlan], fleet: Mapping[str, HostPlan], los
     return out
 
 
-def _kept_as_they_were(new, fleet, plan_of) -> dict[str, HostPlan] | None:
-    """The common replan: the new plans run the lanes they ran, each buddy still serving its model.
-    Their buddies carry over, and no other host's change (no scan of the fleet); else None."""
+def _kept_as_they_were(new, fleet) -> dict[str, HostPlan] | None:
+    """The common replan: the new plans run the lanes they ran. Their buddies carry over as they
+    were, and no other host's plan changes (no scan of the fleet); else None. Buddies are chosen
+    again only when a host's lanes change: a replan that changes no lane (a restarted planner, a
+    report) never rewrites a plan for a buddy. A buddy gone meanwhile only means an offer nobody
+    takes: its lane's conversations start cold, as before moves."""
     out = {}
     for host, hp in new.items():
         stored = fleet.get(host)
         if stored is None or [(s.lane_id, s.model) for s in hp.lanes] != [(s.lane_id, s.model) for s in stored.lanes]:
             return None
-        lanes = []
-        for spec, old in zip(hp.lanes, stored.lanes):
-            buddy = plan_of(old.slot_buddy_host) if old.slot_buddy_host else None
-            if buddy is None or not any(b.lane_id == old.slot_buddy_lane and b.model == spec.model for b in buddy.lanes):
-                return None
-            lanes.append(_with(spec, (old.slot_buddy_host, old.slot_buddy_lane)))
+        lanes = [_with(spec, (old.slot_buddy_host, old.slot_buddy_lane)) for spec, old in zip(hp.lanes, stored.lanes)]
         made = msgspec.structs.replace(hp, lanes=tuple(lanes))
         if made != stored and made.plan_revision <= stored.plan_revision:
             made = msgspec.structs.replace(made, plan_revision=stored.plan_revision + 1)

@@ -42,8 +42,9 @@ def test_a_lane_keeps_its_buddy_while_that_lane_serves_its_model():
     again = {"a": host("a", lane("m-0"))}  # the replan's fresh spec: its old buddy is kept, not the first host's
     made = with_buddies(again, fleet)
     assert buddies(made) == {("a", "m-0"): ("c", "m-0")} and made["a"] == fleet["a"]  # nothing new to write
-    gone = fleet | {"c": host("c")}  # c no longer serves m
-    assert buddies(with_buddies(again, gone))[("a", "m-0")] == ("b", "m-0")
+    moved = with_buddies({"c": host("c")}, fleet)  # c no longer serves m: its plan's change rewrites a's
+    assert buddies(moved)[("a", "m-0")] == ("b", "m-0") and moved["a"].plan_revision == 2
+    assert buddies(with_buddies(again, fleet | {"c": host("c")})) == {("a", "m-0"): ("c", "m-0")}  # a's own replan: kept
 
 
 def test_a_host_planned_before_its_models_other_host_reported_gets_a_buddy_when_it_does():
@@ -57,7 +58,8 @@ def test_a_host_planned_before_its_models_other_host_reported_gets_a_buddy_when_
 
 
 def test_a_replan_that_changes_nothing_keeps_the_plan_and_its_buddies():
-    """plan() compares plans without buddies: a lane's buddy never makes a replan write a revision."""
+    """plan() compares plans without buddies, and buddies are chosen again only when lanes change:
+    a replan that changes no lane (a restarted planner) writes no revision."""
     facts = ModelFacts(path="/models/m.gguf", name="m", architecture="llama", n_layer=8, n_embd=512, n_head=8,
                        n_head_kv=(8,) * 8, head_dim_k=64, head_dim_v=64, n_ctx_train=4096, n_vocab=32000,
                        weight_bytes=2**28)  # fmt: skip
