@@ -76,10 +76,9 @@ async def take(nc, host_id: str, store: SlotStore, lanes: dict[str, Lane], offer
     if offer.to_host != host_id or lane is None or lane.state != "healthy" or lane.draining:
         return 0
     spec = lane.spec
-    sha = await store.digests.of(spec.model_path)
-    if sha is None:
+    here = await store.origin(spec)
+    if here is None:
         return 0
-    here = slot_cache.origin_of(spec, sha, store.build)
     contents = await lane_http.slot_contents(spec, lane.api_key) or []
     # Only empty slots take a moved one: a slot holding a conversation keeps it (what stays behind
     # goes cold, as it would have without the move). A slot restored and not used since shows no

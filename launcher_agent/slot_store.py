@@ -113,7 +113,7 @@ class SlotStore:
         contents = await lane_http.slot_contents(spec, lane.api_key)
         if not contents:
             return []
-        origin = await self._origin(spec)
+        origin = await self.origin(spec)
         if origin is None:
             return []
         restored = lane.restored_tokens
@@ -145,7 +145,8 @@ class SlotStore:
                                                  f"{sum(e.size for e in saved) / MIB:.1f} MiB in {took:.2f} s")  # fmt: skip
         return saved
 
-    async def _origin(self, spec: LaneSpec) -> SlotOrigin | None:
+    async def origin(self, spec: LaneSpec) -> SlotOrigin | None:
+        """This lane's origin for its slot files (None: its model file is gone)."""
         sha = await self.digests.of(spec.model_path)
         return None if sha is None else slot_cache.origin_of(spec, sha, self.build)
 
@@ -155,7 +156,7 @@ class SlotStore:
         spec = lane.spec
         if not slot_cache.restore_candidates(self.entries, lane_id=spec.lane_id, model=spec.model_path):
             return  # nothing to look at: the model file is not even hashed
-        origin = await self._origin(spec)
+        origin = await self.origin(spec)
         if origin is None:
             return
         decision = slot_cache.decide_restore(self.entries, lane_id=spec.lane_id, model=spec.model_path, origin=origin,
