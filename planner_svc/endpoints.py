@@ -59,6 +59,8 @@ class ServingPlanner(Protocol):
 
     async def on_rejected(self, rejection: PlanRejected) -> None: ...
 
+    async def read_latest(self, key: str) -> None: ...
+
     async def on_wake(self, wake: ModelWake) -> None: ...
 
     async def on_activity(self, activity: GatewayActivity) -> None: ...
@@ -89,23 +91,36 @@ async def _config_get(svc: ServingPlanner, req: Request) -> None:
     await req.respond(encode(svc.state.config))
 
 
+CONFIG_SET_TRIES = 3
+
+
 async def _config_set(svc: ServingPlanner, req: Request) -> None:
+    """A change is merged onto the config as the bucket holds it. A lost compare-and-set (the
+    watch has not yet shown this planner the latest entry: just started, or another planner
+    wrote it) reads that entry and merges again; 409 only when writers keep racing."""
     try:
         change = msgspec.json.decode(req.data, type=ConfigSet)
-        new = merged_config(svc.state.config, change, svc.state.config_revision + 1)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise ServiceError("400", f"invalid config: {exc}") from None
-    if new is not None and (problem := config_problem(new, svc.state.reports)) is not None:
-        raise ServiceError("400", f"invalid config: {problem}")
-    if new is None:
-        await req.respond(encode(svc.state.config))  # nothing changes: no new revision
+    for _ in range(CONFIG_SET_TRIES):
+        try:
+            new = merged_config(svc.state.config, change, svc.state.config_revision + 1)
+        except msgspec.ValidationError as exc:
+            raise ServiceError("400", f"invalid config: {exc}") from None
+        if new is not None and (problem := config_problem(new, svc.state.reports)) is not None:
+            raise ServiceError("400", f"invalid config: {problem}")
+        if new is None:
+            await req.respond(encode(svc.state.config))  # nothing changes: no new revision
+            return
+        try:
+            await svc.kv.update(subjects.CONFIG_KEY, encode(new), last=svc.state.config_kv_rev or None)
+        except KeyWrongLastSequenceError:
+            await svc.read_latest(subjects.CONFIG_KEY)
+            continue
+        log.info("config set", changes=change.changes)
+        await req.respond(encode(new))
         return
-    try:
-        await svc.kv.update(subjects.CONFIG_KEY, encode(new), last=svc.state.config_kv_rev or None)
-    except KeyWrongLastSequenceError:
-        raise ServiceError("409", "config changed meanwhile; retry") from None
-    log.info("config set", changes=change.changes)
-    await req.respond(encode(new))
+    raise ServiceError("409", "config changed meanwhile; retry")
 
 
 async def _demand_set(svc: ServingPlanner, req: Request) -> None:

@@ -219,7 +219,7 @@ class PlannerService:
                 plan_writes.lost(self.state, host, before)
                 self.dirty.set()
         if not written:
-            await self._read_latest(key)
+            await self.read_latest(key)
             return
         plan_writes.won(self.state, host, new, rev)
         log.info(
@@ -229,17 +229,18 @@ class PlannerService:
             lanes=[f"{s.lane_id}:{s.ctx_per_slot}x{s.parallel}:{cache_pair(s.cache_type_k, s.cache_type_v)}" for s in new.lanes],
         )
 
-    async def _read_latest(self, key: str) -> None:
+    async def read_latest(self, key: str) -> None:
         """After a lost compare-and-set, fold in the key's latest entry as the stream's leader
         holds it: the watch may be served by a replica still catching up (it may never have
-        shown this planner the entry it lost to), and the replan must start from that entry."""
+        shown this planner the entry it lost to), and the replan (or the config set) must start
+        from that entry."""
         try:
             entry = await self.leader_kv.get(key)
             await self._on_entry(key, entry.value, entry.revision)
         except KeyNotFoundError as exc:  # deleted (its marker's revision) or never written
             await self._on_entry(key, None, exc.entry.revision if exc.entry else 0)
         except Exception as exc:  # NATS away: the watch brings the entry once it is back
-            log.info("latest plan not read", key=key, error=str(exc) or type(exc).__name__)
+            log.info("latest entry not read", key=key, error=str(exc) or type(exc).__name__)
 
 
 async def run_planner(

@@ -10,19 +10,22 @@ a newer plan.
 
 from __future__ import annotations
 
+from contextlib import AsyncExitStack
+
 import msgspec
 from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
 from fixtures_bus import client
 from test_planner_state import report
 
-from planner_svc import plan_writes
+from planner_svc import endpoints, plan_writes
 from planner_svc.service import PlannerService
 from planner_svc.state import PlannerState
 from shared import subjects
 from shared.bus import kv_bucket
 from shared.messages.config import FleetConfig
 from shared.messages.plans import HostPlan
+from shared.messages.replies import ConfigSet
 from shared.messages.wire import encode
 
 HOSTS = ("h1", "h2")
@@ -252,3 +255,22 @@ async def test_a_planner_with_a_stale_view_writes_nothing_over_a_newer_plan(nats
 
         revisions = [msgspec.json.decode(e.value, type=HostPlan).plan_revision for e in await kv.history(key)]
         assert revisions == sorted(revisions) and revisions[-1] >= 3, revisions
+
+
+async def test_a_config_set_before_the_watch_shows_the_config_merges_onto_the_bucket(nats_server):
+    """The CI failure of stop 42: a planner answers `config set` as soon as its endpoints are up;
+    its watch had not yet shown it the entry `ensure_config` found, and the compare-and-set on
+    revision 0 answered 409. It must merge onto the config the bucket holds."""
+    async with client(nats_server.url) as nc, AsyncExitStack() as stack:
+        kv = await kv_bucket(nc, create=True)
+        await kv.put(subjects.CONFIG_KEY, encode(msgspec.structs.replace(CONFIGS[1], revision=4)))  # another planner's
+        planner = PlannerService(nc, kv, name="fresh")  # no watch: its state is still the empty default
+        await endpoints.ensure_config(planner)
+        await endpoints.add_endpoints(planner, stack)
+        assert planner.state.config_kv_rev == 0
+
+        reply = await nc.request(subjects.CONFIG_SET, encode(ConfigSet(changes={"n_ubatch": 256})), timeout=5)
+        assert not (reply.headers or {}).get("Nats-Service-Error"), reply.headers
+        stored = msgspec.json.decode((await kv.get(subjects.CONFIG_KEY)).value, type=FleetConfig)
+        assert (stored.kv_cache_type, stored.n_ubatch, stored.revision) == ("q8_0", 256, 5)
+        assert msgspec.json.decode(reply.data, type=FleetConfig) == stored
