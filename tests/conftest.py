@@ -18,7 +18,7 @@ import pytest
 # `lanes up` as a user does, or waits out a timeout by design (lease, liveness).
 SLOW_FIXTURES = frozenset({"llama_server", "gemma_model", "rpc_bin", "topo"})
 SLOW_MODULES = frozenset({
-    "test_dashboard_browser", "test_netns", "test_compose_live", "test_bench_agent", "test_bench_scripts",
+    "test_dashboard_browser", "test_netns", "test_slot_moves_netns", "test_compose_live", "test_bench_agent", "test_bench_scripts",
     "test_fuzz", "test_cli_online", "test_auth", "test_gateway_auth", "test_faults", "test_scaling_live",
     "test_rollout_live",
 })  # fmt: skip

@@ -177,11 +177,12 @@ def _lane_cache_k(lane: LaneStatus) -> str | None:
 
 
 def start_fleet(topo: Topology, tmp_path: Path, tiny_models, *, serve_network: bool = False,
-                llama_server: str | None = None) -> str:  # fmt: skip
+                llama_server: str | None = None, model: Path | None = None) -> str:  # fmt: skip
     """nats-server, the planner and every agentN role of the topology; the NATS URL.
 
     serve_network: lanes listen on 0.0.0.0 and each agent advertises its host's address
-    (for a gateway on another host); llama_server: that binary instead of the fake."""
+    (for a gateway on another host); llama_server: that binary instead of the fake; model:
+    that file (copied to every agent's folder under its own name) instead of tiny llama8."""
     store = tmp_path / "nats-store"
     store.mkdir()
     # The server pings every client each second and drops one after two missed pongs: so a link
@@ -200,7 +201,7 @@ def start_fleet(topo: Topology, tmp_path: Path, tiny_models, *, serve_network: b
         folder = tmp_path / role
         models = folder / "models"
         models.mkdir(parents=True)
-        shutil.copy(tiny_models["llama8"], models / "llama8.gguf")
+        shutil.copy(model or tiny_models["llama8"], models / (model.name if model else "llama8.gguf"))
         network = ["--bind", "0.0.0.0", "--advertise", topo.ip[role]] if serve_network else []
         topo.spawn(role, role, [LANES, "agent", "--nats", url, "--host-id", role.replace("agent", "host"),
                                 "--models", str(models), "--llama-server", llama_server or fake_binary(folder / "bin"),
