@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 import structlog
 
+from launcher_agent import cgroup_memory
 from shared.memory.cpu_repack import (
     AVX2_REPACK,
     AVX512_REPACK,
@@ -26,9 +27,14 @@ log = structlog.get_logger("lanes.agent")
 
 
 def ram() -> tuple[int, int, int]:
-    """(cpu cores, RAM total, RAM available) in bytes."""
+    """(cpu cores, RAM total, RAM available) in bytes: the machine's, or the memory cgroup's where
+    the agent runs under a limit (a container's): its lanes are killed at that limit."""
     vm = psutil.virtual_memory()
-    return psutil.cpu_count(logical=True) or 1, vm.total, vm.available
+    total, available = vm.total, vm.available
+    group = cgroup_memory.this_group()
+    if group is not None:
+        total, available = min(total, group.limit), min(available, group.available)
+    return psutil.cpu_count(logical=True) or 1, total, available
 
 
 def cpu_repack(cpuinfo: str | None = None, machine: str | None = None) -> tuple[str, ...]:
