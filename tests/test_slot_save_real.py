@@ -15,11 +15,13 @@ from __future__ import annotations
 import asyncio
 import random
 import re
+import shutil
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import aiohttp
 import msgspec
+import pytest
 from fixtures_bus import agent_config, client, fleet_status, services
 from test_on_demand import gateway
 from test_real_llama import _planner_with
@@ -179,12 +181,18 @@ async def test_a_rolling_restart_keeps_each_conversations_cache_and_a_cache_type
         assert unsaved == 0.0
 
 
-async def test_a_lane_scaled_down_gets_its_conversations_back_when_it_returns(nats_server, tmp_path, llama_server):
+@pytest.mark.parametrize("kind", ["dense", "gemma"])
+async def test_a_lane_scaled_down_gets_its_conversations_back_when_it_returns(kind, nats_server, tmp_path, llama_server,
+                                                                               request):  # fmt: skip
     """A stop the plan asks for (scale-down, or eviction: both stop a lane) saves its slots; the
-    lane started again for the model restores them before it serves."""
+    lane started again for the model restores them before it serves. dense: a generated llama;
+    gemma: the real Gemma 3 270M file (sliding-window), prompts longer than its 512-token window."""
     models = tmp_path / "models"
     models.mkdir()
-    write_llama(models / "m.gguf", n_layer=2, n_ctx_train=8192)
+    if kind == "dense":
+        write_llama(models / "m.gguf", n_layer=2, n_ctx_train=8192)
+    else:
+        shutil.copy(request.getfixturevalue("gemma_model"), models / "m.gguf")
     rng = random.Random(28)
 
     def demand(lanes: int) -> Demand:
@@ -192,7 +200,8 @@ async def test_a_lane_scaled_down_gets_its_conversations_back_when_it_returns(na
 
     async with slot_fleet(nats_server.url, tmp_path, models, llama_server, demand(2), "slots") as f:
         nc, gw, http, events, cfg = f.nc, f.gw, f.http, f.events, f.cfg
-        prompts = [f"conversation {i}\nsystem: " + _text(rng, 600) for i in range(CONVERSATIONS)]
+        chars = 600 if kind == "dense" else 6000  # about 900 and 1,100 tokens
+        prompts = [f"conversation {i}\nsystem: " + _text(rng, chars) for i in range(CONVERSATIONS)]
         await _round(http, gw.url, prompts, rng)
         await _round(http, gw.url, prompts, rng)
         reply = await nc.request(subjects.DEMAND_SET, encode(demand(1)), timeout=5)
@@ -206,7 +215,7 @@ async def test_a_lane_scaled_down_gets_its_conversations_back_when_it_returns(na
         await eventually(lambda: len(gw.view.routable("m")) == 2, timeout=120, what="m-1 back")
         restored = [e for e in events if e.event == "slots_restored" and e.lane_id == "m-1"]
         after = await _round(http, gw.url, prompts, rng)
-        print(f"scale-down saved {[e.detail for e in saved]} ({len(files)} files); "
+        print(f"{kind} scale-down saved {[e.detail for e in saved]} ({len(files)} files); "
               f"restored {[e.detail for e in restored]}; next turn cached {after:.3f}")  # fmt: skip
         assert saved and restored and files
         assert list((cfg.data_dir / "slots").glob("*.slot")) == []
