@@ -29,7 +29,7 @@ from gateway.dashboard import DashboardHub, add_dashboard
 from gateway.edge import COOKIE_SECRET, KEYS, METRICS, USAGE, admission_for, build_app
 from gateway.fleet import FleetView, LaneKey, LaneRoute
 from gateway.settings import GatewaySettings
-from gateway.sync import SharedView, SlotsPoll, share_usage
+from gateway.sync import HotSpots, SharedView, SlotsPoll, share_usage
 from shared import defaults, subjects
 from shared.bus import connect, kv_bucket, quietly, run_until, secrets_bucket, watch_forever
 from shared.nats_auth import NatsAuth
@@ -177,9 +177,11 @@ class Gateway:
             return
         if event.event != "slots_received" or event.from_host is None or event.from_lane is None:
             return
-        copied = self.admission.index.copy((event.from_host, event.from_lane), (event.host_id, event.lane_id))
+        source, target, index = (event.from_host, event.from_lane), (event.host_id, event.lane_id), self.admission.index
+        # A hot lane's spread: just the conversations moved (by their slots' tokens); a lane that left: all.
+        copied = index.spread(source, target, event.moved_tokens) if event.moved_tokens else index.copy(source, target)
         log.info("conversations follow their slots", source=f"{event.from_host}/{event.from_lane}",
-                 target=f"{event.host_id}/{event.lane_id}", chunks=copied)  # fmt: skip
+                 target=f"{event.host_id}/{event.lane_id}", chunks=copied, spread=bool(event.moved_tokens))  # fmt: skip
 
     async def on_caught_up(self) -> None:
         if not self.view.synced:
@@ -285,6 +287,7 @@ async def _bus_side(gw: Gateway, servers: str, auth: NatsAuth, stop: asyncio.Eve
         return
     stack.push_async_callback(quietly(nc.close))
     gw.nc = nc
+    gw.admission.on_hot = HotSpots(nc, gw.view).overflowed
 
     async def on_event(msg) -> None:  # nats-py takes coroutine callbacks only
         gw.dashboard.on_event(msg.data, msg.subject)

@@ -37,7 +37,7 @@ from shared.bus import connect, follow_key, kv_bucket, logged_endpoint, quietly,
 from shared.gguf_facts import FactsCache
 from shared.messages.hosts import HostReport
 from shared.messages.plans import HostPlan
-from shared.messages.slots import SlotsOffer
+from shared.messages.slots import SlotsAsk, SlotsOffer
 from shared.messages.status import LaneEvent, LaneSecret, PlanRejected
 from shared.messages.wire import decode, encode
 from shared.metrics_http import serve_metrics
@@ -238,7 +238,7 @@ async def _serve_bus(agent: Agent, stop: asyncio.Event) -> None:
         except Exception as exc:
             log.warning("lanes-secrets bucket not reachable: gateways cannot reach this host's lanes",
                         error=str(exc) or type(exc).__name__)  # fmt: skip
-    offers = None  # the subscription to slot offers (launcher_agent/slot_moves.py)
+    offers = None  # the subscriptions to slot asks and offers (launcher_agent/slot_moves.py)
     svc = await add_service(
         agent.nc,
         name=subjects.AGENT_SERVICE,
@@ -272,14 +272,15 @@ async def _serve_bus(agent: Agent, stop: asyncio.Event) -> None:
             every=agent.cfg.report_interval,
         )
     finally:
-        if offers is not None:
-            await quietly(offers.unsubscribe)()
+        for sub in offers or ():
+            await quietly(sub.unsubscribe)()
         await quietly(svc.stop)()
 
 
 async def _follow_slot_offers(agent: Agent):
-    """Send going lanes' slots to their buddies, and take those offered to this host's lanes. An
-    offer is handled in its subscription's order, one at a time (a bound: restores are serial)."""
+    """Send going lanes' slots to their buddies, spread a hot lane's idle conversations where a
+    gateway asks, and take those offered to this host's lanes. An offer or ask is handled in its
+    subscription's order, one at a time (a bound: saves and restores are serial)."""
     store = agent.sup.procs.slots
     if store is None:
         return None
@@ -304,8 +305,22 @@ async def _follow_slot_offers(agent: Agent):
             log.warning("offered slots not taken", source=f"{offer.from_host}/{offer.from_lane}",
                         error=str(exc) or type(exc).__name__)  # fmt: skip
 
+    spreads: dict[str, float] = {}  # lane -> when it last spread (slot_moves.SPREAD_EVERY)
+
+    async def on_ask(msg) -> None:
+        try:
+            ask = decode(msg.data, SlotsAsk)
+        except ValueError as exc:
+            log.warning("slot ask dropped", subject=msg.subject, reason=str(exc)[:200])
+            return
+        try:
+            await slot_moves.spread(agent.nc, agent.cfg.host_id, store, agent.sup.lanes, ask, spreads)
+        except Exception as exc:  # the lane stopped meanwhile, NATS away: nothing moves
+            log.warning("hot lane not spread", lane=ask.lane, error=str(exc) or type(exc).__name__)
+
     agent.sup.procs.send_slots = send
-    return await agent.nc.subscribe(subjects.ALL_SLOT_OFFERS, cb=on_offer)
+    asks = await agent.nc.subscribe(subjects.slot_ask_subject(agent.cfg.host_id), cb=on_ask)
+    return asks, await agent.nc.subscribe(subjects.ALL_SLOT_OFFERS, cb=on_offer)
 
 
 async def _report_loop(agent: Agent, stop: asyncio.Event) -> None:

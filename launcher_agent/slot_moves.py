@@ -27,7 +27,7 @@ from launcher_agent.slot_cache import Entry
 from launcher_agent.slot_store import SAVE_TIMEOUT, SlotStore
 from shared import subjects
 from shared.bus import SLOT_CHUNK_BYTES
-from shared.messages.slots import OfferedSlot, SlotsOffer
+from shared.messages.slots import OfferedSlot, SlotsAsk, SlotsOffer
 from shared.messages.status import LaneEvent
 from shared.messages.wire import encode
 
@@ -41,11 +41,14 @@ def _pieces(path: Path) -> tuple[list[bytes], str]:
         hashlib.sha256(data).hexdigest()  # fmt: skip
 
 
-async def send(nc, host_id: str, store: SlotStore, lane: Lane, saved: Sequence[Entry], leaving: bool = True) -> SlotsOffer | None:
-    """Offer the files just saved from `lane` to its buddy; None when there is nothing to send.
-    `leaving`: the lane stops for good (else it restarts and restores its own copies)."""
+async def send(nc, host_id: str, store: SlotStore, lane: Lane, saved: Sequence[Entry], leaving: bool = True,
+               to: tuple[str, str] | None = None) -> SlotsOffer | None:  # fmt: skip
+    """Offer the files just saved from `lane` to its buddy (or `to`, a hot lane's spread: the lane
+    stays); None when there is nothing to send. `leaving`: the lane stops for good (else it
+    restarts and restores its own copies)."""
     spec = lane.spec
-    if spec.slot_buddy_host is None or spec.slot_buddy_lane is None or not saved:
+    target = to or (spec.slot_buddy_host, spec.slot_buddy_lane)
+    if target[0] is None or target[1] is None or not saved:
         return None
     js = nc.jetstream()
     move = uuid.uuid4().hex[:16]
@@ -61,12 +64,35 @@ async def send(nc, host_id: str, store: SlotStore, lane: Lane, saved: Sequence[E
                                    tokens=entry.tokens, origin=entry.origin))  # fmt: skip
     if not offered:
         return None
-    offer = SlotsOffer(from_host=host_id, from_lane=spec.lane_id, move=move, model=spec.model,
-                       to_host=spec.slot_buddy_host, to_lane=spec.slot_buddy_lane, slots=tuple(offered),
-                       leaving=leaving)  # fmt: skip
+    offer = SlotsOffer(from_host=host_id, from_lane=spec.lane_id, move=move, model=spec.model, to_host=target[0],
+                       to_lane=target[1], slots=tuple(offered), leaving=leaving and to is None,
+                       spread=to is not None)  # fmt: skip
     await nc.publish(subjects.slot_offer_subject(host_id), encode(offer))
     log.info("slots offered", lane=spec.lane_id, to=f"{offer.to_host}/{offer.to_lane}", slots=len(offered))
     return offer
+
+
+SPREAD_EVERY = 10.0  # seconds between two spreads of one lane: gateways ask on every overflow
+
+
+async def spread(nc, host_id: str, store: SlotStore, lanes: dict[str, Lane], ask: SlotsAsk,
+                 last: dict[str, float]) -> SlotsOffer | None:  # fmt: skip
+    """A gateway found `ask.lane` hot: send up to `ask.slots` of its idle conversations' slots to the
+    cooler lane it named (another lane of the same model: the receiver checks each file's origin).
+    At most one spread per lane every SPREAD_EVERY seconds (`last`: lane -> when)."""
+    lane = lanes.get(ask.lane)
+    now = time.monotonic()
+    if ask.host != host_id or lane is None or (ask.to_host, ask.to_lane) == (host_id, ask.lane):
+        return None
+    if now - last.get(ask.lane, -SPREAD_EVERY) < SPREAD_EVERY:
+        return None
+    last[ask.lane] = now
+    saved = await store.save_idle(lane, min(ask.slots, MAX_OFFERED))
+    try:
+        return await send(nc, host_id, store, lane, saved, leaving=False, to=(ask.to_host, ask.to_lane))
+    finally:
+        for entry in saved:
+            (store.folder / entry.file).unlink(missing_ok=True)
 
 
 async def take(nc, host_id: str, store: SlotStore, lanes: dict[str, Lane], offer: SlotsOffer,
@@ -87,7 +113,7 @@ async def take(nc, host_id: str, store: SlotStore, lanes: dict[str, Lane], offer
     idle = sorted((held[slot], task, slot) for slot, _, task, busy in contents
                   if not busy and held[slot] < slot_cache.MIN_TOKENS)  # fmt: skip
     js = nc.jetstream()
-    began, restored, tokens, refused = time.monotonic(), 0, 0, []
+    began, restored, tokens, refused, moved = time.monotonic(), 0, 0, [], []
     for offered in sorted(offer.slots, key=lambda s: -s.tokens):  # the longest first: they save the most
         why = slot_cache.refusal(offered.origin, offered.tokens, here)
         if why is not None:
@@ -117,6 +143,7 @@ async def take(nc, host_id: str, store: SlotStore, lanes: dict[str, Lane], offer
         if status == 200 and isinstance(body, dict):
             restored += 1
             tokens += int(body.get("n_restored", offered.tokens))
+            moved.append(offered.tokens)
             lane.restored_tokens[slot] = int(body.get("n_restored", offered.tokens))
         else:
             refused.append(f"llama-server answered {status}: {str(body)[:120]}")
@@ -127,7 +154,9 @@ async def take(nc, host_id: str, store: SlotStore, lanes: dict[str, Lane], offer
                   f"{time.monotonic() - began:.2f} s" + (f"; {len(refused)} refused" if refused else ""))  # fmt: skip
         # The source named only when it leaves: gateways then send its conversations here. A lane
         # that restarts restores its own copies, and its conversations go back to it.
-        source = (offer.from_host, offer.from_lane) if offer.leaving else (None, None)
+        # A spread names its source and each restored slot's tokens: gateways move just those conversations.
+        source = (offer.from_host, offer.from_lane) if offer.leaving or offer.spread else (None, None)
         await publish_event(LaneEvent(host_id=host_id, lane_id=spec.lane_id, event="slots_received", detail=detail,
-                                      from_host=source[0], from_lane=source[1]))  # fmt: skip
+                                      from_host=source[0], from_lane=source[1],
+                                      moved_tokens=tuple(moved) if offer.spread else ()))  # fmt: skip
     return restored

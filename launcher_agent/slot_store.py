@@ -145,6 +145,31 @@ class SlotStore:
                                                  f"{sum(e.size for e in saved) / MIB:.1f} MiB in {took:.2f} s")  # fmt: skip
         return saved
 
+    async def save_idle(self, lane: Lane, most: int) -> list[Entry]:
+        """Up to `most` of a serving lane's idle conversations (the longest), saved to files for a
+        move: not kept in the manifest (the caller sends and removes them), nothing else dropped."""
+        spec = lane.spec
+        layout = model_layout(spec)
+        if layout is None or lane.state != "healthy" or lane.draining or slot_cache.not_reusable(spec) is not None:
+            return []
+        origin = await self.origin(spec)
+        contents = await lane_http.slot_contents(spec, lane.api_key) if origin is not None else None
+        idle = sorted(((tokens, slot, task) for slot, tokens, task, busy in contents or ()
+                       if not busy and tokens >= slot_cache.MIN_TOKENS), reverse=True)  # fmt: skip
+        saved = []
+        for tokens, slot, task in idle[:most]:
+            now = time.time()
+            name = "spread-" + slot_cache.file_name(layout, spec.lane_id, slot, now)
+            status, body = await lane_http.slot_file(spec, lane.api_key, slot, "save", name, SAVE_TIMEOUT)
+            path = self.folder / name
+            if status != 200 or not isinstance(body, dict) or not path.exists():
+                path.unlink(missing_ok=True)
+                continue
+            saved.append(Entry(file=name, model=spec.model_path, layout=layout, lane_id=spec.lane_id, slot=slot,
+                               tokens=int(body.get("n_saved", tokens)), size=path.stat().st_size, saved_at=now,
+                               last_task=task, origin=origin))  # fmt: skip
+        return saved
+
     async def origin(self, spec: LaneSpec) -> SlotOrigin | None:
         """This lane's origin for its slot files (None: its model file is gone)."""
         sha = await self.digests.of(spec.model_path)

@@ -139,6 +139,11 @@ def slot_offer_subject(host_id: str) -> str:
     return f"{PREFIX}.slots.{host_token(host_id)}.offer"
 
 
+def slot_ask_subject(host_id: str) -> str:
+    """A gateway's ask that a hot lane of this host spread idle conversations (SlotsAsk)."""
+    return f"{PREFIX}.slots.{host_token(host_id)}.ask"
+
+
 def slot_chunk_subject(host_id: str, move: str, part: str, n: int) -> str:
     """One 512 KiB piece of an offered slot file, in stream SLOTS_STREAM."""
     return f"{PREFIX}.slots.{host_token(host_id)}.{host_token(move)}.{host_token(part)}.{n}"

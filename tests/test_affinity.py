@@ -21,6 +21,7 @@ from gateway.routing.affinity import (
     within_bound,
 )
 from gateway.routing.chunks import CHUNK_CHARS, fingerprint
+from gateway.routing.prefix_index import ANSWERS_KEPT
 from gateway.fleet.view import FleetView
 from gateway.routing.prompts import TEMPLATE_TOKENS, TEMPLATE_TOKENS_PER_MESSAGE, prompt_of
 from gateway.tenants.usage import prompt_usage
@@ -148,6 +149,37 @@ def test_a_lane_that_took_anothers_slots_holds_its_conversations_too():
     assert index.copy(A, B) == len(sent.hashes) and index.copy(B, B) == 0 and index.copy(("x", "y"), B) == 0
     assert index.matched(B, nxt.hashes) == index.matched(A, nxt.hashes) == 2
     assert index.beyond(B, nxt, 2) == index.beyond(A, nxt, 2) > 0
+
+
+def test_a_hot_lanes_spread_moves_just_the_conversations_whose_slots_moved():
+    """A spread (slots_received with each moved slot's tokens): the conversations whose last answer
+    on the source left that many tokens in a slot (one either way) are held by the target too,
+    ends included; the others, and a source no answer was heard from, move nothing."""
+    index = AffinityIndex()
+    turns = [f"conversation {i}\n" + f"lane {i} slot cache " * 40 for i in range(3)]
+    sent = [fingerprint("m", t) for t in turns]
+    for tokens, fp in zip((700, 800, 900), sent):
+        index.record(A, fp.hashes, fp.tail())
+        index.answered(A, tokens, fp.hashes)
+    moved = index.spread(A, B, (801, 900, 1234))  # 801: the answer that stopped at its end mark
+    assert moved == len(sent[1].hashes) + len(sent[2].hashes)
+    nxt = [fingerprint("m", t + "\nuser: and then?") for t in turns]
+    assert index.matched(B, nxt[0].hashes) == 0 < index.matched(A, nxt[0].hashes)
+    for n in (1, 2):
+        assert index.matched(B, nxt[n].hashes) == index.matched(A, nxt[n].hashes) > 0
+        assert index.beyond(B, nxt[n], index.matched(B, nxt[n].hashes)) > 0
+    assert index.spread(B, B, (800,)) == 0 and index.spread(("x", "y"), B, (700,)) == 0
+    # The target knows them by their tokens in turn: a later spread from it finds them.
+    assert index.spread(B, ("h", "c"), (900,)) == len(sent[2].hashes)
+    index.keep_only([B])
+    assert set(index.answers) == {B}
+
+
+def test_a_lane_keeps_its_last_answers_bounded():
+    index = AffinityIndex()
+    for tokens in range(ANSWERS_KEPT + 50):
+        index.answered(A, tokens, (tokens,))
+    assert len(index.answers[A]) == ANSWERS_KEPT and next(iter(index.answers[A])) == 50
 
 
 def test_what_a_lane_is_said_to_hold_of_a_prompt_is_never_more_than_it_was_sent():

@@ -307,6 +307,7 @@ async def test_agent_user_is_refused_all_but_its_own(auth_server, passwords):
             "_INBOX.>",
             f"{subjects.agent_inbox('host2')}.>",
             "lanes.>",
+            subjects.slot_ask_subject("host2"),  # another host's hot lanes are not this agent's to spread
         ):
             await agent.subscribe(subject)
             await _violation(errors, "subscription to", subject)

@@ -22,6 +22,7 @@ from planner_svc.service import run_planner
 from shared import subjects
 from shared.messages.activity import GatewayActivity, ModelWake, TenantUsage
 from shared.messages.replies import ConfigSet
+from shared.messages.slots import SlotsAsk
 from shared.messages.wire import encode
 from shared.nats_auth import NatsAuth
 
@@ -72,9 +73,12 @@ async def test_gateway_user_reads_plans_status_reports_config_and_writes_nothing
         # Models on demand: it may ask the planner to load a model and report its own activity, nothing more.
         await nc.publish(subjects.wake_subject("llama8"), encode(ModelWake(name="llama8", gateway="gateway")))
         await nc.publish(subjects.activity_subject("gateway"), encode(GatewayActivity(gateway="gateway")))
+        # ... and ask a hot lane to spread its conversations (docs/slot-cache.md, "Hot spots")
+        await nc.publish(subjects.slot_ask_subject("host1"),
+                         encode(SlotsAsk(host="host1", lane="llama8-0", to_host="host2", to_lane="llama8-0")))
         await nc.flush()
         await asyncio.sleep(0.3)
-        assert not [e for e in errors if "lanes.wake" in e or "lanes.activity" in e], errors
+        assert not [e for e in errors if "lanes.wake" in e or "lanes.activity" in e or "lanes.slots" in e], errors
         # ... not as another gateway, not deleting a consumer (the planner's watch), not reading others' replies
         other = subjects.activity_subject("gateway2")
         await nc.publish(other, encode(GatewayActivity(gateway="gateway2")))

@@ -8,9 +8,10 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.admission.queue import Admission
+from gateway.admission.queue import HOT_MIN_CHUNKS, Admission
 from gateway.routing.affinity import DEFAULT_PREFILL_RATE
 from gateway.routing.chunks import CHUNK_CHARS, fingerprint
+from gateway.fleet import LaneKey
 from gateway.fleet.view import FleetView
 from gateway.routing.prefix_index import MIN_CHUNKS, PrefixIndex, budget_chunks
 from gateway.routing.token_cost import LaneTokens, choose_by_cost, first_token_cost
@@ -249,3 +250,30 @@ async def test_admission_counts_prefill_ahead_and_its_answer_corrects_the_index(
     second.release()
     admission.measured(second, len(text) + 2 * CHUNK_CHARS, 100)  # it had evicted the first turn
     assert admission.index.matched(second.lane.key, nxt.hashes) == len(nxt.hashes)  # held now
+
+
+async def _overflow_past_a_warm_lane(base: str) -> tuple[Admission, list, LaneKey, LaneKey]:
+    """Two idle lanes; `base` sent (a miss), then a long turn after it (to the warm lane: its prefill
+    queues there), then a short one, which the queued prefill sends cold to the other lane."""
+    view = FleetView()
+    put_plan(view, "h", spec("a", "m", parallel=4), spec("b", "m", parallel=4))
+    put_status(view, "h", healthy("a"), healthy("b"))
+    admission = Admission(view)
+    told: list[tuple] = []
+    admission.on_hot = lambda source, target: told.append((source, target))
+    first = await admission.acquire("m", prompt=fingerprint("m", base))
+    second = await admission.acquire("m", prompt=fingerprint("m", base + "z" * CHUNK_CHARS * 40))
+    assert second.lane.key == first.lane.key and told == []
+    third = await admission.acquire("m", prompt=fingerprint("m", base + "w" * CHUNK_CHARS * 2))
+    assert sum(n for (_, why), n in admission.counts.routes.items() if why == "overflow") == 1
+    return admission, told, first.lane.key, third.lane.key
+
+
+async def test_a_request_sent_cold_past_its_busy_warm_lane_asks_that_lane_to_spread():
+    """The hot-spot signal (gateway/sync/hot_spots.py): the lane holding a prompt has so much
+    prefill queued that the prompt goes cold to another lane ("overflow"): the admission names
+    both, warm first. Nothing is said for a miss, for affinity, or for a prefix under HOT_MIN_CHUNKS."""
+    _, told, warm, cold = await _overflow_past_a_warm_lane("x" * (CHUNK_CHARS * 10))
+    assert warm != cold and told == [(warm, cold)]
+    _, told, warm, cold = await _overflow_past_a_warm_lane("s" * (CHUNK_CHARS * (HOT_MIN_CHUNKS - 1)))
+    assert warm != cold and told == [], "a short prefix's overflow asked too"

@@ -34,6 +34,8 @@ from gateway.routing import AffinityIndex, Fingerprint, LaneLoad, budget_chunks
 from gateway.tenants import Tenant, refusal_ceiling
 from shared import defaults
 
+HOT_MIN_CHUNKS = 4  # a prefix worth moving a cache for: 1 KiB of prompt, about 256 tokens
+
 
 @dataclass
 class Admission:
@@ -50,6 +52,9 @@ class Admission:
     # Told of every entry recorded or corrected (lane, model, stored, removed, reused chunks): the
     # shared view publishes them to the other gateways (gateway/sync/shared_view.py).
     on_prefix: Callable[[LaneKey, str, tuple[int, ...], tuple[int, ...], int], None] | None = None
+    # Told when a request whose prompt a lane holds (source) is sent cold to another (target), the
+    # source being hot: gateway/sync/hot_spots.py asks the source to spread idle conversations there.
+    on_hot: Callable[[LaneKey, LaneKey], None] | None = None
     _queues: dict[str, deque[Waiter]] = field(default_factory=dict)
     _turns: itertools.count = field(default_factory=itertools.count)
     _absent: dict[LaneKey, float] = field(default_factory=dict)  # lanes out of the plan: since when
@@ -83,12 +88,14 @@ class Admission:
                                                               routing.CHUNK_CHARS))  # fmt: skip
         self.poke()
 
-    def measured(self, lease: Lease, prompt: int, cached: int) -> None:
-        """The lane's answer said it read `prompt` tokens, `cached` of them reused: correct the
-        index (confirm the reused prefix, drop what the lane had evicted) and the token estimate."""
+    def measured(self, lease: Lease, prompt: int, cached: int, output: int = 0) -> None:
+        """The lane's answer said it read `prompt` tokens, `cached` of them reused, and wrote `output`:
+        correct the index (confirm the reused prefix, drop what the lane had evicted), the token
+        estimate, and what the answer left in its slot (by which a spread slot is found)."""
         mark = lease.mark
         if mark is None or not mark.hashes or prompt <= 0 or not self.use_affinity:
             return
+        self.index.answered(lease.lane.key, prompt + max(0, output - 1), mark.hashes)
         self.counts.note_chars(lease.lane.model, mark.chars, prompt)
         reused = int(cached * mark.chars / prompt) // routing.CHUNK_CHARS
         fix = self.index.correct(lease.lane.key, mark.hashes, lease.chunks, lease.stamp, reused)
@@ -234,6 +241,10 @@ class Admission:
             self.index.record(lane.key, prompt.hashes, prompt.tail())
             if self.on_prefix is not None:
                 self.on_prefix(lane.key, lane.model, prompt.hashes, (), 0)
+        if choice.reason == "overflow" and matched and self.on_hot is not None:
+            warm = max(matched, key=lambda k: matched[k])
+            if matched[warm] >= HOT_MIN_CHUNKS and warm != lane.key:
+                self.on_hot(warm, lane.key)
         counts.routes[(lane.alias, choice.reason)] = counts.routes.get((lane.alias, choice.reason), 0) + 1
         counts.in_flight[lane.key] = counts.busy(lane.key) + 1
         return lease, choice

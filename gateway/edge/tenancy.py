@@ -148,7 +148,7 @@ def count_usage(app: web.Application, lease: Lease, found: Usage | None, output:
     counts.note_prompt(lane.alias, f"{lane.host_id}/{lane.lane_id}", found.prompt, found.cached)
     if found.prefill_rate is not None:
         counts.note_prefill(lane.key, found.prefill_rate)
-    admission.measured(lease, found.prompt, found.cached)
+    admission.measured(lease, found.prompt, found.cached, output)
 
 
 def count_cut_short(app: web.Application, lease: Lease, read: AnswerReader) -> None:

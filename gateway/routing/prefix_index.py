@@ -23,6 +23,7 @@ from gateway.fleet import LaneKey
 from gateway.routing.chunks import Fingerprint
 
 LANE_CAPACITY = 16384  # chunks per lane whose budget is not known (4M characters)
+ANSWERS_KEPT = 256  # per lane: the last answers' prompts, by the tokens each left in its slot
 MIN_CHUNKS = 64  # no budget below this: a lane always keeps its slots' last prompts
 
 
@@ -54,6 +55,10 @@ class PrefixIndex:
     # chunk, inside the next (Fingerprint.tail): the lane holds that much more of a prompt that
     # repeats it. Gone with the chunk's entry.
     tails: dict[LaneKey, dict[int, tuple[int, int]]] = field(default_factory=dict)
+    # Per lane: the tokens a slot holds after an answer (its prompt and output, less the last token,
+    # which llama-server samples but never decodes) -> that prompt's hashes, newest last. A hot lane
+    # that spreads idle conversations names each moved slot by its tokens (`spread`).
+    answers: dict[LaneKey, OrderedDict[int, tuple[int, ...]]] = field(default_factory=dict)
 
     def set_budget(self, lane: LaneKey, chunks: int) -> None:
         self.budgets[lane] = max(1, chunks)
@@ -151,6 +156,32 @@ class PrefixIndex:
             self.tails.setdefault(target, {}).update({h: t for h, t in tails.items() if h in kept})
         return len(hashes)
 
+    def answered(self, lane: LaneKey, tokens: int, hashes: Sequence[int]) -> None:
+        """An answer left `tokens` tokens in a slot of `lane`, for the prompt of these hashes."""
+        kept = self.answers.setdefault(lane, OrderedDict())
+        kept[tokens] = tuple(hashes)
+        kept.move_to_end(tokens)
+        while len(kept) > ANSWERS_KEPT:
+            kept.popitem(last=False)
+
+    def spread(self, source: LaneKey, target: LaneKey, moved: Sequence[int]) -> int:
+        """A hot lane's idle conversations were restored into `target` (slots_received naming each
+        slot's tokens): each whose last answer on `source` left that many tokens (one either way:
+        the last token of an answer stopped by its end mark) is held by `target` too, as its
+        newest entries, so it is sent where its cache now is. Others stay where they were."""
+        kept = self.answers.get(source, {})
+        chunks = 0
+        for tokens in moved if source != target else ():
+            found = next((t for t in (tokens, tokens - 1, tokens + 1) if t in kept), None)
+            if found is None:
+                continue
+            hashes = kept[found]
+            tail = self.tails.get(source, {}).get(hashes[-1]) if hashes else None
+            self.record(target, hashes, tail)
+            self.answered(target, found, hashes)
+            chunks += len(hashes)
+        return chunks
+
     def held(self, lane: LaneKey) -> int:
         return len(self.lanes.get(lane, ()))
 
@@ -161,5 +192,7 @@ class PrefixIndex:
             del self.lanes[lane]
             self.clocks.pop(lane, None)
             self.tails.pop(lane, None)
+        for lane in [k for k in self.answers if k not in keep]:
+            del self.answers[lane]
         for lane in [k for k in self.budgets if k not in keep]:
             del self.budgets[lane]

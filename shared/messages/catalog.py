@@ -30,6 +30,7 @@ WIRE_TYPES: tuple[type, ...] = (
     activity.TenantUsage,
     prefixes.PrefixEvent,
     slots.SlotsOffer,
+    slots.SlotsAsk,
 )
 
 # Every module of the package that defines messages, in the order of the flow: the wire's

@@ -53,3 +53,18 @@ class SlotsOffer(Message, tag="slots_offer", kw_only=True):
     # The source lane stops for good (a scale-down, an eviction, a move); False: it restarts and
     # restores its own copies, so gateways keep routing its conversations to it.
     leaving: bool = True
+    # A hot lane spreading some of its idle conversations (a SlotsAsk): the source keeps serving,
+    # and gateways send just the conversations whose slots moved (by their tokens) to `to_lane`.
+    spread: bool = False
+
+
+class SlotsAsk(Message, tag="slots_ask", kw_only=True):
+    """Subject lanes.slots.<host>.ask, from a gateway: `lane` of that host is hot (a conversation
+    it holds was just sent cold to `to_lane`); move up to `slots` of its idle conversations, with
+    their caches, to that cooler lane of the same model."""
+
+    host: Name
+    lane: Name
+    to_host: Name
+    to_lane: Name
+    slots: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2

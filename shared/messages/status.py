@@ -124,6 +124,9 @@ class LaneEvent(Message, tag="lane_event", kw_only=True):
     # route them here); unset when that lane restarts and keeps its own copies
     from_host: Name | None = None
     from_lane: Name | None = None
+    # slots_received from a hot lane spreading its conversations (SlotsOffer.spread): each restored
+    # slot's tokens, by which gateways find those conversations among the source's last answers
+    moved_tokens: Annotated[tuple[Count, ...], FEW] = ()
 
 
 class PlanRejected(Message, tag="plan_rejected", kw_only=True):
