@@ -7,7 +7,10 @@ for one of this host's lanes is read back by direct get (no consumer: an agent's
 make none), each file checked (its sha256 and size, and an origin matching the lane's:
 slot_cache.refusal; a refused file is never handed to llama-server), restored into the lane's
 empty idle slots (one holding a conversation keeps it), and said in a `slots_received` event
-naming the lane it came from, by which gateways send those conversations here.
+naming the lane it came from, by which gateways send those conversations here. Spreading: a
+gateway's SlotsAsk says a lane is hot; up to that many of its idle conversations are sent the same
+way to the cooler lane it names (the lane keeps serving), and the receiver names each restored
+slot's tokens, by which gateways find just those conversations.
 """
 
 from __future__ import annotations

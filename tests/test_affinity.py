@@ -169,6 +169,11 @@ def test_a_hot_lanes_spread_moves_just_the_conversations_whose_slots_moved():
         assert index.matched(B, nxt[n].hashes) == index.matched(A, nxt[n].hashes) > 0
         assert index.beyond(B, nxt[n], index.matched(B, nxt[n].hashes)) > 0
     assert index.spread(B, B, (800,)) == 0 and index.spread(("x", "y"), B, (700,)) == 0
+    # Two conversations of one length: both claimed (the wrong one's first answer corrects it).
+    other = fingerprint("m", "another\n" + "cache lane " * 60)
+    index.record(A, other.hashes)
+    index.answered(A, 700, other.hashes)
+    assert index.spread(A, ("h", "d"), (700,)) == len(sent[0].hashes) + len(other.hashes)
     # The target knows them by their tokens in turn: a later spread from it finds them.
     assert index.spread(B, ("h", "c"), (900,)) == len(sent[2].hashes)
     index.keep_only([B])
@@ -179,7 +184,7 @@ def test_a_lane_keeps_its_last_answers_bounded():
     index = AffinityIndex()
     for tokens in range(ANSWERS_KEPT + 50):
         index.answered(A, tokens, (tokens,))
-    assert len(index.answers[A]) == ANSWERS_KEPT and next(iter(index.answers[A])) == 50
+    assert len(index.answers[A]) == ANSWERS_KEPT and index.answers[A][0] == (50, (50,))
 
 
 def test_what_a_lane_is_said_to_hold_of_a_prompt_is_never_more_than_it_was_sent():
@@ -304,7 +309,8 @@ async def test_a_queued_request_waits_for_its_warm_lane_then_takes_any():
     warm = await admission.acquire("gemma", prompt=first)  # the conversation's lane, busy now
     other = await admission.acquire("gemma", prompt=mark({"messages": [{"role": "system", "content": "Unrelated. " + SYSTEM}]}))
     assert other.lane.key != warm.lane.key
-    admission.counts.prefill_rate[other.lane.key] = 50.0  # slow lanes: a cold prefill takes seconds
+    admission.counts.prefill_rate[warm.lane.key] = DEFAULT_PREFILL_RATE
+    admission.counts.prefill_rate[other.lane.key] = 50.0  # a slow lane: a cold prefill there takes seconds
     turn2 = asyncio.create_task(admission.acquire("gemma", prompt=mark(chat("one", "x" * 300, "two"))))
     await asyncio.sleep(0.05)
     other.release()  # the cold lane frees first: the request keeps waiting for its own
@@ -316,7 +322,8 @@ async def test_a_queued_request_waits_for_its_warm_lane_then_takes_any():
     quick = Admission(view)
     a = await quick.acquire("gemma", prompt=first)
     b = await quick.acquire("gemma", prompt=mark({"messages": [{"role": "system", "content": "Unrelated. " + SYSTEM}]}))
-    quick.counts.prefill_rate[b.lane.key] = 10**6  # fast lanes: waiting is not worth it
+    for lane in (a, b):  # fast lanes: waiting is not worth it
+        quick.counts.prefill_rate[lane.lane.key] = 10**6
     again = asyncio.create_task(quick.acquire("gemma", prompt=mark(chat("one", "x" * 300, "two"))))
     await asyncio.sleep(0.05)
     b.release()

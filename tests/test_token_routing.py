@@ -277,3 +277,18 @@ async def test_a_request_sent_cold_past_its_busy_warm_lane_asks_that_lane_to_spr
     assert warm != cold and told == [(warm, cold)]
     _, told, warm, cold = await _overflow_past_a_warm_lane("s" * (CHUNK_CHARS * (HOT_MIN_CHUNKS - 1)))
     assert warm != cold and told == [], "a short prefix's overflow asked too"
+
+
+async def test_a_lane_not_timed_yet_is_taken_at_its_models_timed_speed():
+    """A lane just started has no measured speed: taken at the fixed default, it would look six
+    times slower than a timed CPU lane of the same model (or far faster than a slow one) and get
+    no new conversation while the other is free. It is taken at the median of its model's."""
+    view = FleetView()
+    put_plan(view, "h", spec("a", "m", parallel=4), spec("b", "m", parallel=4))
+    put_status(view, "h", healthy("a"), healthy("b"))
+    admission = Admission(view)
+    a = next(x.key for x in view.lanes() if x.lane_id == "a")
+    admission.counts.prefill_rate[a] = 6 * DEFAULT_PREFILL_RATE
+    admission.index.record(a, fingerprint("m", "y" * CHUNK_CHARS * 8).hashes)  # a holds a conversation
+    new = await admission.acquire("m", prompt=fingerprint("m", "n" * CHUNK_CHARS * 4))
+    assert new.lane.key != a, "the untimed lane was passed over"

@@ -254,6 +254,10 @@ class Admission:
         """Each lane's prefill ahead (sent and awaited) and its match of this prompt, in tokens
         (`beyond`: characters a lane holds past its matched chunks)."""
         counts, ahead = self.counts, dict(self.counts.pending)
+        # A lane not timed yet (just started) is taken at its model's timed lanes' median speed, not
+        # the fixed default: that would keep a new lane idle beside a fast warm one (or the reverse).
+        timed = sorted(counts.prefill_rate[x.key] for x in lanes if x.key in counts.prefill_rate)
+        prior = timed[len(timed) // 2] if timed else None
         for waiter in self._queues.get(name, ()):
             if waiter.waiting_for is not None and waiter is not asking and waiter.prompt is not None \
                     and not waiter.future.done():
@@ -262,7 +266,7 @@ class Admission:
                 ahead[waiter.waiting_for] = ahead.get(waiter.waiting_for, 0) + round(
                     max(0, waiter.prompt.chars - done) / cpt)
         return [routing.LaneTokens(
-            x.key, x.slots, x.busy, x.waiting, ahead.get(x.key, 0), counts.prefill_rate.get(x.key),
+            x.key, x.slots, x.busy, x.waiting, ahead.get(x.key, 0), counts.prefill_rate.get(x.key, prior),
             counts.hold.get(x.key),
             round(min(prompt.chars, matched.get(x.key, 0) * routing.CHUNK_CHARS + beyond.get(x.key, 0)) / cpt),
             matched.get(x.key, 0)) for x in lanes]  # fmt: skip

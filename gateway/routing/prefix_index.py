@@ -15,7 +15,7 @@ drops its oldest prompts first) is dropped too.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -56,9 +56,9 @@ class PrefixIndex:
     # repeats it. Gone with the chunk's entry.
     tails: dict[LaneKey, dict[int, tuple[int, int]]] = field(default_factory=dict)
     # Per lane: the tokens a slot holds after an answer (its prompt and output, less the last token,
-    # which llama-server samples but never decodes) -> that prompt's hashes, newest last. A hot lane
+    # which llama-server samples but never decodes) and that prompt's hashes, newest last. A hot lane
     # that spreads idle conversations names each moved slot by its tokens (`spread`).
-    answers: dict[LaneKey, OrderedDict[int, tuple[int, ...]]] = field(default_factory=dict)
+    answers: dict[LaneKey, deque[tuple[int, tuple[int, ...]]]] = field(default_factory=dict)
 
     def set_budget(self, lane: LaneKey, chunks: int) -> None:
         self.budgets[lane] = max(1, chunks)
@@ -158,27 +158,26 @@ class PrefixIndex:
 
     def answered(self, lane: LaneKey, tokens: int, hashes: Sequence[int]) -> None:
         """An answer left `tokens` tokens in a slot of `lane`, for the prompt of these hashes."""
-        kept = self.answers.setdefault(lane, OrderedDict())
-        kept[tokens] = tuple(hashes)
-        kept.move_to_end(tokens)
-        while len(kept) > ANSWERS_KEPT:
-            kept.popitem(last=False)
+        self.answers.setdefault(lane, deque(maxlen=ANSWERS_KEPT)).append((tokens, tuple(hashes)))
 
     def spread(self, source: LaneKey, target: LaneKey, moved: Sequence[int]) -> int:
         """A hot lane's idle conversations were restored into `target` (slots_received naming each
-        slot's tokens): each whose last answer on `source` left that many tokens (one either way:
-        the last token of an answer stopped by its end mark) is held by `target` too, as its
-        newest entries, so it is sent where its cache now is. Others stay where they were."""
-        kept = self.answers.get(source, {})
+        slot's tokens): the conversations whose last answers on `source` left that many tokens (one
+        either way where none did exactly: an answer stopped by its end mark) are held by `target`
+        too, as its newest entries, so they are sent where their caches now are. Two conversations
+        of one length are both claimed: the wrong one's first answer there corrects it (`correct`)."""
+        kept = self.answers.get(source, ()) if source != target else ()
+        found: dict[int, tuple[int, tuple[int, ...]]] = {}
+        for tokens in moved:
+            for near in (tokens, tokens - 1, tokens + 1):
+                same = [(t, h) for t, h in kept if t == near and h]
+                if same:
+                    found.update((h[-1], (t, h)) for t, h in same)
+                    break
         chunks = 0
-        for tokens in moved if source != target else ():
-            found = next((t for t in (tokens, tokens - 1, tokens + 1) if t in kept), None)
-            if found is None:
-                continue
-            hashes = kept[found]
-            tail = self.tails.get(source, {}).get(hashes[-1]) if hashes else None
-            self.record(target, hashes, tail)
-            self.answered(target, found, hashes)
+        for tokens, hashes in found.values():
+            self.record(target, hashes, self.tails.get(source, {}).get(hashes[-1]))
+            self.answered(target, tokens, hashes)
             chunks += len(hashes)
         return chunks
 
