@@ -88,6 +88,23 @@ def test_draining_unhealthy_and_unreachable_lanes_get_nothing():
     assert [lane.lane_id for lane in view.probe_targets()] == ["a-0", "c-0", "d-0"]
 
 
+def test_a_lane_restarted_healthy_is_back_in_rotation_without_waiting_for_the_next_probe():
+    """The gateway's verdicts (unreachable, stalled) were of the process that stopped: its agent
+    reporting the lane healthy in a new process clears them. The same process keeps them."""
+    view = FleetView()
+    put_plan(view, "h1", spec("a-0", port=1), spec("b-0", port=2))
+    put_status(view, "h1", LaneStatus(lane_id="a-0", state="healthy", port=1, pid=100), healthy("b-0", 2))
+    view.mark_unreachable(("h1", "a-0"), "/health: ClientConnectorError")  # its probe, while it restarted
+    view.mark_stalled(("h1", "b-0"), "stalled: /slots unanswered")
+    put_status(view, "h1", LaneStatus(lane_id="a-0", state="healthy", port=1, pid=100), healthy("b-0", 2))
+    assert view.routable("gemma") == []  # the same process (a-0), or none known (b-0): verdicts stand
+    put_status(view, "h1", LaneStatus(lane_id="a-0", state="loading", port=1, pid=101), healthy("b-0", 2))
+    assert view.routable("gemma") == []
+    put_status(view, "h1", LaneStatus(lane_id="a-0", state="healthy", port=1, pid=101),
+               LaneStatus(lane_id="b-0", state="healthy", port=2, pid=200))  # fmt: skip
+    assert [lane.lane_id for lane in view.routable("gemma")] == ["a-0", "b-0"]
+
+
 def test_deleted_and_bad_entries():
     view = fleet(("h1", 8080))
     assert view.apply_entry("status.h1", b"{not json") is not None

@@ -169,6 +169,8 @@ class FleetView:
                     msg = msgspec.json.decode(value, type=type_)
                     if subjects.host_token(msg.host_id) != host:
                         raise ValueError(f"{kind} for {msg.host_id!r} under key {key!r}")
+                    if kind == "status":
+                        self._new_processes(table.get(host), msg)
                     table[host] = msg
             else:
                 return None  # demand and keys the gateway does not use
@@ -199,6 +201,20 @@ class FleetView:
             self.secrets[(host, lane)] = secret.key
         self.changed()  # a lane whose key has come is routable now
         return None
+
+    def _new_processes(self, before: HostStatus | None, now: HostStatus) -> None:
+        """A lane its agent reports newly healthy in a new process (a restart: another pid) is no longer
+        what this gateway found unreachable or stalled: those verdicts were of the process that
+        stopped (a probe refused while it restarted). Kept, they held the lane out of rotation
+        until the next probe, while the rollout, seeing it healthy, drained the next lane: two
+        lanes of three out at once (test_rollout_live). A lane really cut off is found so again
+        by its next probe or request."""
+        old = {lane.lane_id: (lane.pid, lane.state) for lane in before.lanes} if before is not None else {}
+        for lane in now.lanes:
+            if lane.state == "healthy" and lane.pid is not None and old.get(lane.lane_id) != (lane.pid, "healthy"):
+                key = (now.host_id, lane.lane_id)
+                self.unreachable.pop(key, None)
+                self.stalled.pop(key, None)
 
     def mark_unreachable(self, key: LaneKey, reason: str) -> None:
         if self.unreachable.get(key) != reason:
