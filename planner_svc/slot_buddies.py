@@ -1,6 +1,9 @@
 """Where each lane's saved slots go when it stops or restarts: its buddy, another lane of the same
 model that serves meanwhile (docs/slot-cache.md, "Moves"). Pure; planner_svc/planning.py calls it.
 
+"The same model" is the same persona: model and alias. Lanes dedicated to a tenant (an alias whose
+cache is private, docs/tenants.md) never send a conversation's cache to a lane others share.
+
 Buddies are chosen when a host's lanes change (a replan that changes no lane keeps them as they
 are: a restarted planner rewrites no plan). A lane keeps its buddy while that lane still serves the
 model; a lane without one gets a lane of its model on its own host first (no network between
@@ -28,19 +31,19 @@ def with_buddies(new: Mapping[str, HostPlan], fleet: Mapping[str, HostPlan], los
     if quick is not None:
         return quick
     plans = {h: p for h, p in fleet.items() if h not in lost} | dict(new)
-    models = {s.model for p in new.values() for s in p.lanes}
-    models |= {s.model for h, p in fleet.items() if h in new for s in p.lanes}  # lanes gone from a new plan
+    models = {_persona(s) for p in new.values() for s in p.lanes}
+    models |= {_persona(s) for h, p in fleet.items() if h in new for s in p.lanes}  # lanes gone from a new plan
     if not models:
         return dict(new)
-    serving: dict[str, dict[str, list[str]]] = {}  # model -> host -> its lanes of the model
+    serving: dict[tuple, dict[str, list[str]]] = {}  # persona -> host -> its lanes of the persona
     for h in sorted(plans):
         for s in plans[h].lanes:
-            if s.model in models:
-                serving.setdefault(s.model, {}).setdefault(h, []).append(s.lane_id)
+            if _persona(s) in models:
+                serving.setdefault(_persona(s), {}).setdefault(h, []).append(s.lane_id)
     hosts = {model: list(by_host) for model, by_host in serving.items()}  # sorted: the ring of successors
     out = {}
     for host, hp in plans.items():
-        if host not in new and not any(s.model in models for s in hp.lanes):
+        if host not in new and not any(_persona(s) in models for s in hp.lanes):
             continue  # nothing of its models changed: its buddies stand
         before = {s.lane_id: s for s in fleet[host].lanes} if host in fleet else {}
         lanes = tuple(_buddied(spec, before.get(spec.lane_id), host, serving, hosts) for spec in hp.lanes)
@@ -63,7 +66,7 @@ def _kept_as_they_were(new, fleet) -> dict[str, HostPlan] | None:
     out = {}
     for host, hp in new.items():
         stored = fleet.get(host)
-        if stored is None or [(s.lane_id, s.model) for s in hp.lanes] != [(s.lane_id, s.model) for s in stored.lanes]:
+        if stored is None or [(s.lane_id, _persona(s)) for s in hp.lanes] != [(s.lane_id, _persona(s)) for s in stored.lanes]:
             return None
         lanes = [_with(spec, (old.slot_buddy_host, old.slot_buddy_lane)) for spec, old in zip(hp.lanes, stored.lanes)]
         made = msgspec.structs.replace(hp, lanes=tuple(lanes))
@@ -74,11 +77,11 @@ def _kept_as_they_were(new, fleet) -> dict[str, HostPlan] | None:
 
 
 def _buddied(spec: LaneSpec, old: LaneSpec | None, host: str, serving, hosts) -> LaneSpec:
-    by_host = serving.get(spec.model, {})
+    by_host = serving.get(_persona(spec), {})
     kept = (old.slot_buddy_host, old.slot_buddy_lane) if old is not None else (None, None)
     if kept[0] is not None and kept != (host, spec.lane_id) and kept[1] in by_host.get(kept[0], ()):
         return _with(spec, kept)
-    return _with(spec, _choose(by_host, hosts.get(spec.model, []), host, spec.lane_id))
+    return _with(spec, _choose(by_host, hosts.get(_persona(spec), []), host, spec.lane_id))
 
 
 def _choose(by_host: Mapping[str, list[str]], ring: list[str], host: str, lane_id: str) -> tuple[str | None, str | None]:
@@ -92,6 +95,10 @@ def _choose(by_host: Mapping[str, list[str]], ring: list[str], host: str, lane_i
     i = bisect.bisect_right(ring, host) % len(ring)
     nxt = ring[i] if ring[i] != host else ring[(i + 1) % len(ring)]
     return nxt, by_host[nxt][0]
+
+
+def _persona(spec: LaneSpec) -> tuple[str, str | None]:
+    return spec.model, spec.alias
 
 
 def _with(spec: LaneSpec, buddy: tuple[str | None, str | None]) -> LaneSpec:

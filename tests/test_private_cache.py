@@ -89,6 +89,14 @@ async def test_a_private_tenant_shares_no_cached_prefix_with_another(nats_server
                 raise AssertionError("beta was served by acme's lanes")
             except openai.PermissionDeniedError as exc:
                 assert exc.code == "model_not_allowed"
+            # ... also when another tenant names the model itself (not an alias): acme's new prompt is
+            # held by acme's lane alone, and prefix affinity would send beta's to it, cached.
+            plans = "Zebra-striped plans for next year, also never to be seen by anyone else: " * 10
+            await ask(acme, plans + "a")
+            lane, cached = await ask(beta, plans + "b", model="m")
+            # (a few leading tokens match a prompt the shared lane saw before: 4 measured; acme's
+            # lane would give back some 900, its whole prompt)
+            assert lane == shared_lane and cached <= 8, (lane, cached)
             try:
                 await ask(acme, "hi", model="m")
                 raise AssertionError("acme was served by a shared lane")

@@ -11,8 +11,8 @@ from shared.messages.hosts import HostReport, ModelFacts, ServerCaps
 from shared.messages.plans import HostPlan, LaneSpec
 
 
-def lane(lane_id: str, model: str = "m", buddy: tuple[str, str] | None = None) -> LaneSpec:
-    spec = LaneSpec(lane_id=lane_id, model=model, model_path=f"/models/{model}.gguf", alias=model, port=8080,
+def lane(lane_id: str, model: str = "m", buddy: tuple[str, str] | None = None, alias: str | None = None) -> LaneSpec:
+    spec = LaneSpec(lane_id=lane_id, model=model, model_path=f"/models/{model}.gguf", alias=alias or model, port=8080,
                     ctx_total=4096, ctx_per_slot=4096, parallel=1)  # fmt: skip
     return msgspec.structs.replace(spec, slot_buddy_host=buddy[0], slot_buddy_lane=buddy[1]) if buddy else spec
 
@@ -34,6 +34,17 @@ def test_a_lane_goes_to_its_models_lane_on_its_own_host_first_then_the_first_oth
     lost = with_buddies({"a": host("a", lane("m-0"))}, fleet, lost={"b"})
     assert buddies(lost) == {("a", "m-0"): ("c", "m-0"), ("c", "m-0"): ("a", "m-0")}  # c's buddy was on lost b
     assert lost["c"].plan_revision == 2  # rewritten for its buddy alone: its next revision
+
+
+def test_lanes_dedicated_to_a_tenant_and_shared_lanes_of_one_model_are_never_buddies():
+    """A private cache's conversations (an alias dedicated to one tenant, docs/tenants.md) never
+    move into a lane other tenants share, nor theirs into it: buddies are of one persona."""
+    fleet = {"b": host("b", lane("m-0"), lane("acme-0", alias="m-acme"))}
+    new = {"a": host("a", lane("m-0"), lane("acme-0", alias="m-acme"))}
+    made = buddies(with_buddies(new, fleet))
+    assert made[("a", "m-0")] == ("b", "m-0") and made[("a", "acme-0")] == ("b", "acme-0"), made
+    alone = buddies(with_buddies({"a": host("a", lane("m-0"), lane("acme-0", alias="m-acme"))}, {}))
+    assert alone == {("a", "m-0"): (None, None), ("a", "acme-0"): (None, None)}  # not each other's
 
 
 def test_a_lane_keeps_its_buddy_while_that_lane_serves_its_model():

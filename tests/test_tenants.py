@@ -266,6 +266,32 @@ def test_lanes_keys_add_gives_a_role_and_list_shows_it(tmp_path, capsys):
     assert not any("team" in line and "role=" in line for line in listed)
 
 
+def test_a_request_naming_the_model_never_reaches_another_tenants_dedicated_lanes(tmp_path):
+    """Lanes of alias chat-acme (model m) are acme's: beta naming the model "m" routes among the
+    shared ones only, acme naming it may use its own, and naming an alias leaves nothing out."""
+    from aiohttp import web
+
+    from gateway.edge.app_keys import KEYS, VIEW
+    from gateway.edge.tenancy import foreign_lanes
+    from gateway.fleet.view import FleetView
+    from test_gateway_core import healthy, put_plan, put_status, spec
+
+    path = tmp_path / "keys.toml"
+    path.write_text('[[keys]]\nkey = "sk-acme-0001"\ntenant = "acme"\ncache = "private"\nlanes = { chat = "chat-acme" }\n'
+                    '[[keys]]\nkey = "sk-beta-0001"\ntenant = "beta"\n')  # fmt: skip
+    keys = KeysFile(path)
+    keys.check()
+    view = FleetView()
+    put_plan(view, "h", spec("chat-0", model="m", alias="chat", port=1), spec("acme-0", model="m", alias="chat-acme", port=2))
+    put_status(view, "h", healthy("chat-0", 1), healthy("acme-0", 2))
+    app = web.Application()
+    app[KEYS], app[VIEW] = keys, view
+    acme, beta = keys.table.find("sk-acme-0001"), keys.table.find("sk-beta-0001")
+    assert foreign_lanes(app, beta, "m") == {("h", "acme-0")}
+    assert foreign_lanes(app, acme, "m") == frozenset()
+    assert foreign_lanes(app, beta, "chat") == foreign_lanes(app, acme, "chat-acme") == frozenset()
+
+
 def test_a_private_cache_names_the_lanes_dedicated_to_its_tenant():
     from gateway.tenants.keys import parse
 

@@ -32,7 +32,7 @@ from gateway.edge.app_keys import (ADMISSION, COOKIE_SECRET, KEYS, LEFT, METRICS
 from gateway.edge.endpoints import ENDPOINTS
 from gateway.edge.forward import Shape, forward
 from gateway.edge.openai_errors import give_up, openai_error
-from gateway.edge.tenancy import cache_route, errors_and_keys, tenant_of, tenant_refusal
+from gateway.edge.tenancy import cache_route, errors_and_keys, foreign_lanes, tenant_of, tenant_refusal
 from gateway.fleet import FleetView
 from gateway.metrics import GatewayMetrics
 from gateway.routing import GiveUp, count_tokens, fingerprint
@@ -166,6 +166,8 @@ async def _answer(
         refused, too_small, tokens = await _window_check(request, name, prompt, body)
         if images:  # lanes without a projector cannot read it: as if too small for it
             too_small |= {lane.key for lane in view.lanes_for(name) if not lane.vision}
+        # Another tenant's dedicated lanes (a private cache) are not this request's, whatever it names.
+        too_small |= foreign_lanes(app, request.get(TENANT) or Tenant(), name)
         if refused is not None:
             response = give_up(refused, app[SETTINGS])
         else:

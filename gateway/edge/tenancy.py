@@ -9,7 +9,7 @@ from aiohttp import web
 
 from gateway.admission import Lease
 from gateway.edge import access
-from gateway.edge.app_keys import ADMISSION, COOKIE_SECRET, KEY_ID, KEYS, METRICS, ROLE, SETTINGS, TENANT, USAGE
+from gateway.edge.app_keys import ADMISSION, COOKIE_SECRET, KEY_ID, KEYS, METRICS, ROLE, SETTINGS, TENANT, USAGE, VIEW
 from gateway.edge.endpoints import api_of
 from gateway.edge.openai_errors import anthropic_error, openai_error
 from gateway.settings import GatewaySettings
@@ -126,6 +126,19 @@ def cache_route(app: web.Application, tenant: Tenant, name: str) -> tuple[str, w
                                   f"{base!r} are dedicated to it (keys file: lanes = {{{base} = \"<alias>\"}}, and "
                                   "that alias planned in the demand)", "private_cache_unavailable")  # fmt: skip
     return alias + colon + adapter, None
+
+
+def foreign_lanes(app: web.Application, tenant: Tenant, name: str) -> frozenset:
+    """Lanes of the requested model dedicated to another tenant: a request naming the model (not
+    their alias) would otherwise reach them too, and its prompt would meet that tenant's in their
+    cache. Routing leaves them out."""
+    keys: KeysFile | None = app[KEYS]
+    dedicated = keys.table.dedicated_to if keys is not None else {}
+    if not dedicated:
+        return frozenset()
+    base = name.partition(":")[0]
+    return frozenset(lane.key for lane in app[VIEW].lanes_for(name)
+                     if lane.alias != base and dedicated.get(lane.alias, tenant.name) != tenant.name)  # fmt: skip
 
 
 def count_usage(app: web.Application, lease: Lease, found: Usage | None, output: int = 0, measure: bool = True) -> None:
