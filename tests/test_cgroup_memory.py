@@ -78,24 +78,43 @@ def test_a_machine_without_cgroups_is_none():
 
 def _memory_group_root() -> Path | None:
     """Where this process's memory group is (v1's memory hierarchy, or v2's unified one)."""
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
+    text = Path("/proc/self/cgroup").read_text()
+    for line in text.splitlines():
         _, controllers, path = line.split(":", 2)
         if "memory" in controllers.split(","):
             return Path("/sys/fs/cgroup/memory") / path.lstrip("/")
-    unified = Path("/sys/fs/cgroup") / Path("/proc/self/cgroup").read_text().split("0::", 1)[1].split()[0].lstrip("/")
+    if "0::" not in text:
+        return None
+    unified = Path("/sys/fs/cgroup") / text.split("0::", 1)[1].split()[0].lstrip("/")
     return unified if (unified / "memory.current").exists() else None
+
+
+def limited_group(name: str, limit: int) -> tuple[Path, bool]:
+    """A new memory group under this process's, with `limit`: (its folder, whether cgroup v1).
+    Skipped only where none can be made (no memory controller, not root), as the network
+    namespaces' tests are where namespaces cannot be."""
+    root = _memory_group_root()
+    if root is None:
+        pytest.skip("no memory cgroup to nest in (/proc/self/cgroup names none)")
+    group = root / name
+    try:
+        group.mkdir()
+    except OSError as exc:
+        pytest.skip(f"cannot make a memory cgroup under {root}: {exc.strerror}")
+    v1 = (group / "memory.limit_in_bytes").exists()
+    try:
+        (group / ("memory.limit_in_bytes" if v1 else "memory.max")).write_text(str(limit))
+    except OSError as exc:
+        group.rmdir()
+        pytest.skip(f"cannot limit a memory cgroup under {root}: {exc.strerror}")
+    return group, v1
 
 
 def test_a_process_in_a_limited_group_reports_the_groups_memory(tmp_path):
     """A real group with a 1.5 GiB limit: the agent's `hardware.ram()` inside it says that limit, and
     what it has left drops by what a child holds."""
-    root = _memory_group_root()
-    assert root is not None, "no memory cgroup to nest in"
-    group = root / f"lanes-test-{os.getpid()}"
-    group.mkdir()
+    group, _ = limited_group(f"lanes-test-{os.getpid()}", 3 * GIB // 2)
     try:
-        v1 = (group / "memory.limit_in_bytes").exists()
-        (group / ("memory.limit_in_bytes" if v1 else "memory.max")).write_text(str(3 * GIB // 2))
         code = ("import os, sys; open(sys.argv[1], 'w').write(str(os.getpid()))\n"
                 "from launcher_agent import hardware\n"
                 "before = hardware.ram()\n"

@@ -27,7 +27,7 @@ import msgspec
 import psutil
 import pytest
 from fixtures_bus import client, fleet_status, services
-from test_cgroup_memory import _memory_group_root
+from test_cgroup_memory import limited_group
 from test_on_demand import gateway
 from test_real_llama import _planner_with
 from tinymodels import write_llama
@@ -59,12 +59,7 @@ def _flag(argv, name: str) -> int:
 
 
 async def test_another_program_taking_80_percent_shrinks_lanes_one_at_a_time(nats_server, tmp_path, llama_server):
-    root = _memory_group_root()
-    assert root is not None, "no memory cgroup to make a host of"
-    group = root / f"lanes-host-{os.getpid()}"
-    group.mkdir()
-    v1 = (group / "memory.limit_in_bytes").exists()
-    (group / ("memory.limit_in_bytes" if v1 else "memory.max")).write_text(str(LIMIT))
+    group, v1 = limited_group(f"lanes-host-{os.getpid()}", LIMIT)
     procs = group / "cgroup.procs"
 
     def used() -> int:
