@@ -179,6 +179,8 @@ async def test_a_hot_lane_spreads_idle_conversations_with_their_caches(nats_serv
             await eventually(lambda: all(gw.admission.counts.busy(x.key) == 0 for x in gw.view.routable("m")),
                              timeout=30, what="both lanes idle in the gateway's view")  # fmt: skip
 
+            for x in gw.view.routable("m"):  # (again: the answers since timed the lanes apart)
+                gw.admission.counts.prefill_rate[x.key] = 2000.0
             after = await _round(http, gw.url, prompts, rng)
             moved = [i for i, item in enumerate(ROUNDS[-1].split(" ")) if i not in (0, 1)
                      and item.split("@")[1].split(":")[0] == "/".join(new_lane)]  # fmt: skip
