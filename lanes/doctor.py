@@ -16,6 +16,7 @@ from pathlib import Path
 GIB = 1024**3
 CONNECT_WITHIN = 8.0  # seconds for the first NATS connection (a refused one is retried inside nats-py)
 MIN_FREE_DISK = 2 * GIB  # lane logs, JetStream of `lanes up`, the model-facts cache
+MIN_FREE_RAM = GIB  # the planner's default headroom (512 MiB and 5%) and a small lane
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,29 @@ def check_ports(bind: str, base: int, count: int) -> Check:
                      f"{', '.join(map(str, busy[:8]))}{' ...' if len(busy) > 8 else ''}",
                      "lanes skip taken ports; free them or move the range for more lanes")  # fmt: skip
     return Check("ports", "ok", f"all {count} of {span} free")
+
+
+def check_memory(max_ram: int | None) -> Check:
+    """What the agent will report: the machine's RAM, or the memory cgroup's where it runs under a
+    limit (a container's), which the kernel enforces whatever the machine has free."""
+    import psutil
+
+    from launcher_agent.cgroup_memory import this_group
+    from launcher_agent.hardware import ram
+
+    machine = psutil.virtual_memory().total
+    _, total, available = ram()
+    group = this_group()
+    where = (f"; the memory cgroup it runs in (a container's limit) allows {group.limit / GIB:.1f} of the machine's "
+             f"{machine / GIB:.1f} GiB" if group is not None and group.limit < machine else "")  # fmt: skip
+    if max_ram:
+        where += f"; --max-ram caps the lanes at {min(max_ram, total) / GIB:.1f} GiB"
+        total, available = min(total, max_ram), min(available, max_ram)
+    detail = f"{available / GIB:.1f} GiB free of {total / GIB:.1f} GiB{where}"
+    if available < MIN_FREE_RAM:
+        return Check("memory", "warn", detail + ": too little for a lane beside the planner's headroom",
+                     "free memory, or raise the container's memory limit")  # fmt: skip
+    return Check("memory", "ok", detail)
 
 
 def check_data(data: Path) -> Check:
@@ -209,6 +233,7 @@ def run_checks(args: argparse.Namespace) -> list[Check]:
     binary_check, binary = check_binary(args.llama_server)
     checks = [binary_check, check_gpus(binary)]
     checks += asyncio.run(check_nats(args.nats, auth_from_args(args), host_id))
+    checks.append(check_memory(args.max_ram))
     checks.append(check_ports(args.bind, args.port_base, args.port_count))
     checks.append(check_data(Path(args.data) if args.data else Path.home() / ".lanes" / "agent"))
     checks += check_models(args.models, args.rpc_worker)

@@ -54,7 +54,8 @@ def test_a_host_that_can_serve(host):
     done = doctor(*_argv(host))
     assert done.returncode == 0, done.stdout + done.stderr
     checks = done.stdout.splitlines()[:-1]
-    assert {line.split()[1] for line in checks} == {"llama-server:", "gpus:", "nats:", "ports:", "data:", "models:"}
+    assert {line.split()[1] for line in checks} == {"llama-server:", "gpus:", "nats:", "memory:", "ports:", "data:",
+                                                    "models:"}  # fmt: skip
     assert all(line.startswith("ok ") for line in checks), done.stdout
     assert "llama8.gguf" in "".join(_lines(done, "models")) and "cache types" in _lines(done, "llama-server")[0]
     assert done.stdout.splitlines()[-1] == "this host can serve lanes"
@@ -144,3 +145,22 @@ def test_nats_credentials_and_rights(host, tmp_path):
         assert len(failed) == 1 and "permission" in failed[0].lower() and "plan" in failed[0], narrow.stdout
     finally:
         server.stop()
+
+
+def test_memory_is_the_containers_where_it_runs_under_a_limit(host):
+    """In a memory cgroup with a limit (as a container's), the line names that limit, which is what
+    the agent reports; --max-ram caps it further."""
+    import os
+
+    from test_cgroup_memory import GIB, limited_group
+
+    group, _ = limited_group(f"lanes-doctor-{os.getpid()}", 3 * GIB)
+    try:
+        joined = subprocess.run([*LANES, "doctor", *_argv(host), "--max-ram", "2GiB"], capture_output=True, text=True,
+                                timeout=120, preexec_fn=lambda: (group / "cgroup.procs").write_text(str(os.getpid())))  # fmt: skip
+        line = _lines(joined, "memory")
+        assert len(line) == 1 and line[0].startswith("ok "), joined.stdout + joined.stderr
+        assert "(a container's limit) allows 3.0 of the machine's" in line[0], line
+        assert "of 2.0 GiB" in line[0] and "--max-ram caps the lanes at 2.0 GiB" in line[0], line
+    finally:
+        group.rmdir()
