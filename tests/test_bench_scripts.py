@@ -43,6 +43,16 @@ def test_slot_move_bench_small(tmp_path, llama_server):
     assert m["n_restored"] == m["n_saved"] >= 200 and m["moved_cached"] > 0.9 and m["cold_cached"] == 0, m
 
 
+def test_slots_read_cost_small(tmp_path, llama_server):
+    """Simulated gateways read a generating lane's /slots and /health; every figure is there."""
+    out = tmp_path / "slots.json"
+    result = run("slots_read_cost.py", "--gateways", "0", "3", "--seconds", "2", "--rounds", "1", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    rows = {r["gateways"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows[0]["tokens_per_second"] > 0 and rows[0]["ratio"] == 1.0
+    assert rows[3]["reads_per_second"] == 6 and rows[3]["read_ms_p50"] > 0 and rows[3]["tokens_per_second"] > 0
+
+
 def test_convergence_bench_small(tmp_path):
     out = tmp_path / "convergence.md"
     result = run("convergence_bench.py", "--agents", "5", "--trials", "1", "--out", str(out))
