@@ -122,20 +122,12 @@ class SlotStore:
         per_token = spec.memory.kv_bytes / max(1, spec.ctx_total)
         decision = slot_cache.decide_save(seen, self.entries, bytes_per_token=per_token, budget=self._budget())
         self._remove(decision.drop)
-        started, saved, tokens = time.monotonic(), [], 0
+        started, saved = time.monotonic(), []
         for s in decision.save:
-            now = time.time()
-            name = slot_cache.file_name(layout, spec.lane_id, s.slot, now)
-            status, body = await lane_http.slot_file(spec, lane.api_key, s.slot, "save", name, SAVE_TIMEOUT)
-            if status != 200 or not isinstance(body, dict):
-                log.info("slot not saved", lane=spec.lane_id, slot=s.slot, status=status, answer=str(body)[:200])
-                (self.folder / name).unlink(missing_ok=True)
-                continue
-            size = (self.folder / name).stat().st_size if (self.folder / name).exists() else int(body.get("n_written", 0))
-            saved.append(Entry(file=name, model=spec.model_path, layout=layout, lane_id=spec.lane_id, slot=s.slot,
-                               tokens=int(body.get("n_saved", s.tokens)), size=size, saved_at=now,
-                               last_task=s.last_task, origin=origin))  # fmt: skip
-            tokens += saved[-1].tokens
+            entry = await self._save_one(lane, layout, origin, s)
+            if entry is not None:
+                saved.append(entry)
+        tokens = sum(e.tokens for e in saved)
         self.entries += saved
         self._write()
         self._remove(slot_cache.over_budget(self.entries, self._budget()))
@@ -158,17 +150,26 @@ class SlotStore:
                        if not busy and tokens >= slot_cache.MIN_TOKENS), reverse=True)  # fmt: skip
         saved = []
         for tokens, slot, task in idle[:most]:
-            now = time.time()
-            name = "spread-" + slot_cache.file_name(layout, spec.lane_id, slot, now)
-            status, body = await lane_http.slot_file(spec, lane.api_key, slot, "save", name, SAVE_TIMEOUT)
-            path = self.folder / name
-            if status != 200 or not isinstance(body, dict) or not path.exists():
-                path.unlink(missing_ok=True)
-                continue
-            saved.append(Entry(file=name, model=spec.model_path, layout=layout, lane_id=spec.lane_id, slot=slot,
-                               tokens=int(body.get("n_saved", tokens)), size=path.stat().st_size, saved_at=now,
-                               last_task=task, origin=origin))  # fmt: skip
+            entry = await self._save_one(lane, layout, origin, SlotSeen(slot, tokens, task, False), "spread-")
+            if entry is not None and (self.folder / entry.file).exists():  # sent from the file: it must be here
+                saved.append(entry)
         return saved
+
+    async def _save_one(self, lane: Lane, layout: str, origin: SlotOrigin, seen: SlotSeen,
+                        prefix: str = "") -> Entry | None:  # fmt: skip
+        """One slot saved to a file of the slot folder: its entry, or None (a failed save leaves no file)."""
+        spec, now = lane.spec, time.time()
+        name = prefix + slot_cache.file_name(layout, spec.lane_id, seen.slot, now)
+        status, body = await lane_http.slot_file(spec, lane.api_key, seen.slot, "save", name, SAVE_TIMEOUT)
+        path = self.folder / name
+        if status != 200 or not isinstance(body, dict):
+            log.info("slot not saved", lane=spec.lane_id, slot=seen.slot, status=status, answer=str(body)[:200])
+            path.unlink(missing_ok=True)
+            return None
+        size = path.stat().st_size if path.exists() else int(body.get("n_written", 0))
+        return Entry(file=name, model=spec.model_path, layout=layout, lane_id=spec.lane_id, slot=seen.slot,
+                     tokens=int(body.get("n_saved", seen.tokens)), size=size, saved_at=now, last_task=seen.last_task,
+                     origin=origin)  # fmt: skip
 
     async def origin(self, spec: LaneSpec) -> SlotOrigin | None:
         """This lane's origin for its slot files (None: its model file is gone)."""
