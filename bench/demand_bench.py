@@ -75,7 +75,7 @@ def trace(n: int, seed: int) -> list[tuple[float, str, float]]:
     return out
 
 
-def evict_oldest(rooms, candidates, *, now: float, min_residency: float):
+def evict_oldest(rooms, candidates, *, now: float, min_residency: float, **_):
     """The baseline: on the first host that can take the lane, the idle lanes loaded longest ago go
     first until enough is free (no regard to size, priority, last use or residency)."""
     possible = [r for r in rooms if r.needs is not None]

@@ -26,6 +26,7 @@ class DemandState:
     """What the planner knows of demand, each time on its own clock."""
 
     wakes: Mapping[str, float] = field(default_factory=dict)  # persona name -> latest wake
+    woken_since: Mapping[str, float] = field(default_factory=dict)  # persona name -> first wake of those
     on_demand: frozenset[str] = frozenset()  # personas unloaded at least once
     excluded: Mapping[str, frozenset[str]] = field(default_factory=dict)  # model -> hosts it is unloaded from
     loaded_at: Mapping[tuple[str, str], float] = field(default_factory=dict)  # (host, lane) -> first planned
@@ -51,7 +52,8 @@ class DemandState:
         """A gateway asks for `name`: the state after, and whether the planner must replan (a new
         or failed-out wake)."""
         fresh = name not in self.wakes
-        woken = replace(self, wakes={**self.wakes, name: now})
+        woken = replace(self, wakes={**self.wakes, name: now},
+                        woken_since={**self.woken_since, name: self.woken_since.get(name, now) if not fresh else now})  # fmt: skip
         failed = self.failed.get(name)
         if failed is not None and now - failed[0] < FAILED_TTL:
             return woken, False  # answered as failed until FAILED_TTL passes: no retry loop
@@ -103,7 +105,8 @@ class DemandState:
 
     def expire(self, now: float) -> DemandState:
         wakes = {n: t for n, t in self.wakes.items() if now - t < WAKE_TTL}
-        return replace(self, wakes=wakes, failed={n: v for n, v in self.failed.items() if now - v[0] < FAILED_TTL},
+        return replace(self, wakes=wakes, woken_since={n: t for n, t in self.woken_since.items() if n in wakes},
+                       failed={n: v for n, v in self.failed.items() if now - v[0] < FAILED_TTL},
                        waiting={n: why for n, why in self.waiting.items() if n in wakes},
                        gateways={g: v for g, v in self.gateways.items()
                                  if now - v[0] <= STALE_INTERVALS * v[1].interval})  # fmt: skip
@@ -136,6 +139,7 @@ class DemandState:
             excluded=dict(outcome.excluded),
             loaded_at={**self.loaded_at, **outcome.loaded_at},
             wakes=wakes,
+            woken_since={n: t for n, t in self.woken_since.items() if n in wakes},
             placed_at={**self.placed_at, **{n: now for n in outcome.placed}},
             failed={**self.failed, **{n: (now, why) for n, why in outcome.failed.items()}},
             waiting={n: why for n, why in outcome.waiting.items() if n in wakes},

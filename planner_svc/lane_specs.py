@@ -14,6 +14,15 @@ from shared.messages.hosts import HostReport
 from shared.messages.plans import LaneSpec
 
 
+def slot_window(window: int, total: int, kv_unified: bool, n_ctx_train: int) -> int:
+    """Tokens one slot may hold. With --kv-unified every slot may use the whole cache, but
+    llama-server caps a slot at the model's trained context (server-context.cpp: "the slot
+    context exceeds the training context of the model - capping"), however large the cache."""
+    if not kv_unified:
+        return window
+    return min(total, n_ctx_train) if n_ctx_train else total
+
+
 def lane_spec(report: HostReport, config: FleetConfig, lane: PlannedLane) -> LaneSpec:
     caps = report.server
     report = lane.span.report if lane.span is not None else report  # a span sees its workers as devices
@@ -54,7 +63,7 @@ def lane_spec(report: HostReport, config: FleetConfig, lane: PlannedLane) -> Lan
         port=report.port_base,  # placeholder until ports are assigned
         bind=report.lane_bind,
         ctx_total=lane.total_ctx(lane.window),
-        ctx_per_slot=lane.window if not lane.persona.kv_unified else lane.total_ctx(lane.window),
+        ctx_per_slot=slot_window(lane.window, lane.total_ctx(lane.window), kv_unified, lane.facts.n_ctx_train),
         parallel=lane.persona.parallel,
         kv_unified=kv_unified,
         swa_full=lane.swa_full,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 
 import msgspec
 
+from planner_svc.coldstart import predicted_seconds
 from planner_svc.demand_state import DemandState
 from planner_svc.eviction import Candidate, NoRoom, Placement, Room, choose
 from planner_svc.layouts import CPU_RESOURCE, Layout, cost_vector
@@ -68,7 +69,7 @@ def room_on(
     for name, n in sorted(counts.items()):
         p = persona_for(personas, name)
         spec = next(s for s in lanes if s.alias == name)
-        ctx_min = p.ctx_min if p else spec.ctx_per_slot
+        ctx_min = p.ctx_min if p else spec.ctx_total // spec.parallel  # its window per slot, shared or not
         at_floor.append(Persona(model=spec.model, alias=spec.alias, lanes=n, parallel=spec.parallel,
                                 kv_unified=spec.kv_unified, ctx_min=ctx_min, ctx_max=ctx_min,
                                 priority=p.priority if p else 0))  # fmt: skip
@@ -99,6 +100,7 @@ def _rooms_and_candidates(woken, fleet, reports, config, personas, feedback, sta
         host = report.host_id
         room, frees = room_on(report, config, woken, plans_now.get(host), personas, feedback.get(host, ()))
         rooms.append(room)
+        sizes = {m.path: m.file_bytes for m in report.models}
         for spec in plans_now[host].lanes if host in plans_now else ():
             p = persona_for(personas, spec.alias)
             # The residency counts from when it served; a lane still loading is as new.
@@ -107,8 +109,17 @@ def _rooms_and_candidates(woken, fleet, reports, config, personas, feedback, sta
                 host_id=host, lane_id=spec.lane_id, model=spec.alias, frees=frees.get(spec.lane_id, {}),
                 priority=p.priority if p else 0, last_used=state.last_used.get(spec.alias, loaded),
                 loaded_at=loaded, busy=bool(busy.get(spec.alias)), pinned=bool(p and p.min_lanes),
+                load_seconds=_load_seconds(state, spec, sizes.get(spec.model_path), host),
             ))  # fmt: skip
     return rooms, candidates
+
+
+def _load_seconds(state: DemandState, spec: LaneSpec, file_bytes: int | None, host: str) -> float | None:
+    """What loading the lane cost: its model's measured load, else the prediction from its file
+    size and the host's read rate (planner_svc/coldstart.py); None where neither is known."""
+    if state.measured.get(spec.alias):
+        return state.measured[spec.alias]
+    return predicted_seconds(file_bytes, state.rates.get(host)) if file_bytes else None
 
 
 def placed_names(fleet: FleetPlan) -> set[str]:
@@ -162,7 +173,8 @@ def place_wakes(
             break
         woken = persona_for(personas, name)
         rooms, candidates = _rooms_and_candidates(woken, fleet, reports, config, personas, feedback, state, now)
-        choice = chooser(rooms, candidates, now=now, min_residency=config.min_residency)
+        choice = chooser(rooms, candidates, now=now, min_residency=config.min_residency,
+                         waited=now - state.woken_since.get(name, state.wakes[name]), priority=woken.priority)  # fmt: skip
         if isinstance(choice, NoRoom):
             (failed if choice.failed else waiting)[name] = choice.reason
             if not choice.failed:

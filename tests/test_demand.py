@@ -337,3 +337,46 @@ def test_plan_on_demand_model_states_and_demand_due_answer_with_a_new_state_and_
     for question in (planner.demand_due, planner.model_states):
         question()
         assert planner.demand_state is f.state
+
+
+def test_a_lane_that_loads_fast_is_kept_ten_of_its_loads_not_the_whole_min_residency():
+    """The residency is RESIDENCY_LOADS x what the lane's load cost, at most min_residency: a model
+    that loads in 0.4 s may be swapped out after 4 s of serving; one that loads in 5 s keeps all 30 s.
+    A flat 30 s held requests past the gateway's bound where llama.cpp's router swapped at once."""
+    for measured, kept in ((0.4, 4.0), (5.0, 30.0)):
+        f = Fleet([one_room_host(models=(llama_1b("a"), llama_1b("b")))], Demand(personas=(Persona(model="a"),)))
+        assert lanes_of(f.replan(0.0)) == {"h1": ["a"]}
+        f.state = dataclasses.replace(f.state, measured={"a": measured})
+        f.wake("b", kept - 0.5)
+        assert lanes_of(f.replan(kept - 0.5)) == {"h1": ["a"]}, measured
+        expected = "min residency 30 s" if kept == 30.0 else "residency 4.0 s: 10 x its 0.40 s load"
+        assert expected in f.state.waiting["b"], f.state.waiting
+        assert lanes_of(f.replan(kept + 0.5)) == {"h1": ["b"]}, measured
+
+
+def test_an_unmeasured_lane_is_kept_ten_of_its_predicted_loads():
+    """No load measured yet: the prediction from the file size and the host's read rate (200 MiB/s
+    before any load) stands in: a 100 MiB file is kept 5 s, a 1 GiB one the whole 30 s."""
+    small = llama_1b("a", file_bytes=100 * 2**20)  # its weights still take 1 GiB: one model fits
+    f = Fleet([one_room_host(models=(small, llama_1b("b")))], Demand(personas=(Persona(model="a"),)))
+    assert lanes_of(f.replan(0.0)) == {"h1": ["a"]}
+    f.wake("b", 4.5)
+    assert lanes_of(f.replan(4.5)) == {"h1": ["a"]}
+    assert "residency 5.0 s: 10 x its 0.50 s load" in f.state.waiting["b"]
+    assert lanes_of(f.replan(5.5)) == {"h1": ["b"]}
+
+
+def test_a_model_wanted_all_the_time_gives_its_memory_up_to_a_wake_that_waited():
+    """Requests for `a` never stop, so `a` is never idle; a wake for `b` that has waited as long as
+    `a`'s residency (10 x its 1 s load; counted from the first wake, not its latest repeat) drains `a`."""
+    f = Fleet([one_room_host(models=(llama_1b("a"), llama_1b("b")))], Demand(personas=(Persona(model="a"),)))
+    assert lanes_of(f.replan(0.0)) == {"h1": ["a"]}
+    f.state = dataclasses.replace(f.state, measured={"a": 1.0})
+    for t in range(40, 51):  # the gateway repeats the wake every second
+        f.activity(GatewayActivity(gateway="g1", models=(ModelActivity(name="a", in_flight=1, queued=3, idle_s=0.0),
+                                                         ModelActivity(name="b", queued=1, idle_s=0.0))), float(t))  # fmt: skip
+        f.wake("b", float(t))
+        if t < 50:
+            assert lanes_of(f.replan(float(t))) == {"h1": ["a"]}, t
+            assert "has requests in flight or queued" in f.state.waiting["b"]
+    assert lanes_of(f.replan(50.0)) == {"h1": ["b"]}  # woken at 40: waited 10 s

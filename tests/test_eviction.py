@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner_svc.eviction import MAX_CANDIDATES, Candidate, NoRoom, Placement, Room, choose, covers, smallest_set
+from planner_svc.eviction import MAX_CANDIDATES, RESIDENCY_LOADS, Candidate, NoRoom, Placement, Room, choose, covers, smallest_set
 
 CPU = ("cpu", 0)
 GPU0 = ("gpu", 0)
@@ -69,6 +69,34 @@ def test_never_a_busy_a_young_or_a_pinned_lane():
     # The young lane becomes evictable once its minimum residency has passed.
     later = choose([room(needs=100)], [busy, young, pinned], now=NOW + 30, min_residency=30)
     assert later.victims == (("a", "young-0"),)
+
+
+def test_a_busy_lane_is_drained_once_the_wake_has_waited_and_never_one_of_higher_priority():
+    """A model wanted all the time would otherwise keep the memory for ever: once the wake has
+    waited the lane's residency (10 x its 1 s load here) a busy lane of no higher priority may go
+    (it drains first); idle lanes before busy ones."""
+    busy = lane("busy-0", cpu=500, busy=True, last_used=1.0, load_seconds=1.0)
+    early = choose([room(needs=100)], [busy], now=NOW, min_residency=30, waited=9)
+    assert isinstance(early, NoRoom) and "the wake waited 9 of 10.0 s" in early.reason
+    late = choose([room(needs=100)], [busy], now=NOW, min_residency=30, waited=10)
+    assert late.victims == (("a", "busy-0"),) and "draining busy lanes" in late.reason
+    idle = lane("idle-0", cpu=500, last_used=999.0)  # used more recently, but idle: it goes first
+    assert choose([room(needs=100)], [busy, idle], now=NOW, min_residency=30, waited=60).victims == (("a", "idle-0"),)
+    above = lane("above-0", cpu=500, busy=True, priority=5)
+    kept = choose([room(needs=100)], [above], now=NOW, min_residency=30, waited=600, priority=4)
+    assert isinstance(kept, NoRoom) and "at a higher priority" in kept.reason
+    assert choose([room(needs=100)], [above], now=NOW, min_residency=30, waited=600, priority=5).victims
+
+
+def test_a_lane_is_kept_ten_of_its_loads_at_most_the_min_residency():
+    fast = lane("fast-0", cpu=500, loaded_at=NOW - 5, load_seconds=0.4)  # kept 4 s: served 5
+    slow = lane("slow-0", cpu=500, loaded_at=NOW - 5, load_seconds=2.0)  # kept 20 s
+    unknown = lane("unknown-0", cpu=500, loaded_at=NOW - 5)  # kept min_residency
+    assert RESIDENCY_LOADS == 10
+    assert pick([room(needs=100)], [fast, slow, unknown]).victims == (("a", "fast-0"),)
+    got = pick([room(needs=100)], [slow, unknown])
+    assert isinstance(got, NoRoom)
+    assert "residency 20.0 s: 10 x its 2.00 s load" in got.reason and "(min residency 30 s)" in got.reason
 
 
 def test_victims_must_free_the_device_the_lane_needs():

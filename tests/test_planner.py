@@ -929,3 +929,24 @@ def test_plan_memory_matches_lane_shape(layout):
         assert lane.memory.kv_streams == 1 and lane.memory.kv_cells == lane.ctx_total
     # 32 layers x 8 KV heads x 128 f16, K + V: 131072 bytes per cell
     assert lane.memory.kv_bytes == lane.memory.kv_cells * lane.memory.kv_streams * 131072
+
+
+def test_a_shared_cache_gives_each_slot_at_most_the_trained_context():
+    """--kv-unified: a slot may fill the whole cache, but llama-server caps it at the trained
+    context (server-context.cpp), so that is the window the plan promises and checks /props by."""
+    trained = 8192
+    model = llama_8b(n_ctx_train=trained)
+
+    def lane_for(persona: Persona, caps: ServerCaps = ServerCaps()) -> LaneSpec:
+        report = host(ram_available=64 * GIB, ram_total=96 * GIB, models=(model,), server=caps)
+        return only_lane(plan([report], FleetConfig(), Demand(personas=(persona,))))
+
+    wide = lane_for(Persona(model=model.name, parallel=4, kv_unified=True))
+    assert wide.ctx_total == 4 * trained and wide.ctx_per_slot == trained
+    narrow = lane_for(Persona(model=model.name, parallel=4, kv_unified=True, ctx_max=1024))
+    assert (narrow.ctx_total, narrow.ctx_per_slot) == (4096, 4096)  # the whole pool, under the trained context
+    split = lane_for(Persona(model=model.name, parallel=4, ctx_max=1024))
+    assert (split.ctx_total, split.ctx_per_slot) == (4096, 1024)
+    no_flag = lane_for(Persona(model=model.name, parallel=4, kv_unified=True, ctx_max=1024),
+                       ServerCaps(has_kv_unified=False))  # fmt: skip
+    assert (no_flag.kv_unified, no_flag.ctx_per_slot) == (False, 1024)  # a stream per slot: the binary splits it

@@ -97,21 +97,42 @@ async def test_reported_kv_equals_plan(case, nats_server, tmp_path, llama_server
     assert ("--swa-full" in argv) == spec.swa_full == (arch == "gemma3" and not persona)
 
 
-async def test_props_show_planned_context_and_slots(nats_server, tmp_path, llama_server):
-    """Checked here from outside the agent too: /props of the running lane."""
+async def _props_of_planned_lane(nats_url: str, tmp_path, llama_server: str, n_ctx_train: int, persona: Persona):
+    """The real lane the planner plans for `persona` (a model "m" trained at `n_ctx_train`): its
+    /props, once healthy, and its spec."""
     models = tmp_path / "models"
     models.mkdir()
-    write_llama(models / "m.gguf", n_layer=2, n_ctx_train=8192)
-    demand = Demand(personas=(Persona(model="m", parallel=4, ctx_min=512, ctx_max=1000),))
-    async with services(nats_server.url) as s, client(nats_server.url) as nc:
-        await _planner_with(nc, s, {}, demand)
+    write_llama(models / "m.gguf", n_layer=2, n_ctx_train=n_ctx_train)
+    async with services(nats_url) as s, client(nats_url) as nc:
+        await _planner_with(nc, s, {}, Demand(personas=(persona,)))
         cfg = agent_config(tmp_path, "props", models, llama_server)
         s.start_agent(cfg)
         lane = await eventually(_healthy(nc, "props", "m-0"), timeout=60, what="lane healthy")
         ask = urllib.request.Request(f"http://127.0.0.1:{lane.port}/props", headers=lane_auth(cfg, "m-0"))
         with urllib.request.urlopen(ask, timeout=5) as r:
             props = json.loads(r.read())
+        plan = await fleet_status(nc)
+    return props, next(lane for hp in plan.plans for lane in hp.lanes if lane.lane_id == "m-0")
+
+
+async def test_props_show_planned_context_and_slots(nats_server, tmp_path, llama_server):
+    """Checked here from outside the agent too: /props of the running lane."""
+    persona = Persona(model="m", parallel=4, ctx_min=512, ctx_max=1000)
+    props, _ = await _props_of_planned_lane(nats_server.url, tmp_path, llama_server, 8192, persona)
     assert props["default_generation_settings"]["n_ctx"] == 768
+    assert props["total_slots"] == 4
+
+
+async def test_a_shared_cache_larger_than_the_trained_context_serves_the_planned_slot_window(
+    nats_server, tmp_path, llama_server
+):
+    """--kv-unified with slots x window past the trained context: the binary caps each slot at the
+    trained context, whatever the cache holds. The plan said the whole cache per slot, so the
+    lane's /props never matched and it stayed 'mismatch' (found by bench/router_bench.py)."""
+    persona = Persona(model="m", parallel=4, kv_unified=True, ctx_min=1024, ctx_max=1024)
+    props, spec = await _props_of_planned_lane(nats_server.url, tmp_path, llama_server, 1024, persona)
+    assert (spec.ctx_total, spec.ctx_per_slot, spec.kv_unified) == (4096, 1024, True)
+    assert props["default_generation_settings"]["n_ctx"] == 1024
     assert props["total_slots"] == 4
 
 

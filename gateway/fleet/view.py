@@ -87,7 +87,7 @@ def kept_tokens(spec) -> int:
     """Prompt tokens llama-server keeps for a lane: each slot's last prompt (its window) and what
     its host-RAM prompt cache (--cache-ram MiB; None: the binary's 8192) holds at the KV bytes a
     token takes (the plan's KV over its cells). 0 where the plan does not say."""
-    slots = spec.parallel * spec.ctx_per_slot
+    slots = spec.ctx_total  # every slot's cells, shared (--kv-unified) or not
     memory = spec.memory
     per_token = memory.kv_bytes / memory.kv_cells if memory.kv_cells > 0 and memory.kv_bytes > 0 else 0.0
     ram = 8192 if spec.cache_ram_mib is None else spec.cache_ram_mib

@@ -64,7 +64,8 @@ class FleetConfig(Message, tag="fleet_config", forbid_unknown_fields=True, kw_on
     # Models on demand: seconds with no request after which a model's lanes unload (a
     # persona's idle_ttl overrides it); 0: never, lanes stay loaded as planned.
     idle_ttl: Annotated[float, msgspec.Meta(ge=0.0, le=31_536_000.0)] = 0.0
-    # A lane loaded less than this many seconds ago is never evicted to make room (anti-thrash).
+    # A lane is not evicted to make room before it has served this many seconds, or ten times its
+    # load time where that is shorter (anti-thrash; planner_svc/eviction.residency).
     min_residency: Annotated[float, msgspec.Meta(ge=0.0, le=86400.0)] = 30.0
     # Scaling by demand (personas with max_lanes): a lane is added when a gateway reports a queue
     # wait above scale_up_wait seconds this many reports in a row, and an added lane is removed
