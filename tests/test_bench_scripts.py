@@ -180,3 +180,23 @@ def test_hostile_clients_small(tmp_path, llama_server):
     by_name = {c["case"].split(" (")[0]: c for c in cases}
     assert by_name["slow headers"]["closed"] and by_name["slow body"]["status"] == 408
     assert by_name["n_probs 1,000,000"]["code"] == "out_of_range"
+
+
+def test_router_bench_small(tmp_path, llama_server):
+    """lanes (as shipped and with the router's 4 slots) and llama-server's router mode answer every
+    request of each trace, and every figure of the table is there."""
+    out = tmp_path / "router.json"
+    result = run("router_bench.py", "--small", "--json", str(out), timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["side"], r["trace"]) for r in rows} == {
+        (side, trace) for side in ("lanes", "lanes-4slots", "router") for trace in ("steady", "mix", "conversations")
+    }
+    for r in rows:
+        assert r["failed"] == 0 and r["answered"] > 0, r
+        assert r["ttft_p50_s"] > 0 and r["output_tok_s"] > 0 and r["peak_llama_rss_mib"] > 0, r
+        if r["trace"] == "mix":
+            assert r["cold_ttft_s"] > 0, r
+        if r["trace"] == "conversations":
+            assert r["cached_ratio"] > 0, r  # the shared system prompt is reused
+    assert all(r["models_max"] == 2 for r in rows if r["side"] == "router")
