@@ -380,3 +380,17 @@ def test_a_model_wanted_all_the_time_gives_its_memory_up_to_a_wake_that_waited()
             assert lanes_of(f.replan(float(t))) == {"h1": ["a"]}, t
             assert "has requests in flight or queued" in f.state.waiting["b"]
     assert lanes_of(f.replan(50.0)) == {"h1": ["b"]}  # woken at 40: waited 10 s
+
+
+def test_the_model_woken_first_goes_first_whatever_its_latest_repeat():
+    """Gateways repeat a wake every second; ordered by the latest repeat, two waiting models took
+    turns at the head at every replan. The first wake orders them."""
+    models = (llama_1b("a"), llama_1b("b"), llama_1b("c"))
+    f = Fleet([one_room_host(models=models)], Demand(personas=(Persona(model="a"),)))
+    assert lanes_of(f.replan(0.0)) == {"h1": ["a"]}
+    f.wake("b", 40.0)
+    f.wake("c", 41.0)
+    f.wake("c", 44.0)
+    f.wake("b", 45.0)  # b's latest repeat is now the younger one
+    assert lanes_of(f.replan(45.0)) == {"h1": ["b"]}
+    assert "b-0 on h1 loaded 0 s ago" in f.state.waiting["c"]  # c waits for b's residency
