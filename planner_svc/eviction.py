@@ -6,10 +6,10 @@ lane needs. Here a woken model goes, in this order:
 
 1. to a host where its lane fits with no eviction (most room left first);
 2. else to the host where the smallest set of evictable lanes frees enough on every device
-   the lane needs; among sets of one size, the lowest persona priority, then the least
-   recently used, is evicted first.
+   the lane needs; among sets of one size, the lowest persona priority, then idle before busy,
+   then the least recently used, is evicted first.
 
-Never evicted: a lane pinned by its persona's `min_lanes`; one that has served for less than
+Kept from eviction: a lane pinned by its persona's `min_lanes`; one that has served for less than
 its residency (anti-thrash: A B A A C A B C never swaps on every request); one whose model has
 requests in flight or queued at any gateway, until the wake has waited as long as that lane's
 residency: then a busy lane of no higher priority than the woken model may go too (it drains:
