@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import msgspec
 from aiohttp import web
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,11 +40,16 @@ LAST = (b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"length"}],"ti
         b'{"prompt_n":12,"cache_n":500,"prompt_per_second":900.0}}\n\ndata: [DONE]\n\n')  # fmt: skip
 
 
+TOKEN = b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n'
+
+
 async def stub_chat(request: web.Request) -> web.StreamResponse:
-    await request.read()
+    asked = msgspec.json.decode(await request.read())
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
-    await resp.write(b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n')
+    for _ in range(asked.get("max_tokens") or 1):
+        await resp.write(TOKEN)
+        await asyncio.sleep(0)  # one chunk per token, as a lane sends them
     await resp.write(LAST)
     return resp
 
@@ -65,6 +71,7 @@ async def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=400)
     ap.add_argument("--prompt-chars", type=int, default=2000)
+    ap.add_argument("--tokens", type=int, default=32, help="tokens per answer in the CPU rounds")
     args = ap.parse_args()
     lane = web.Application()
     lane.router.add_post("/v1/chat/completions", stub_chat)
@@ -97,14 +104,24 @@ async def main() -> int:
               f"TTFB p50 direct {statistics.median(d for d, _ in pairs) * 1e3:.3f} ms, through the gateway "
               f"{statistics.median(t for _, t in pairs) * 1e3:.3f} ms; added (median of paired differences) "
               f"{added * 1e3:.3f} ms")  # fmt: skip
+        long = payload | {"max_tokens": args.tokens}
+        cpu = {}
+        for url in (direct, through, direct, through):
+            began = time.process_time()
+            for _ in range(args.rounds // 4):
+                await ttfb(http, url, long)
+            cpu.setdefault(url, []).append((time.process_time() - began) / (args.rounds // 4))
+        d, t = min(cpu[direct]), min(cpu[through])
+        print(f"this process's CPU per request of {args.tokens} tokens: direct {d * 1e3:.3f} ms, through the gateway "
+              f"{t * 1e3:.3f} ms: the gateway's own {(t - d) * 1e3:.3f} ms")  # fmt: skip
         profile = cProfile.Profile()
         profile.enable()
         for _ in range(args.rounds):
             await ttfb(http, through, payload)
         profile.disable()
     out = io.StringIO()
-    stats = pstats.Stats(profile, stream=out).sort_stats("tottime")
-    stats.print_stats(r"gateway/|aiohttp/|msgspec|json", 25)
+    stats = pstats.Stats(profile, stream=out).sort_stats(__import__("os").environ.get("SORT", "tottime"))
+    stats.print_stats(__import__("os").environ.get("PAT", r"gateway/|aiohttp/|msgspec|json"), int(__import__("os").environ.get("TOP", "25")))
     print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:6000])
     await runner.cleanup()
     await lane_runner.cleanup()

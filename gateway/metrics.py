@@ -16,6 +16,7 @@ from gateway.fleet import FleetView
 from shared.version import VERSION
 
 # Seconds: from sub-millisecond (a cached short answer) to minutes (long generations).
+OWN_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.1)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -105,6 +106,15 @@ class GatewayMetrics:
             "From the request's arrival to the first byte of the lane's answer",
             ["model"],
             buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.own_time = Histogram(
+            "lanes_gateway_own_seconds",
+            "The gateway's own time on a streamed answer's way to its first byte: from the request's arrival "
+            "to its lane's request sent, and from the lane's first byte to the client's (requests that "
+            "waited for no load, no slot and no second lane)",
+            ["model"],
+            buckets=OWN_BUCKETS,
             registry=self.registry,
         )
         self.cold_starts = Counter(

@@ -35,6 +35,7 @@ class Lease:
     pending: int = 0  # uncached prompt tokens counted on the lane until its first token
     prompt_tokens: int = 0  # its prompt's tokens as estimated then: charged for an answer cut short before it said them
     since: float = 0.0  # loop time it was given
+    queued: bool = False  # it waited in the queue for its slot (none was free at once)
 
     def prefilled(self) -> None:
         """The first token came: its prompt is no longer prefill ahead of the lane's next request."""

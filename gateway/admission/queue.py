@@ -29,7 +29,7 @@ from gateway import routing, tenants
 from gateway.admission.counts import LaneCounts
 from gateway.admission.lease import Lease, Waiter
 from gateway.fleet import FleetView, LaneKey
-from gateway.refusals import AdmissionError, QueueFull, QueueTimeout, Refused, UnknownModel
+from gateway.refusals import QueueFull, QueueTimeout, Refused, UnknownModel
 from gateway.routing import AffinityIndex, Fingerprint, LaneLoad, budget_chunks
 from gateway.tenants import Tenant, refusal_ceiling
 from shared import defaults
@@ -312,6 +312,7 @@ class Admission:
                         break
                     continue
                 queue.remove(waiter)
+                lease.queued = True
                 waiter.future.set_result(self._lent(lease, name, waiter.tenant))
             self._count(name)
 

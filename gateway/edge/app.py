@@ -11,7 +11,6 @@ keys, tenants and usage gateway/edge/tenancy.py's, the errors gateway/edge/opena
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from pathlib import Path
 
@@ -30,9 +29,10 @@ from gateway.edge.access import CookieSecret
 from gateway.edge.app_keys import (ADMISSION, COOKIE_SECRET, KEYS, LEFT, METRICS, SESSION, SETTINGS, TENANT, USAGE,
                                    VIEW, WAKER)  # fmt: skip
 from gateway.edge.endpoints import ENDPOINTS
+from gateway.edge.lane_stream import lane_socket
 from gateway.edge.forward import Shape, forward
 from gateway.edge.openai_errors import give_up, openai_error
-from gateway.edge.tenancy import cache_route, errors_and_keys, foreign_lanes, tenant_of, tenant_refusal
+from gateway.edge.tenancy import cache_route, errors_and_keys, foreign_lanes, tenant_refusal
 from gateway.fleet import FleetView
 from gateway.metrics import GatewayMetrics
 from gateway.routing import GiveUp, count_tokens, fingerprint
@@ -94,9 +94,10 @@ async def _metrics(request: web.Request) -> web.Response:
 async def _proxy(request: web.Request) -> web.StreamResponse:
     app = request.app
     started = time.perf_counter()
-    try:  # bounded by client_max_size (past it aiohttp answers 413) and by time
-        body = await asyncio.wait_for(request.read(), app[SETTINGS].client_timeout)
-    except asyncio.TimeoutError:
+    try:  # bounded by client_max_size (past it aiohttp answers 413) and by time (no task, as wait_for makes)
+        async with asyncio.timeout(app[SETTINGS].client_timeout):
+            body = await request.read()
+    except TimeoutError:
         slow = openai_error(408, f"the request body did not arrive within {app[SETTINGS].client_timeout:g} s",
                             "request_timeout")  # fmt: skip
         slow.force_close()  # the rest of the body is never read: the connection goes
@@ -187,7 +188,8 @@ async def _answer(
             if conversation is not None:
                 conversation = conversations.scoped(request.get(TENANT) or Tenant(), conversation)
             content_type = request.headers.get("Content-Type", "") if ENDPOINTS[request.path].form else None
-            shape = Shape(label, mark, too_small, tokens, streamed, kind, conversation, content_type)
+            shape = Shape(label, mark, too_small, tokens, streamed, kind, conversation, content_type,
+                          held=model.state != "ready")  # fmt: skip
             response = await forward(request, name, body, started, shape)
     return response
 
@@ -240,24 +242,7 @@ async def _window_check(
 
 # ------------------------------------------------------------------ the app
 
-# A lane whose host vanished (a cut link, a dead machine) leaves sent bytes unacknowledged
-# and keepalive probes unanswered: the connection fails in seconds instead of the kernel's
-# quarter of an hour, so a request sent on it is retried on another lane.
-LANE_TCP_USER_TIMEOUT_MS = 5000
 LANE_KEEPALIVE_IDLE = 2.0  # seconds an idle pooled connection to a lane is kept (llama-server: 5)
-LANE_KEEPALIVE = {"TCP_KEEPIDLE": 5, "TCP_KEEPINTVL": 2, "TCP_KEEPCNT": 3}
-
-
-def lane_socket(addr_info) -> socket.socket:
-    family, type_, proto, _, _ = addr_info
-    sock = socket.socket(family=family, type=type_, proto=proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in LANE_KEEPALIVE.items():
-        if hasattr(socket, name):
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
-    if hasattr(socket, "TCP_USER_TIMEOUT"):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, LANE_TCP_USER_TIMEOUT_MS)
-    return sock
 
 
 def admission_for(view: FleetView, settings: GatewaySettings) -> Admission:

@@ -15,6 +15,7 @@ from gateway import routing
 from gateway.admission import Lease
 from gateway.edge import adapters
 from gateway.edge.endpoints import ENDPOINTS
+from gateway.edge.lane_stream import LaneUnreachable, open_stream
 from gateway.edge.app_keys import ADMISSION, METRICS, SESSION, SETTINGS, TENANT, VIEW
 from gateway.edge.openai_errors import give_up, openai_error
 from gateway.edge.relay import assembled, cut_short, relay
@@ -38,6 +39,7 @@ class Shape:
     assembled: str | None = None  # plain, asked of the lane as a stream and put together (gateway/edge/assemble.py)
     conversation: str | None = None  # X-Conversation-Id as the lane sees it: a resumable stream (conversations.py)
     content_type: str | None = None  # a form's own (multipart, with its boundary); None: JSON
+    held: bool = False  # it waited for its model to load: its time is not the gateway's own
 
 
 def lane_headers(accept: str, streamed: bool) -> dict[str, str]:
@@ -84,23 +86,30 @@ async def forward(
         if shape.streamed or shape.assembled:
             wait = routing.first_byte_timeout(settings.first_byte_timeout, shape.tokens,
                                               admission.counts.prefill_rate.get(lane.key), total=remaining)  # fmt: skip
-        upstream, first = None, b""
+        upstream, first, first_at = None, b"", 0.0
         try:
             async with asyncio.timeout(wait):
-                upstream = await app[SESSION].post(
-                    lane.url + request.path,
-                    data=body if shape.content_type else adapters.body_for(body, name, lane),
-                    headers=lane_headers(request.headers.get("Accept", "*/*"), bool(shape.streamed or shape.assembled))
-                    | lane.auth | ({"X-Conversation-Id": shape.conversation} if shape.conversation else {})
-                    | ({"Content-Type": shape.content_type} if shape.content_type else {}),
-                    timeout=aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout),
-                )
-                if (shape.streamed or shape.assembled) and upstream.status == 200:
+                streams = bool(shape.streamed or shape.assembled)
+                data = body if shape.content_type else adapters.body_for(body, name, lane)
+                headers = (lane_headers(request.headers.get("Accept", "*/*"), streams) | lane.auth
+                           | ({"X-Conversation-Id": shape.conversation} if shape.conversation else {})
+                           | ({"Content-Type": shape.content_type} if shape.content_type else {}))  # fmt: skip
+                sent = time.perf_counter()
+                if streams:  # never pooled: the bare client (gateway/edge/lane_stream.py)
+                    upstream = await open_stream(lane.url, request.path, data, headers, settings.connect_timeout)
+                else:
+                    upstream = await app[SESSION].post(
+                        lane.url + request.path, data=data, headers=headers,
+                        timeout=aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout),
+                    )
+                if streams and upstream.status == 200:
                     first = await upstream.content.readany()  # the first token: the prefill is done
+                    first_at = time.perf_counter()
                     lease.prefilled()
         except aiohttp.ClientConnectionError as exc:  # refused, reset, closed before answering
             _drop(upstream, lease)
-            how = Failure.UNREACHABLE if isinstance(exc, aiohttp.ClientConnectorError) else Failure.DROPPED
+            unreachable = isinstance(exc, (aiohttp.ClientConnectorError, LaneUnreachable))
+            how = Failure.UNREACHABLE if unreachable else Failure.DROPPED
             _lane_failed(view, Attempt(lane.key, how, f"{type(exc).__name__} {exc}"), history)
             continue
         except asyncio.TimeoutError:
@@ -147,7 +156,9 @@ async def forward(
         sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
         if shape.assembled and upstream.status == 200 and sse:  # (a lane that answers plain is relayed as it is)
             return await assembled(request, upstream, lease, started, first, shape.assembled)
-        return await relay(request, upstream, lease, started, first, resumable=shape.conversation is not None)
+        own = None if history or shape.held or lease.queued or not first_at else (sent - started, first_at)
+        return await relay(request, upstream, lease, started, first, resumable=shape.conversation is not None,
+                           own=own)  # fmt: skip
 
 
 TESTED_BUILD = "b11434"  # llama.cpp's build whose endpoints gateway/edge/endpoints.py lists

@@ -16,6 +16,7 @@ from gateway import routing
 from gateway.admission import Lease
 from gateway.edge import assemble
 from gateway.edge.app_keys import LEFT, METRICS, SETTINGS, VIEW, WAKER
+from gateway.edge.lane_stream import LaneStream, Stalled, TimeUp
 from gateway.edge.openai_errors import give_up, openai_error, sse_error
 from gateway.edge.tenancy import count_cut_short, count_usage
 from gateway.routing import Attempt, Failure, GiveUp
@@ -26,28 +27,28 @@ log = structlog.get_logger("lanes.gateway")
 STOP_WAIT = 5.0  # the most an answer whose client left is read on, until its lane stops (b11434: 40 ms)
 
 
-class _Stalled(Exception):
-    """No byte from the lane for the idle timeout, mid-answer."""
 
 
-class _TimeUp(Exception):
-    """The request's own time ran out while its answer still flowed: the lane is not to blame."""
-
-
-async def _chunks(upstream: aiohttp.ClientResponse, first: bytes, idle: float, deadline: float) -> AsyncIterator[bytes]:
+async def _chunks(upstream: aiohttp.ClientResponse | LaneStream, first: bytes, idle: float,
+                  deadline: float) -> AsyncIterator[bytes]:  # fmt: skip
     """The lane's answer chunk by chunk, each within `idle` seconds and all before `deadline` (loop time)."""
     loop = asyncio.get_running_loop()
     if first:
         yield first
+    if isinstance(upstream, LaneStream):
+        upstream.watch(idle, deadline)
+        while chunk := await upstream.content.readany():
+            yield chunk
+        return
     while True:
         left = deadline - loop.time()
         if left <= 0:
-            raise _TimeUp
+            raise TimeUp
         try:
             async with asyncio.timeout(min(idle, left)):
                 chunk = await upstream.content.readany()
         except TimeoutError:
-            raise (_TimeUp if idle >= left else _Stalled) from None
+            raise (TimeUp if idle >= left else Stalled) from None
         if not chunk:
             return
         yield chunk
@@ -55,7 +56,7 @@ async def _chunks(upstream: aiohttp.ClientResponse, first: bytes, idle: float, d
 
 async def relay(
     request: web.Request, upstream: aiohttp.ClientResponse, lease: Lease, started: float, first_chunk: bytes = b"",
-    resumable: bool = False,
+    resumable: bool = False, own: tuple[float, float] | None = None,
 ) -> web.StreamResponse:
     """Copy the lane's answer as it arrives; a break after the first byte ends the stream with an error.
     A `resumable` one (X-Conversation-Id) goes on when its client leaves: the client may come back
@@ -63,6 +64,8 @@ async def relay(
 
     A stream that reaches the request timeout while it still flows is ended, and its lane stays in
     rotation; one whose lane sends nothing for --stream-idle-timeout marks the lane stalled.
+    `own`: (the gateway's time before the lane's request was sent, when the lane's first byte
+    came), where that is the gateway's own time (forward.py): observed once the byte is out.
     """
     app, lane, settings = request.app, lease.lane, request.app[SETTINGS]
     resp = web.StreamResponse(status=upstream.status)
@@ -89,13 +92,16 @@ async def relay(
                 if counting:
                     read.feed(chunk)  # first: a client that leaves during the write is still charged for it
                 await resp.write(chunk)
+                if own is not None:
+                    app[METRICS].own_time.labels(lane.alias).observe(own[0] + time.perf_counter() - own[1])
+                    own = None
             finished = True
             if counting:
                 charged = True
                 count_usage(app, lease, read.usage(), read.output(), measure)
-        except (aiohttp.ClientError, asyncio.TimeoutError, _Stalled, _TimeUp) as exc:
+        except (aiohttp.ClientError, asyncio.TimeoutError, Stalled, TimeUp) as exc:
             # Bytes went out: routing ends the answer with its error, whatever other lanes there are.
-            broken = not isinstance(exc, _TimeUp)
+            broken = not isinstance(exc, TimeUp)
             end = _broken(app, lane, exc)
             if streamed:
                 await resp.write(sse_error(end))
@@ -130,8 +136,8 @@ async def assembled(
             parts.feed(chunk)
             read.feed(chunk)
         finished = True
-    except (aiohttp.ClientError, asyncio.TimeoutError, _Stalled, _TimeUp) as exc:
-        lane_ok = isinstance(exc, _TimeUp)
+    except (aiohttp.ClientError, asyncio.TimeoutError, Stalled, TimeUp) as exc:
+        lane_ok = isinstance(exc, TimeUp)
         return give_up(_broken(app, lane, exc), settings)
     except ValueError as exc:  # not the stream llama-server sends
         return openai_error(502, f"lane {lane.host_id}/{lane.lane_id} sent a stream that is not JSON: {exc}",
@@ -215,10 +221,10 @@ async def settle_left(app: web.Application) -> None:
 def _broken(app: web.Application, lane, exc: BaseException) -> GiveUp:
     """The error that ends an answer cut short, and what it says of the lane."""
     settings = app[SETTINGS]
-    if isinstance(exc, _TimeUp):  # a long answer, still progressing: the lane did nothing wrong
+    if isinstance(exc, TimeUp):  # a long answer, still progressing: the lane did nothing wrong
         return GiveUp(504, f"the answer did not finish within the request timeout of {settings.request_timeout:g} s",
                       "timeout")  # fmt: skip
-    if isinstance(exc, _Stalled):
+    if isinstance(exc, Stalled):
         failed = Attempt(lane.key, Failure.STALLED, f"no byte for {settings.stream_idle_timeout:g} s mid-answer")
         app[VIEW].mark_stalled(lane.key, routing.stalled_reason(failed))
     else:
