@@ -158,7 +158,7 @@ async def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--small", action="store_true", help="few rounds (a smoke run)")
     ap.add_argument("--rounds", type=int, default=400, help="paired rounds at 1 stream")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "door_results.json"))
+    ap.add_argument("--out", help="where the JSON goes (default: bench/door_results.json; none for --small)")
     args = ap.parse_args()
     llama = find_llama_server() or sys.exit("no llama-server: run `lanes install-llama`")
     setup_logging("warning")
@@ -192,7 +192,8 @@ async def main() -> int:
                     before = proc.cpu_times()
                     await asyncio.sleep(IDLE_S)
                     after = proc.cpu_times()
-                    results["gateway_idle_cpu_percent"] = (after.user + after.system - before.user - before.system) / IDLE_S * 100
+                    idle = after.user + after.system - before.user - before.system
+                    results["gateway_idle_cpu_percent"] = idle / IDLE_S * 100
                     own_before = await own_buckets(http, gateway)
                     paths = {"direct": direct, "floor": floor, "gateway": gateway, "gateway_pooled": gateway}
                     results["one_stream"] = one = await first_bytes(http, pooled, paths, rounds1)
@@ -210,8 +211,9 @@ async def main() -> int:
                     relay.wait()
         finally:
             await fleet.close()
-    if not args.small:
-        Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
+    out = args.out or (None if args.small else ROOT / "bench" / "door_results.json")
+    if out is not None:
+        Path(out).write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
     return 0
 

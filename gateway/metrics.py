@@ -111,7 +111,7 @@ class GatewayMetrics:
         self.own_time = Histogram(
             "lanes_gateway_own_seconds",
             "The gateway's own time on a streamed answer's way to its first byte: from the request's arrival "
-            "to its lane's request sent, and from the lane's first byte to the client's (requests that "
+            "to its lane's request sent (its connection to the lane included), and from the lane's first byte to the client's (requests that "
             "waited for no load, no slot and no second lane)",
             ["model"],
             buckets=OWN_BUCKETS,

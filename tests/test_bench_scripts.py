@@ -200,3 +200,18 @@ def test_router_bench_small(tmp_path, llama_server):
         if r["trace"] == "conversations":
             assert r["cached_ratio"] > 0, r  # the shared system prompt is reused
     assert all(r["models_max"] == 2 for r in rows if r["side"] == "router")
+
+
+def test_door_bench_small(tmp_path, llama_server):
+    """Every path of the door's bench answers on a real lane, and every figure is there."""
+    out = tmp_path / "door.json"
+    result = run("door_bench.py", "--small", "--out", str(out), timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = json.loads(out.read_text())
+    one = got["one_stream"]
+    for path in ("direct", "floor", "gateway", "gateway_pooled"):
+        assert one[f"{path}_p50_ms"] > 0, one
+    assert one["gateway_own_p50_ms"] is not None and 0 < one["gateway_own_p50_ms"] < one["gateway_p50_ms"], one
+    for streams in ("streams_8", "streams_64"):
+        assert got[streams]["ratio"] > 0 and got[streams]["gateway_cpu_ms_per_request"] > 0, got[streams]
+    assert got["gateway_idle_cpu_percent"] >= 0

@@ -94,7 +94,6 @@ async def forward(
                 headers = (lane_headers(request.headers.get("Accept", "*/*"), streams) | lane.auth
                            | ({"X-Conversation-Id": shape.conversation} if shape.conversation else {})
                            | ({"Content-Type": shape.content_type} if shape.content_type else {}))  # fmt: skip
-                sent = time.perf_counter()
                 if streams:  # never pooled: the bare client (gateway/edge/lane_stream.py)
                     upstream = await open_stream(lane.url, request.path, data, headers, settings.connect_timeout)
                 else:
@@ -156,7 +155,9 @@ async def forward(
         sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
         if shape.assembled and upstream.status == 200 and sse:  # (a lane that answers plain is relayed as it is)
             return await assembled(request, upstream, lease, started, first, shape.assembled)
-        own = None if history or shape.held or lease.queued or not first_at else (sent - started, first_at)
+        sent = getattr(upstream, "sent_at", 0.0)  # (the bare client's: its connect is the gateway's time too)
+        waited = history or shape.held or lease.queued
+        own = None if waited or not first_at or not sent else (sent - started, first_at)
         return await relay(request, upstream, lease, started, first, resumable=shape.conversation is not None,
                            own=own)  # fmt: skip
 

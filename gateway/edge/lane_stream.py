@@ -116,6 +116,7 @@ class LaneStream(asyncio.Protocol):
         self.headers: CIMultiDictProxy[str] = CIMultiDictProxy(CIMultiDict())
         self.content_length: int | None = None
         self.content = _Content(self)
+        self.sent_at = 0.0  # perf_counter when the request was written: the gateway's own time ends there
 
     # ------------------------------------------------------------- what the edge reads
 
@@ -318,6 +319,9 @@ async def open_stream(
     head = f"POST {path} HTTP/1.1\r\n{_head_line('Host', authority)}" + "".join(
         _head_line(k, v) for k, v in headers.items() if k.lower() not in ("host", "content-length")
     ) + f"Content-Length: {len(body)}\r\n\r\n"
+    # Stamped before the write: the send wakes the lane, which may take the CPU from this process
+    # for its whole prefill on a small host, and that is the lane's time, not the gateway's.
+    stream.sent_at = time.perf_counter()
     stream.transport.write(head.encode("latin-1") + body)
     try:
         await stream._head
