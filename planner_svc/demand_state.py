@@ -48,6 +48,15 @@ class DemandState:
     # Lanes added by measured demand (planner_svc/scaling.py).
     scale: ScaleState = field(default_factory=ScaleState)
 
+    def first_wake(self, name: str) -> float:
+        """When `name` was first woken of the wakes it still has (its latest wake for older state)."""
+        return self.woken_since.get(name, self.wakes[name])
+
+    def waiting_order(self) -> list[str]:
+        """The woken persona names, the first woken first: by their first wake, as gateways repeat
+        a wake every second and by the latest one two waiting models swapped places at every replan."""
+        return sorted(self.wakes, key=lambda n: (self.first_wake(n), n))
+
     def note_wake(self, name: str, now: float) -> tuple[DemandState, bool]:
         """A gateway asks for `name`: the state after, and whether the planner must replan (a new
         or failed-out wake)."""

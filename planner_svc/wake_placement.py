@@ -162,10 +162,7 @@ def place_wakes(
     for round_ in range(MAX_ROUNDS + 1):
         fleet = plan_with(state, personas, reports, config, previous, feedback, config_revision)
         placed = placed_names(fleet)
-        # The oldest wake first, by its first wake: gateways repeat a wake every second, so by the
-        # latest one two waiting models swapped places at every replan.
-        since = {n: state.woken_since.get(n, t) for n, t in state.wakes.items()}
-        pending = sorted((n for n in state.wakes if n not in placed and n not in failed), key=lambda n: (since[n], n))
+        pending = [n for n in state.waiting_order() if n not in placed and n not in failed]
         for n in pending[1:]:
             waiting.setdefault(n, f"waits behind {pending[0]}")  # retried while it waits
         if not pending:
@@ -177,7 +174,7 @@ def place_wakes(
         woken = persona_for(personas, name)
         rooms, candidates = _rooms_and_candidates(woken, fleet, reports, config, personas, feedback, state, now)
         choice = chooser(rooms, candidates, now=now, min_residency=config.min_residency,
-                         waited=now - since[name], priority=woken.priority)  # fmt: skip
+                         waited=now - state.first_wake(name), priority=woken.priority)  # fmt: skip
         if isinstance(choice, NoRoom):
             (failed if choice.failed else waiting)[name] = choice.reason
             if not choice.failed:

@@ -74,10 +74,7 @@ def effective(
             n = min(p.max_lanes, n + extra)
         if n:
             out.append(msgspec.structs.replace(p, lanes=n))
-    # The oldest wake first, by its first wake (gateways repeat a wake every second).
-    since = {n: state.woken_since.get(n, t) for n, t in state.wakes.items()}
-    woken = [persona_for(personas, n).model for n in sorted(state.wakes, key=lambda n: (since[n], n))
-             if persona_for(personas, n) is not None]  # fmt: skip
+    woken = [persona_for(personas, n).model for n in state.waiting_order() if persona_for(personas, n) is not None]
     # Only while a wake waits: otherwise personas keep their priority order (today's plans).
     first = list(dict.fromkeys([m for _, m in sorted(residents)] + woken)) if woken else []
     shown = [_without(r, {m for m, hosts in state.excluded.items() if r.host_id in hosts}) for r in reports]
