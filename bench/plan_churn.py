@@ -27,7 +27,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import msgspec  # noqa: E402
 
 from planner_svc.planner import plan  # noqa: E402
 from planner_svc.policy import ram_pressed  # noqa: E402

@@ -13,6 +13,13 @@ times and the median decode tokens/s kept. Acceptance is llama-server's own coun
 planner_svc/speculative.py's shapes) against the -lv 4 lines, and the RSS after the runs.
 
     .venv/bin/python bench/spec_bench.py [--rounds 3] [--tokens 128] [--out bench/spec_results.json]
+
+With `--slots 1,2,4,8`: the same speculators on Gemma at each number of busy slots instead (a
+server of that many slots, as many requests of one task at once; total generated tokens over the
+wall time, median of the rounds), each against no speculator at the same count: what a lane's
+concurrency does to the gain (planner_svc/speculative.py's MEASURED_BY_SLOTS).
+
+    .venv/bin/python bench/spec_bench.py --slots 1,2,4,8 [--rounds 2] [--tokens 96] [--out bench/spec_slots.json]
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,10 +95,10 @@ def _post(port: int, path: str, body: dict, timeout: float = 600) -> dict:
 class Server:
     """One llama-server with -lv 4, its log lines kept until it is loaded."""
 
-    def __init__(self, binary: str, model: Path, extra: list[str], ctx: int, threads: int) -> None:
+    def __init__(self, binary: str, model: Path, extra: list[str], ctx: int, threads: int, slots: int = 1) -> None:
         self.port = _port()
         argv = [binary, "--model", str(model), "--host", "127.0.0.1", "--port", str(self.port), "--ctx-size", str(ctx),
-                "--parallel", "1", "--n-gpu-layers", "0", "-fit", "off", "--threads", str(threads),
+                "--parallel", str(slots), "--n-gpu-layers", "0", "-fit", "off", "--threads", str(threads),
                 "--threads-batch", str(threads), "--cache-ram", "0", "--verbosity", "4", *extra]  # fmt: skip
         self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
@@ -174,6 +182,43 @@ def run_config(binary, model, spec, draft, tasks, args, chat) -> dict:
         server.stop()
 
 
+def busy_slots(binary, model, spec, slots: int, args) -> dict:
+    """Total decode tokens/s with `slots` requests of each task at once on a server of that many slots."""
+    extra = ["--spec-type", spec] if spec else []
+    server = Server(binary, model, extra, args.ctx * slots, args.threads, slots=slots)
+    try:
+        out: dict = {"spec": spec or "none", "slots": slots, "tasks": {}}
+        with ThreadPoolExecutor(slots) as pool:
+            for name in TASKS:
+                rates, accepted, drafted = [], 0, 0
+                for _ in range(args.rounds):
+                    began = time.perf_counter()
+                    runs = list(pool.map(lambda _: _ask(server, TASKS[name], args.tokens, True), range(slots)))
+                    rates.append(sum(r["n"] for r in runs) / (time.perf_counter() - began))
+                    accepted += sum(r["accepted"] for r in runs)
+                    drafted += sum(r["draft"] for r in runs)
+                acceptance = accepted / drafted if drafted else None
+                out["tasks"][name] = {"tps": statistics.median(rates), "acceptance": acceptance}
+                print(f"  {spec or 'none':13} {slots} slots {name:10} {out['tasks'][name]['tps']:7.1f} tok/s",
+                      flush=True)  # fmt: skip
+        return out
+    finally:
+        server.stop()
+
+
+def gains_by_slots(rows: list[dict]) -> dict[str, dict[int, tuple[float, float]]]:
+    """Per speculator and slot count: (copy-heavy gain as the geometric mean of text and code, free gain)."""
+    base = {r["slots"]: r["tasks"] for r in rows if r["spec"] == "none"}
+    out: dict[str, dict[int, tuple[float, float]]] = {}
+    for r in rows:
+        if r["spec"] == "none" or r["slots"] not in base:
+            continue
+        ratio = {k: r["tasks"][k]["tps"] / base[r["slots"]][k]["tps"] for k in TASKS}
+        copy = (ratio["copy-text"] * ratio["copy-code"]) ** 0.5
+        out.setdefault(r["spec"], {})[r["slots"]] = (round(copy, 2), round(ratio["free"], 2))
+    return out
+
+
 def gemma_file(folder: Path) -> Path:
     from lanes.demo_model import ensure_demo_model
 
@@ -188,12 +233,13 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--specs", default=",".join(NGRAM))
     ap.add_argument("--skip-gemma", action="store_true")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "spec_results.json"))
+    ap.add_argument("--slots", help="busy slot counts to measure (e.g. 1,2,4,8) instead of the one-slot run")
+    ap.add_argument("--out", help="default: bench/spec_results.json (bench/spec_slots.json with --slots)")
     args = ap.parse_args()
-    binary = find_llama_server()
-    if binary is None:
-        print("no llama-server: run `lanes install-llama`", file=sys.stderr)
-        return 2
+    binary = find_llama_server() or sys.exit("no llama-server: run `lanes install-llama`")
+    if args.slots:
+        return by_slots(binary, args)
+    args.out = args.out or str(ROOT / "bench" / "spec_results.json")
     results = {"gemma": [], "pair": [], "args": vars(args), "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     with tempfile.TemporaryDirectory(prefix="spec-bench-") as tmp:
         tmp = Path(tmp)
@@ -213,6 +259,24 @@ def main() -> int:
             results["pair"].append(run_config(binary, target, spec, d, ["free"], args, chat=False))
     Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
     print(f"written {args.out}")
+    return 0
+
+
+def by_slots(binary: str, args) -> int:
+    counts = [int(c) for c in args.slots.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="spec-bench-") as tmp:
+        gemma = gemma_file(Path(tmp) / "gemma")
+        for slots in counts:
+            for spec in [None, *[s for s in args.specs.split(",") if s]]:
+                rows.append(busy_slots(binary, gemma, spec, slots, args))
+    gains = gains_by_slots(rows)
+    for spec, by in gains.items():
+        print(f"{spec:13} " + "  ".join(f"{n} slots x{c:.2f} copy, x{f:.2f} free" for n, (c, f) in sorted(by.items())))
+    out = args.out or str(ROOT / "bench" / "spec_slots.json")
+    Path(out).write_text(json.dumps({"rows": rows, "gains": gains, "args": vars(args),
+                                     "measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, indent=1) + "\n")
+    print(f"written {out}")
     return 0
 
 

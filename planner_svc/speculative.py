@@ -2,7 +2,9 @@
 
 A persona's `speculative` (or the fleet's): `off`, a --spec-type, or `auto`, which turns on the
 speculator bench/spec_bench.py measured fastest for that kind of lane, and only where it gained on
-copy-heavy work without losing on free generation (MEASURED holds its figures). A draft model is
+copy-heavy work without losing on free generation (MEASURED holds its figures), with one slot busy
+and with as many busy as the lane has (MEASURED_BY_SLOTS: a busy batch leaves drafts less idle
+compute to fill, so a gain with one stream can be a loss with eight). A draft model is
 the persona's `draft`, or a smaller model on the host with the target's vocabulary (same tokenizer
 and n_vocab); a draft whose vocabulary differs is refused with the reason.
 """
@@ -27,6 +29,17 @@ MEASURED: dict[tuple[str, str], tuple[float, float]] = {
     ("cpu", "ngram-mod"): (1.53, 2.42),
     ("cpu", "ngram-cache"): (1.72, 0.95),
     ("cpu", "draft-simple"): (0.30, 0.30),
+}
+# bench/spec_bench.py --slots 1,2,4,8 (bench/spec_slots.json, 2026-12-06, a quiet machine): the same
+# gains with that many slots busy at once (a server of that many slots and 2 threads, each slot
+# running one request of the task; total tokens per second over the wall time, prefill included,
+# against no speculator at the same count). Where a kind has these, its count-1 figure stands for
+# one slot too (one method at every count); MEASURED then only serves the kinds without.
+MEASURED_BY_SLOTS: dict[tuple[str, str], dict[int, tuple[float, float]]] = {
+    ("cpu", "ngram-simple"): {1: (1.52, 1.30), 2: (1.30, 1.11), 4: (1.15, 1.10), 8: (0.98, 0.96)},
+    ("cpu", "ngram-map-k"): {1: (1.23, 1.13), 2: (1.09, 1.16), 4: (1.13, 1.17), 8: (1.21, 1.24)},
+    ("cpu", "ngram-mod"): {1: (1.32, 1.32), 2: (1.12, 1.23), 4: (1.25, 1.11), 8: (1.25, 1.14)},
+    ("cpu", "ngram-cache"): {1: (0.95, 1.05), 2: (1.02, 1.10), 4: (1.03, 0.96), 8: (0.92, 1.07)},
 }
 AUTO_MIN_GAIN = 1.10  # auto: at least this on copy-heavy work ...
 AUTO_MAX_LOSS = 0.97  # ... and no worse than this on free generation
@@ -73,22 +86,72 @@ def find_draft(target: ModelFacts, persona: Persona, models: Sequence[ModelFacts
     return best, f"draft {best.name}: the smallest model here with {target.name}'s vocabulary ({target.n_vocab} tokens)"
 
 
-def _auto(device: str, draft: ModelFacts | None, available: Sequence[str]) -> tuple[str | None, str]:
-    """auto's choice for this kind of lane, from the benchmark's figures."""
-    gains = []
-    for (dev, kind), (copy, free) in MEASURED.items():
-        if dev != device or kind not in available or (kind in DRAFT_KINDS and draft is None):
+def busy_figures(device: str, kind: str, slots: int) -> tuple[int, float, float] | None | str:
+    """The figures that stand for a lane of `slots` slots all busy: the smallest measured count at
+    or past them (the largest, beyond every count), as (count, copy-heavy, free); None where one
+    slot needs none; a reason where the kind was never measured busy."""
+    if slots <= 1:
+        return None
+    measured = MEASURED_BY_SLOTS.get((device, kind))
+    if not measured:
+        return f"{kind} was not measured with several slots busy"
+    count = min((c for c in measured if c >= slots), default=max(measured))
+    return (count, *measured[count])
+
+
+def _loses_busy(device: str, kind: str, slots: int) -> str | None:
+    """Why `kind` may not run on a lane of `slots` slots: at some measured count up to them it loses
+    on free generation, or at its slot count it gains too little on copy-heavy work. None: it may."""
+    at_slots = busy_figures(device, kind, slots)
+    if at_slots is None:
+        return None
+    if isinstance(at_slots, str):
+        return at_slots
+    count, copy, free = at_slots
+    for c, (_, f) in sorted(MEASURED_BY_SLOTS[(device, kind)].items()):
+        if c <= count and f < AUTO_MAX_LOSS:
+            return f"{kind} x{f:.2f} on free generation with {c} slots busy"
+    if copy < AUTO_MIN_GAIN:
+        return f"{kind} x{copy:.2f} on copy-heavy work with {count} slots busy"
+    return None
+
+
+def one_slot(device: str, kind: str) -> tuple[float, float] | None:
+    """(copy-heavy, free) gains with one slot busy: the busy-slot run's where it measured the kind."""
+    busy = MEASURED_BY_SLOTS.get((device, kind))
+    return busy[1] if busy and 1 in busy else MEASURED.get((device, kind))
+
+
+def _auto(device: str, draft: ModelFacts | None, available: Sequence[str], slots: int = 1) -> tuple[str | None, str]:
+    """auto's choice for this kind of lane (its device and its slot count), from the benchmark's
+    figures: a speculator that gains with one slot busy and loses nothing at any load up to all
+    of the lane's slots."""
+    gains, busy_losses = [], []
+    kinds = sorted({k for d, k in (*MEASURED, *MEASURED_BY_SLOTS) if d == device})
+    for kind in kinds:
+        copy, free = one_slot(device, kind)
+        if kind not in available or (kind in DRAFT_KINDS and draft is None):
             continue
         if copy >= AUTO_MIN_GAIN and free >= AUTO_MAX_LOSS:
-            gains.append((copy, kind, free))
+            why_not = _loses_busy(device, kind, slots)
+            if why_not is None:
+                gains.append((copy, kind, free))
+            else:
+                busy_losses.append(why_not)
     if not gains:
-        seen = [f"{k} x{c:.2f} copy-heavy, x{f:.2f} free" for (d, k), (c, f) in sorted(MEASURED.items()) if d == device]
+        if busy_losses:
+            return None, (f"speculative auto: off for a lane of {slots} slots, bench/spec_bench.py measured "
+                          + "; ".join(busy_losses))  # fmt: skip
+        seen = [f"{k} x{one_slot(device, k)[0]:.2f} copy-heavy, x{one_slot(device, k)[1]:.2f} free" for k in kinds]
         figures = "; ".join(seen) if seen else f"no figures for {device} lanes"
         return None, (f"speculative auto: off, bench/spec_bench.py measured no speculator on {device} lanes at"
                       f" x{AUTO_MIN_GAIN:.2f} copy-heavy without a loss below x{AUTO_MAX_LOSS:.2f} free ({figures})")  # fmt: skip
     copy, kind, free = max(gains)
+    busy = busy_figures(device, kind, slots)
+    said = "" if not isinstance(busy, tuple) else f"; with {busy[0]} slots busy x{busy[1]:.2f} and x{busy[2]:.2f}"
+    said += "".join(f" (passed over: {why})" for why in busy_losses)
     return kind, (f"speculative auto: {kind}, bench/spec_bench.py measured x{copy:.2f} decode on copy-heavy"
-                  f" work and x{free:.2f} on free generation on {device} lanes")  # fmt: skip
+                  f" work and x{free:.2f} on free generation on {device} lanes{said}")  # fmt: skip
 
 
 def decide(
@@ -111,7 +174,7 @@ def decide(
             draft, why = find_draft(facts, persona, models)
             reasons.append(why)
     if mode == "auto":
-        kind, why = _auto(device, draft, caps.spec_types)
+        kind, why = _auto(device, draft, caps.spec_types, persona.parallel)
         reasons.append(why)
         if kind is None:
             return None, reasons

@@ -155,6 +155,18 @@ def test_spec_bench_small(tmp_path, llama_server):
         assert abs(drafted["planned"][kind] - drafted["printed"][kind]) <= 0.011
 
 
+def test_spec_bench_by_busy_slots_small(tmp_path, gemma_model, llama_server):
+    """The busy-slot mode: a gain per speculator and slot count, against none at the same count."""
+    out = tmp_path / "slots.json"
+    result = run("spec_bench.py", "--slots", "1,2", "--specs", "ngram-simple", "--rounds", "1", "--tokens", "8",
+                 "--out", str(out), timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert {(r["spec"], r["slots"]) for r in got["rows"]} == {(s, n) for s in ("none", "ngram-simple") for n in (1, 2)}
+    assert set(got["gains"]["ngram-simple"]) == {"1", "2"}
+    assert all(copy > 0 and free > 0 for copy, free in got["gains"]["ngram-simple"].values())
+
+
 def test_ttfb_profile_small():
     """The gateway's added first byte against a stub lane (it hung once: its requests waited for a fleet
     the bench never marked read)."""

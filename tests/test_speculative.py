@@ -144,6 +144,7 @@ def test_the_draft_is_counted_in_the_window_search(facts):
 
 def test_auto_follows_the_measured_figures(facts, monkeypatch):
     persona = Persona(model="target", speculative="auto")
+    monkeypatch.setattr(speculative, "MEASURED_BY_SLOTS", {})  # one slot: MEASURED's figures alone
     monkeypatch.setattr(speculative, "MEASURED", {("cpu", "ngram-mod"): (1.05, 1.0), ("gpu", "ngram-mod"): (2.0, 1.0)})
     off = _lane(facts, persona)
     assert off.spec_type is None and any("measured no speculator on cpu lanes" in r for r in off.reasons)
@@ -152,6 +153,34 @@ def test_auto_follows_the_measured_figures(facts, monkeypatch):
     assert on.spec_type == "ngram-mod" and any("measured x1.50 decode on copy-heavy" in r for r in on.reasons)
     monkeypatch.setattr(speculative, "MEASURED", {("cpu", "ngram-mod"): (1.5, 0.80)})  # loses on free generation
     assert _lane(facts, persona).spec_type is None
+
+
+def test_auto_holds_only_where_the_lanes_slots_all_busy_lose_nothing(facts, monkeypatch):
+    """A speculator that gains with one slot busy is turned on for a lane of several slots only
+    where the figures with that many busy still gain on copy-heavy work, and no count up to
+    them loses on free generation; the figures stand in for the next measured count up."""
+    monkeypatch.setattr(speculative, "MEASURED", {("cpu", "ngram-simple"): (2.6, 1.5), ("cpu", "ngram-mod"): (1.5, 2.4)})
+    monkeypatch.setattr(speculative, "MEASURED_BY_SLOTS", {
+        ("cpu", "ngram-simple"): {1: (2.6, 1.5), 2: (2.0, 1.2), 4: (1.3, 1.0), 8: (0.9, 0.7)},
+        ("cpu", "ngram-mod"): {1: (1.5, 2.4), 2: (1.4, 1.5), 4: (1.2, 0.9), 8: (1.1, 1.0)},
+    })  # fmt: skip
+
+    def auto(parallel: int):
+        return _lane(facts, Persona(model="target", speculative="auto", parallel=parallel, ctx_max=4096))
+
+    one = auto(1)
+    assert one.spec_type == "ngram-simple" and not any("slots busy" in r for r in one.reasons)
+    three = auto(3)  # taken at 4 busy: ngram-simple still gains x1.3 and loses nothing
+    assert three.spec_type == "ngram-simple" and any("with 4 slots busy x1.30 and x1.00" in r for r in three.reasons)
+    eight = auto(8)  # ngram-simple loses at 8; ngram-mod lost free generation at 4 on the way
+    assert eight.spec_type is None
+    assert any("off for a lane of 8 slots" in r and "ngram-simple x0.70 on free generation with 8 slots busy" in r
+               and "ngram-mod x0.90 on free generation with 4 slots busy" in r for r in eight.reasons), eight.reasons
+    assert auto(32).spec_type is None  # past the largest count: taken at 8
+    monkeypatch.setattr(speculative, "MEASURED_BY_SLOTS", {})
+    unmeasured = auto(2)
+    assert unmeasured.spec_type is None
+    assert any("ngram-simple was not measured with several slots busy" in r for r in unmeasured.reasons)
 
 
 def test_outputs_and_unprinted_bytes():
@@ -175,9 +204,17 @@ def test_the_draft_adds_to_the_devices_it_lands_on(facts):
 
 
 def test_auto_with_todays_figures(facts):
-    """The recorded figures: on a CPU host auto picks ngram-simple (x2.61 copy-heavy, x1.51 free)."""
-    spec = _lane(facts, Persona(model="target", speculative="auto"))
-    assert spec.spec_type == "ngram-simple" and any("x2.61" in r for r in spec.reasons)
+    """The recorded figures (bench/spec_slots.json): on a CPU host auto picks ngram-simple for a lane
+    of up to 4 slots (x1.52 copy-heavy with one busy, x1.15 with four), and ngram-mod for 8, where
+    ngram-simple lost (x0.98 copy-heavy, x0.96 free with 8 busy)."""
+    one = _lane(facts, Persona(model="target", speculative="auto"))
+    assert one.spec_type == "ngram-simple" and any("x1.52" in r for r in one.reasons)
+    four = _lane(facts, Persona(model="target", speculative="auto", parallel=4, ctx_max=4096))
+    assert four.spec_type == "ngram-simple" and any("with 4 slots busy x1.15" in r for r in four.reasons)
+    eight = _lane(facts, Persona(model="target", speculative="auto", parallel=8, ctx_max=4096))
+    passed_over = "passed over: ngram-simple x0.96 on free generation with 8 slots busy"
+    assert eight.spec_type == "ngram-mod"
+    assert any("with 8 slots busy x1.25 and x1.14" in r and passed_over in r for r in eight.reasons)
 
 
 def test_messages_stay_compatible():
