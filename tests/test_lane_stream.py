@@ -245,3 +245,35 @@ async def test_the_gateways_own_time_is_measured_for_requests_that_waited_for_no
     finally:
         for runner in runners:
             await runner.cleanup()
+
+
+async def test_a_header_the_client_sent_in_any_bytes_reaches_the_lane_as_it_was_sent():
+    """aiohttp's server decodes header values as UTF-8 with surrogate escapes; the lane gets the
+    client's own bytes back (not a 500 for a value outside Latin-1)."""
+    seen: list[bytes] = []
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        seen.append(request.headers["Accept"].encode("utf-8", "surrogateescape"))
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    lane = web.Application()
+    lane.router.add_post("/v1/chat/completions", chat)
+    gw, url, runners = await _through_gateway(lane)
+    try:
+        body = b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]}'
+        port = int(url.rsplit(":", 1)[1])
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Accept: t\xc3\xa9xt/event-stream \xff\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+                     % (len(body), body))  # fmt: skip
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
+        assert seen == [b"t\xc3\xa9xt/event-stream \xff"]
+    finally:
+        for runner in runners:
+            await runner.cleanup()

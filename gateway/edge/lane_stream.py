@@ -291,13 +291,14 @@ async def open_stream(
     try:
         async with asyncio.timeout(connect_timeout):
             for info in infos:
-                sock = lane_socket(info)
-                sock.setblocking(False)
                 try:
+                    sock = lane_socket(info)
+                    sock.setblocking(False)
                     await loop.sock_connect(sock, info[4])
                     break
                 except OSError as exc:
-                    sock.close()
+                    if sock is not None:
+                        sock.close()
                     sock, last = None, exc
     except TimeoutError:
         if sock is not None:
@@ -322,7 +323,9 @@ async def open_stream(
     # Stamped before the write: the send wakes the lane, which may take the CPU from this process
     # for its whole prefill on a small host, and that is the lane's time, not the gateway's.
     stream.sent_at = time.perf_counter()
-    stream.transport.write(head.encode("latin-1") + body)
+    # A client's header values came decoded as UTF-8 with surrogate escapes (aiohttp's server):
+    # encoded back the same way, the lane gets the client's bytes as they were sent.
+    stream.transport.write(head.encode("utf-8", "surrogateescape") + body)
     try:
         await stream._head
     except BaseException:
