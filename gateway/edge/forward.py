@@ -15,7 +15,7 @@ from gateway import routing
 from gateway.admission import Lease
 from gateway.edge import adapters
 from gateway.edge.endpoints import ENDPOINTS
-from gateway.edge.lane_stream import LaneUnreachable, open_stream
+from gateway.edge.lane_stream import LaneStream, LaneUnreachable, open_stream
 from gateway.edge.app_keys import ADMISSION, METRICS, SESSION, SETTINGS, TENANT, VIEW
 from gateway.edge.openai_errors import give_up, openai_error
 from gateway.edge.relay import assembled, cut_short, relay
@@ -155,7 +155,7 @@ async def forward(
         sse = upstream.headers.get("Content-Type", "").startswith("text/event-stream")
         if shape.assembled and upstream.status == 200 and sse:  # (a lane that answers plain is relayed as it is)
             return await assembled(request, upstream, lease, started, first, shape.assembled)
-        sent = getattr(upstream, "sent_at", 0.0)  # (the bare client's: its connect is the gateway's time too)
+        sent = upstream.sent_at if isinstance(upstream, LaneStream) else 0.0  # its connect is the gateway's time too
         waited = history or shape.held or lease.queued
         own = None if waited or not first_at or not sent else (sent - started, first_at)
         return await relay(request, upstream, lease, started, first, resumable=shape.conversation is not None,

@@ -89,10 +89,6 @@ class _Content:
     async def readany(self) -> bytes:
         return await self._stream._next()
 
-    async def iter_any(self):
-        while chunk := await self._stream._next():
-            yield chunk
-
 
 class LaneStream(asyncio.Protocol):
     """One request's connection to its lane: the answer's head, then its body as it arrives."""
@@ -130,9 +126,6 @@ class LaneStream(asyncio.Protocol):
         while chunk := await self._next():
             parts.append(chunk)
         return b"".join(parts)
-
-    async def text(self) -> str:
-        return (await self.read()).decode("utf-8", "replace")
 
     def release(self) -> None:
         """Done with the answer: its connection is closed (never reused, see the module's docstring)."""

@@ -27,8 +27,6 @@ log = structlog.get_logger("lanes.gateway")
 STOP_WAIT = 5.0  # the most an answer whose client left is read on, until its lane stops (b11434: 40 ms)
 
 
-
-
 async def _chunks(upstream: aiohttp.ClientResponse | LaneStream, first: bytes, idle: float,
                   deadline: float) -> AsyncIterator[bytes]:  # fmt: skip
     """The lane's answer chunk by chunk, each within `idle` seconds and all before `deadline` (loop time)."""
