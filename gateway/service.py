@@ -29,7 +29,7 @@ from gateway.dashboard import DashboardHub, add_dashboard
 from gateway.edge import COOKIE_SECRET, KEYS, METRICS, USAGE, admission_for, build_app
 from gateway.fleet import FleetView, LaneKey, LaneRoute
 from gateway.settings import GatewaySettings
-from gateway.sync import HotSpots, SharedView, SlotsPoll, share_usage
+from gateway.sync import HotSpots, SharedView, SlotsFeed, share_usage
 from shared import defaults, subjects
 from shared.bus import connect, kv_bucket, quietly, run_until, secrets_bucket, watch_forever
 from shared.nats_auth import NatsAuth
@@ -62,7 +62,7 @@ class Gateway:
     dashboard: DashboardHub = field(init=False)
     nc: object | None = None  # the NATS connection once made (the dashboard's admin changes use it)
     waker: Waker = field(init=False)  # requests held while their model loads
-    slots: SlotsPoll = field(init=False)  # each lane's /slots: its load, and whether its loop answers
+    slots: SlotsFeed = field(init=False)  # each lane's /slots as its agent read it: its load, whether its loop answers
     gateway_id: str = ""
     shared: SharedView | None = None  # the prefix index shared with the other gateways (settings.shared_prefix)
     loops: Loops = field(default_factory=lambda: Loops("gateway"))  # its supervised loops (shared.supervise)
@@ -79,7 +79,7 @@ class Gateway:
         self.dashboard = DashboardHub(self.view, self.admission.counts)
         if self.settings.shared_prefix and self.settings.affinity:
             self.shared = SharedView(self.admission, self.gateway_id, kv_events=self.settings.kv_events)
-        self.slots = SlotsPoll(self.admission, self.settings.probe_timeout, self.settings.slots_stall_after)
+        self.slots = SlotsFeed(self.admission, self.settings.slots_stall_after)
         add_dashboard(self.app, self.dashboard, nc_getter=lambda: self.nc, admin_key=self.settings.admin_key)
 
     async def publish_wake(self, name: str) -> None:
@@ -186,6 +186,8 @@ class Gateway:
     async def on_caught_up(self) -> None:
         if not self.view.synced:
             log.info("fleet read from NATS", lanes=len(self.view.lanes()))
+            if self.nc is not None:  # the lanes are known now: every agent says their load again
+                await quietly(lambda: self.nc.publish(subjects.LOAD_ASK, b""))()
         self.view.mark_synced()
 
     async def probe_once(self, session: aiohttp.ClientSession) -> None:
@@ -274,6 +276,7 @@ async def _bus_side(gw: Gateway, servers: str, auth: NatsAuth, stop: asyncio.Eve
     async def on_reconnect() -> None:
         resync.set()
         secrets_resync.set()
+        await quietly(lambda: nc.publish(subjects.LOAD_ASK, b""))()  # loads sent meanwhile are lost
 
     while running(stop):
         try:
@@ -294,7 +297,12 @@ async def _bus_side(gw: Gateway, servers: str, auth: NatsAuth, stop: asyncio.Eve
         if msg.subject.endswith(".slots_received"):
             gw.slots_moved(msg.data)
 
+    async def on_load(msg) -> None:
+        gw.slots.take(msg.data)
+
     await nc.subscribe(subjects.ALL_EVENTS, cb=on_event)
+    await nc.subscribe(subjects.ALL_LOAD, cb=on_load)
+    await nc.publish(subjects.LOAD_ASK, b"")  # every agent says its lanes' load at its next read
     replicas = gw.settings.kv_replicas or await _replicas(nc)
     loops = gw.loops
     # Every loop supervised, and awaited here: one that gives up ends the service (exit 1), so
@@ -385,7 +393,7 @@ async def run_gateway(
                 asyncio.create_task(_bus_side(gw, servers, auth, stop, stack)),  # its loops are supervised
                 loops.task("probe", lambda: _probe_loop(gw, stop), stop),
                 loops.task("demand", lambda: _demand_loop(gw, stop), stop),
-                loops.task("slots", lambda: gw.slots.forever(gw.settings.slots_interval, stop), stop),
+                loops.task("slots", lambda: gw.slots.forever(stop), stop),
                 loops.task("dashboard", lambda: gw.dashboard.run(stop), stop),
                 loops.task("keys", lambda: _keys_loop(gw, stop), stop),
             ]

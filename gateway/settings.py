@@ -38,10 +38,9 @@ class GatewaySettings:
     # speed, never under 30 s (gateway/routing/tries.py, first_byte_timeout).
     first_byte_timeout: float | None = None
     stream_idle_timeout: float = 120.0  # seconds with no byte mid-stream: the lane stalled
-    slots_stall_after: float = 60.0  # seconds of unanswered /slots reads: the lane stalled (gateway/sync/slots.py)
+    slots_stall_after: float = 60.0  # seconds its agent found /slots unanswered: the lane stalled (gateway/sync/slots.py)
     probe_interval: float = 1.0  # seconds between the gateway's own /health checks of each lane
     probe_timeout: float = 1.0
-    slots_interval: float = 0.5  # seconds between reads of each lane's /slots (its load from every client)
     affinity: bool = True  # prefix affinity; False routes by most free slots alone
     shared_prefix: bool = True  # share the prefix index with every gateway over JetStream (docs/routing.md)
     kv_events: bool = False  # also publish it as vLLM KVEventBatch on lanes.kvevents.<host>.<lane>

@@ -31,6 +31,10 @@ class AgentConfig:
     probe_interval: float = defaults.PROBE_INTERVAL
     probe_failures: int = defaults.PROBE_FAILURES
     probe_timeout: float = 2.0
+    # Each serving lane's /slots is read this often and its load published for the gateways
+    # (launcher_agent/load_feed.py); whole every load_refresh seconds even when nothing changed.
+    load_interval: float = defaults.LOAD_INTERVAL
+    load_refresh: float = defaults.LOAD_REFRESH
     stall_seconds: float = defaults.STALL_SECONDS  # no progress of a lane's inference loop this long: stalled, restarted
     feedback_ttl: float = 6 * 3600.0  # seconds an out-of-memory cap or a busy port is remembered
     # ggml-rpc-server endpoints this host's lanes may use as GPU-type devices (--rpc), in order.

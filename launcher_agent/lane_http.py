@@ -95,6 +95,11 @@ async def loop_work(spec: LaneSpec, key: str | None, timeout: float) -> endpoint
     return endpoints.loop_work(*await http_get(spec.bind, spec.port, endpoints.SLOTS, key, timeout=timeout))
 
 
+async def slots_read(spec: LaneSpec, key: str | None, timeout: float) -> endpoints.SlotsRead:
+    """The lane's load and loop (/slots) in one read, for the gateways (launcher_agent/load_feed.py)."""
+    return endpoints.slots_read(*await http_get(spec.bind, spec.port, endpoints.SLOTS, key, timeout=timeout))
+
+
 async def slot_contents(spec: LaneSpec, key: str | None, timeout: float = 5.0):
     """Each slot's (id, tokens, last task, busy); None when the lane does not say."""
     return endpoints.slot_contents(*await http_get(spec.bind, spec.port, endpoints.SLOTS, key, timeout=timeout))

@@ -291,6 +291,9 @@ class LaneProcess:
     async def loop_work(self, key: str | None, timeout: float):
         return await lane_http.loop_work(self.spec, key, timeout)
 
+    async def slots_read(self, key: str | None, timeout: float):
+        return await lane_http.slots_read(self.spec, key, timeout)
+
     async def kill(self) -> None:
         """SIGKILL: a wedged (even SIGSTOPped) process cannot be asked to stop."""
         pid = self.pid
@@ -378,6 +381,9 @@ class DryRunLane(LaneProcess):
 
     async def loop_work(self, key: str | None, timeout: float):
         return ()
+
+    async def slots_read(self, key: str | None, timeout: float):
+        return ("busy", 0, ())
 
     async def stop(self, timeout: float = 10.0) -> None:
         self._stopped = True

@@ -26,6 +26,7 @@ from nats.micro.request import Request
 from launcher_agent import cores as host_cores
 from launcher_agent.config import AgentConfig
 from launcher_agent.lane import Lane
+from launcher_agent.load_feed import LoadFeed
 from launcher_agent.metrics import AgentMetrics
 from launcher_agent.report import host_report
 from shared.version import VERSION
@@ -66,9 +67,11 @@ class Agent:
 
     workers: RpcWorkers | None = None  # ggml-rpc-servers for other hosts' span lanes (--rpc-worker)
     loops: Loops = field(default_factory=lambda: Loops("agent"))  # its supervised loops (shared.supervise)
+    load: LoadFeed = field(init=False)  # its lanes' load, published for the gateways
 
     def __post_init__(self) -> None:
         self.sup = Supervisor(self.cfg, emit=self._event)
+        self.load = LoadFeed(self.cfg.host_id, self.cfg.load_refresh)
         if self.cfg.rpc_worker:
             # ggml-rpc-server computes its layers with the CPU backend: one thread per physical core
             settings = WorkerSettings(self.cfg.rpc_server_binary, self.cfg.advertise, self.cfg.rpc_worker_port_base,
@@ -180,6 +183,19 @@ class Agent:
         except Exception as exc:
             log.info("lane keys not published", error=str(exc) or type(exc).__name__)
 
+    async def publish_load(self) -> None:
+        """Read each serving lane's /slots once; tell the gateways what changed (launcher_agent/load_feed.py)."""
+        if self.nc is None or not self.nc.is_connected:
+            return
+        msg = self.load.fold(await self.sup.read_loads(self.cfg.probe_timeout), time.monotonic())
+        if msg is None:
+            return
+        try:
+            await self.nc.publish(subjects.load_subject(self.host), encode(msg))
+        except Exception as exc:
+            self.load.ask()  # the next round goes whole
+            log.info("load not published", error=str(exc) or type(exc).__name__)
+
     async def publish_report(self) -> None:
         if self.kv is None:
             return
@@ -200,6 +216,7 @@ class Agent:
 async def _nats_side(agent: Agent, servers: str, auth: NatsAuth, stop: asyncio.Event, stack: AsyncExitStack) -> None:
     async def on_reconnect() -> None:
         agent._plan_seen = None  # a rejection sent meanwhile may be lost: say it again
+        agent.load.ask()  # load messages sent meanwhile are lost: say it whole
         agent.resync.set()
 
     while running(stop):
@@ -239,6 +256,7 @@ async def _serve_bus(agent: Agent, stop: asyncio.Event) -> None:
             log.warning("lanes-secrets bucket not reachable: gateways cannot reach this host's lanes",
                         error=str(exc) or type(exc).__name__)  # fmt: skip
     offers = None  # the subscriptions to slot asks and offers (launcher_agent/slot_moves.py)
+    load_asks = None  # gateways' asks for this host's load
     svc = await add_service(
         agent.nc,
         name=subjects.AGENT_SERVICE,
@@ -261,6 +279,11 @@ async def _serve_bus(agent: Agent, stop: asyncio.Event) -> None:
             await group.add_endpoint(name=name, subject=subjects.endpoint_tail(subject, where),
                                      handler=logged_endpoint(handler, name))  # fmt: skip
         offers = await _follow_slot_offers(agent)
+
+        async def on_load_ask(msg) -> None:
+            agent.load.ask()
+
+        load_asks = await agent.nc.subscribe(subjects.LOAD_ASK, cb=on_load_ask)
         await agent.publish_report()
         await follow_key(
             agent.nc,
@@ -272,8 +295,9 @@ async def _serve_bus(agent: Agent, stop: asyncio.Event) -> None:
             every=agent.cfg.report_interval,
         )
     finally:
-        for sub in offers or ():
-            await quietly(sub.unsubscribe)()
+        for sub in (*(offers or ()), load_asks):
+            if sub is not None:
+                await quietly(sub.unsubscribe)()
         await quietly(svc.stop)()
 
 
@@ -333,6 +357,15 @@ async def _report_loop(agent: Agent, stop: asyncio.Event) -> None:
             await agent.publish_status(force=True)
 
 
+async def _load_loop(agent: Agent, stop: asyncio.Event) -> None:
+    while running(stop):
+        await agent.publish_load()  # a failure ends the loop: its supervisor logs, counts, restarts it
+        try:
+            await asyncio.wait_for(stop.wait(), agent.cfg.load_interval)
+        except asyncio.TimeoutError:
+            pass
+
+
 async def _control_loop(agent: Agent, stop: asyncio.Event) -> None:
     while running(stop):
         agent.sup.wake.clear()  # before the pass: a wake-up set during it starts the next at once
@@ -363,6 +396,7 @@ async def run_agent(cfg: AgentConfig, servers: str, stop: asyncio.Event, auth: N
             loops.task("control", lambda: _control_loop(agent, stop), stop),
             asyncio.create_task(_nats_side(agent, servers, auth, stop, stack)),  # its "bus" part is supervised
             loops.task("report", lambda: _report_loop(agent, stop), stop),
+            loops.task("load", lambda: _load_loop(agent, stop), stop),
         ]
         if cfg.metrics_port is not None:
             metrics = AgentMetrics(agent.sup)

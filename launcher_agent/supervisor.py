@@ -12,6 +12,7 @@ through the `emit` callback, status through `status()`.
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 import msgspec
 import structlog
 
-from launcher_agent import health
+from launcher_agent import health, load_feed
 from launcher_agent.config import AgentConfig
 from launcher_agent.drain import Drains
 from launcher_agent.feedback import Feedback
@@ -212,6 +213,17 @@ class Supervisor:
     def starting(self) -> bool:
         """A lane coming up or draining: the control loop looks again soon."""
         return self.drains.active() or any(lane.state in ("starting", "loading") for lane in self.lanes.values())
+
+    async def read_loads(self, timeout: float) -> list[load_feed.Read]:
+        """Each serving lane's /slots, read side by side (a wedged lane must not slow the others')."""
+        serving = [lane for lane in self.lanes.values() if lane.state == "healthy" and lane.process is not None]
+
+        async def read(lane: Lane) -> load_feed.Read:
+            sent = time.monotonic()
+            said = await lane.process.slots_read(lane.api_key, timeout)
+            return load_feed.Read(lane.spec.lane_id, lane.process.pid, sent, said)
+
+        return list(await asyncio.gather(*(read(lane) for lane in serving)))
 
     def lanes_rss(self) -> int:
         return sum(lane.process.rss() or 0 for lane in self.lanes.values() if lane.process)

@@ -14,6 +14,8 @@ MIB = 1024 * 1024
 
 REPORT_INTERVAL = 30.0  # an agent's host report; a host is lost after 3 silent intervals
 PROBE_INTERVAL = 5.0  # an agent's /health probe of each serving lane
+LOAD_INTERVAL = 0.5  # an agent's /slots read of each serving lane: the load it publishes for the gateways
+LOAD_REFRESH = 10.0  # ... published whole this often even when nothing changed (a gateway drops it after 3)
 PROBE_FAILURES = 3  # missed probes in a row that make a lane unresponsive
 STALL_SECONDS = 120.0  # a lane's inference loop without progress this long is unresponsive
 LEASE_TTL = 5.0  # a stand-by planner takes over after the lease stood still this long

@@ -108,6 +108,15 @@ def telemetry_subject(host_id: str) -> str:
     return f"{PREFIX}.telemetry.{host_token(host_id)}"
 
 
+def load_subject(host_id: str) -> str:
+    """Each serving lane's load as its agent read it from /slots (HostLoad), for every gateway."""
+    return f"{PREFIX}.load.{host_token(host_id)}"
+
+
+# A gateway that starts or reconnects asks every agent to say its lanes' load at the next read.
+LOAD_ASK = f"{PREFIX}.loadask"
+
+
 def rejected_subject(host_id: str) -> str:
     return f"{PREFIX}.rejected.{host_token(host_id)}"
 
@@ -158,6 +167,7 @@ ALL_WAKES = f"{PREFIX}.wake.*"
 ALL_ACTIVITY = f"{PREFIX}.activity.>"
 ALL_EVENTS = f"{PREFIX}.event.>"
 ALL_REJECTED = f"{PREFIX}.rejected.*"
+ALL_LOAD = f"{PREFIX}.load.*"
 
 
 # ------------------------------------------------------------- request/reply (micro endpoints)

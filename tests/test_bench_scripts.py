@@ -44,13 +44,16 @@ def test_slot_move_bench_small(tmp_path, llama_server):
 
 
 def test_slots_read_cost_small(tmp_path, llama_server):
-    """Simulated gateways read a generating lane's /slots and /health; every figure is there."""
+    """Simulated gateways read a generating lane's /slots and /health (poll), or its agent reads /slots once
+    for them (agent); every figure is there."""
     out = tmp_path / "slots.json"
     result = run("slots_read_cost.py", "--gateways", "0", "3", "--seconds", "2", "--rounds", "1", "--out", str(out))
     assert result.returncode == 0, result.stderr
-    rows = {r["gateways"]: r for r in json.loads(out.read_text())["rows"]}
-    assert rows[0]["tokens_per_second"] > 0 and rows[0]["ratio"] == 1.0
-    assert rows[3]["reads_per_second"] == 6 and rows[3]["read_ms_p50"] > 0 and rows[3]["tokens_per_second"] > 0
+    rows = {(r["design"], r["gateways"]): r for r in json.loads(out.read_text())["rows"]}
+    assert rows[("poll", 0)]["tokens_per_second"] > 0 and rows[("poll", 0)]["ratio"] == 1.0
+    assert rows[("poll", 3)]["reads_per_second"] == 6 and rows[("poll", 3)]["read_ms_p50"] > 0
+    assert rows[("agent", 3)]["reads_per_second"] == 2 and rows[("agent", 3)]["read_ms_p50"] > 0
+    assert rows[("agent", 3)]["tokens_per_second"] > 0
 
 
 def test_convergence_bench_small(tmp_path):

@@ -383,6 +383,7 @@ def test_agent_cannot_write_plans_config_or_demand(host: str):
         *[kv(subjects.status_key(o)) for o in others],
         *[subjects.event_subject(o, "lane", "started") for o in others],
         *[subjects.telemetry_subject(o) for o in others],
+        *[subjects.load_subject(o) for o in others],
         *[subjects.rejected_subject(o) for o in others],
         *[f"{subjects.agent_group(o)}.status" for o in others],
         # The KV stream itself: rewriting, purging or reading every key through the JS API.
@@ -409,6 +410,7 @@ def test_agent_cannot_write_plans_config_or_demand(host: str):
         kv(subjects.status_key(host)),
         subjects.event_subject(host, "lane-1", "started"),
         subjects.telemetry_subject(host),
+        subjects.load_subject(host),
         subjects.rejected_subject(host),
         f"{subjects.agent_group(host)}.status",
         "$JS.API.STREAM.INFO.KV_lanes",
@@ -418,7 +420,8 @@ def test_agent_cannot_write_plans_config_or_demand(host: str):
         assert any(_intersects(p, target) for p in publish), f"agent-{host} cannot publish {target}"
 
     inbox = subjects.agent_inbox(host)
-    for target in [kv(subjects.plan_key(host)), f"{inbox}.abc.def", f"{subjects.agent_group(host)}.status"]:
+    for target in [kv(subjects.plan_key(host)), f"{inbox}.abc.def", f"{subjects.agent_group(host)}.status",
+                   subjects.LOAD_ASK]:  # fmt: skip
         assert any(_intersects(s, target) for s in subscribe), f"agent-{host} cannot subscribe {target}"
     for target in [
         kv(subjects.CONFIG_KEY),
@@ -459,17 +462,17 @@ def test_gateway_reads_and_reports_only_as_itself():
     assert perms is not None
     publish, subscribe = _allowed(perms, "publish"), _allowed(perms, "subscribe")
     kv = subjects.kv_subject
-    for target in [subjects.activity_subject("gateway"), subjects.wake_subject("llama8"),
+    for target in [subjects.activity_subject("gateway"), subjects.wake_subject("llama8"), subjects.LOAD_ASK,
                    f"$JS.API.DIRECT.GET.KV_lanes.{kv(subjects.plan_key('host1'))}",
                    "$JS.API.CONSUMER.CREATE.KV_lanes.c.$KV.lanes.>"]:  # fmt: skip
         assert any(_intersects(p, target) for p in publish), f"gateway cannot publish {target}"
-    for target in [subjects.activity_subject("gateway2"), "$JS.API.CONSUMER.DELETE.KV_lanes.c",
+    for target in [subjects.activity_subject("gateway2"), "$JS.API.CONSUMER.DELETE.KV_lanes.c", subjects.load_subject("host1"),
                    kv(subjects.plan_key("host1")), kv(subjects.CONFIG_KEY), subjects.CONFIG_SET, "_INBOX.x.y",
                    "$JS.API.STREAM.PURGE.KV_lanes", "$JS.API.STREAM.MSG.DELETE.KV_lanes"]:  # fmt: skip
         hits = [p for p in publish if _intersects(p, target)]
         assert not hits, f"gateway may publish to {target} through {hits}"
     inbox = subjects.gateway_inbox("gateway")
-    for target in [f"{inbox}.abc.def", kv(subjects.plan_key("host1")), subjects.ALL_EVENTS]:
+    for target in [f"{inbox}.abc.def", kv(subjects.plan_key("host1")), subjects.ALL_EVENTS, subjects.ALL_LOAD]:
         assert any(_intersects(s, target) for s in subscribe), f"gateway cannot subscribe {target}"
     for target in ["_INBOX.abc.def", f"{subjects.agent_inbox('host1')}.abc.def", subjects.ALL_ACTIVITY]:
         hits = [s for s in subscribe if _intersects(s, target)]

@@ -250,29 +250,37 @@ def test_api_keys_are_checked_against_every_key():
 
 def test_a_slots_read_that_times_out_counts_against_the_lane_then_stalls_it():
     from gateway.sync.slots import judge
+    from shared.messages.status import LaneLoad
 
-    working = ((40, 2049, 1, 0),)  # a busy slot's counters, as the binary shows them mid-prefill
-    answered = judge(("busy", 1, working), 4, unanswered_since=None, now=10.0, stall_after=60)
+    answered = judge(LaneLoad(lane_id="a", busy=1, progressing=True), 4, now=10.0, stall_after=60)
     assert (answered.reported, answered.unanswered_since, answered.stalled, answered.progressing) == (1, None, "", True)
-    first = judge(("timeout", 0, ()), 4, unanswered_since=None, now=10.0, stall_after=60)
+    first = judge(LaneLoad(lane_id="a", answered=False), 4, now=10.0, stall_after=60)
     assert (first.reported, first.unanswered_since, first.stalled) == (4, 10.0, "")  # every slot busy, not free
-    later = judge(("timeout", 0, ()), 4, unanswered_since=10.0, now=69.9, stall_after=60)
-    assert later.reported == 4 and later.unanswered_since == 10.0 and not later.stalled
-    stuck = judge(("timeout", 0, ()), 4, unanswered_since=10.0, now=70.0, stall_after=60)
+    later = judge(LaneLoad(lane_id="a", answered=False, unanswered_for=59.9), 4, now=69.9, stall_after=60)
+    assert later.reported == 4 and abs(later.unanswered_since - 10.0) < 1e-9 and not later.stalled
+    stuck = judge(LaneLoad(lane_id="a", answered=False, unanswered_for=60.0), 4, now=70.0, stall_after=60)
     assert stuck.stalled.startswith("stalled: /slots unanswered for 60 s")
-    assert stuck.stalled == judge(("timeout", 0, ()), 4, 10.0, now=99.0, stall_after=60).stalled  # one reason
-    unknown = judge(("unknown", 0, ()), 4, unanswered_since=10.0, now=99.0, stall_after=60)  # --no-slots, an error
+    assert stuck.stalled == judge(LaneLoad(lane_id="a", answered=False, unanswered_for=89.0), 4, now=99.0,
+                                  stall_after=60).stalled  # one reason  # fmt: skip
+    unknown = judge(LaneLoad(lane_id="a", busy=None), 4, now=99.0, stall_after=60)  # --no-slots, an error
     assert (unknown.reported, unknown.unanswered_since, unknown.stalled, unknown.progressing) == (None, None, "", False)
 
 
 def test_an_answer_brings_a_stalled_lane_back_only_when_its_loop_moved_or_idles():
-    from gateway.sync.slots import judge
+    from launcher_agent.load_feed import LoadFeed, Read
 
     frozen = ((40, 5979, 5467, 0),)
-    assert not judge(("busy", 1, frozen), 4, None, 0.0, 60, before=frozen).progressing  # answers, but stuck
-    assert judge(("busy", 1, ((40, 5979, 5979, 1),)), 4, None, 0.0, 60, before=frozen).progressing  # a batch later
-    assert judge(("busy", 0, ()), 4, None, 0.0, 60, before=frozen).progressing  # idle
-    assert judge(("busy", 1, frozen), 4, None, 0.0, 60, before=None).progressing  # nothing to compare with yet
+
+    feed = LoadFeed("h1")
+    first = feed.fold([Read("a", 7, 0.0, ("busy", 1, frozen))], 0.0)
+    assert first.lanes[0].progressing  # nothing to compare with yet
+    stuck = feed.fold([Read("a", 7, 0.5, ("busy", 1, frozen))], 0.5)
+    assert stuck is not None and not stuck.lanes[0].progressing  # answers, but stuck: a change, so sent
+    later = feed.fold([Read("a", 7, 1.0, ("busy", 1, ((40, 5979, 5979, 1),)))], 1.0)
+    assert later is not None and later.lanes[0].progressing  # a batch later
+    feed.fold([Read("a", 7, 1.5, ("busy", 1, frozen))], 1.5)
+    idle = feed.fold([Read("a", 7, 2.0, ("busy", 0, ()))], 2.0)
+    assert idle is not None and idle.lanes[0].progressing and idle.lanes[0].busy == 0  # idle
 
 
 def test_a_stalled_lane_leaves_rotation_until_its_slots_answer_not_its_health():

@@ -247,7 +247,7 @@ async def test_a_lane_whose_inference_loop_stalls_leaves_rotation_and_is_restart
         events.append(msgspec.json.decode(msg.data, type=LaneEvent))
 
     first_byte = noticed_by == "first-byte"
-    gw = Gateway(GatewaySettings(port=0, slots_interval=0.2, probe_timeout=0.3, first_byte_timeout=1.0))
+    gw = Gateway(GatewaySettings(port=0, probe_timeout=0.3, first_byte_timeout=1.0))
     stop = asyncio.Event()
     async with client(nats_server.url) as nc, services(nats_server.url) as svc, aiohttp.ClientSession() as http:
         await nc.subscribe(subjects.ALL_EVENTS, cb=on_event)

@@ -9,6 +9,11 @@ from gateway.fleet import LaneKey
 from gateway.routing import CHARS_PER_TOKEN
 
 
+# Request ends remembered per lane: more, and longer, than end within one /slots read's way here.
+ENDS_KEPT = 64
+ENDS_KEPT_SECONDS = 5.0
+
+
 @dataclass
 class LaneCounts:
     """This gateway's load: written by its admission only, read by the dashboard and the metrics."""
@@ -17,6 +22,7 @@ class LaneCounts:
     served: dict[LaneKey, int] = field(default_factory=dict)  # requests each lane has finished (dashboard rates)
     queued: dict[str, int] = field(default_factory=dict)  # requested model name -> waiting requests
     reported: dict[LaneKey, int] = field(default_factory=dict)  # busy slots each lane's /slots last said
+    ended: dict[LaneKey, list[float]] = field(default_factory=dict)  # when its recent requests ended (monotonic)
     routes: dict[tuple[str, str], int] = field(default_factory=dict)  # (model, affinity reason) -> requests
 
     prompt_tokens: dict[tuple[str, str], int] = field(default_factory=dict)  # (model, "host/lane") -> tokens read
@@ -32,6 +38,17 @@ class LaneCounts:
         """Requests of a tenant holding a slot or waiting, every model together (its concurrency)."""
         return sum(n for (_, t), n in self.tenant_in_flight.items() if t == tenant) + sum(
             n for (_, t), n in self.tenant_queued.items() if t == tenant)
+
+    def note_ended(self, key: LaneKey, at: float) -> None:
+        """One of our requests to the lane ended (kept ENDS_KEPT_SECONDS, ENDS_KEPT at most)."""
+        ends = self.ended.setdefault(key, [])
+        ends.append(at)
+        if len(ends) > ENDS_KEPT or ends[0] < at - ENDS_KEPT_SECONDS:
+            ends[:] = [t for t in ends[-ENDS_KEPT:] if t >= at - ENDS_KEPT_SECONDS]
+
+    def ended_since(self, key: LaneKey, since: float) -> int:
+        """Our requests to the lane that ended at `since` or later: a /slots read made meanwhile may count them."""
+        return sum(1 for at in self.ended.get(key, ()) if at >= since)
 
     def busy(self, key: LaneKey) -> int:
         return self.in_flight.get(key, 0)

@@ -281,6 +281,7 @@ class Admission:
                 counts.tenant_in_flight.pop(tkey, None)
             self.ledger.finished(lease.tenant)
         counts.served[key] = counts.served.get(key, 0) + 1
+        counts.note_ended(key, time.monotonic())
         left = counts.busy(key) - 1
         if counts.reported.get(key, 0) > left:
             counts.reported[key] -= 1  # its /slots counted this request too: the slot is free now, not at the next read

@@ -1,34 +1,43 @@
-"""Each lane's real load, read from its /slots at a short interval (the I/O edge of routing by load).
+"""Each lane's real load, as its agent read it from /slots (the input edge of routing by load).
 
 A lane's slots also serve other gateways and clients that reach it directly; the
 admission counts the larger of its own requests in flight and the busy slots read here
 (gateway/admission/queue.py, LaneCounts.load), so a lane busy with someone else's work is not
-taken for free. A lane that cannot say (--no-slots, an error status) keeps only the
-gateway's own count.
+taken for free. A lane that cannot say (--no-slots, an error status), or whose agent has not
+said for three of its refresh intervals, keeps only the gateway's own count.
+
+The agent reads each lane once and publishes a HostLoad for every gateway
+(launcher_agent/load_feed.py): llama-server answers /slots from its inference loop, and reads
+that grew with the gateways cost a busy lane 9% of its throughput at 20 gateways.
 
 llama-server answers /slots within milliseconds even while its loop is deep in a long
-prefill (bench/RESULTS.md, "A busy loop"), so a /slots read that times out says the lane is
+prefill (bench/RESULTS.md, "A busy loop"), so a read that times out says the lane is
 in trouble, not free: it counts against the lane (all its slots taken as busy). One that
 stays unanswered for `stall_after` seconds takes the lane out of rotation as stalled (its
-/health may still answer), until its /slots answers again.
+/health may still answer), until an answer shows its loop idle or moving.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
-from typing import Literal
 
-import aiohttp
-import msgspec
+import structlog
 
 from gateway.admission import Admission
-from gateway.fleet import LaneKey, LaneRoute
-from shared.llama.endpoints import SLOTS, LoopWork, busy_slots, loop_work
+from gateway.fleet import LaneKey
+from shared import subjects
+from shared.messages.status import HostLoad, LaneLoad
+from shared.messages.wire import decode
 from shared.supervise import running
 
-# ("busy", busy slots, their counters), ("timeout", 0, ()), ("unknown", 0, ())
-SlotsRead = tuple[Literal["busy", "timeout", "unknown"], int, LoopWork]
+log = structlog.get_logger("lanes.gateway")
+
+# Seconds a load message may spend between its agent and this gateway, beyond the read's own age:
+# requests of ours that ended within the read's age and this margin may be counted busy in it.
+TRANSIT = 0.05
+STALE_AFTER = 3  # refresh intervals without a word from a host's agent: its lanes' load is not known
 
 
 @dataclass(frozen=True)
@@ -39,25 +48,20 @@ class Verdict:
     progressing: bool = False  # its loop is idle or moved since the last read: a stalled mark goes
 
 
-def judge(
-    read: SlotsRead, parallel: int, unanswered_since: float | None, now: float, stall_after: float,
-    before: LoopWork | None = None,
-) -> Verdict:
-    """What one /slots read says of a lane (pure). `before`: its busy slots' counters at the last read.
+def judge(load: LaneLoad, parallel: int, now: float, stall_after: float) -> Verdict:
+    """What one read of a lane says of it (pure).
 
     An answer alone does not bring a stalled lane back: the binary answers /slots even while its
     loop is stuck (bench/RESULTS.md, "A busy loop"); an idle lane, or counters that moved, do.
     """
-    kind, busy, work = read
-    if kind == "busy":
-        return Verdict(busy, None, progressing=not work or work != before)
-    if kind == "unknown":
-        return Verdict(None, None)
-    since = now if unanswered_since is None else unanswered_since
+    if load.answered:
+        if load.busy is None:
+            return Verdict(None, None)
+        return Verdict(load.busy, None, progressing=load.progressing)
     stalled = ""
-    if now - since >= stall_after:
+    if load.unanswered_for >= stall_after:
         stalled = f"stalled: /slots unanswered for {stall_after:g} s or more (its inference loop)"
-    return Verdict(parallel, since, stalled)
+    return Verdict(parallel, now - load.unanswered_for, stalled)
 
 
 def still_busy(read_busy: int, ended_meanwhile: int) -> int:
@@ -66,68 +70,76 @@ def still_busy(read_busy: int, ended_meanwhile: int) -> int:
     return max(0, read_busy - ended_meanwhile)
 
 
-async def read_slots(session: aiohttp.ClientSession, lane: LaneRoute, timeout: float) -> SlotsRead:
-    try:
-        async with session.get(lane.url + SLOTS, headers=lane.auth,
-                               timeout=aiohttp.ClientTimeout(total=timeout)) as resp:  # fmt: skip
-            if resp.status != 200:
-                return ("unknown", 0, ())
-            slots = msgspec.json.decode(await resp.read())
-            busy, work = busy_slots(200, slots), loop_work(200, slots)
-            return ("unknown", 0, ()) if busy is None else ("busy", busy, work or ())
-    except asyncio.TimeoutError:
-        return ("timeout", 0, ())
-    except (aiohttp.ClientError, msgspec.DecodeError):
-        return ("unknown", 0, ())  # not reached at all: the /health probe takes it out of rotation
-
-
 @dataclass
-class SlotsPoll:
+class SlotsFeed:
     admission: Admission
-    timeout: float = 1.0
     stall_after: float = 60.0
-    unanswered: dict[LaneKey, float] = field(default_factory=dict)  # lane -> loop time its /slots went silent
-    work: dict[LaneKey, LoopWork] = field(default_factory=dict)  # lane -> its busy slots' counters, last read
+    heard: dict[str, tuple[float, float]] = field(default_factory=dict)  # host id -> (last message, its refresh)
+    keys: dict[str, set[LaneKey]] = field(default_factory=dict)  # host id -> its lanes with a count in `reported`
 
-    async def once(self, session: aiohttp.ClientSession) -> None:
-        view = self.admission.view
-        # Stalled lanes are read too (not routable, but their /slots tells when they are back).
-        lanes = [lane for lane in view.lanes()
-                 if lane.state == "healthy" and not lane.draining and lane.key not in view.unreachable]  # fmt: skip
-        counts = self.admission.counts
-        served = dict(counts.served)
-        found = await asyncio.gather(*(read_slots(session, lane, self.timeout) for lane in lanes))
-        now = asyncio.get_running_loop().time()
+    def take(self, data: bytes) -> None:
+        """One agent's message off the bus; a bad one is logged and dropped."""
+        try:
+            load = decode(data, HostLoad)
+        except ValueError as exc:
+            log.warning("load message dropped", reason=str(exc)[:200])
+            return
+        self.apply(load, time.monotonic())
+
+    def apply(self, load: HostLoad, now: float) -> None:
+        view, counts = self.admission.view, self.admission.counts
+        host = subjects.host_token(load.host_id)
+        plan, status = view.plans.get(host), view.statuses.get(host)
+        parallel = {spec.lane_id: spec.parallel for spec in plan.lanes} if plan else {}
+        running_lanes = {lane.lane_id: lane for lane in status.lanes} if status else {}
         reported = counts.reported
-        before = dict(reported)
-        reported.clear()
-        for lane, read in zip(lanes, found):
-            verdict = judge(read, lane.parallel, self.unanswered.get(lane.key), now, self.stall_after,
-                            self.work.get(lane.key))  # fmt: skip
-            if read[0] == "busy":
-                self.work[lane.key] = read[2]
+        freed = False
+        kept: set[LaneKey] = set()
+        self.heard[load.host_id] = (now, load.refresh)
+        for lane in load.lanes:
+            key = (load.host_id, lane.lane_id)
+            live = running_lanes.get(lane.lane_id)
+            # Stalled lanes are read too (not routable, but their reads tell when they are back).
+            if (live is None or live.state != "healthy" or live.draining or key in view.unreachable
+                    or lane.lane_id not in parallel or (live.pid and lane.pid and live.pid != lane.pid)):  # fmt: skip
+                continue
+            verdict = judge(lane, parallel[lane.lane_id], now, self.stall_after)
             if verdict.reported is not None:
                 # Requests of ours that ended while the read was on its way may be in it: their slots
                 # are free now. Counted busy, a lane looked full for a whole interval after its answers
                 # and a conversation's next turn went cold to another lane (test_slot_save_real, CI).
-                ended = counts.served.get(lane.key, 0) - served.get(lane.key, 0)
-                reported[lane.key] = still_busy(verdict.reported, ended) if read[0] == "busy" else verdict.reported
-            if verdict.unanswered_since is None:
-                self.unanswered.pop(lane.key, None)
-            else:
-                self.unanswered[lane.key] = verdict.unanswered_since
+                busy = verdict.reported
+                if lane.answered:
+                    busy = still_busy(busy, counts.ended_since(key, now - lane.age - TRANSIT))
+                freed |= busy < reported.get(key, 0)
+                reported[key] = busy
+                kept.add(key)
             if verdict.stalled:
-                view.mark_stalled(lane.key, verdict.stalled)
+                view.mark_stalled(key, verdict.stalled)
             elif verdict.progressing:
-                view.mark_progressing(lane.key)
-        if any(reported.get(key, 0) < n for key, n in before.items()):
+                view.mark_progressing(key)
+        freed |= self._forget(load.host_id, kept)
+        if freed:
             self.admission.poke()  # slots freed by other clients: hand them to waiters
 
-    async def forever(self, interval: float, stop: asyncio.Event) -> None:
-        async with aiohttp.ClientSession() as session:
-            while running(stop):
-                await self.once(session)
-                try:
-                    await asyncio.wait_for(stop.wait(), interval)
-                except asyncio.TimeoutError:
-                    pass
+    def _forget(self, host_id: str, kept: set[LaneKey]) -> bool:
+        """Counts of a host's lanes its last message no longer gives; whether any was busy."""
+        gone = self.keys.get(host_id, set()) - kept
+        self.keys[host_id] = kept
+        return any(self.admission.counts.reported.pop(key, 0) for key in gone)
+
+    def expire(self, now: float) -> None:
+        """Hosts whose agent has not said for STALE_AFTER refresh intervals: their load is not known."""
+        silent = [host for host, (at, refresh) in self.heard.items() if now - at > STALE_AFTER * refresh]
+        for host in silent:
+            del self.heard[host]
+            if self._forget(host, set()):
+                self.admission.poke()
+
+    async def forever(self, stop: asyncio.Event, every: float = 1.0) -> None:
+        while running(stop):
+            self.expire(time.monotonic())
+            try:
+                await asyncio.wait_for(stop.wait(), every)
+            except asyncio.TimeoutError:
+                pass

@@ -94,6 +94,20 @@ def loop_work(status: int, slots: object) -> LoopWork | None:
     return tuple(sorted(work))
 
 
+# One /slots read: ("busy", busy slots, their counters); ("timeout", 0, ()): no answer in time;
+# ("unknown", 0, ()): it answered but cannot say (--no-slots, an error status).
+SlotsRead = tuple[Literal["busy", "timeout", "unknown"], int, LoopWork]
+
+
+def slots_read(status: int, slots: object) -> SlotsRead:
+    """What one /slots answer (status 0: none) says of the lane's load and loop."""
+    if status == 0:
+        return ("timeout", 0, ())
+    if status != 200 or not isinstance(slots, list):
+        return ("unknown", 0, ())
+    return ("busy", busy_slots(200, slots) or 0, loop_work(200, slots) or ())
+
+
 def rename_llama_series(text: str, labels: dict[str, str]) -> list[Metric]:
     """/metrics text as `lanes_llama_*` families with our labels added.
 

@@ -12,7 +12,7 @@ This package re-exports nothing: import each name from the module that defines i
 | hosts    | what a host has: GpuInfo, ServerCaps, ModelFacts, AdapterFacts, HostReport |
 | config   | fleet intent: FleetConfig, Persona, Demand, the lane log limits |
 | plans    | the plan: DeviceMemory, MemoryBreakdown, LaneLayout, LaneSpec, HostPlan, FleetPlan |
-| status   | what runs: LaneStatus, LaneFeedback, HostStatus, LaneEvent, PlanRejected, LaneSecret, SessionSecret |
+| status   | what runs: LaneStatus, LaneFeedback, HostStatus, LaneLoad, HostLoad, LaneEvent, PlanRejected, LaneSecret, SessionSecret |
 | replies  | the planner's requests and replies: ConfigSet, HostQuery, ErrorReply, FleetHosts, FleetStatus |
 | activity | models on demand: ModelWake, GatewayActivity, TenantUsage, ModelStates, PlannerLease |
 | prefixes | the shared prefix view: PrefixEvent |

@@ -15,6 +15,7 @@ WIRE_TYPES: tuple[type, ...] = (
     plans.FleetPlan,
     status.HostStatus,
     status.LaneEvent,
+    status.HostLoad,
     status.PlanRejected,
     status.LaneSecret,
     status.SessionSecret,

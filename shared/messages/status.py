@@ -1,5 +1,5 @@
-"""What runs: each host's lanes as its agent sees them (HostStatus), their events, the plans it
-refuses, and what went wrong with a lane for the planner to correct."""
+"""What runs: each host's lanes as its agent sees them (HostStatus), their load (HostLoad), their
+events, the plans it refuses, and what went wrong with a lane for the planner to correct."""
 
 from __future__ import annotations
 
@@ -127,6 +127,31 @@ class LaneEvent(Message, tag="lane_event", kw_only=True):
     # slots_received from a hot lane spreading its conversations (SlotsOffer.spread): each restored
     # slot's tokens, by which gateways find those conversations among the source's last answers
     moved_tokens: Annotated[tuple[Count, ...], FEW] = ()
+
+
+class LaneLoad(msgspec.Struct, frozen=True, gc=False, kw_only=True):
+    """One serving lane's inference loop, as its agent's last /slots read saw it."""
+
+    lane_id: Name
+    pid: Pid | None = None  # the process read
+    # Slots processing a request; None: it answered but cannot say (--no-slots, an error status),
+    # or did not answer (then `answered` is false).
+    busy: Count | None = None
+    answered: bool = True  # /slots answered within the agent's probe timeout
+    unanswered_for: Seconds = 0.0  # seconds since its /slots last answered (0 while it answers)
+    progressing: bool = False  # idle, or its busy slots' counters moved since the read before
+    age: Seconds = 0.0  # seconds from the read's start to this message's sending
+
+
+class HostLoad(Message, tag="host_load", kw_only=True):
+    """Each serving lane's load, read once by its agent and published on lanes.load.<host>, so
+    what a lane spends answering /slots does not grow with the number of gateways
+    (launcher_agent/load_feed.py). Sent when something a router uses changed, and whole every
+    `refresh` seconds."""
+
+    host_id: Name
+    refresh: Seconds = 10.0
+    lanes: Annotated[tuple[LaneLoad, ...], msgspec.Meta(max_length=1000)] = ()
 
 
 class PlanRejected(Message, tag="plan_rejected", kw_only=True):
