@@ -67,6 +67,7 @@ class Gateway:
     shared: SharedView | None = None  # the prefix index shared with the other gateways (settings.shared_prefix)
     loops: Loops = field(default_factory=lambda: Loops("gateway"))  # its supervised loops (shared.supervise)
     probe_misses: dict[LaneKey, int] = field(default_factory=dict)  # its /health misses in a row (gateway/fleet/probe.py)
+    probe_next: int = 0  # where the next probe round starts, in a fleet of more lanes than one round probes
     secrets_kv: object | None = None  # bucket lanes-secrets once open (a missing lane key is read at once)
 
     def __post_init__(self) -> None:
@@ -191,7 +192,8 @@ class Gateway:
         self.view.mark_synced()
 
     async def probe_once(self, session: aiohttp.ClientSession) -> None:
-        targets = self.view.probe_targets()
+        targets, self.probe_next = fleet.this_round(self.view.probe_targets(), lambda lane: bool(lane.unreachable),
+                                                    self.probe_next, self.settings.probe_budget)  # fmt: skip
         if targets:
             await asyncio.gather(*(self._probe(session, lane) for lane in targets))
 

@@ -32,7 +32,7 @@ from gateway.fleet import FleetView, LaneKey
 from gateway.refusals import QueueFull, QueueTimeout, Refused, UnknownModel
 from gateway.routing import AffinityIndex, Fingerprint, LaneLoad, budget_chunks
 from gateway.tenants import Tenant, refusal_ceiling
-from shared import defaults
+from shared import defaults, subjects
 
 HOT_MIN_CHUNKS = 4  # a prefix worth moving a cache for: 1 KiB of prompt, about 256 tokens
 
@@ -58,14 +58,16 @@ class Admission:
     _queues: dict[str, deque[Waiter]] = field(default_factory=dict)
     _turns: itertools.count = field(default_factory=itertools.count)
     _absent: dict[LaneKey, float] = field(default_factory=dict)  # lanes out of the plan: since when
+    _host_keys: dict[str, set[LaneKey]] = field(default_factory=dict)  # host token -> its lanes, at the last change
     _waited: dict[str, float] = field(default_factory=dict)  # name -> longest queue wait ended since the last report
 
     def __post_init__(self) -> None:
         self.view.listeners.append(self._fleet_changed)
         self._fleet_changed()  # the lanes' index budgets, for a view already filled
 
-    def _fleet_changed(self) -> None:
-        lanes = list(self.view.lanes())
+    def _fleet_changed(self, host: str | None = None) -> None:
+        """The fleet changed (`host`: only that host's lanes, by its token; None: any)."""
+        lanes = list(self.view.lanes() if host is None else self.view.host_lanes(host))
         if self.view.synced:  # (while the bucket is read, a lane not read yet has not left)
             # A lane that left the plan keeps its entries a while: one scaled down or evicted and started
             # again restores its saved slots (launcher_agent/slot_cache.py), and where it did not, its first
@@ -74,11 +76,27 @@ class Admission:
             present = {lane.key for lane in lanes}
             for key in present:
                 self._absent.pop(key, None)
-            for key in set(self.index.lanes) - present:
+            if host is None:
+                known = set(self.index.lanes)
+            elif host in self._host_keys:
+                known = self._host_keys[host]
+            else:  # its first change since the fleet was read
+                known = {k for k in self.index.lanes if subjects.host_token(k[0]) == host}
+            for key in known - present:
                 self._absent.setdefault(key, now)
-            for key in [k for k, since in self._absent.items() if now - since > defaults.PREFIX_MAX_AGE]:
+            if host is not None:
+                self._host_keys[host] = present
+            else:
+                self._host_keys = {}
+                for key in present:
+                    self._host_keys.setdefault(subjects.host_token(key[0]), set()).add(key)
+            expired = [k for k, since in self._absent.items() if now - since > defaults.PREFIX_MAX_AGE]
+            for key in expired:
                 del self._absent[key]
-            self.index.keep_only(present | set(self._absent))
+            if host is None:
+                self.index.keep_only(present | set(self._absent))
+            elif expired:
+                self.index.forget(expired)
         for lane in lanes:
             if lane.state != "healthy":  # a lane (re)starting holds nothing its last /slots read said
                 self.counts.reported.pop(lane.key, None)

@@ -266,7 +266,7 @@ class Waker:
             except Exception:
                 pass  # repeated by the wake loop
 
-    def changed(self) -> None:
+    def changed(self, host: str | None = None) -> None:
         """The fleet changed: let held requests go where their model is ready, fail them where it failed."""
         for name, futures in list(self.held.items()):
             model = classify(self.view, name)

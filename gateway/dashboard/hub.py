@@ -61,7 +61,7 @@ class DashboardHub:
     def snapshot(self) -> dict:
         return dashboard_snapshot(self.view, self.events, self._rates, self.counts)
 
-    def changed(self) -> None:
+    def changed(self, host: str | None = None) -> None:
         self._changed.set()
 
     def on_event(self, data: bytes, subject: str) -> None:

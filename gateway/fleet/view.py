@@ -118,7 +118,15 @@ class FleetView:
     catalogue: ModelStates | None = None
     synced: bool = False  # the first full snapshot of the bucket has been read
     bad_entries: int = 0
-    listeners: list[Callable[[], None]] = field(default_factory=list)
+    # Told of every change, with the host token it concerns (None: anything, or the whole fleet).
+    listeners: list[Callable[[str | None], None]] = field(default_factory=list)
+    # The lanes, built per host (a status of one host rebuilds that host's only: at 10,000 hosts a
+    # whole rebuild took 0.24 s), by name, and whole, each rebuilt when asked after a change.
+    _hosts: dict[str, list[LaneRoute]] = field(default_factory=dict)  # host token -> its lanes
+    _by_base: dict[str, dict[str, list[LaneRoute]]] = field(default_factory=dict)  # alias or model -> host -> lanes
+    _named: dict[str, list[LaneRoute]] = field(default_factory=dict)  # requested name -> the lanes serving it
+    _dirty: set[str] = field(default_factory=set)  # hosts to rebuild
+    _all_dirty: bool = True
     _lanes: list[LaneRoute] | None = None
     _read: asyncio.Event | None = None  # set with `synced` (made on the loop, once something waits)
 
@@ -177,7 +185,9 @@ class FleetView:
         except (msgspec.ValidationError, msgspec.DecodeError, ValueError) as exc:
             self.bad_entries += 1
             return f"{key}: {exc}"
-        if kind in ("plan", "status", "report") or key == subjects.CONFIG_KEY:  # the dashboard shows them all
+        if kind in ("plan", "status", "report"):  # the dashboard shows them all
+            self.changed(host)
+        elif key == subjects.CONFIG_KEY:
             self.changed()
         return None
 
@@ -199,7 +209,7 @@ class FleetView:
                 self.bad_entries += 1
                 return f"{key}: a key for {secret.host_id}/{secret.lane_id}"
             self.secrets[(host, lane)] = secret.key
-        self.changed()  # a lane whose key has come is routable now
+        self.changed(host)  # a lane whose key has come is routable now
         return None
 
     def _new_processes(self, before: HostStatus | None, now: HostStatus) -> None:
@@ -219,37 +229,75 @@ class FleetView:
     def mark_unreachable(self, key: LaneKey, reason: str) -> None:
         if self.unreachable.get(key) != reason:
             self.unreachable[key] = reason
-            self.changed()
+            self.changed(subjects.host_token(key[0]))
 
     def mark_reachable(self, key: LaneKey) -> None:
         if self.unreachable.pop(key, None) is not None:
-            self.changed()
+            self.changed(subjects.host_token(key[0]))
 
     def mark_stalled(self, key: LaneKey, reason: str) -> None:
         if self.stalled.get(key) != reason:
             self.stalled[key] = reason
-            self.changed()
+            self.changed(subjects.host_token(key[0]))
 
     def mark_progressing(self, key: LaneKey) -> None:
         """Its /slots answered: the inference loop runs."""
         if self.stalled.pop(key, None) is not None:
-            self.changed()
+            self.changed(subjects.host_token(key[0]))
 
-    def changed(self) -> None:
+    def changed(self, host: str | None = None) -> None:
+        """Something of `host` (a host token; None: anything) changed: its lanes are built again when asked."""
+        if host is None:
+            self._all_dirty = True
+        else:
+            self._dirty.add(host)
         self._lanes = None
         for listener in self.listeners:
-            listener()
+            listener(host)
 
     # ------------------------------------------------------------ lanes
 
     def lanes(self) -> list[LaneRoute]:
-        """Every planned lane, with what its agent last said of it."""
+        """Every planned lane, with what its agent last said of it, host by host in host order."""
+        self._refresh()
         if self._lanes is None:
-            self._lanes = list(self._build_lanes())
+            self._lanes = [lane for host in sorted(self._hosts) for lane in self._hosts[host]]
         return self._lanes
 
-    def _build_lanes(self):
-        for host, plan in sorted(self.plans.items()):
+    def host_lanes(self, host: str) -> list[LaneRoute]:
+        """The lanes of one host (its token)."""
+        self._refresh()
+        return self._hosts.get(host, [])
+
+    def _refresh(self) -> None:
+        if self._all_dirty:
+            self._all_dirty, self._dirty = False, set()
+            self._hosts, self._by_base, self._named = {}, {}, {}
+            for host in sorted(self.plans):
+                self._put_host(host, list(self._build_host(host)))
+            return
+        for host in self._dirty:
+            old = self._hosts.get(host, [])
+            new = list(self._build_host(host)) if host in self.plans else []
+            bases = {base for lane in (*old, *new) for base in (lane.alias, lane.model)}
+            for base in bases - {b for lane in new for b in (lane.alias, lane.model)}:
+                self._by_base.get(base, {}).pop(host, None)
+            for name in [n for n in self._named if n.partition(":")[0] in bases]:
+                del self._named[name]
+            if new:
+                self._put_host(host, new)
+            else:
+                self._hosts.pop(host, None)
+        self._dirty = set()
+
+    def _put_host(self, host: str, lanes: list[LaneRoute]) -> None:
+        self._hosts[host] = lanes
+        for base in {b for lane in lanes for b in (lane.alias, lane.model)}:
+            self._by_base.setdefault(base, {})[host] = [lane for lane in lanes if base in (lane.alias, lane.model)]
+
+    def _build_host(self, host: str):
+        plan = self.plans.get(host)
+        if plan is not None:
             status = self.statuses.get(host)
             running = {lane.lane_id: lane for lane in status.lanes} if status else {}
             for spec in plan.lanes:
@@ -285,7 +333,16 @@ class FleetView:
         return found if found is not None and (not adapter or adapter in found.adapters) else None
 
     def lanes_for(self, name: str) -> list[LaneRoute]:
-        return [lane for lane in self.lanes() if lane.serves(name)]
+        """The lanes serving a requested name (kept until a host of theirs changes; a name nothing
+        serves is not kept, so clients' made-up names cannot grow it)."""
+        self._refresh()
+        found = self._named.get(name)
+        if found is None:
+            hosts = self._by_base.get(name.partition(":")[0], {})
+            found = [lane for lanes in hosts.values() for lane in lanes if lane.serves(name)]
+            if found:
+                self._named[name] = found
+        return found
 
     def routable(self, name: str) -> list[LaneRoute]:
         return [lane for lane in self.lanes_for(name) if lane.routable]

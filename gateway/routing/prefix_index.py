@@ -187,11 +187,13 @@ class PrefixIndex:
     def keep_only(self, lanes: Iterable[LaneKey]) -> None:
         """Forget lanes that left the fleet."""
         keep = set(lanes)
-        for lane in [k for k in self.lanes if k not in keep]:
-            del self.lanes[lane]
+        self.forget({k for k in (*self.lanes, *self.answers, *self.budgets) if k not in keep})
+
+    def forget(self, lanes: Iterable[LaneKey]) -> None:
+        """Forget these lanes (gone from the fleet for good)."""
+        for lane in lanes:
+            self.lanes.pop(lane, None)
             self.clocks.pop(lane, None)
             self.tails.pop(lane, None)
-        for lane in [k for k in self.answers if k not in keep]:
-            del self.answers[lane]
-        for lane in [k for k in self.budgets if k not in keep]:
-            del self.budgets[lane]
+            self.answers.pop(lane, None)
+            self.budgets.pop(lane, None)
