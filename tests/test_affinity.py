@@ -475,3 +475,47 @@ def test_the_byte_bound_holds_for_the_real_tokenizers_byte_fallback(text):
     """Each token covers at least one byte, so bytes bound tokens (checked on the real tokenizer in test_gateway)."""
     prompt = prompt_of("/v1/completions", {"prompt": text})
     assert prompt.token_bound() >= len(text.encode())
+
+
+def test_the_index_knows_which_lanes_hold_a_prompts_first_chunk():
+    from gateway.routing.prefix_index import PrefixIndex
+
+    index = PrefixIndex()
+    first, other = fingerprint("m", "a" * CHUNK_CHARS * 3), fingerprint("m", "b" * CHUNK_CHARS * 2)
+    index.record(("h", "x"), first.hashes)
+    index.record(("h", "y"), first.hashes[:1])
+    index.record(("h", "y"), other.hashes)
+    assert index.holders(first.hashes[0]) == {("h", "x"), ("h", "y")}
+    index.drop(("h", "y"), first.hashes[:1])
+    assert index.holders(first.hashes[0]) == {("h", "x")}
+    index.set_budget(("h", "x"), 1)  # trimmed to its newest chunk: the first one is evicted
+    assert index.holders(first.hashes[0]) == set()
+    index.copy(("h", "y"), ("h", "z"))
+    assert index.holders(other.hashes[0]) == {("h", "y"), ("h", "z")}
+    index.keep_only([("h", "z")])
+    assert index.holders(other.hashes[0]) == {("h", "z")} and index.firsts == {other.hashes[0]: {("h", "z")}}
+
+
+async def test_a_model_of_hundreds_of_lanes_weighs_a_shortlist_and_still_finds_the_warm_lane():
+    from gateway.admission.queue import SHORTLIST
+
+    view = FleetView()
+    lanes = 300
+    for i in range(lanes):
+        put_plan(view, f"h{i:03d}", spec("a", "m", parallel=2, port=8000))
+        put_status(view, f"h{i:03d}", healthy("a", 8000))
+    admission = Admission(view)
+    prompt = fingerprint("m", "the long shared system prompt " * 200)
+    warm = ("h250", "a")
+    admission.index.record(warm, prompt.hashes)
+    for _ in range(5):  # whatever the window, the lane holding the prompt is weighed and taken
+        lease = await admission.acquire("m", prompt=prompt)
+        assert lease.lane.key == warm
+        lease.release()
+    # Without a prompt, the window moves: requests spread beyond the first SHORTLIST lanes.
+    taken = set()
+    for _ in range(lanes // SHORTLIST + 1):
+        lease = await admission.acquire("m")
+        taken.add(lease.lane.key)
+        lease.release()
+    assert any(int(host[1:]) >= SHORTLIST for host, _ in taken)

@@ -125,6 +125,7 @@ class FleetView:
     _hosts: dict[str, list[LaneRoute]] = field(default_factory=dict)  # host token -> its lanes
     _by_base: dict[str, dict[str, list[LaneRoute]]] = field(default_factory=dict)  # alias or model -> host -> lanes
     _named: dict[str, list[LaneRoute]] = field(default_factory=dict)  # requested name -> the lanes serving it
+    _routable: dict[str, list[LaneRoute]] = field(default_factory=dict)  # ... those of them routable
     _dirty: set[str] = field(default_factory=set)  # hosts to rebuild
     _all_dirty: bool = True
     _lanes: list[LaneRoute] | None = None
@@ -272,7 +273,7 @@ class FleetView:
     def _refresh(self) -> None:
         if self._all_dirty:
             self._all_dirty, self._dirty = False, set()
-            self._hosts, self._by_base, self._named = {}, {}, {}
+            self._hosts, self._by_base, self._named, self._routable = {}, {}, {}, {}
             for host in sorted(self.plans):
                 self._put_host(host, list(self._build_host(host)))
             return
@@ -284,6 +285,7 @@ class FleetView:
                 self._by_base.get(base, {}).pop(host, None)
             for name in [n for n in self._named if n.partition(":")[0] in bases]:
                 del self._named[name]
+                self._routable.pop(name, None)
             if new:
                 self._put_host(host, new)
             else:
@@ -345,7 +347,12 @@ class FleetView:
         return found
 
     def routable(self, name: str) -> list[LaneRoute]:
-        return [lane for lane in self.lanes_for(name) if lane.routable]
+        found = self._routable.get(name)
+        if found is None or self._dirty or self._all_dirty:
+            found = [lane for lane in self.lanes_for(name) if lane.routable]
+            if name in self._named:  # kept as long as the lanes it was cut from
+                self._routable[name] = found
+        return found
 
     def probe_targets(self) -> list[LaneRoute]:
         """Lanes the agent calls healthy: the gateway checks it can reach them itself."""

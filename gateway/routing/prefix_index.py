@@ -59,6 +59,10 @@ class PrefixIndex:
     # which llama-server samples but never decodes) and that prompt's hashes, newest last. A hot lane
     # that spreads idle conversations names each moved slot by its tokens (`spread`).
     answers: dict[LaneKey, deque[tuple[int, tuple[int, ...]]]] = field(default_factory=dict)
+    # First chunk hash of a recorded prompt -> the lanes that hold it: every lane that can match a
+    # prompt holds its first chunk, so a model with thousands of lanes weighs those lanes only
+    # (Admission's shortlist), not every lane for every request.
+    firsts: dict[int, set[LaneKey]] = field(default_factory=dict)
 
     def set_budget(self, lane: LaneKey, chunks: int) -> None:
         self.budgets[lane] = max(1, chunks)
@@ -75,6 +79,8 @@ class PrefixIndex:
             held[h] = clock
             held.move_to_end(h)
         self.clocks[lane] = clock
+        if hashes:
+            self.firsts.setdefault(hashes[0], set()).add(lane)
         if tail is not None and hashes:
             self.tails.setdefault(lane, {})[hashes[-1]] = tail
         self._trim(lane)
@@ -88,6 +94,15 @@ class PrefixIndex:
         tails = self.tails.get(lane)
         if tails:
             tails.pop(h, None)
+        holders = self.firsts.get(h)
+        if holders is not None:
+            holders.discard(lane)
+            if not holders:
+                del self.firsts[h]
+
+    def holders(self, first: int) -> set[LaneKey]:
+        """The lanes holding a prompt whose first chunk hashes to `first`."""
+        return self.firsts.get(first, set())
 
     def beyond(self, lane: LaneKey, prompt: Fingerprint, matched: int) -> int:
         """Characters the lane holds past the prompt's first `matched` whole chunks: the end of an
@@ -192,6 +207,8 @@ class PrefixIndex:
     def forget(self, lanes: Iterable[LaneKey]) -> None:
         """Forget these lanes (gone from the fleet for good)."""
         for lane in lanes:
+            for h in self.lanes.get(lane, ()):
+                self._forget(lane, h)
             self.lanes.pop(lane, None)
             self.clocks.pop(lane, None)
             self.tails.pop(lane, None)
