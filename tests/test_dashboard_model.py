@@ -232,3 +232,44 @@ def test_the_queue_view_shows_each_tenants_requests():
     state = snapshot(FleetView(), counts=counts)
     assert state["tenants"] == [{"tenant": "batch", "model": "chat", "in_flight": 0, "queued": 5},
                                 {"tenant": "team-a", "model": "chat", "in_flight": 2, "queued": 1}]  # fmt: skip
+
+
+def test_a_page_is_sent_whole_then_only_what_changed():
+    from gateway.dashboard.model import PageFeed
+
+    view = FleetView()
+    _fleet(view)
+    feed = PageFeed()
+    event, whole = feed.frame(snapshot(view))
+    assert event == "snapshot" and [h["host_id"] for h in whole["hosts"]] == ["h1"]
+    assert feed.frame(snapshot(view)) is None  # nothing changed: nothing sent
+    status = HostStatus(host_id="h1", lanes=(LaneStatus(lane_id=view.plans["h1"].lanes[0].lane_id, state="healthy"),))
+    assert view.apply_entry("status.h1", encode(status)) is None
+    event, delta = feed.frame(snapshot(view))
+    assert event == "delta" and [h["host_id"] for h in delta["hosts"]] == ["h1"] and delta["order"] == ["h1"]
+    assert "config" not in delta and "summary" in delta  # the summary counts the lane healthy now
+    assert delta["summary"]["lanes_by_model"][view.plans["h1"].lanes[0].alias].get("healthy") == 1
+
+
+def test_the_filter_pages_and_narrows_the_hosts():
+    from gateway.dashboard.model import HostFilter, dashboard_snapshot
+
+    view = FleetView()
+    for i in range(7):
+        report = host(f"h{i}", ram_available=32 * GIB, ram_total=64 * GIB, models=(llama_1b(),) if i % 2 else (llama_8b(),))
+        hp = plan([report], FleetConfig()).hosts[0]
+        for key, msg in ((f"report.h{i}", report), (f"plan.h{i}", hp)):
+            assert view.apply_entry(key, encode(msg)) is None
+    page = dashboard_snapshot(view, EventFeed(), page=HostFilter(limit=3, offset=3))
+    assert [h["host_id"] for h in page["hosts"]] == ["h3", "h4", "h5"]
+    assert page["page"] == {"offset": 3, "limit": 3, "matched": 7, "total": 7, "host": "", "model": "", "state": ""}
+    assert page["summary"]["hosts"] == 7 and page["summary"]["hosts_by_state"] == {"live": 7}
+    one = view.plans["h1"].lanes[0].model
+    narrowed = dashboard_snapshot(view, EventFeed(), page=HostFilter(model=one))
+    assert [h["host_id"] for h in narrowed["hosts"]] == ["h1", "h3", "h5"]
+    assert [h["host_id"] for h in dashboard_snapshot(view, EventFeed(), page=HostFilter(text="h6"))["hosts"]] == ["h6"]
+    assert dashboard_snapshot(view, EventFeed(), page=HostFilter(state="lost"))["hosts"] == []
+    assert dashboard_snapshot(view, EventFeed(), page=HostFilter(state="pending"))["page"]["matched"] == 7
+    bounded = HostFilter.from_query({"limit": "100000", "offset": "-5", "host": "x" * 1000})
+    assert bounded.limit == 200 and bounded.offset == 0 and len(bounded.text) == 128
+    assert HostFilter.from_query({"limit": "many"}).limit == 50

@@ -502,7 +502,7 @@ async def test_fleet_wide_config_change_under_load_fails_no_request(fleet):
     """Both lanes restart for q8_0 KV one after the other, each drained first; clients see no error."""
     async with gateway(fleet, queue_wait=120) as gw, client(fleet.url) as nc:
         seen_draining: set[str] = set()
-        gw.view.listeners.append(lambda: seen_draining.update(l.lane_id for l in gw.view.lanes() if l.draining))
+        gw.view.listeners.append(lambda host=None: seen_draining.update(l.lane_id for l in gw.view.lanes() if l.draining))
         before = {lane.lane_id: lane.pid for lane in await _healthy_lanes(nc)}
         ai = _openai(gw)
         done = asyncio.Event()

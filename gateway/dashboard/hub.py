@@ -5,8 +5,10 @@ the JSON view model (gateway/dashboard/model.py) into the DOM, with no build ste
 npm library. The numbers are computed and tested in Python; the script only draws them,
 so changing the page means editing one readable file, and the package ships every asset
 (nothing is fetched from the network at run time). Updates are pushed with server-sent
-events: each bus change sends a fresh snapshot, so a page never needs a reload, and a
-reconnecting EventSource gets the whole state again (level-triggered, like the agent).
+events: a page gets the fleet's summary and one page of hosts by its filter (host, model,
+state), whole at first, then only what changed (model.PageFeed), so a page never needs a reload,
+no message grows with the fleet, and a reconnecting EventSource gets the whole state again
+(level-triggered, like the agent).
 
 With API keys, the page asks for one and trades it for a session cookie (gateway/edge/access.py);
 its data, stream and assets need it. Read-only; with `--admin-key`, a viewer who enters that key may change the
@@ -27,7 +29,7 @@ import structlog
 from aiohttp import web
 
 from gateway.admission import LaneCounts
-from gateway.dashboard.model import EventFeed, dashboard_snapshot
+from gateway.dashboard.model import EventFeed, HostFilter, PageFeed, dashboard_snapshot, fleet_summary
 from gateway.edge import (
     COOKIE, COOKIE_PATH, COOKIE_SECRET, KEY_ID, SESSION_PATH, SESSION_SECONDS, has_keys, key_ids_of, openai_error,
     session_token,
@@ -43,6 +45,7 @@ from shared.supervise import running
 log = structlog.get_logger("lanes.dashboard")
 STATIC = Path(__file__).with_name("static")
 PUSH_SETTLE_SECONDS = 0.1  # a burst of bus changes becomes one push
+PUSH_EVERY_SECONDS = 0.5  # pushes at most this often (a large fleet changes all the time)
 RATE_SECONDS = 5.0  # requests per second are measured over this
 
 
@@ -54,14 +57,18 @@ class DashboardHub:
         self.events = EventFeed()
         self._rates: dict[LaneKey, float] = {}
         self._last_count: tuple[float, dict[LaneKey, int]] = (time.monotonic(), {})
-        self._pages: set[asyncio.Queue[str]] = set()
+        self._pages: set[asyncio.Queue[None]] = set()
         self._changed = asyncio.Event()
+        self._summary: dict | None = None  # the fleet's summary, until the next change or push (None: make it)
         view.listeners.append(self.changed)
 
-    def snapshot(self) -> dict:
-        return dashboard_snapshot(self.view, self.events, self._rates, self.counts)
+    def snapshot(self, page: HostFilter = HostFilter()) -> dict:
+        if self._summary is None:
+            self._summary = fleet_summary(self.view, self.counts)
+        return dashboard_snapshot(self.view, self.events, self._rates, self.counts, page, self._summary)
 
     def changed(self, host: str | None = None) -> None:
+        self._summary = None
         self._changed.set()
 
     def on_event(self, data: bytes, subject: str) -> None:
@@ -84,6 +91,7 @@ class DashboardHub:
             self._changed.clear()
             self._update_rates()
             self._broadcast()
+            await asyncio.sleep(PUSH_EVERY_SECONDS)
 
     def _update_rates(self) -> None:
         now = time.monotonic()
@@ -95,21 +103,19 @@ class DashboardHub:
         self._last_count = (now, counts)
 
     def _broadcast(self) -> None:
-        if not self._pages:
-            return
-        data = json.dumps(self.snapshot())
+        """Tell every open page to look again (each renders its own filter's page)."""
+        self._summary = None  # its busy slots move without a fleet change
         for queue in list(self._pages):
-            if queue.full():  # a stalled page gets the newest state, not a backlog
-                queue.get_nowait()
-            queue.put_nowait(data)
+            if not queue.full():  # a stalled page gets the newest state, not a backlog
+                queue.put_nowait(None)
 
-    def subscribe(self) -> asyncio.Queue[str]:
-        queue: asyncio.Queue[str] = asyncio.Queue(maxsize=1)
-        queue.put_nowait(json.dumps(self.snapshot()))
+    def subscribe(self) -> asyncio.Queue[None]:
+        queue: asyncio.Queue[None] = asyncio.Queue(maxsize=1)
+        queue.put_nowait(None)
         self._pages.add(queue)
         return queue
 
-    def unsubscribe(self, queue: asyncio.Queue[str]) -> None:
+    def unsubscribe(self, queue: asyncio.Queue[None]) -> None:
         self._pages.discard(queue)
 
 
@@ -126,21 +132,27 @@ def add_dashboard(app: web.Application, hub: DashboardHub, *, nc_getter, admin_k
         return key_ids_of(app, frozenset({"admin"}))  # keys of role admin, beside --admin-key
 
     async def state(request: web.Request) -> web.Response:
-        return web.json_response({**hub.snapshot(), "admin": admin_key is not None or bool(admins(request.app))})
+        snap = hub.snapshot(HostFilter.from_query(request.query))
+        return web.json_response({**snap, "admin": admin_key is not None or bool(admins(request.app))})
 
     async def stream(request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
         await response.prepare(request)
+        page, feed = HostFilter.from_query(request.query), PageFeed()
         queue = hub.subscribe()
         try:
             while True:
                 try:
-                    data = await asyncio.wait_for(queue.get(), timeout=15)
-                    await response.write(f"event: snapshot\ndata: {data}\n\n".encode())
+                    await asyncio.wait_for(queue.get(), timeout=15)
                 except asyncio.TimeoutError:
                     await response.write(b": keep-alive\n\n")
+                    continue
+                frame = feed.frame(hub.snapshot(page))
+                if frame is not None:
+                    event, data = frame
+                    await response.write(f"event: {event}\ndata: {json.dumps(data)}\n\n".encode())
         except ConnectionResetError:
             pass  # the page left (or, with handler cancellation, the handler is cancelled: finally)
         finally:

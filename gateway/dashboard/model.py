@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import msgspec
 
@@ -34,13 +35,88 @@ class EventFeed:
         return item
 
 
+PAGE_HOSTS = 50  # hosts a page shows unless it asks for fewer
+MAX_PAGE_HOSTS = 200
+MAX_UNPLACED = 100  # unplaced models listed (all are counted)
+
+
+@dataclass(frozen=True)
+class HostFilter:
+    """Which hosts a page shows: by part of the host id, by model served, by state (the host's,
+    live or lost, or any of its lanes'), one page of them. Bounded: any query makes a page of at
+    most MAX_PAGE_HOSTS hosts, so no page grows with the fleet."""
+
+    text: str = ""
+    model: str = ""
+    state: str = ""
+    offset: int = 0
+    limit: int = PAGE_HOSTS
+
+    @classmethod
+    def from_query(cls, query: Mapping[str, str]) -> HostFilter:
+        def number(name: str, default: int, top: int) -> int:
+            try:
+                return max(0, min(top, int(query.get(name, default))))
+            except ValueError:
+                return default
+
+        return cls(text=query.get("host", "")[:128], model=query.get("model", "")[:128],
+                   state=query.get("state", "")[:32], offset=number("offset", 0, 10**7),
+                   limit=max(1, number("limit", PAGE_HOSTS, MAX_PAGE_HOSTS)))  # fmt: skip
+
+    def keeps(self, view: FleetView, host: str) -> bool:
+        if self.text and self.text not in host:
+            return False
+        plan, status = view.plans.get(host), view.statuses.get(host)
+        if self.model and not (plan and any(self.model in (s.model, s.alias) for s in plan.lanes)):
+            return False
+        if self.state and view.host_states.get(host, "live") != self.state:
+            live = {lane.lane_id: lane.state for lane in status.lanes} if status else {}
+            states = {live.get(s.lane_id, "pending") for s in plan.lanes} if plan else set(live.values())
+            return self.state in states
+        return True
+
+
+def fleet_summary(view: FleetView, counts: LaneCounts | None = None) -> dict:
+    """The whole fleet in a few numbers, whatever its size: hosts by state, lanes by model and
+    state, memory planned and used, lanes with an error, busy slots."""
+    counts = counts or LaneCounts()
+    hosts = set(view.reports) | set(view.plans) | set(view.statuses)
+    by_state: dict[str, int] = {}
+    for host in hosts:
+        state = view.host_states.get(host, "live")
+        by_state[state] = by_state.get(state, 0) + 1
+    lanes: dict[str, dict[str, int]] = {}
+    planned = used = errors = 0
+    for host, plan in view.plans.items():
+        status = view.statuses.get(host)
+        live = {lane.lane_id: lane for lane in status.lanes} if status else {}
+        for spec in plan.lanes:
+            lane = live.get(spec.lane_id)
+            state = lane.state if lane else "pending"
+            per_model = lanes.setdefault(spec.alias, {})
+            per_model[state] = per_model.get(state, 0) + 1
+            planned += spec.memory.total_bytes
+            used += (lane.rss_bytes or 0) if lane else 0
+            errors += 1 if lane and lane.last_error else 0
+    return {"hosts": len(hosts), "hosts_by_state": dict(sorted(by_state.items())),
+            "lanes": sum(sum(s.values()) for s in lanes.values()),
+            "lanes_by_model": {m: dict(sorted(s.items())) for m, s in sorted(lanes.items())},
+            "planned_bytes": planned, "rss_bytes": used, "lanes_with_errors": errors,
+            "slots_busy": sum(counts.in_flight.values())}  # fmt: skip
+
+
 def dashboard_snapshot(view: FleetView, events: EventFeed, rates: Mapping[LaneKey, float] | None = None,
-                       counts: LaneCounts | None = None) -> dict:  # fmt: skip
-    """The page's whole state: hosts with a memory bar per device, lanes, unplaced models, config, events."""
+                       counts: LaneCounts | None = None, page: HostFilter = HostFilter(),
+                       summary: dict | None = None) -> dict:  # fmt: skip
+    """What a page shows: the fleet's summary, one page of hosts (with a memory bar per device and
+    their lanes) by its filter, unplaced models, config, models, tenants and events."""
     rates, counts = rates or {}, counts or LaneCounts()
     config = view.config or FleetConfig()
     hosts = sorted(set(view.reports) | set(view.plans) | set(view.statuses))
-    routes = {lane.key: lane for lane in view.lanes()}
+    matched = [h for h in hosts if page.keeps(view, h)]
+    shown = matched[page.offset:page.offset + page.limit]
+    routes = {lane.key: lane for h in shown for lane in view.host_lanes(h)}
     unplaced = [
         {"host": plan.host_id, "model": u.model, "reason": u.reason}
         for plan in (view.plans[h] for h in hosts if h in view.plans)
@@ -50,8 +126,12 @@ def dashboard_snapshot(view: FleetView, events: EventFeed, rates: Mapping[LaneKe
         "config": msgspec.to_builtins(config),
         "config_revision": config.revision,  # counts changes (1, 2, 3 ...), as `lanes status` shows it
         "synced": view.synced,
-        "hosts": [_host(view, h, config, routes, rates, counts) for h in hosts],
-        "unplaced": unplaced,
+        "summary": summary if summary is not None else fleet_summary(view, counts),
+        "page": {"offset": page.offset, "limit": page.limit, "matched": len(matched), "total": len(hosts),
+                 "host": page.text, "model": page.model, "state": page.state},
+        "hosts": [_host(view, h, config, routes, rates, counts) for h in shown],
+        "unplaced": unplaced[:MAX_UNPLACED],
+        "unplaced_count": len(unplaced),
         # Every servable model with its state (ready, loading, unloaded, failed), as GET /v1/models.
         "models": catalogue(view),
         # Whose requests hold slots and wait (tenants of the keys file), per requested model.
@@ -200,3 +280,29 @@ def _bar(name: str, total: int, available: int, budget: int | None, config: Flee
     headroom = max(0, available - max(0, budget))
     return {"device": name, "total": total, "available": available, "headroom": headroom,
             "weights": 0, "kv": 0, "compute": 0, "cache": 0, "lent": 0, "real": 0, "free": 0}  # fmt: skip
+
+
+class PageFeed:
+    """What one open page has been sent, so each push sends only what changed for it: the hosts of
+    its page whose rendering changed, the page's order of hosts, and the other parts that changed.
+    The first push, and any after a reconnect (a new feed), is the whole snapshot."""
+
+    def __init__(self) -> None:
+        self.hosts: dict[str, bytes] = {}  # host id -> its rendering, as last sent
+        self.rest: dict[str, bytes] = {}  # every other part of the snapshot, as last sent
+        self.order: list[str] | None = None
+
+    def frame(self, snap: dict) -> tuple[str, dict] | None:
+        """("snapshot", the whole) first, then ("delta", what changed), or None: nothing did."""
+        hosts = {h["host_id"]: msgspec.json.encode(h) for h in snap["hosts"]}
+        rest = {k: msgspec.json.encode(v) for k, v in snap.items() if k != "hosts"}
+        order = list(hosts)
+        first = self.order is None
+        changed = [h for h in snap["hosts"] if self.hosts.get(h["host_id"]) != hosts[h["host_id"]]]
+        parts = {k: snap[k] for k, v in rest.items() if self.rest.get(k) != v}
+        self.hosts, self.rest, moved, self.order = hosts, rest, order != self.order, order
+        if first:
+            return "snapshot", snap
+        if not changed and not parts and not moved:
+            return None
+        return "delta", {"hosts": changed, "order": order, **parts}

@@ -37,15 +37,24 @@ def judge(outcome: Outcome, misses: int, failures: int = defaults.PROBE_FAILURES
 def this_round(targets: list[T], out: Callable[[T], bool], start: int, budget: int) -> tuple[list[T], int]:
     """The lanes to probe this round, and where the next round starts (pure).
 
-    Every lane while there are at most `budget`; beyond that, the lanes out of rotation first (a
-    probe is what brings them back), then the others in turn from `start`: at 10,000 hosts x 4
-    lanes a probe of every lane every second was 40,000 requests a second from each gateway.
-    A lane not probed this round is still taken out at once by a request that cannot reach it.
+    Every lane while there are at most `budget`; beyond that, half the budget (or more, where the
+    others need less) for the lanes out of rotation (a probe is what brings them back), the rest
+    for the others, each group in turn from `start`: at 10,000 hosts x 4 lanes a probe of every
+    lane every second was 40,000 requests a second from each gateway. A lane not probed this round
+    is still taken out at once by a request that cannot reach it.
     """
     if len(targets) <= budget:
         return list(targets), 0
-    chosen = [t for t in targets if out(t)][:budget]
-    room = budget - len(chosen)
-    start %= len(targets)
-    turn = [t for t in targets[start:] + targets[:start] if not out(t)][:room]
-    return chosen + turn, start + room
+    down = [t for t in targets if out(t)]
+    up = [t for t in targets if not out(t)]
+    take_down = min(len(down), max(budget // 2, budget - len(up)))
+    take_up = min(len(up), budget - take_down)
+    # The cursor moves by the larger share: the group not probed whole this round is the one that took it.
+    return _turn(down, start, take_down) + _turn(up, start, take_up), start + max(take_down, take_up, 1)
+
+
+def _turn(items: list[T], start: int, n: int) -> list[T]:
+    if not items or n <= 0:
+        return []
+    start %= len(items)
+    return (items[start:] + items[:start])[:n]

@@ -82,7 +82,27 @@ function renderConfig(state) {
     .map(([k, v]) => el("tr", {}, el("td", {}, k), el("td", {}, v == null ? "unset" : String(v)))));
 }
 
+function renderSummary(state) {
+  const s = state.summary, p = state.page;
+  const states = Object.entries(s.hosts_by_state).map(([k, n]) => `${n} ${k}`).join(", ");
+  $("#summary").textContent = `${s.hosts} hosts (${states || "none"}) · ${s.lanes} lanes · planned ` +
+    `${gib(s.planned_bytes)} · in use ${gib(s.rss_bytes)} · ${s.lanes_with_errors} lanes with errors · ` +
+    `${s.slots_busy} slots busy here`;
+  $("#summary-models tbody").replaceChildren(...Object.entries(s.lanes_by_model).map(([m, byState]) =>
+    el("tr", { "data-model": m }, el("td", {}, m),
+       el("td", {}, Object.entries(byState).map(([k, n]) => `${n} ${k}`).join(", ")))));
+  const models = $("#filter-model");
+  const known = new Set([...models.options].map((o) => o.value));
+  for (const m of Object.keys(s.lanes_by_model)) if (!known.has(m)) models.append(el("option", { value: m }, m));
+  const last = Math.min(p.offset + p.limit, p.matched);
+  $("#page-info").textContent = p.matched ? `hosts ${p.offset + 1}-${last} of ${p.matched}` +
+    (p.matched !== p.total ? ` (of ${p.total})` : "") : `no host of ${p.total} matches`;
+  $("#page-prev").disabled = p.offset === 0;
+  $("#page-next").disabled = last >= p.matched;
+}
+
 function render(state) {
+  renderSummary(state);
   renderHosts(state.hosts);
   renderLanes(state.hosts);
   renderConfig(state);
@@ -104,14 +124,46 @@ function render(state) {
     el("span", { class: "legend" }, e.detail || ""))));
 }
 
+// The page's filter (host, model, state, offset): the gateway sends the summary and that page
+// of hosts, whole at first, then only what changed (gateway/dashboard/model.py, PageFeed).
+const filter = { host: "", model: "", state: "", offset: 0 };
+let state = null, source = null;
+
+function query() {
+  const q = new URLSearchParams();
+  for (const [k, v] of Object.entries(filter)) if (v !== "" && v !== 0) q.set(k, v);
+  const text = q.toString();
+  return text ? "?" + text : "";
+}
+
+function applyDelta(delta) {
+  const byId = new Map(state.hosts.map((h) => [h.host_id, h]));
+  for (const h of delta.hosts) byId.set(h.host_id, h);
+  const { hosts, order, ...parts } = delta;
+  state = { ...state, ...parts, hosts: order.map((id) => byId.get(id)).filter(Boolean) };
+}
+
 function connect() {
-  const source = new EventSource("/dashboard/api/stream");
-  source.addEventListener("snapshot", (msg) => {
+  if (source) source.close();
+  source = new EventSource("/dashboard/api/stream" + query());
+  const live = () => {
     $("#connection").textContent = "live";
     $("#connection").className = "pill on";
-    render(JSON.parse(msg.data));
+  };
+  source.addEventListener("snapshot", (msg) => {
+    live();
+    state = JSON.parse(msg.data);
+    render(state);
   });
+  source.addEventListener("delta", (msg) => {
+    live();
+    if (!state) return;
+    applyDelta(JSON.parse(msg.data));
+    render(state);
+  });
+  const mine = source;
   source.onerror = async () => {
+    if (mine !== source) return;  // a filter change replaced it
     $("#connection").textContent = "reconnecting";
     $("#connection").className = "pill off";
     if (source.readyState !== EventSource.CLOSED) return;  // the browser retries by itself
@@ -139,9 +191,26 @@ async function applyConfig(event) {
   $("#admin-result").textContent = reply.ok ? "applied" : body.error.message;
 }
 
-fetch("/dashboard/api/state").then((r) => r.json()).then((state) => {
-  $("#admin").hidden = !state.admin;
+function refilter() {
+  filter.host = $("#filter-host").value.trim();
+  filter.model = $("#filter-model").value;
+  filter.state = $("#filter-state").value;
+  connect();
+}
+
+fetch("/dashboard/api/state").then((r) => r.json()).then((first) => {
+  $("#admin").hidden = !first.admin;
+  state = first;
   render(state);
   connect();
 });
 $("#admin").addEventListener("submit", applyConfig);
+$("#filter").addEventListener("submit", (e) => e.preventDefault());
+let typing = null;
+$("#filter-host").addEventListener("input", () => {
+  clearTimeout(typing);
+  typing = setTimeout(() => { filter.offset = 0; refilter(); }, 150);
+});
+for (const id of ["#filter-model", "#filter-state"]) $(id).addEventListener("change", () => { filter.offset = 0; refilter(); });
+$("#page-prev").addEventListener("click", () => { filter.offset = Math.max(0, filter.offset - state.page.limit); refilter(); });
+$("#page-next").addEventListener("click", () => { filter.offset += state.page.limit; refilter(); });
