@@ -5,13 +5,14 @@ Run from the repository root:  .venv/bin/python bench/gateway_idle.py [--hosts 1
 
 A real nats-server (the wheel's) holds the lanes bucket filled as a planner and agents would: a
 plan, a status and a report for each simulated host (the fleet of tests/test_fleet_pages.py, 3
-lanes a host, every lane healthy; nothing listens on their ports). A real `lanes gateway` process
-reads it. Then, for `--seconds` each:
+lanes a host, every lane healthy). The lanes' addresses share a few ports on 127.0.0.1, where the
+bench answers `/health` as llama-server does, so the gateway's probes find them up. A real
+`lanes gateway` process reads it. Then, for `--seconds` each:
 - idle: no request, no bus traffic;
 - agents reporting: each host's status put again every 30 s (the agents' report interval, with a
   new RSS) and each host's load refreshed every 10 s (HostLoad, defaults.LOAD_REFRESH), spread evenly.
-Measured: seconds from the gateway's start to its view holding every host (its dashboard's summary),
-its RSS, and its CPU (percent of one core) in each phase.
+Measured: seconds from the gateway's start to its view holding every host and the bucket read
+(its `/ready`), its RSS, and its CPU (percent of one core) in each phase.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import aiohttp
 import msgspec
+from aiohttp import web
 import nats
 import psutil
 
@@ -91,6 +93,25 @@ async def report_like_agents(url: str, fleet, seconds: float) -> int:
     return sent + j
 
 
+async def answer_health(ports: set[int]) -> list[web.AppRunner]:
+    """/health answered 200 on the lanes' ports, as a serving llama-server answers it."""
+    app = web.Application()
+    app.router.add_get("/health", lambda _: web.json_response({"status": "ok"}))
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    for port in sorted(ports):
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+    return [runner]
+
+
+async def ready(http: aiohttp.ClientSession, url: str) -> bool:
+    try:
+        async with http.get(url + "/ready") as resp:
+            return resp.status == 200
+    except aiohttp.ClientError:
+        return False
+
+
 async def hosts_seen(http: aiohttp.ClientSession, url: str) -> int:
     try:
         async with http.get(url + "/dashboard/api/state?limit=1") as resp:
@@ -110,6 +131,7 @@ async def measure(hosts: int, seconds: float, tmp: Path) -> dict:
     server = NatsServer(tmp / f"nats-{hosts}").start()
     try:
         await fill(server.url, fleet)
+        lanes_answer = await answer_health({s.port for p in fleet.plans.values() for s in p.lanes})
         port = free_port_base(1)
         url = f"http://127.0.0.1:{port}"
         began = time.perf_counter()
@@ -118,7 +140,7 @@ async def measure(hosts: int, seconds: float, tmp: Path) -> dict:
         try:
             proc = psutil.Process(gw.pid)
             async with aiohttp.ClientSession() as http:
-                while await hosts_seen(http, url) < hosts:
+                while not await ready(http, url) or await hosts_seen(http, url) < hosts:
                     if time.perf_counter() - began > 600:
                         raise RuntimeError(f"the gateway did not read {hosts} hosts in 600 s")
                     await asyncio.sleep(0.5)
@@ -136,6 +158,8 @@ async def measure(hosts: int, seconds: float, tmp: Path) -> dict:
         finally:
             gw.terminate()
             gw.wait(30)
+            for runner in lanes_answer:
+                await runner.cleanup()
     finally:
         server.stop()
 

@@ -122,10 +122,10 @@ class Gateway:
 
     async def _fetch_missing_keys(self, status_key: str) -> None:
         """A lane of the host whose status just came that names a key this gateway does not hold yet
-        (restarted just now): read it from the bucket at once rather than wait for the secrets watch."""
-        for lane in self.view.lanes():
-            if subjects.status_key(lane.host_id) != status_key:
-                continue
+        (restarted just now): read it from the bucket at once rather than wait for the secrets watch.
+        That host's lanes only: a walk of the fleet for each status read made a gateway reading
+        10,000 hosts spin for minutes (bench/gateway_idle.py)."""
+        for lane in self.view.host_lanes(status_key.partition(".")[2]):
             held = fingerprint(lane.api_key) if lane.api_key else ""
             if lane.key_id and lane.state == "healthy" and held != lane.key_id:
                 key = subjects.lane_secret_key(lane.host_id, lane.lane_id)

@@ -164,9 +164,10 @@ def activity(
     """Per persona: requests in flight, queued or held, seconds since its last request, and the
     longest wait for a slot of the last interval (`waits`, by requested name)."""
     in_flight: dict[str, int] = {}
-    for lane in view.lanes():
-        if counts.busy(lane.key):
-            in_flight[lane.alias] = in_flight.get(lane.alias, 0) + counts.busy(lane.key)
+    for key, n in counts.in_flight.items():  # the lanes this gateway has requests on, not the fleet
+        lane = view.lane(key)
+        if n and lane is not None:
+            in_flight[lane.alias] = in_flight.get(lane.alias, 0) + n
     queued: dict[str, int] = dict(held)
     for name, depth in counts.queued.items():
         persona = persona_of(view, name)

@@ -180,6 +180,13 @@ class FleetView:
                         raise ValueError(f"{kind} for {msg.host_id!r} under key {key!r}")
                     if kind == "status":
                         self._new_processes(table.get(host), msg)
+                    elif kind == "report":
+                        # Its memory and devices are what a gateway shows (the dashboard's bars); the
+                        # model facts were most of a 10,000-host view's memory (bench/gateway_idle.py).
+                        msg = msgspec.structs.replace(msg, models=(), adapters=())
+                    elif kind == "plan":  # the planner's reasons are for `lanes explain`, not for routing
+                        msg = msgspec.structs.replace(msg, reasons=(), lanes=tuple(
+                            msgspec.structs.replace(spec, reasons=()) for spec in msg.lanes))
                     table[host] = msg
             else:
                 return None  # demand and keys the gateway does not use
@@ -269,6 +276,10 @@ class FleetView:
         """The lanes of one host (its token)."""
         self._refresh()
         return self._hosts.get(host, [])
+
+    def lane(self, key: LaneKey) -> LaneRoute | None:
+        """One lane by its key, without a walk of the fleet."""
+        return next((lane for lane in self.host_lanes(subjects.host_token(key[0])) if lane.lane_id == key[1]), None)
 
     def _refresh(self) -> None:
         if self._all_dirty:
