@@ -126,8 +126,23 @@ def cpu_percent(proc: psutil.Process, work) -> float:
     return round(100 * (sum(proc.cpu_times()[:2]) - before) / (time.perf_counter() - began), 2)
 
 
+def on_free_ports(fleet):
+    """The simulated lanes moved to free ports (the planner gave them 8080 and on), so the bench's
+    `/health` answers never meet another program's port."""
+    used = sorted({s.port for p in fleet.plans.values() for s in p.lanes})
+    base = free_port_base(len(used))
+    moved = {port: base + i for i, port in enumerate(used)}
+    for host, plan in fleet.plans.items():
+        fleet.plans[host] = msgspec.structs.replace(plan, lanes=tuple(
+            msgspec.structs.replace(s, port=moved[s.port]) for s in plan.lanes))
+    for host, status in fleet.statuses.items():
+        fleet.statuses[host] = msgspec.structs.replace(status, lanes=tuple(
+            msgspec.structs.replace(lane, port=moved.get(lane.port, lane.port)) for lane in status.lanes))
+    return fleet
+
+
 async def measure(hosts: int, seconds: float, tmp: Path) -> dict:
-    fleet = _fleet(hosts)
+    fleet = on_free_ports(_fleet(hosts))
     server = NatsServer(tmp / f"nats-{hosts}").start()
     try:
         await fill(server.url, fleet)

@@ -230,3 +230,21 @@ def test_door_bench_small(tmp_path, llama_server):
     for streams in ("streams_8", "streams_64"):
         assert got[streams]["ratio"] > 0 and got[streams]["gateway_cpu_ms_per_request"] > 0, got[streams]
     assert got["gateway_idle_cpu_percent"] >= 0
+
+
+def test_gateway_scale_bench_small(tmp_path):
+    out = tmp_path / "scale.json"
+    result = run("gateway_scale.py", "--hosts", "20", "100", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    rows = {r["hosts"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows[100]["lanes"] == 300 and rows[100]["routing_decisions_per_s"] > 0 and rows[100]["view_mib"] > 0
+    assert rows[100]["lanes_probed_per_round"] <= 64
+
+
+def test_gateway_idle_bench_small(tmp_path):
+    """A real gateway process reads a simulated 50-host bucket; every figure is there."""
+    out = tmp_path / "idle.json"
+    result = run("gateway_idle.py", "--hosts", "50", "--seconds", "2", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["hosts"] == 50 and row["rss_mib"] > 0 and row["read_s"] > 0 and row["agent_messages_per_s"] > 0
