@@ -248,3 +248,13 @@ def test_gateway_idle_bench_small(tmp_path):
     assert result.returncode == 0, result.stderr
     (row,) = json.loads(out.read_text())["rows"]
     assert row["hosts"] == 50 and row["rss_mib"] > 0 and row["read_s"] > 0 and row["agent_messages_per_s"] > 0
+
+
+def test_dashboard_scale_bench_small(tmp_path):
+    """The dashboard of a simulated fleet in headless Chromium: painted, searched, every figure there."""
+    out = tmp_path / "dashboard.json"
+    result = run("dashboard_scale.py", "--hosts", "120", "--runs", "1", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    row = json.loads(out.read_text())["row"]
+    assert row["hosts"] == 120 and row["first_paint_s_median"] > 0 and row["filtered_s_median"] > 0
+    assert 0 < row["state_kib"] < 256 and row["heap_mib_median"] > 0

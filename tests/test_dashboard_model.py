@@ -273,3 +273,38 @@ def test_the_filter_pages_and_narrows_the_hosts():
     bounded = HostFilter.from_query({"limit": "100000", "offset": "-5", "host": "x" * 1000})
     assert bounded.limit == 200 and bounded.offset == 0 and len(bounded.text) == 128
     assert HostFilter.from_query({"limit": "many"}).limit == 50
+
+
+def test_at_ten_thousand_hosts_the_state_and_every_frame_stay_small_and_a_change_is_one_host():
+    """A view of 10,000 simulated hosts (30,000 lanes): what a page is sent, whole or as a delta, is
+    under 256 KiB, and one host's change reaches a page filtered to it as that host alone. (The
+    page's paint and search times in Chromium: bench/dashboard_scale.py.)"""
+    from test_fleet_pages import _fleet
+
+    from gateway.dashboard.hub import DashboardHub
+    from gateway.dashboard.model import HostFilter, PageFeed
+    from shared import subjects
+
+    fleet = _fleet(10_000)
+    view = FleetView()
+    for table, key in ((fleet.plans, subjects.plan_key), (fleet.statuses, subjects.status_key),
+                       (fleet.reports, subjects.report_key)):  # fmt: skip
+        for name, msg in table.items():
+            assert view.apply_entry(key(name), encode(msg)) is None
+    hub = DashboardHub(view, LaneCounts())
+    whole = msgspec.json.encode(hub.snapshot())
+    assert len(whole) < 256 * 1024, len(whole)
+    first = msgspec.json.decode(whole)
+    assert first["summary"]["hosts"] == 10_000 and len(first["hosts"]) == 50 and first["page"]["matched"] == 10_000
+    target = "host-04242"
+    page, feed = HostFilter(text=target), PageFeed()
+    event, snap = feed.frame(hub.snapshot(page))
+    assert event == "snapshot" and [h["host_id"] for h in snap["hosts"]] == [target]
+    status = fleet.statuses[target]
+    changed = msgspec.structs.replace(status, lanes=tuple(
+        msgspec.structs.replace(lane, state="crashed", last_error="exit 1") for lane in status.lanes))
+    assert view.apply_entry(subjects.status_key(target), encode(changed)) is None
+    event, delta = feed.frame(hub.snapshot(page))
+    assert event == "delta" and [h["host_id"] for h in delta["hosts"]] == [target]
+    assert len(msgspec.json.encode(delta)) < 256 * 1024
+    assert delta["summary"]["lanes_with_errors"] == snap["summary"]["lanes_with_errors"] + len(status.lanes)
