@@ -120,6 +120,17 @@ async def hosts_seen(http: aiohttp.ClientSession, url: str) -> int:
         return 0
 
 
+def peak_rss_mib(pid: int) -> float | None:
+    """The process's high-water RSS (Linux: VmHWM), the read's peak before the freed heap went back."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return round(int(line.split()[1]) / 1024, 1)
+    except OSError:
+        pass
+    return None
+
+
 def cpu_percent(proc: psutil.Process, work) -> float:
     before, began = sum(proc.cpu_times()[:2]), time.perf_counter()
     work()
@@ -167,7 +178,7 @@ async def measure(hosts: int, seconds: float, tmp: Path) -> dict:
             sent = await report_like_agents(server.url, fleet, seconds)
             busy = round(100 * (sum(proc.cpu_times()[:2]) - before) / (time.perf_counter() - t0), 2)
             return {"hosts": hosts, "lanes": sum(len(p.lanes) for p in fleet.plans.values()), "read_s": read_s,
-                    "rss_mib": round(rss_idle / 2**20, 1), "idle_cpu_percent": idle,
+                    "rss_mib": round(rss_idle / 2**20, 1), "rss_peak_mib": peak_rss_mib(gw.pid), "idle_cpu_percent": idle,
                     "reporting_cpu_percent": busy, "agent_messages_per_s": round(sent / seconds, 1),
                     "rss_after_mib": round(proc.memory_info().rss / 2**20, 1)}  # fmt: skip
         finally:
@@ -190,7 +201,7 @@ async def main() -> int:
         for n in args.hosts:
             row = await measure(n, args.seconds, Path(tmp))
             rows.append(row)
-            print(f"{n:6d} hosts ({row['lanes']} lanes): read in {row['read_s']} s, RSS {row['rss_mib']} MiB, "
+            print(f"{n:6d} hosts ({row['lanes']} lanes): read in {row['read_s']} s, RSS {row['rss_mib']} MiB (peak {row['rss_peak_mib']}), "
                   f"idle {row['idle_cpu_percent']}% of a core, {row['reporting_cpu_percent']}% with agents reporting "
                   f"({row['agent_messages_per_s']} messages/s), RSS after {row['rss_after_mib']} MiB")  # fmt: skip
     if args.out:

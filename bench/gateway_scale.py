@@ -82,8 +82,11 @@ async def measure(hosts: int) -> dict:
     except ImportError:  # a gateway before the probe budget (the "before" side of a comparison) probes all
         probed = view.probe_targets()
     else:
-        probed, _ = this_round(view.probe_targets(), lambda lane: bool(lane.unreachable), 0,
-                               GatewaySettings().probe_budget)  # fmt: skip
+        try:
+            probed, _ = this_round(*view.probe_groups(), 0, GatewaySettings().probe_budget)
+        except AttributeError:  # a gateway before the groups were kept with the view
+            probed, _ = this_round(view.probe_targets(), lambda lane: bool(lane.unreachable), 0,
+                                   GatewaySettings().probe_budget)  # fmt: skip
     return {"hosts": hosts, "lanes": len(lanes), "lanes_of_model": len(view.lanes_for(model)),
             "view_mib": round(held / 2**20, 1), "status_change_ms_p50": round(statistics.median(per_change) * 1e3, 3),
             "status_change_ms_p99": round(sorted(per_change)[int(0.99 * (len(per_change) - 1))] * 1e3, 3),

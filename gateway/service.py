@@ -32,6 +32,7 @@ from gateway.settings import GatewaySettings
 from gateway.sync import HotSpots, SharedView, SlotsFeed, share_usage
 from shared import defaults, subjects
 from shared.bus import connect, kv_bucket, quietly, run_until, secrets_bucket, watch_forever
+from shared.heap import give_back_freed
 from shared.nats_auth import NatsAuth
 from shared.lane_secrets import fingerprint
 from shared.llama.endpoints import connect_host
@@ -185,6 +186,7 @@ class Gateway:
                  target=f"{event.host_id}/{event.lane_id}", chunks=copied, spread=bool(event.moved_tokens))  # fmt: skip
 
     async def on_caught_up(self) -> None:
+        give_back_freed()  # the read's raw entries, decoded now (a whole bucket after each resync)
         if not self.view.synced:
             log.info("fleet read from NATS", lanes=len(self.view.lanes()))
             if self.nc is not None:  # the lanes are known now: every agent says their load again
@@ -192,8 +194,8 @@ class Gateway:
         self.view.mark_synced()
 
     async def probe_once(self, session: aiohttp.ClientSession) -> None:
-        targets, self.probe_next = fleet.this_round(self.view.probe_targets(), lambda lane: bool(lane.unreachable),
-                                                    self.probe_next, self.settings.probe_budget)  # fmt: skip
+        targets, self.probe_next = fleet.this_round(*self.view.probe_groups(), self.probe_next,
+                                                    self.settings.probe_budget)  # fmt: skip
         if targets:
             await asyncio.gather(*(self._probe(session, lane) for lane in targets))
 

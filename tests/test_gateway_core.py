@@ -86,6 +86,10 @@ def test_draining_unhealthy_and_unreachable_lanes_get_nothing():
     view.mark_reachable(("h1", "c-0"))
     assert [lane.lane_id for lane in view.routable("gemma")] == ["c-0", "d-0"]
     assert [lane.lane_id for lane in view.probe_targets()] == ["a-0", "c-0", "d-0"]
+    # The probe's groups are kept between changes and follow each one.
+    assert [[lane.lane_id for lane in group] for group in view.probe_groups()] == [[], ["a-0", "c-0", "d-0"]]
+    view.mark_unreachable(("h1", "d-0"), "connection refused")
+    assert [[lane.lane_id for lane in group] for group in view.probe_groups()] == [["d-0"], ["a-0", "c-0"]]
 
 
 def test_a_lane_restarted_healthy_is_back_in_rotation_without_waiting_for_the_next_probe():

@@ -9,7 +9,7 @@ in the middle of a rolling change (test_rollout_live, CI: one lane of three serv
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
@@ -34,27 +34,28 @@ def judge(outcome: Outcome, misses: int, failures: int = defaults.PROBE_FAILURES
     return Verdict(misses + 1, out=misses + 1 >= failures, back=False)
 
 
-def this_round(targets: list[T], out: Callable[[T], bool], start: int, budget: int) -> tuple[list[T], int]:
-    """The lanes to probe this round, and where the next round starts (pure).
+def this_round(down: Sequence[T], up: Sequence[T], start: int, budget: int) -> tuple[list[T], int]:
+    """The lanes to probe this round, from those out of rotation (`down`) and the others (`up`), and
+    where the next round starts (pure).
 
     Every lane while there are at most `budget`; beyond that, half the budget (or more, where the
     others need less) for the lanes out of rotation (a probe is what brings them back), the rest
     for the others, each group in turn from `start`: at 10,000 hosts x 4 lanes a probe of every
     lane every second was 40,000 requests a second from each gateway. A lane not probed this round
-    is still taken out at once by a request that cannot reach it.
+    is still taken out at once by a request that cannot reach it. A round costs its budget, not the
+    fleet: the groups are the view's, kept between changes (FleetView.probe_groups).
     """
-    if len(targets) <= budget:
-        return list(targets), 0
-    down = [t for t in targets if out(t)]
-    up = [t for t in targets if not out(t)]
+    if len(down) + len(up) <= budget:
+        return [*down, *up], 0
     take_down = min(len(down), max(budget // 2, budget - len(up)))
     take_up = min(len(up), budget - take_down)
     # The cursor moves by the larger share: the group not probed whole this round is the one that took it.
     return _turn(down, start, take_down) + _turn(up, start, take_up), start + max(take_down, take_up, 1)
 
 
-def _turn(items: list[T], start: int, n: int) -> list[T]:
+def _turn(items: Sequence[T], start: int, n: int) -> list[T]:
     if not items or n <= 0:
         return []
     start %= len(items)
-    return (items[start:] + items[:start])[:n]
+    head = list(items[start:start + n])
+    return head + list(items[:n - len(head)])
