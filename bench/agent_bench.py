@@ -53,6 +53,7 @@ from fixtures_bus import free_port_base  # noqa: E402
 from tinymodels import write_llama  # noqa: E402
 
 from launcher_agent import service as agent_service  # noqa: E402
+from launcher_agent import supervisor as agent_supervisor  # noqa: E402
 from launcher_agent.config import AgentConfig  # noqa: E402
 from launcher_agent.lane_http import http_get  # noqa: E402
 from launcher_agent.probe import find_llama_server  # noqa: E402
@@ -658,7 +659,7 @@ def render(r: dict, args: argparse.Namespace, command: str) -> str:
     lanes_up = med(c.all_healthy for c in single)
     ratio = lanes_up / hand_up if hand_up else float("nan")
     lane = [next(iter(c.per_lane.values())) for c in single]
-    starting_tick = getattr(agent_service, "STARTING_TICK", None)
+    starting_tick = getattr(agent_supervisor, "STARTING_TICK", None) or getattr(agent_service, "STARTING_TICK", None)
     tick_line = f"`AgentConfig.tick` = {AgentConfig.tick} s (the CLI has no flag for it)" + (
         f"; while a lane starts the loop polls every `STARTING_TICK` = {starting_tick} s" if starting_tick else ""
     )

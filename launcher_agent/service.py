@@ -46,7 +46,6 @@ from shared.nats_auth import NatsAuth
 from shared.supervise import Loops, running
 
 log = structlog.get_logger("lanes.agent")
-STARTING_TICK = 0.02
 
 
 @dataclass
@@ -378,7 +377,7 @@ async def _control_loop(agent: Agent, stop: asyncio.Event) -> None:
             await agent.workers.apply(agent.sup.plan.rpc_workers, now)
         await agent.publish_status()
         # A lane coming up is polled often, so it is reported healthy soon after it is.
-        tick = STARTING_TICK if agent.sup.starting() else agent.cfg.tick
+        tick = agent.sup.next_look(time.monotonic(), agent.cfg.tick)
         try:
             await asyncio.wait_for(agent.sup.wake.wait(), tick)
         except asyncio.TimeoutError:

@@ -38,6 +38,7 @@ from shared.messages.status import HostStatus, LaneStatus
 from shared.span_check import span_problem
 
 log = structlog.get_logger("lanes.agent")
+STARTING_TICK = 0.02  # seconds between control passes while a lane comes up or a drain asks its lane
 
 
 @dataclass
@@ -210,9 +211,14 @@ class Supervisor:
 
     # ------------------------------------------------------------ status out
 
-    def starting(self) -> bool:
-        """A lane coming up or draining: the control loop looks again soon."""
-        return self.drains.active() or any(lane.state in ("starting", "loading") for lane in self.lanes.values())
+    def next_look(self, now: float, idle: float) -> float:
+        """Seconds until the control loop's next pass (a wake-up comes sooner): soon while a lane
+        comes up or a drain asks its lane; at the end of the drains' grace while they only wait."""
+        if any(lane.state in ("starting", "loading") for lane in self.lanes.values()):
+            return STARTING_TICK
+        if self.drains.active():
+            return max(STARTING_TICK, self.drains.quiet_for(now))
+        return idle
 
     async def read_loads(self, timeout: float) -> list[load_feed.Read]:
         """Each serving lane's /slots, read side by side (a wedged lane must not slow the others')."""

@@ -61,6 +61,10 @@ def test_convergence_bench_small(tmp_path):
     result = run("convergence_bench.py", "--agents", "5", "--trials", "1", "--out", str(out))
     assert result.returncode == 0, result.stderr
     assert "| 5 |" in out.read_text()
+    row = json.loads(out.with_suffix(".json").read_text())["rows"][0]
+    # Each step seen for every agent, in order; a serving lane's change waits out its drain's grace.
+    assert 0 < row["planned"]["max"] <= row["taken"]["max"] < row["applied"]["max"]
+    assert row["applied"]["p50"] >= 0.5 and row["bus"]["max"] > 0
 
 
 def test_kv_bench_quick(tmp_path):

@@ -77,3 +77,23 @@ async def test_a_start_on_the_port_of_a_draining_lane_waits_for_its_stop():
     await drains.gate([stop_a, start_b], lanes, now=6, timeout=30, busy=in_flight)
     assert await drains.gate([stop_a, start_b], lanes, now=6 + IDLE_SETTLE, timeout=30, busy=in_flight) == [
         stop_a, start_b]
+
+
+async def test_through_its_grace_a_drain_needs_no_look_then_one_every_pass():
+    """The control loop sleeps until the first drain's grace ends (nothing is asked before), then
+    asks each pass; a later drain does not push the first one's end back."""
+    from launcher_agent.drain import DRAIN_GRACE
+
+    drains = Drains(_Recorder())
+    lanes = {"a": Lane(spec=_spec("a"), state="healthy"), "b": Lane(spec=_spec("b"), state="healthy")}
+
+    async def idle(lane):
+        return 0
+
+    assert drains.quiet_for(0.0) == 0.0  # no drain
+    await drains.gate([Restart(_spec("a"), "change")], lanes, now=10.0, timeout=30, busy=idle)
+    assert drains.quiet_for(10.0) == DRAIN_GRACE
+    await drains.gate([Restart(_spec("a"), "change"), Restart(_spec("b"), "change")], lanes, now=10.2, timeout=30,
+                      busy=idle)  # fmt: skip
+    assert abs(drains.quiet_for(10.2) - (DRAIN_GRACE - 0.2)) < 1e-9
+    assert drains.quiet_for(10.0 + DRAIN_GRACE + 0.1) == 0.0  # a's grace is over: it is asked each pass
