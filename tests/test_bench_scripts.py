@@ -262,3 +262,15 @@ def test_dashboard_scale_bench_small(tmp_path):
     row = json.loads(out.read_text())["row"]
     assert row["hosts"] == 120 and row["first_paint_s_median"] > 0 and row["filtered_s_median"] > 0
     assert 0 < row["state_kib"] < 256 and row["heap_mib_median"] > 0
+
+
+def test_fleet_scale_bench_small(tmp_path):
+    """On a 3-node cluster with a real planner, gateway and CLI: every figure there, every host
+    planned, replanned by a config change, read by the gateway and found by the dashboard."""
+    out = tmp_path / "fleet.json"
+    result = run("fleet_scale.py", "--hosts", "40", "--idle-seconds", "1", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["hosts"] == 40 and row["lanes"] == 120 and row["planned_s"] > 0 and row["config_to_every_plan_s"] > 0
+    assert 0 < row["largest_value_bytes"] <= 256 * 1024 and 0 < row["status_json_bytes"] <= 256 * 1024
+    assert row["gateway_rss_mib"] > 0 and row["dashboard_page_bytes"] > 0 and row["dashboard_search_ms"] > 0
