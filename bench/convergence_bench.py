@@ -218,7 +218,15 @@ async def _changes(url: str, n: int, trials: int, planner_pid: int, max_unavaila
                 return
             await asyncio.sleep(0.01)
         missing = [h for h in hosts if seen.get(h, ("?",))[0] != kind]
-        said = {h: (seen.get(h), revision.get(h)) for h in missing[:5]}
+        said = {}
+        for h in missing[:5]:
+            held = []
+            for key in (subjects.report_key(h), subjects.plan_key(h)):
+                try:
+                    held.append((key, (await kv.get(key)).revision))
+                except Exception as exc:
+                    held.append((key, type(exc).__name__))
+            said[h] = (seen.get(h), revision.get(h), held)
         raise TimeoutError(f"{len(missing)} agents never reached {kind}: {said}")
 
     await all_on("f16")

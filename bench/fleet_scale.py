@@ -51,6 +51,7 @@ from planner_bench import fleet as simulated_fleet  # noqa: E402
 from shared import subjects  # noqa: E402
 from shared.bus import kv_bucket  # noqa: E402
 from shared.lane_key import lane_key  # noqa: E402
+from shared.messages.config import FleetConfig  # noqa: E402
 from shared.messages.plans import HostPlan  # noqa: E402
 from shared.messages.replies import ConfigSet  # noqa: E402
 from shared.messages.status import HostStatus, LaneStatus  # noqa: E402
@@ -143,7 +144,7 @@ async def timed_get(http: aiohttp.ClientSession, url: str) -> tuple[float, int, 
     return round((time.perf_counter() - began) * 1e3, 1), len(body), json.loads(body)
 
 
-async def measure(n: int, work: Path, idle_seconds: float) -> dict:
+async def measure(n: int, work: Path, idle_seconds: float, logs: Path) -> dict:
     row: dict = {"hosts": n}
     nodes = start_cluster(work / f"size-{n}")
     urls = ",".join(node.url for node in nodes)
@@ -151,7 +152,7 @@ async def measure(n: int, work: Path, idle_seconds: float) -> dict:
     lanes_answer = []
     try:
         procs.append(subprocess.Popen([LANES, "planner", "--nats", urls, "--kv-replicas", "3"], stdout=subprocess.DEVNULL,
-                                      stderr=open(work / f"planner-{n}.log", "wb")))  # fmt: skip
+                                      stderr=open(logs / f"planner-{n}.log", "wb")))  # fmt: skip
         nc = await nats.connect(urls.split(","))
         for _ in range(600):  # the planner makes the bucket
             try:
@@ -177,9 +178,11 @@ async def measure(n: int, work: Path, idle_seconds: float) -> dict:
         row["status_json_s"], row["status_json_bytes"] = cli(urls, "--json")
         # A change every lane takes at once (the default max_unavailable rolls one lane of a model at a
         # time), and hosts that stay known while the bench runs (they report once; 90 s of silence: lost).
-        await nc.request(subjects.CONFIG_SET, encode(ConfigSet(changes={"max_unavailable": min(n, 10_000),
-                                                                        "host_lost_after": 86_400})), timeout=30)
-        await asyncio.sleep(2.0)
+        reply = await nc.request(subjects.CONFIG_SET, encode(ConfigSet(changes={"max_unavailable": min(n, 10_000),
+                                                                                "host_lost_after": 86_400})), timeout=30)
+        revision = msgspec.json.decode(reply.data, type=FleetConfig).revision
+        await plans_where(kv, hosts, lambda p: p.config_revision >= revision, timeout=900)  # that replan is done
+        await asyncio.sleep(1.0)
         began = time.perf_counter()
         reply = await nc.request(subjects.CONFIG_SET, encode(ConfigSet(changes={"kv_cache_type": "q4_0"})), timeout=60)
         assert "Nats-Service-Error" not in (reply.headers or {}), reply.headers
@@ -190,7 +193,7 @@ async def measure(n: int, work: Path, idle_seconds: float) -> dict:
         url = f"http://127.0.0.1:{port}"
         began = time.perf_counter()
         gw = subprocess.Popen([LANES, "gateway", "--nats", urls, "--port", str(port)], stdout=subprocess.DEVNULL,
-                              stderr=open(work / f"gateway-{n}.log", "wb"))  # fmt: skip
+                              stderr=open(logs / f"gateway-{n}.log", "wb"))  # fmt: skip
         procs.append(gw)
         async with aiohttp.ClientSession() as http:
             while not await ready(http, url) or await hosts_seen(http, url) < n:
@@ -247,11 +250,14 @@ async def main() -> int:
     ap.add_argument("--hosts", type=int, nargs="+", default=[100, 1000, 10_000])
     ap.add_argument("--idle-seconds", type=float, default=15.0)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--logs", type=Path, default=None, help="keep the planner's and gateway's logs here")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for n in args.hosts:
-            rows.append(await measure(n, Path(tmp), args.idle_seconds))
+            logs = args.logs or Path(tmp)
+            logs.mkdir(parents=True, exist_ok=True)
+            rows.append(await measure(n, Path(tmp), args.idle_seconds, logs))
             print(json.dumps(rows[-1]), flush=True)
     print(table(rows))
     if args.out:

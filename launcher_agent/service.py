@@ -46,6 +46,7 @@ from shared.nats_auth import NatsAuth
 from shared.supervise import Loops, running
 
 log = structlog.get_logger("lanes.agent")
+REPORT_RETRY = 1.0  # seconds before a report that failed is tried again (doubling up to the report interval)
 
 
 @dataclass
@@ -63,6 +64,7 @@ class Agent:
     secrets: object | None = None  # bucket lanes-secrets: its lanes' keys, for the gateways
     _secrets_put: dict[str, bytes] = field(default_factory=dict)  # KV key -> what was put there
     _reporting: threading.Lock = field(default_factory=threading.Lock)  # one report (GGUF scan) at a time
+    report_sent: bool = False  # the last report reached the bucket (else it is tried again soon)
 
     workers: RpcWorkers | None = None  # ggml-rpc-servers for other hosts' span lanes (--rpc-worker)
     loops: Loops = field(default_factory=lambda: Loops("agent"))  # its supervised loops (shared.supervise)
@@ -198,15 +200,17 @@ class Agent:
     async def publish_report(self) -> None:
         if self.kv is None:
             return
+        self.report_sent = False
         try:
             report = await self.report()
             data = encode(report)
             msgspec.json.decode(data, type=HostReport)  # its bounds: the planner would drop it, unseen here
             await self.kv.put(subjects.report_key(self.host), data)
+            self.report_sent = True
         except msgspec.ValidationError as exc:
             log.error("report out of range; not published (check this agent's options)", reason=str(exc))
         except Exception as exc:
-            log.info("report not published", error=str(exc) or type(exc).__name__)
+            log.info("report not published; trying again soon", error=str(exc) or type(exc).__name__)
 
 
 # ------------------------------------------------------------------ running it
@@ -347,10 +351,20 @@ async def _follow_slot_offers(agent: Agent):
 
 
 async def _report_loop(agent: Agent, stop: asyncio.Event) -> None:
+    retry = REPORT_RETRY
     while running(stop):
+        # A report that did not reach the bucket (a put that timed out while a thousand agents
+        # started at once) is tried again within seconds, not a report interval later: until
+        # the planner has it, the host has no plan (bench/convergence_bench.py, 4 of 1,000 agents).
+        due = agent.cfg.report_interval if agent.report_sent else retry
         try:
-            await asyncio.wait_for(stop.wait(), agent.cfg.report_interval)
+            await asyncio.wait_for(stop.wait(), due)
         except asyncio.TimeoutError:
+            if not agent.report_sent:
+                retry = min(2 * retry, agent.cfg.report_interval)
+                await agent.publish_report()  # nothing yet while the bucket is not open
+                continue
+            retry = REPORT_RETRY
             await agent.publish_report()
             agent._secrets_put.clear()  # put them all again: a NATS server that lost them has them back
             await agent.publish_status(force=True)

@@ -43,6 +43,16 @@ SETTLE_SECONDS = 0.005  # a burst of changes (a config set, many reports) become
 WRITE_CONCURRENCY = 64
 
 
+def settle_for(last_replan: float, since_last_end: float) -> float:
+    """Seconds a change waits before its replan: a burst settles into one replan, and a big fleet
+    rests as long as its last replan took, so the planner never spends more than half its time
+    planning; counted from when that replan ended, so a change after a quiet spell (an operator's
+    `config set`) starts at once. Counted from the change, a 10,000-host config change waited
+    1.4 s for nothing (bench/fleet_scale.py)."""
+    return max(SETTLE_SECONDS, last_replan - since_last_end)
+LOGGED_WRITES = 100  # a replan writing more plans logs one line for them all (each host's at debug)
+
+
 def planner_id() -> str:
     return f"{socket.gethostname().split('.')[0]}-{os.getpid()}"
 
@@ -58,12 +68,14 @@ class PlannerService:
         self.resync = asyncio.Event()
         self.ready = asyncio.Event()
         self.last_replan_seconds = 0.0
+        self.last_replan_end = 0.0  # monotonic, when the last replan's writes were done
         self.id = name or planner_id()
         self.lease = Lease(kv, self.id, ttl=lease_ttl, on_change=self._on_lease)
         self.state.planner_id = self.id
         self.lease.on_holder = lambda holder: setattr(self.state, "leader", holder)
         self.replans = 0
         self._models_written: bytes | None = None
+        self._quiet_writes = False  # this replan writes more than LOGGED_WRITES plans
         self.loops = Loops("planner")
         self.desired: dict[str, HostPlan] = {}  # plans with changes that wait for their turn (rollout.py)
         self.failed_at: dict[tuple[str, str, float], tuple[str, int]] = {}  # lanes a change broke, at which config
@@ -142,9 +154,7 @@ class PlannerService:
     async def replan_loop(self, stop: asyncio.Event) -> None:
         while running(stop):
             await self.dirty.wait()
-            # Let a burst of changes settle into one replan; a big fleet waits as long as a
-            # replan takes, so the planner never spends more than half its time planning.
-            await asyncio.sleep(max(SETTLE_SECONDS, self.last_replan_seconds))
+            await asyncio.sleep(settle_for(self.last_replan_seconds, time.monotonic() - self.last_replan_end))
             self.dirty.clear()
             if not self.ready.is_set() or not self.lease.holds():
                 continue  # a stand-by plans nothing; taking the lease over sets dirty again
@@ -163,6 +173,7 @@ class PlannerService:
         except BaseException:
             self.state.replan_all = True  # the job's hosts were taken off the list: plan all again
             raise
+        planned = time.monotonic()
         self.state.demand_state = self.state.settle_demand(outcome)
         plans = self._paced(plans)
         plans.update({h: p for h, p in buddies.items() if h not in self.desired and h not in plans})
@@ -179,8 +190,16 @@ class PlannerService:
                 await self._write_plan(host, new)
 
         # Hosts' plans are independent keys: write them side by side, not one round trip each.
+        self._quiet_writes = len(todo) > LOGGED_WRITES
+        paced = time.monotonic()
         await asyncio.gather(*(write(h, p) for h, p in todo))
+        written = time.monotonic()
         await self.publish_models()
+        self.last_replan_end = time.monotonic()
+        if self._quiet_writes:  # one line for a fleet-wide change, not one per host
+            log.info("plans written", hosts=len(todo), planned=len(plans), planning_s=round(planned - started, 3),
+                     pacing_s=round(paced - planned, 3), writing_s=round(written - paced, 3),
+                     models_s=round(time.monotonic() - written, 3))  # fmt: skip
 
     def _paced(self, plans: dict[str, HostPlan]) -> dict[str, HostPlan]:
         """Fleet-wide changes paced per model (planner_svc/rollout.py). Hosts whose change waits for
@@ -222,7 +241,7 @@ class PlannerService:
             await self.read_latest(key)
             return
         plan_writes.won(self.state, host, new, rev)
-        log.info(
+        (log.debug if self._quiet_writes else log.info)(
             "plan written",
             host=host,
             plan_revision=new.plan_revision,

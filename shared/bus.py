@@ -19,6 +19,7 @@ from shared.supervise import cancel_and_wait, running
 
 log = structlog.get_logger("lanes.bus")
 STORE_LAG_TRIES = 8  # reads of a key, 10 ms apart and growing, until it holds a write just seen
+STORE_LAG_RETRIES = 10  # ... then again once a second this many times before the write is taken as refused
 
 
 async def connect(
@@ -211,32 +212,40 @@ async def follow_key(
         last_write[:] = [msg.data]
         written.set()
 
-    async def read() -> bytes | None:
-        # Subscribers hear of a write a moment before the stream has stored it: read again
-        # until the bucket holds what was written, or give up on it (a refused write).
+    async def read() -> tuple[bytes | None, bool]:
+        """The value, and whether it is the write last seen on the subject (or none was seen).
+        Subscribers hear of a write a moment before the stream has stored it: read again until
+        the bucket holds what was written."""
         for attempt in range(STORE_LAG_TRIES):
             try:
                 value = (await kv.get(key)).value or b""  # nats-py reads an empty value as None
             except nats.js.errors.KeyNotFoundError:
                 value = None
-            if not last_write or value == last_write[0] or attempt == STORE_LAG_TRIES - 1:
-                return value
-            await asyncio.sleep(0.01 * (attempt + 1))
-        return None
+            if not last_write or value == last_write[0]:
+                return value, True
+            if attempt < STORE_LAG_TRIES - 1:
+                await asyncio.sleep(0.01 * (attempt + 1))
+        return value, False
 
     sub = await nc.subscribe(kv_subject(key), cb=on_msg)
+    unsettled = 0  # reads in a row that did not find the write seen on the subject
     try:
         while running(stop):
             resync.clear()
             written.clear()
             try:
-                await on_entry(key, await read())
+                value, settled = await read()
+                await on_entry(key, value)
             except Exception as exc:
                 log.info("key read failed; retrying", key=key, error=str(exc) or type(exc).__name__)
                 await _sleep_or(stop, 1.0)
                 continue
+            # A write not stored yet (a stream behind by more than the reads' 0.36 s: a thousand
+            # agents' puts at once, bench/convergence_bench.py) is read again in a second, a few
+            # times, then taken as refused: else the agent missed its plan until the next re-read.
+            unsettled = 0 if settled else unsettled + 1
             loop = asyncio.get_running_loop()
-            until = loop.time() + every
+            until = loop.time() + (every if settled or unsettled > STORE_LAG_RETRIES else 1.0)
             while running(stop) and not resync.is_set() and not written.is_set() and loop.time() < until:
                 try:
                     await asyncio.wait_for(written.wait(), min(1.0, max(0.01, until - loop.time())))

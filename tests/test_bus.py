@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import shutil
@@ -11,6 +12,7 @@ import time
 import urllib.request
 
 import msgspec
+import pytest
 from fixtures_bus import agent_config, client, fake_binary, fleet_status, host_status, lane_of, pid_alive, services
 from waiting import eventually
 
@@ -412,3 +414,34 @@ def test_a_nats_server_started_from_a_thread_that_ends_keeps_serving(tmp_path):
         assert server.proc.poll() is None, "the server went with the thread that started it"
     finally:
         server.stop()
+
+
+async def test_a_report_the_bucket_refused_is_sent_again_within_seconds(nats_server, tmp_path, models):
+    """A host is planned only once its report is in the bucket: a report put that failed (here the
+    bucket refuses values that big; under load, a put that timed out) is tried again within
+    seconds, not a 30 s report interval later (4 of 1,000 agents went unplanned in
+    bench/convergence_bench.py)."""
+    from nats.js.api import KeyValueConfig
+
+    async with client(nats_server.url) as nc:
+        js = nc.jetstream()
+        kv = await js.create_key_value(KeyValueConfig(bucket=subjects.BUCKET, history=1, max_value_size=64))
+        cfg = agent_config(tmp_path, "h1", models, fake_binary(tmp_path / "bin"), report_interval=30.0)
+        async with services(nats_server.url) as s:
+            s.start_agent(cfg)
+            await asyncio.sleep(3.0)  # the agent's first report (and its first retries) refused
+            with pytest.raises(Exception):
+                await kv.get(subjects.report_key("h1"))
+            info = await js.stream_info(f"KV_{subjects.BUCKET}")
+            await js.update_stream(dataclasses.replace(info.config, max_msg_size=-1))  # values of any size
+            began = time.monotonic()
+
+            async def reported():
+                try:
+                    return (await kv.get(subjects.report_key("h1"))).value
+                except Exception:
+                    return None
+
+            value = await eventually(reported, timeout=20, what="the report in the bucket")
+            assert msgspec.json.decode(value, type=HostReport).host_id == "h1"
+            assert time.monotonic() - began < 20  # well within the 30 s report interval

@@ -106,3 +106,13 @@ def test_a_host_lost_after_not_above_a_report_interval_is_refused():
     assert problem == ("host_lost_after 40 s is not above host h2's report interval of 45 s:"
                        " every such host would be lost between two reports")  # fmt: skip
     assert config_problem(FleetConfig(host_lost_after=30.0), reports) is not None  # equal is too short
+
+
+def test_a_change_after_a_quiet_spell_is_replanned_at_once_a_burst_waits_out_the_last_replan():
+    """The planner rests as long as its last replan took, counted from when that one ended: at most
+    half its time planning under a stream of changes, no wait for an operator's change later."""
+    from planner_svc.service import SETTLE_SECONDS, settle_for
+
+    assert settle_for(0.0, 0.0) == SETTLE_SECONDS  # a small fleet: a burst settles for 5 ms
+    assert settle_for(1.4, 2.0) == SETTLE_SECONDS  # the last 1.4 s replan ended 2 s ago: start now
+    assert abs(settle_for(1.4, 0.1) - 1.3) < 1e-9  # it ended 0.1 s ago: rest the remaining 1.3 s
