@@ -16,6 +16,7 @@ import socket
 import time
 from contextlib import AsyncExitStack
 
+import msgspec
 import structlog
 from nats.aio.client import Client
 from nats.js.errors import KeyNotFoundError, KeyValueError, KeyWrongLastSequenceError
@@ -41,6 +42,14 @@ log = structlog.get_logger("lanes.planner")
 
 SETTLE_SECONDS = 0.005  # a burst of changes (a config set, many reports) becomes one replan
 WRITE_CONCURRENCY = 64
+
+
+def same_plan(stored: HostPlan | None, new: HostPlan) -> bool:
+    """Whether a new plan says what the stored one says, whoever planned it: a restarted planner
+    (another process, another id) rewrote every plan of the fleet under a new revision, the same
+    lanes (test_compose_live's planner restart, when the container's planner came up under
+    another pid)."""
+    return stored is not None and stored == msgspec.structs.replace(new, planned_by=stored.planned_by)
 
 
 def settle_for(last_replan: float, since_last_end: float) -> float:
@@ -180,9 +189,7 @@ class PlannerService:
         self.last_replan_seconds = time.monotonic() - started
         self.replans += 1
         self.metrics.replan_seconds.observe(self.last_replan_seconds)
-        todo = [
-            (h, p) for h, p in plans.items() if not (self.state.plans.get(h) == p and self.state.plan_stored.get(h))
-        ]
+        todo = [(h, p) for h, p in plans.items() if not (self.state.plan_stored.get(h) and same_plan(self.state.plans.get(h), p))]
         limit = asyncio.Semaphore(WRITE_CONCURRENCY)
 
         async def write(host: str, new: HostPlan) -> None:

@@ -95,9 +95,10 @@ class Services:
         self.url = url
         self.tasks: dict[str, tuple[asyncio.Task, asyncio.Event]] = {}
 
-    def start_planner(self, name: str = "planner") -> None:
+    def start_planner(self, name: str = "planner", planner_id: str | None = None) -> None:
+        """planner_id: the id it plans under (default: host-pid, the same for every planner of a test)."""
         stop = asyncio.Event()
-        self.tasks[name] = (asyncio.create_task(run_planner(self.url, stop)), stop)
+        self.tasks[name] = (asyncio.create_task(run_planner(self.url, stop, name=planner_id)), stop)
 
     def start_agent(self, cfg: AgentConfig, name: str | None = None, url: str | None = None) -> None:
         stop = asyncio.Event()

@@ -180,7 +180,9 @@ async def test_restarted_planner_recovers_plans_from_kv(nats_server, tmp_path, m
         kv = await kv_bucket(nc)
         before = (await kv.get(subjects.plan_key("delta"))).revision
         await s.stop("planner")
-        s.start_planner("planner2")
+        # Another process: another id (a container restarted with its planner under another pid).
+        s.start_planner("planner2", planner_id="restarted-4242")
+
         async def replanned() -> bool:
             info = msgspec.json.decode((await nc.request(subjects.PLANNER_INFO, b"", timeout=1)).data)
             return info["active"] and info["ready"] and info["replans"] >= 1

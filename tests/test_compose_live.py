@@ -633,6 +633,15 @@ async def _live(kv) -> bool:
     return await _host_states(kv) == {}
 
 
+def _plan_change(host: str, before: HostPlan, after: HostPlan) -> str:
+    """Why a host was replanned, as its plans say: what differs, and the new plan's reasons."""
+    differs = [f for f in before.__struct_fields__ if f != "plan_revision" and getattr(before, f) != getattr(after, f)]
+    lanes = [(a.lane_id, [f for f in a.__struct_fields__ if getattr(a, f) != getattr(b, f)])
+             for a, b in zip(after.lanes, before.lanes) if a != b]  # fmt: skip
+    return (f"{host}: replanned after a planner restart ({before.plan_revision} -> {after.plan_revision}); "
+            f"fields {differs}, lanes {lanes}, reasons {list(after.reasons)[-6:]}")
+
+
 async def test_planner_container_restarted_plans_survive(deploy):
     nc = await deploy.nats()
     try:
@@ -651,7 +660,7 @@ async def test_planner_container_restarted_plans_survive(deploy):
         await asyncio.sleep(3)
         after = {h: await _kv_value(kv, subjects.plan_key(h), HostPlan) for h in HOSTS}
         for h in HOSTS:
-            assert after[h].plan_revision == before[h].plan_revision, f"{h}: replanned after a planner restart"
+            assert after[h].plan_revision == before[h].plan_revision, _plan_change(h, before[h], after[h])
             assert after[h].lanes == before[h].lanes
             assert [lane.pid for lane in (await _healthy(kv, h)).lanes] == pids[h], f"{h}: lanes restarted"
         assert set(await _served_by(deploy, 4)) == set(HOSTS)

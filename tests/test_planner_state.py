@@ -116,3 +116,13 @@ def test_a_change_after_a_quiet_spell_is_replanned_at_once_a_burst_waits_out_the
     assert settle_for(0.0, 0.0) == SETTLE_SECONDS  # a small fleet: a burst settles for 5 ms
     assert settle_for(1.4, 2.0) == SETTLE_SECONDS  # the last 1.4 s replan ended 2 s ago: start now
     assert abs(settle_for(1.4, 0.1) - 1.3) < 1e-9  # it ended 0.1 s ago: rest the remaining 1.3 s
+
+
+def test_a_plan_that_says_the_same_is_the_same_whoever_planned_it():
+    from planner_svc.service import same_plan
+    from shared.messages.plans import HostPlan
+
+    stored = HostPlan(host_id="h1", plan_revision=5, planned_by="planner-7")
+    assert same_plan(stored, msgspec.structs.replace(stored, planned_by="planner-9"))  # a restarted planner
+    assert not same_plan(stored, msgspec.structs.replace(stored, planned_by="planner-9", plan_revision=6))
+    assert not same_plan(None, stored)
