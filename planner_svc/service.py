@@ -84,7 +84,6 @@ class PlannerService:
         self.lease.on_holder = lambda holder: setattr(self.state, "leader", holder)
         self.replans = 0
         self._models_written: bytes | None = None
-        self._quiet_writes = False  # this replan writes more than LOGGED_WRITES plans
         self.loops = Loops("planner")
         self.desired: dict[str, HostPlan] = {}  # plans with changes that wait for their turn (rollout.py)
         self.failed_at: dict[tuple[str, str, float], tuple[str, int]] = {}  # lanes a change broke, at which config
@@ -192,18 +191,19 @@ class PlannerService:
         todo = [(h, p) for h, p in plans.items() if not (self.state.plan_stored.get(h) and same_plan(self.state.plans.get(h), p))]
         limit = asyncio.Semaphore(WRITE_CONCURRENCY)
 
+        quiet = len(todo) > LOGGED_WRITES  # one line for a fleet-wide change, not one per host
+
         async def write(host: str, new: HostPlan) -> None:
             async with limit:
-                await self._write_plan(host, new)
+                await self._write_plan(host, new, quiet)
 
         # Hosts' plans are independent keys: write them side by side, not one round trip each.
-        self._quiet_writes = len(todo) > LOGGED_WRITES
         paced = time.monotonic()
         await asyncio.gather(*(write(h, p) for h, p in todo))
         written = time.monotonic()
         await self.publish_models()
         self.last_replan_end = time.monotonic()
-        if self._quiet_writes:  # one line for a fleet-wide change, not one per host
+        if quiet:
             log.info("plans written", hosts=len(todo), planned=len(plans), planning_s=round(planned - started, 3),
                      pacing_s=round(paced - planned, 3), writing_s=round(written - paced, 3),
                      models_s=round(time.monotonic() - written, 3))  # fmt: skip
@@ -225,8 +225,8 @@ class PlannerService:
                 del self.desired[host]  # nothing of it waits
         return out
 
-    async def _write_plan(self, host: str, new: HostPlan) -> None:
-        """Compare-and-set one host's plan; a lost race replans."""
+    async def _write_plan(self, host: str, new: HostPlan, quiet: bool = False) -> None:
+        """Compare-and-set one host's plan; a lost race replans. quiet: logged at debug (one of many)."""
         key = subjects.plan_key(host)
         if not self.lease.holds():
             return  # the lease passed on while planning: the new holder plans
@@ -248,7 +248,7 @@ class PlannerService:
             await self.read_latest(key)
             return
         plan_writes.won(self.state, host, new, rev)
-        (log.debug if self._quiet_writes else log.info)(
+        (log.debug if quiet else log.info)(
             "plan written",
             host=host,
             plan_revision=new.plan_revision,

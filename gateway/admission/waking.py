@@ -94,7 +94,7 @@ def catalogue(view: FleetView) -> list[dict]:
             "id": name, "object": "model", "created": 0, "owned_by": "lanes", "state": state,
             "lanes": {"model": model, "total": len(lanes), "ready": sum(lane.routable for lane in lanes)},
             # Named up to WHERE_NAMED (ready lanes first), counted whole: at 10,000 hosts the list
-            # made /v1/models 2.3 MB (tests/test_dashboard_browser.py).
+            # made /v1/models 2.3 MB (bench/dashboard_scale.py).
             "where": [{"host": lane.host_id, "lane": lane.lane_id, "state": lane.state if not lane.routable
                        else "ready"} for lane in sorted(lanes, key=lambda x: not x.routable)[:WHERE_NAMED]],
             "holders": list(entry.holders) if entry else sorted({lane.host_id for lane in lanes})[:WHERE_NAMED],
