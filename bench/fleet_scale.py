@@ -117,13 +117,20 @@ def healthy_status(plan: HostPlan, ports: list[int], i: int) -> HostStatus:
 
 
 async def largest_value(kv) -> tuple[int, str]:
-    """The bucket's largest entry, and its key (every key's last value, read by one watch)."""
+    """The bucket's largest entry, and its key (every key's last value, read by one watch).
+    Read to the entry nothing follows (delta 0), not to nats-py's None marker: that marker may come
+    first, when the consumer's info says nothing pending because every entry is already on its way."""
     largest, which = 0, ""
     watcher = await kv.watch(">")
     try:
-        while (entry := await watcher.updates(timeout=30)) is not None:
+        while True:
+            entry = await watcher.updates(timeout=30)  # raises if the bucket stops answering
+            if entry is None:
+                continue
             if entry.value is not None and len(entry.value) > largest:
                 largest, which = len(entry.value), entry.key
+            if entry.delta == 0:
+                break
     finally:
         await watcher.stop()
     return largest, which
