@@ -31,7 +31,6 @@ import platform
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -44,40 +43,21 @@ import aiohttp  # noqa: E402
 import msgspec  # noqa: E402
 import nats  # noqa: E402
 import psutil  # noqa: E402
-from fixtures_bus import free_port_base  # noqa: E402
+from fixtures_bus import free_port_base, start_nats_cluster  # noqa: E402
 from gateway_idle import answer_health, cpu_percent, hosts_seen, peak_rss_mib, ready  # noqa: E402
 from planner_bench import fleet as simulated_fleet  # noqa: E402
 
 from shared import subjects  # noqa: E402
-from shared.bus import kv_bucket  # noqa: E402
+from shared.bus import kv_bucket, read_all  # noqa: E402
 from shared.lane_key import lane_key  # noqa: E402
 from shared.messages.config import FleetConfig  # noqa: E402
 from shared.messages.plans import HostPlan  # noqa: E402
 from shared.messages.replies import ConfigSet  # noqa: E402
 from shared.messages.status import HostStatus, LaneStatus  # noqa: E402
 from shared.messages.wire import encode  # noqa: E402
-from shared.natsserver import NatsServer  # noqa: E402
 
 LANES = str(ROOT / ".venv" / "bin" / "lanes")
 HEALTH_PORTS = 8  # the simulated lanes answer /health on this many local ports
-
-
-def start_cluster(work: Path) -> list[NatsServer]:
-    """Three nodes routed to each other, started side by side (each waits for JetStream's quorum)."""
-    base = free_port_base(6)
-    routes, clients = [base + i for i in range(3)], [base + 3 + i for i in range(3)]
-    nodes = []
-    for i in range(3):
-        others = ",".join(f"nats://127.0.0.1:{p}" for j, p in enumerate(routes) if j != i)
-        extra = ["--server_name", f"n{i + 1}", "--cluster_name", "lanes", "--cluster",
-                 f"nats://127.0.0.1:{routes[i]}", "--routes", others]  # fmt: skip
-        nodes.append(NatsServer(work / f"nats-{i + 1}", port=clients[i], extra=extra))
-    threads = [threading.Thread(target=node.start, kwargs={"timeout": 90}) for node in nodes]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return nodes
 
 
 async def put_all(kv, items: list[tuple[str, bytes]]) -> None:
@@ -117,23 +97,10 @@ def healthy_status(plan: HostPlan, ports: list[int], i: int) -> HostStatus:
 
 
 async def largest_value(kv) -> tuple[int, str]:
-    """The bucket's largest entry, and its key (every key's last value, read by one watch).
-    Read to the entry nothing follows (delta 0), not to nats-py's None marker: that marker may come
-    first, when the consumer's info says nothing pending because every entry is already on its way."""
-    largest, which = 0, ""
-    watcher = await kv.watch(">")
-    try:
-        while True:
-            entry = await watcher.updates(timeout=30)  # raises if the bucket stops answering
-            if entry is None:
-                continue
-            if entry.value is not None and len(entry.value) > largest:
-                largest, which = len(entry.value), entry.key
-            if entry.delta == 0:
-                break
-    finally:
-        await watcher.stop()
-    return largest, which
+    """The bucket's largest entry, and its key (every key's last value)."""
+    values = await read_all(kv)
+    which = max(values, key=lambda k: len(values[k]), default="")
+    return (len(values[which]) if which else 0), which
 
 
 def cli(urls: str, *args: str) -> tuple[float, int]:
@@ -153,7 +120,7 @@ async def timed_get(http: aiohttp.ClientSession, url: str) -> tuple[float, int, 
 
 async def measure(n: int, work: Path, idle_seconds: float, logs: Path) -> dict:
     row: dict = {"hosts": n}
-    nodes = start_cluster(work / f"size-{n}")
+    nodes = start_nats_cluster(work / f"size-{n}")
     urls = ",".join(node.url for node in nodes)
     procs: list[subprocess.Popen] = []
     lanes_answer = []

@@ -25,7 +25,7 @@ from launcher_agent.service import run_agent
 from planner_svc.service import run_planner
 from planner_svc.threads import cpu_ranges
 from shared import subjects
-from shared.bus import connect
+from shared.bus import connect, read_all
 from shared.llama.flags import cache_pair
 from shared.llama.printed import device_lines
 from shared.logs import setup_logging
@@ -352,21 +352,17 @@ async def tenant_lines(nc) -> list[str]:
     from shared.messages.activity import TenantUsage
     from shared.messages.wire import decode
 
-    from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError
+    from nats.js.errors import BucketNotFoundError
 
     try:
         kv = await nc.jetstream(timeout=USAGE_READ_TIMEOUT).key_value(subjects.USAGE_BUCKET)
-        keys = await kv.keys()
-    except (BucketNotFoundError, NoKeysError):  # no gateway counted anything yet
+        values = await read_all(kv, timeout=USAGE_READ_TIMEOUT)
+    except BucketNotFoundError:  # no gateway counted anything yet
         return []
     book = UsageBook("")
-    for key in keys:
+    for value in values.values():
         try:
-            entry = await kv.get(key)
-        except KeyNotFoundError:  # gone since it was listed
-            continue
-        try:
-            book.merge(decode(entry.value, TenantUsage))
+            book.merge(decode(value, TenantUsage))
         except (msgspec.ValidationError, msgspec.DecodeError):
             continue  # not a usage entry: nothing to add up
     wall = time.time()

@@ -141,6 +141,41 @@ def leader_view(kv: KeyValue) -> KeyValue:
     return KeyValue(name=kv._name, stream=kv._stream, pre=kv._pre, js=kv._js, direct=False)
 
 
+async def watch_was_empty(watcher) -> bool:
+    """Whether a watch's first message, nats-py's caught-up marker (None), means what it says.
+    nats-py sends it first when its consumer, asked after it was made, had nothing pending and
+    nothing had arrived yet; in a cluster the entries can arrive after that answer (about 1 watch in
+    6 on a 3-node cluster, tests/test_bus_cluster.py), and the marker comes before the whole bucket.
+    A consumer that delivered nothing had nothing; one that did sends its last entry with delta 0.
+    (A marker after an entry is sound: nats-py sends it after the entry nothing followed.)"""
+    info = await watcher._sub.consumer_info()  # nats-py keeps the subscription private; no other way in
+    return not (info.delivered and info.delivered.consumer_seq)
+
+
+async def read_all(kv: KeyValue, keys: str = ">", timeout: float = 30.0) -> dict[str, bytes]:
+    """Every key's last value (deleted keys left out), read by one watch to its end: where a key
+    listing (kv.keys) would end at an early caught-up marker (watch_was_empty)."""
+    values: dict[str, bytes] = {}
+    watcher = await kv.watch(keys)
+    try:
+        seen = False
+        while True:
+            entry = await watcher.updates(timeout=timeout)  # raises when the bucket stops answering
+            if entry is None:
+                if seen or await watch_was_empty(watcher):
+                    return values
+                continue
+            seen = True
+            if entry.operation in ("DEL", "PURGE") or entry.value is None:
+                values.pop(entry.key, None)
+            else:
+                values[entry.key] = entry.value
+            if entry.delta == 0:
+                return values
+    finally:
+        await watcher.stop()
+
+
 async def watch_forever(
     kv: KeyValue,
     keys: str,
@@ -162,17 +197,25 @@ async def watch_forever(
         watcher = None
         try:
             watcher = await kv.watch(keys)
+            caught_up = seen = False
             while running(stop) and not resync.is_set():
                 try:
                     entry = await watcher.updates(timeout=1.0)
                 except nats.errors.TimeoutError:
                     continue
-                if entry is None:
-                    if on_caught_up:
-                        await on_caught_up()
+                if entry is None:  # after an entry: the end of the snapshot; before any: maybe early
+                    if not caught_up and (seen or await watch_was_empty(watcher)):
+                        caught_up = True
+                        if on_caught_up:
+                            await on_caught_up()
                     continue
+                seen = True
                 deleted = entry.operation in ("DEL", "PURGE")
                 await on_entry(entry.key, None if deleted else entry.value, entry.revision)
+                if not caught_up and entry.delta == 0:  # the last of the watch's snapshot
+                    caught_up = True
+                    if on_caught_up:
+                        await on_caught_up()
         except asyncio.CancelledError:
             raise
         except Exception as exc:

@@ -9,6 +9,7 @@ import random
 import socket
 import stat
 import sys
+import threading
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -33,6 +34,28 @@ def nats_server(tmp_path):
     server = NatsServer(tmp_path / "nats").start()
     yield server
     server.stop()
+
+
+def start_nats_cluster(work: Path, size: int = 3) -> list[NatsServer]:
+    """Nodes routed to each other, started side by side (each waits for JetStream's quorum)."""
+    base = free_port_base(2 * size)
+    routes, clients = [base + i for i in range(size)], [base + size + i for i in range(size)]
+    nodes = []
+    for i in range(size):
+        others = ",".join(f"nats://127.0.0.1:{p}" for j, p in enumerate(routes) if j != i)
+        extra = ["--server_name", f"n{i + 1}", "--cluster_name", "lanes", "--cluster",
+                 f"nats://127.0.0.1:{routes[i]}", "--routes", others]  # fmt: skip
+        nodes.append(NatsServer(work / f"nats-{i + 1}", port=clients[i], extra=extra))
+    threads = [threading.Thread(target=node.start, kwargs={"timeout": 90}) for node in nodes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if not all(node.url for node in nodes):
+        for node in nodes:
+            node.stop()
+        raise RuntimeError("a node of the cluster did not start")
+    return nodes
 
 
 def fake_binary(folder: Path, env: dict[str, str] | None = None) -> str:

@@ -38,6 +38,7 @@ from collections import Counter
 from pathlib import Path
 
 import msgspec
+import openai
 from nats.js.kv import KeyValue
 import pytest
 from waiting import eventually
@@ -162,6 +163,32 @@ class Deploy:
         """A nats node's monitoring endpoint (port 8222, not published), read inside its container."""
         out = self.exec(node, "wget", "-q", "-O", "-", f"http://127.0.0.1:8222/{path}", check=True, timeout=20)
         return json.loads(out.stdout)
+
+    def diagnosis(self) -> str:
+        """What the deploy looks like now, for a wait that failed: each NATS node's routes and
+        JetStream leader, the lanes as the gateway sees them, the last lines of the services' logs."""
+        lines = []
+        for node in NODES:
+            try:
+                routes, jsz = self.monitor(node, "routez"), self.monitor(node, "jsz")
+                lines.append(f"{node}: {routes.get('num_routes')} routes, JetStream meta leader "
+                             f"{(jsz.get('meta_cluster') or {}).get('leader')}, {jsz.get('streams')} streams")  # fmt: skip
+            except Exception as exc:
+                lines.append(f"{node}: not read ({exc})")
+        try:
+            ask = urllib.request.Request(self.gateway + "/dashboard/api/state", headers={
+                "Authorization": f"Bearer {self.passwords['LANES_GATEWAY_API_KEYS']}"})  # fmt: skip
+            with urllib.request.urlopen(ask, timeout=5) as r:
+                state = json.loads(r.read())
+            for host in state.get("hosts", []):
+                lanes = [(lane.get("lane_id"), lane.get("state"), lane.get("unreachable")) for lane in host.get("lanes", [])]
+                lines.append(f"gateway sees {host.get('host_id')} {host.get('state')}: {lanes}")
+        except Exception as exc:
+            lines.append(f"gateway state not read ({exc})")
+        for service in ("gateway", "planner", "agent-host1", "agent-host2"):
+            out = self.podman("logs", "--tail", "12", self.container(service), check=False, timeout=30)
+            lines.append(f"--- {service} (last lines)\n{(out.stdout + out.stderr).strip()[-2500:]}")
+        return "\n".join(lines)
 
     async def nats(self):
         return await connect(FROM_HOST, name="compose-live-test", retry_forever=False,
@@ -290,8 +317,6 @@ async def _host_states(kv) -> dict[str, str]:
 
 
 def _openai(d: Deploy):
-    import openai
-
     return openai.AsyncOpenAI(base_url=d.gateway + "/v1", api_key=d.passwords["LANES_GATEWAY_API_KEYS"], max_retries=0,
                               timeout=120)  # fmt: skip
 
@@ -300,7 +325,10 @@ async def _served_by(d: Deploy, n: int) -> list[str]:
     ai = _openai(d)
     hosts = []
     for _ in range(n):
-        raw = await ai.chat.completions.with_raw_response.create(model=d.alias, messages=MESSAGES, max_tokens=4)
+        try:
+            raw = await ai.chat.completions.with_raw_response.create(model=d.alias, messages=MESSAGES, max_tokens=4)
+        except openai.APIError as exc:
+            raise AssertionError(f"the gateway refused: {exc}\n{d.diagnosis()}") from None
         assert raw.parse().choices[0].message.content is not None
         hosts.append(raw.headers["x-lanes-lane"].split("/")[0])
     return hosts
@@ -320,8 +348,16 @@ def _routable(d: Deploy) -> dict[str, float]:
 
 
 async def _both_routable(d: Deploy, timeout: float = 120) -> None:
-    await eventually(lambda: _routable(d) == {"host1": 1.0, "host2": 1.0}, timeout=timeout,
-                     what="both hosts' lanes routable at the gateway")  # fmt: skip
+    await _explained(d, eventually(lambda: _routable(d) == {"host1": 1.0, "host2": 1.0}, timeout=timeout,
+                                   what="both hosts' lanes routable at the gateway"))  # fmt: skip
+
+
+async def _explained(d: Deploy, wait):
+    """A wait whose failure says what the deploy looked like (the CI keeps only the failures' text)."""
+    try:
+        return await wait
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{d.diagnosis()}") from None
 
 
 # ------------------------------------------------------------------ the deploy comes up
@@ -342,8 +378,8 @@ async def test_three_node_cluster_with_the_bucket_on_every_node(deploy):
         return {s["name"]: s for a in jsz.get("account_details", []) for s in a.get("stream_detail", [])}
 
     made = ("KV_lanes", "KV_lanes-secrets", "KV_lanes-usage", "LANES_PREFIX")  # the planner's, the gateway's
-    await eventually(lambda: all(set(made) <= set(streams_of(n)) for n in NODES), timeout=60,
-                     what="every stream on every node")  # fmt: skip
+    await _explained(deploy, eventually(lambda: all(set(made) <= set(streams_of(n)) for n in NODES), timeout=60,
+                                        what="every stream on every node"))  # fmt: skip
     for node in NODES:
         routes = deploy.monitor(node, "routez")
         peers = {r.get("remote_name") for r in routes["routes"]}
