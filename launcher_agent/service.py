@@ -46,6 +46,7 @@ from shared.nats_auth import NatsAuth
 from shared.supervise import Loops, running
 
 log = structlog.get_logger("lanes.agent")
+SECRETS_LOOK_EVERY = 5.0  # seconds between looks for a lanes-secrets bucket still missing
 REPORT_RETRY = 1.0  # seconds before a report that failed is tried again (doubling up to the report interval)
 
 
@@ -63,6 +64,7 @@ class Agent:
     _plan_seen: bytes | None = None  # the plan entry last acted on: a re-read of it changes nothing
     secrets: object | None = None  # bucket lanes-secrets: its lanes' keys, for the gateways
     _secrets_put: dict[str, bytes] = field(default_factory=dict)  # KV key -> what was put there
+    _secrets_looked: float = 0.0  # when the bucket was last looked for (monotonic)
     _reporting: threading.Lock = field(default_factory=threading.Lock)  # one report (GGUF scan) at a time
     report_sent: bool = False  # the last report reached the bucket (else it is tried again soon)
 
@@ -162,11 +164,29 @@ class Agent:
         except Exception as exc:
             log.info("status not published", error=str(exc) or type(exc).__name__)
 
+    async def open_secrets(self) -> None:
+        """The bucket of lanes' keys, made by the planner (or by this agent where it may). Looked for
+        again at the next status while missing: a planner that made it late must not leave this
+        host's lanes unreachable for good."""
+        self._secrets_looked = time.monotonic()
+        try:
+            self.secrets = await secrets_bucket(self.nc)
+        except Exception:  # an older planner did not make it, or has not yet
+            try:
+                self.secrets = await secrets_bucket(self.nc, create=True)
+            except Exception as exc:
+                log.warning("lanes-secrets bucket not reachable yet: gateways cannot reach this host's lanes",
+                            error=str(exc) or type(exc).__name__)  # fmt: skip
+
     async def publish_secrets(self) -> None:
         """Each running lane's key where gateways read it, and none of a lane that is gone:
         level-triggered against what was put (the report loop forgets that now and then, so a
         bucket lost with its NATS server is filled again)."""
-        if self.secrets is None or self.nc is None or not self.nc.is_connected:
+        if self.nc is None or not self.nc.is_connected:
+            return
+        if self.secrets is None and time.monotonic() - self._secrets_looked >= SECRETS_LOOK_EVERY:
+            await self.open_secrets()
+        if self.secrets is None:
             return
         wanted = {
             subjects.lane_secret_key(self.host, lane.spec.lane_id): encode(LaneSecret(
@@ -250,14 +270,7 @@ async def _serve_bus(agent: Agent, stop: asyncio.Event) -> None:
         except Exception as exc:
             log.info("waiting for the lanes bucket (is the planner up?)", error=str(exc) or type(exc).__name__)
             await asyncio.sleep(1.0)
-    try:
-        agent.secrets = await secrets_bucket(agent.nc)
-    except Exception:  # an older planner did not make it
-        try:
-            agent.secrets = await secrets_bucket(agent.nc, create=True)
-        except Exception as exc:
-            log.warning("lanes-secrets bucket not reachable: gateways cannot reach this host's lanes",
-                        error=str(exc) or type(exc).__name__)  # fmt: skip
+    await agent.open_secrets()
     offers = None  # the subscriptions to slot asks and offers (launcher_agent/slot_moves.py)
     load_asks = None  # gateways' asks for this host's load
     svc = await add_service(

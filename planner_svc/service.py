@@ -28,7 +28,17 @@ from planner_svc.lease import DEFAULT_TTL, Lease
 from planner_svc.metrics import PlannerMetrics
 from planner_svc.state import PlannerState
 from shared import defaults, subjects
-from shared.bus import connect, kv_bucket, leader_view, quietly, run_until, secrets_bucket, slots_stream, watch_forever
+from shared.bus import (
+    connect,
+    kv_bucket,
+    leader_view,
+    quietly,
+    run_until,
+    secrets_bucket,
+    slots_stream,
+    until_made,
+    watch_forever,
+)
 from shared.llama.flags import cache_pair
 from shared.messages.activity import GatewayActivity, ModelWake
 from shared.messages.plans import HostPlan
@@ -59,6 +69,7 @@ def settle_for(last_replan: float, since_last_end: float) -> float:
     `config set`) starts at once. Counted from the change, a 10,000-host config change waited
     1.4 s for nothing (bench/fleet_scale.py)."""
     return max(SETTLE_SECONDS, last_replan - since_last_end)
+SLOTS_STREAM_TRIES_FOR = 30.0  # seconds: a cluster still electing its leader; past that, a lasting refusal
 LOGGED_WRITES = 100  # a replan writing more plans logs one line for them all (each host's at debug)
 
 
@@ -290,16 +301,17 @@ async def run_planner(
         stack.push_async_callback(quietly(nc.drain))
         # Lanes' keys first: the planner makes their bucket (and never reads it) before the lanes
         # bucket, which agents wait for, so an agent finds both and never tries to make the
-        # first itself (auth.conf refuses it that: a permissions violation in its log).
-        try:
-            await secrets_bucket(nc, create=True, replicas=replicas)
-        except Exception as exc:  # an agent makes it where it must; gateways wait for it
-            log.warning("secrets bucket not made", error=str(exc) or type(exc).__name__)
-        kv = await kv_bucket(nc, create=True, replicas=replicas)
-        try:  # where saved slots move between lanes: bounded by the default budget until the config is read
-            await slots_stream(nc, max_bytes=defaults.SLOT_CACHE_BYTES, replicas=replicas)
-        except Exception as exc:  # no JetStream room, or an older server: slots then stay on their host
-            log.warning("slots stream not made", error=str(exc) or type(exc).__name__)
+        # first itself (auth.conf refuses it that: a permissions violation in its log). Each is
+        # tried until it is there: without the first, no gateway ever reaches a lane.
+        if await until_made(lambda: secrets_bucket(nc, create=True, replicas=replicas), "secrets bucket", stop) is None:
+            return
+        kv = await until_made(lambda: kv_bucket(nc, create=True, replicas=replicas), "lanes bucket", stop)
+        if kv is None:
+            return
+        # Where saved slots move between lanes: bounded by the default budget until the config is read.
+        # No JetStream room, or an older server: slots then stay on their host.
+        await until_made(lambda: slots_stream(nc, max_bytes=defaults.SLOT_CACHE_BYTES, replicas=replicas),
+                         "slots stream", stop, give_up_after=SLOTS_STREAM_TRIES_FOR)  # fmt: skip
         service = PlannerService(nc, kv, lease_ttl=lease_ttl, name=name)
         await endpoints.ensure_config(service)
         await endpoints.add_endpoints(service, stack)

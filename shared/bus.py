@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import nats
 import structlog
@@ -18,6 +20,7 @@ from shared.subjects import BUCKET, kv_subject
 from shared.supervise import cancel_and_wait, running
 
 log = structlog.get_logger("lanes.bus")
+T = TypeVar("T")
 STORE_LAG_TRIES = 8  # reads of a key, 10 ms apart and growing, until it holds a write just seen
 STORE_LAG_RETRIES = 10  # ... then again once a second this many times before the write is taken as refused
 
@@ -132,6 +135,27 @@ async def slots_stream(nc: Client, *, max_bytes: int, replicas: int = 1) -> None
         await js.add_stream(config)
     except Exception:  # made before: its limits follow the config
         await js.update_stream(config)
+
+
+async def until_made(make: Callable[[], Awaitable[T]], what: str, stop: asyncio.Event,
+                     give_up_after: float | None = None) -> T | None:
+    """`make()` again until it succeeds: a bucket or stream a service makes at its start. A cluster
+    that passes its health check may still be electing JetStream's leader, and what failed then was
+    never made after (no lane key ever reached a gateway: test_compose_live in CI). None: stopped,
+    or still failing after `give_up_after` seconds (logged)."""
+    delay, began = 0.5, time.monotonic()
+    while running(stop):
+        try:
+            return await make()
+        except Exception as exc:
+            error = str(exc) or type(exc).__name__
+            if give_up_after is not None and time.monotonic() - began >= give_up_after:
+                log.warning(f"{what} not made; going on without it", error=error)
+                return None
+            log.warning(f"{what} not made yet; trying again", error=error, after_s=delay)
+            await _sleep_or(stop, delay)
+            delay = min(2 * delay, 5.0)
+    return None
 
 
 def leader_view(kv: KeyValue) -> KeyValue:

@@ -13,6 +13,8 @@ import urllib.request
 
 import msgspec
 import pytest
+from nats.js.api import StreamConfig
+from nats.js.errors import BucketNotFoundError
 from fixtures_bus import agent_config, client, fake_binary, fleet_status, host_status, lane_of, pid_alive, services
 from waiting import eventually
 
@@ -447,3 +449,27 @@ async def test_a_report_the_bucket_refused_is_sent_again_within_seconds(nats_ser
             value = await eventually(reported, timeout=20, what="the report in the bucket")
             assert msgspec.json.decode(value, type=HostReport).host_id == "h1"
             assert time.monotonic() - began < 20  # well within the 30 s report interval
+
+
+async def test_a_secrets_bucket_made_late_still_carries_every_lanes_key(nats_server, tmp_path, models):
+    """JetStream refusing the planner's first tries (a cluster still electing its leader: the CI
+    failure of test_compose_live, where no lane's key ever reached the gateway): the planner keeps
+    trying until lanes-secrets is there, and an agent that found it missing puts its lanes' keys
+    once it is."""
+    cfg = agent_config(tmp_path, "late", models, fake_binary(tmp_path / "bin"))
+    async with services(nats_server.url) as s, client(nats_server.url) as nc:
+        js = nc.jetstream()
+        await kv_bucket(nc, create=True)  # the lanes bucket is there; the secrets' subjects are taken:
+        await js.add_stream(StreamConfig(name="TAKEN", subjects=[f"$KV.{subjects.SECRETS_BUCKET}.>"]))
+        s.start_agent(cfg)  # ... so the agent finds no secrets bucket and cannot make one
+        s.start_planner()  # ... nor can the planner, for now
+        await asyncio.sleep(2.0)
+        with pytest.raises(BucketNotFoundError):
+            await js.key_value(subjects.SECRETS_BUCKET)
+        assert not s.tasks["planner"][0].done()  # still trying, not gone on without it
+        await js.delete_stream("TAKEN")
+        secrets = await eventually(lambda: js.key_value(subjects.SECRETS_BUCKET), timeout=15, what="lanes-secrets made")
+        await eventually(lambda: healthy("llama8-0")(nc, "late"), what="lane healthy")
+        entry = await eventually(lambda: secrets.get(subjects.lane_secret_key("late", "llama8-0")), timeout=20,
+                                 what="the lane's key put")  # fmt: skip
+        assert msgspec.json.decode(entry.value)["key"] == (cfg.data_dir / "lanes" / "llama8-0.key").read_text().strip()

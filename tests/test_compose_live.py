@@ -669,13 +669,14 @@ async def _live(kv) -> bool:
     return await _host_states(kv) == {}
 
 
-def _plan_change(host: str, before: HostPlan, after: HostPlan) -> str:
+def _plan_change(host: str, before: HostPlan, after: HostPlan, when: str = "a planner restart") -> str:
     """Why a host was replanned, as its plans say: what differs, and the new plan's reasons."""
     differs = [f for f in before.__struct_fields__ if f != "plan_revision" and getattr(before, f) != getattr(after, f)]
     lanes = [(a.lane_id, [f for f in a.__struct_fields__ if getattr(a, f) != getattr(b, f)])
              for a, b in zip(after.lanes, before.lanes) if a != b]  # fmt: skip
-    return (f"{host}: replanned after a planner restart ({before.plan_revision} -> {after.plan_revision}); "
-            f"fields {differs}, lanes {lanes}, reasons {list(after.reasons)[-6:]}")
+    return (f"{host}: replanned after {when} ({before.plan_revision} -> {after.plan_revision}); fields {differs}, "
+            f"lanes {lanes}, lane ids {[s.lane_id for s in before.lanes]} -> {[s.lane_id for s in after.lanes]}, "
+            f"reasons {list(after.reasons)[-6:]}")
 
 
 async def test_planner_container_restarted_plans_survive(deploy):
@@ -740,7 +741,7 @@ async def test_two_planners_the_stand_by_takes_the_lease_when_the_active_one_sto
         await asyncio.sleep(3)  # time to replan, if it wrongly did (no signal: an unchanged plan is not written)
         for h in HOSTS:
             after = await _kv_value(kv, subjects.plan_key(h), HostPlan)
-            assert after.lanes == before[h].lanes, f"{h}: the new active planner changed the plan"
+            assert after.lanes == before[h].lanes, _plan_change(h, before[h], after, "the stand-by took the lease")
             assert [lane.pid for lane in (await _healthy(kv, h)).lanes] == pids[h], f"{h}: lanes restarted"
         status = deploy.lanes_cli("status", replica=replicas.index(standby) + 1).stdout
         assert f"planner {info['planner_id']} (active)" in status, status
