@@ -55,7 +55,8 @@ def projector_facts(path: str | os.PathLike[str], header: GGUFHeader | None = No
 
     proj_type = f.get("clip.projector_type") or f.get("clip.vision.projector_type") or ""
     st = path.stat()
-    proj = next((t for t in header.tensors if t.name in ("mm.input_projection.weight", "mm.model.fc.weight")), None)
+    heads = ("mm.input_projection.weight", "mm.model.fc.weight", "mm.2.weight")  # gemma3, idefics3, mlp (LLaVA)
+    proj = next((t for t in header.tensors if t.name in heads), None)
     mmproj_embd = 0
     if proj is not None:  # clip_n_mmproj_embd for the types generated files and tests read
         mmproj_embd = proj.shape[0] if proj.name == "mm.input_projection.weight" else proj.shape[1]

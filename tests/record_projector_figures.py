@@ -4,7 +4,8 @@ For each projector shape in SHAPES, generates the projector (tests/tinyprojector
 text model of the width it feeds, runs the real llama-server (`lanes install-llama`) with
 --mmproj on the CPU, and keeps the two lines clip prints: `load_hparams: model size` (its
 weights) and `reserve_compute_meta: CPU compute buffer size` (its warm-up graph).
-tests/test_projector_memory.py compares the memory model with them. To (re)record:
+tests/test_projector_memory.py compares the memory model with them. To record new shapes (--all:
+every shape again):
 
   .venv/bin/python tests/record_projector_figures.py
 """
@@ -75,6 +76,39 @@ SHAPES = [
     ("idefics3", 256, 768, 2, 3, 448, 14, 4, "on", 2048),
     ("idefics3", 512, 512, 2, 1, 224, 14, 2, "on", 256),
     ("idefics3", 256, 768, 2, 1, 448, 14, 4, "off", 256),
+    # LLaVA (type mlp): a CLIP encoder with a class token, then mm.0, GELU, mm.2 (the text model's width)
+    ('mlp', 128, 256, 4, 3, 224, 14, 2, 'on', 256),
+    ('mlp', 128, 256, 4, 3, 224, 14, 2, 'off', 256),
+    ('mlp', 256, 256, 4, 3, 224, 14, 2, 'on', 256),
+    ('mlp', 128, 1024, 4, 3, 224, 14, 2, 'on', 256),
+    ('mlp', 128, 256, 4, 3, 336, 14, 2, 'on', 256),
+    ('mlp', 128, 256, 8, 3, 336, 14, 2, 'off', 256),
+    ('mlp', 128, 256, 4, 2, 224, 14, 2, 'on', 256),
+    ('mlp', 128, 256, 4, 4, 224, 14, 2, 'on', 256),
+    ('mlp', 128, 256, 4, 3, 224, 14, 2, 'on', 1024),
+    ('mlp', 128, 256, 4, 3, 224, 14, 2, 'on', 4096),
+    ('mlp', 512, 512, 2, 3, 224, 14, 2, 'off', 256),
+    ('mlp', 512, 512, 2, 3, 224, 14, 2, 'on', 256),
+    ('mlp', 64, 128, 16, 3, 448, 14, 2, 'off', 256),
+    ('mlp', 256, 1024, 4, 2, 336, 14, 2, 'off', 2048),
+    ('mlp', 1024, 4096, 16, 2, 336, 14, 2, 'on', 4096),
+    ('mlp', 1024, 4096, 16, 2, 336, 14, 2, 'off', 4096),
+    ('mlp', 96, 4096, 2, 3, 448, 14, 2, 'off', 256),
+    ('mlp', 256, 768, 2, 2, 448, 14, 2, 'on', 2048),
+    ('mlp', 128, 256, 4, 3, 224, 16, 2, 'on', 256),
+    ('mlp', 256, 768, 2, 3, 448, 14, 2, 'on', 4096),
+    ('mlp', 128, 256, 4, 3, 224, 14, 2, 'on', 512),
+    ('mlp', 128, 256, 4, 3, 224, 14, 2, 'on', 2048),
+    ('mlp', 128, 256, 4, 2, 448, 14, 2, 'on', 1024),
+    ('mlp', 128, 256, 4, 2, 448, 14, 2, 'on', 2048),
+    ('mlp', 128, 256, 4, 2, 448, 14, 2, 'on', 4096),
+    ('mlp', 128, 256, 4, 3, 448, 14, 2, 'on', 2048),
+    ('mlp', 128, 256, 4, 4, 448, 14, 2, 'on', 2048),
+    ('mlp', 256, 256, 4, 2, 448, 14, 2, 'on', 2048),
+    ('mlp', 512, 512, 4, 2, 448, 14, 2, 'on', 2048),
+    ('mlp', 128, 256, 4, 2, 448, 14, 2, 'on', 256),
+    ('mlp', 128, 256, 4, 2, 336, 14, 2, 'on', 4096),
+    ('mlp', 128, 256, 4, 3, 336, 14, 2, 'on', 4096),
 ]
 
 
@@ -118,10 +152,13 @@ def main() -> int:
         print("no llama-server: run `lanes install-llama`", file=sys.stderr)
         return 2
     table = json.loads(FIGURES.read_text()) if FIGURES.exists() else {}
+    again = "--all" in sys.argv[1:]  # else only the shapes not recorded yet
     with tempfile.TemporaryDirectory() as tmp:
         for shape in SHAPES:
-            model, mmproj = projector_for(Path(tmp), shape)
             key = shape_key(*shape)
+            if key in table and not again:
+                continue
+            model, mmproj = projector_for(Path(tmp), shape)
             table[key] = fig = measure(binary, model, mmproj, shape[8])
             print(key, fig.get("error") or (fig["weights_mib"], fig["compute_mib"]))
     FIGURES.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")

@@ -1,9 +1,11 @@
 """Small random-weight multimodal projector files (mmproj GGUF) the real llama-server loads.
 
-A SigLIP-style vision encoder (tools/mtmd/clip.cpp: v.* tensors) with one of two projector
-heads llama.cpp's clip reads: `gemma3` (average pool, then mm.input_projection) and
-`idefics3` (SmolVLM: pixel shuffle, then mm.model.fc). The projector's output width must be
-the text model's n_embd (mtmd refuses a mismatch), so `text_embd` is the paired model's.
+A SigLIP-style vision encoder (tools/mtmd/clip.cpp: v.* tensors) with one of the projector
+heads llama.cpp's clip reads: `gemma3` (average pool, then mm.input_projection), `idefics3`
+(SmolVLM: pixel shuffle, then mm.model.fc), and `mlp` (LLaVA 1.5/1.6: a CLIP encoder with a class
+token and a pre-norm, run to its second-to-last block, then mm.0, GELU, mm.2; its hidden width is
+the text model's, as LLaVA's converters write it). The projector's output width must be the text
+model's n_embd (mtmd refuses a mismatch), so `text_embd` is the paired model's.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-PROJECTOR_TYPES = ("gemma3", "idefics3")
+PROJECTOR_TYPES = ("gemma3", "idefics3", "mlp")
 
 
 def write_projector(
@@ -62,7 +64,12 @@ def write_projector(
 
     w.add_tensor("v.patch_embd.weight", (rng.standard_normal((n_embd, 3, patch_size, patch_size)) * 0.02).astype(np.float16))
     w.add_tensor("v.patch_embd.bias", vec(n_embd))
-    w.add_tensor("v.position_embd.weight", (rng.standard_normal((n_pos, n_embd)) * 0.02).astype(np.float32))
+    llava = proj_type == "mlp"
+    if llava:  # CLIP: a class token before the patches, and a norm before the first block
+        w.add_tensor("v.class_embd", (rng.standard_normal(n_embd) * 0.02).astype(np.float32))
+        w.add_tensor("v.pre_ln.weight", vec(n_embd, 1.0))
+        w.add_tensor("v.pre_ln.bias", vec(n_embd))
+    w.add_tensor("v.position_embd.weight", (rng.standard_normal((n_pos + llava, n_embd)) * 0.02).astype(np.float32))
     for il in range(n_layer):
         p = f"v.blk.{il}"
         for t in ("attn_q", "attn_k", "attn_v", "attn_out"):
@@ -75,9 +82,15 @@ def write_projector(
         w.add_tensor(f"{p}.ffn_up.bias", vec(n_ff))
         w.add_tensor(f"{p}.ffn_down.weight", mat(n_embd, n_ff))
         w.add_tensor(f"{p}.ffn_down.bias", vec(n_embd))
-    w.add_tensor("v.post_ln.weight", vec(n_embd, 1.0))
-    w.add_tensor("v.post_ln.bias", vec(n_embd))
-    if proj_type == "gemma3":
+    if not llava:  # LLaVA takes the second-to-last block's output: its converters drop the post-norm
+        w.add_tensor("v.post_ln.weight", vec(n_embd, 1.0))
+        w.add_tensor("v.post_ln.bias", vec(n_embd))
+    if llava:
+        w.add_tensor("mm.0.weight", mat(text_embd, n_embd))
+        w.add_tensor("mm.0.bias", vec(text_embd))
+        w.add_tensor("mm.2.weight", mat(text_embd, text_embd))
+        w.add_tensor("mm.2.bias", vec(text_embd))
+    elif proj_type == "gemma3":
         w.add_tensor("mm.input_projection.weight", mat(n_embd, text_embd))
         w.add_tensor("mm.soft_emb_norm.weight", vec(n_embd, 1.0))
     else:

@@ -39,6 +39,8 @@ def compute_peaks(proj: ProjectorFacts, flash_attn: bool) -> dict[str, int]:
     the text model's n_embd). Exact on every recorded shape with flash attention (llama-server's
     default, auto, turns it on for CPU and CUDA); without it the gemma3 figure is an upper bound
     (at most 0.25 MiB above, tests/test_projector_memory.py)."""
+    if proj.projector_type == "mlp":
+        return _llava_peaks(proj, flash_attn)
     side = proj.image_size // proj.patch_size if proj.patch_size else 0
     n_pos = side * side
     e = proj.n_embd * n_pos * F32
@@ -57,6 +59,36 @@ def compute_peaks(proj: ProjectorFacts, flash_attn: bool) -> dict[str, int]:
     else:
         kq = n_pos * n_pos * proj.n_head * F32
         peaks["attention"] = kq + 4 * e + (max(min(2 * e, kq), e + c) if gemma3 else 0)
+    return peaks
+
+
+def _llava_peaks(proj: ProjectorFacts, flash_attn: bool) -> dict[str, int]:
+    """LLaVA's graph (tools/mtmd/models/llava.cpp, type mlp): a CLIP encoder whose class token makes
+    P^2 + 1 positions, run to its second-to-last block, then mm.0, GELU and mm.2 over the P^2 patch
+    rows. A bound, not the printed figure (tests/test_projector_memory.py: never below it, at most
+    2.5 MiB above on 32 recorded shapes, 1 MiB on LLaVA 1.5's own widths): the head's two f32
+    activations of the text model's width (T each, mm.0's output alive while mm.2 writes) sit above
+    wherever ggml-alloc left the patch rows they read (g) among the encoder's freed blocks, which
+    follows the whole graph's placement; so does the offset the stem's extra tensors (the class
+    token's concat) leave under the encoder's peaks: the im2col buffer's size with flash attention,
+    the larger of two residuals and the image without."""
+    side = proj.image_size // proj.patch_size if proj.patch_size else 0
+    patches = side * side
+    n_pos = patches + 1
+    e = proj.n_embd * n_pos * F32
+    f = proj.n_ff * n_pos * F32
+    image = proj.image_size * proj.image_size * 3 * F32
+    im2col = 3 * proj.patch_size**2 * patches * 2
+    offset = im2col if flash_attn else max(2 * e, image)
+    peaks = {"patches": image + im2col, "ffn": f + 2 * e + offset}
+    if proj.n_layer - 1 >= 2:  # blocks run: all but the last
+        peaks["ffn_next"] = f + 3 * e + offset
+    if flash_attn:
+        peaks["attention"] = 5 * e + offset
+    else:
+        peaks["attention"] = n_pos * n_pos * proj.n_head * F32 + 4 * e + offset
+    head = proj.n_mmproj_embd * patches * F32
+    peaks["head"] = 2 * head + proj.n_embd * patches * F32 + max(e, image)
     return peaks
 
 
