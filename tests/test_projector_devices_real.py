@@ -33,17 +33,22 @@ def endpoint(rpc_bin):
         yield eps[0]
 
 
+def _printed(rpc_bin, endpoint: str, model, path, offload: bool) -> dict[str, int]:
+    """The projector's bytes per device, as the real llama-server printed them with one RPC device."""
+    lines = run_until_loaded([str(rpc_bin / "llama-server"), "-m", str(model), "--mmproj", str(path), "--rpc", endpoint,
+                              "-ngl", "all", "-c", "512", "-fit", "off", "--flash-attn", "on", "--verbosity", "4",
+                              "--port", "0", "--mmproj-offload" if offload else "--no-mmproj-offload"])  # fmt: skip
+    assert any("CLIP using" in line for line in lines), lines[-5:]
+    return {d.device: d.projector_bytes for d in devices_from_lines(lines)}
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_projector_bytes_per_device_are_the_printed_ones(rpc_bin, endpoint, tmp_path, case):
     proj_type, n_embd, n_ff, image, offload = case
     model = write_llama(tmp_path / "m.gguf", special=IDEFICS3_TOKENS)
     path = write_projector(tmp_path / "mmproj-m.gguf", proj_type=proj_type, n_embd=n_embd, n_ff=n_ff, image_size=image,
                            patch_size=16 if proj_type == "idefics3" else 14)  # fmt: skip
-    lines = run_until_loaded([str(rpc_bin / "llama-server"), "-m", str(model), "--mmproj", str(path), "--rpc", endpoint,
-                              "-ngl", "all", "-c", "512", "-fit", "off", "--flash-attn", "on", "--verbosity", "4",
-                              "--port", "0", "--mmproj-offload" if offload else "--no-mmproj-offload"])  # fmt: skip
-    printed = {d.device: d.projector_bytes for d in devices_from_lines(lines)}
-    assert any("CLIP using" in line for line in lines), lines[-5:]
+    printed = _printed(rpc_bin, endpoint, model, path, offload)
     proj = projector_facts(path)
     facts = read_model_facts(model)
     planned = lane_memory(msgspec.structs.replace(facts, mmproj=proj), LaneShape(
@@ -56,3 +61,22 @@ def test_projector_bytes_per_device_are_the_printed_ones(rpc_bin, endpoint, tmp_
     other = "CPU" if offload else "GPU0"
     assert abs(by_device[other] - printed.get(other, 0)) <= 0.005 * MIB, (by_device, printed)
     assert by_device[other] == (image * image * 3 * 4 if offload else 0)
+
+
+@pytest.mark.parametrize("offload", [True, False], ids=["offload", "host"])
+def test_llavas_projector_per_device_is_never_below_the_printed_bytes(rpc_bin, endpoint, tmp_path, offload):
+    """LLaVA's (type mlp, a bound: shared/memory/projector.py) on an RPC device or in host RAM: the
+    holder's plan at or above what was printed, at most 2.5 MiB; the warm-up image in host RAM."""
+    model = write_llama(tmp_path / "m.gguf", n_embd=2048)
+    path = write_projector(tmp_path / "mmproj-m.gguf", proj_type="mlp", text_embd=2048, n_embd=256, n_ff=768,
+                           n_head=2, n_layer=3, image_size=336)  # fmt: skip
+    printed = _printed(rpc_bin, endpoint, model, path, offload)
+    proj = projector_facts(path)
+    assert proj.projector_type == "mlp" and proj.n_mmproj_embd == 2048
+    planned = lane_memory(msgspec.structs.replace(read_model_facts(model), mmproj=proj), LaneShape(
+        ctx=512, flash_attn=True, mmproj=True, mmproj_offload=offload, n_gpu_layers="all", devices=("rpc",)))  # fmt: skip
+    by_device = {d.device: d.projector_bytes for d in planned.devices}
+    holder, other = ("GPU0", "CPU") if offload else ("CPU", "GPU0")
+    assert printed[holder] <= by_device[holder] - (proj.weight_bytes - proj.file_weight_bytes) <= printed[holder] + 2.5 * MIB, \
+        (by_device, printed)  # fmt: skip
+    assert abs(by_device[other] - printed.get(other, 0)) <= 0.005 * MIB, (by_device, printed)

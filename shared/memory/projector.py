@@ -102,6 +102,16 @@ def projector_bytes(
     dev = projector_device(placement, offload)
     pinned = dev != CPU and placement.backend(dev) in PINNED
     out[1 + dev] += (proj.weight_cuda_bytes if pinned else proj.weight_bytes) + projector_compute_bytes(proj, flash_attn)
-    if dev != CPU:  # the warm-up image, a graph input, stays in host memory
-        out[0] += proj.image_size * proj.image_size * 3 * F32
+    if dev != CPU:  # the graph's inputs stay in host memory
+        out[0] += host_inputs(proj)
     return out
+
+
+def host_inputs(proj: ProjectorFacts) -> int:
+    """The warm-up graph's inputs, in host memory when the projector is on a device: the image
+    (f32 RGB), and for LLaVA its positions and the patch rows it keeps (i32 each)."""
+    image = proj.image_size * proj.image_size * 3 * F32
+    if proj.projector_type != "mlp" or not proj.patch_size:
+        return image
+    patches = (proj.image_size // proj.patch_size) ** 2
+    return image + (2 * patches + 1) * 4
