@@ -15,12 +15,14 @@ import pytest
 # 2 cores); CI runs everything. A test is slow when it runs the real llama-server (its fixture
 # or the real Gemma file), network namespaces, a browser, containers, a benchmark, the bus
 # fuzzers, the NATS permission suites (their own configured servers), the fault injections or
-# `lanes up` as a user does, or waits out a timeout by design (lease, liveness).
+# `lanes up` as a user does, waits out a timeout by design (lease, liveness), runs services over
+# NATS through seconds of a fault by design (a cut-off, a stall, a restart, a rollout, a retry),
+# or reads a simulated fleet of thousands of hosts.
 SLOW_FIXTURES = frozenset({"llama_server", "gemma_model", "rpc_bin", "topo"})
 SLOW_MODULES = frozenset({
     "test_dashboard_browser", "test_netns", "test_slot_moves_netns", "test_compose_live", "test_bench_agent", "test_bench_scripts",
     "test_fuzz", "test_cli_online", "test_auth", "test_gateway_auth", "test_faults", "test_scaling_live",
-    "test_rollout_live",
+    "test_rollout_live", "test_bus_cluster",
 })  # fmt: skip
 SLOW_TESTS = frozenset({
     "test_two_planners_one_plans_and_the_stand_by_takes_over",
@@ -28,6 +30,34 @@ SLOW_TESTS = frozenset({
     "test_lanes_up_restarts_its_nats_server_and_exits_in_one_line_when_it_cannot",
     "test_models_load_on_request_evict_the_idle_and_fail_with_the_reason",
     "test_a_planner_killed_while_requests_are_held_the_stand_by_loads_the_model",
+    # seconds of a fault or a wait by design (each over 2.5 s on 2 cores)
+    "test_gateways_cut_off_from_nats_converge_when_it_comes_back",
+    "test_a_lane_whose_inference_loop_stalls_leaves_rotation_and_is_restarted",
+    "test_rollout_halts_on_a_breaking_change_and_reverts_the_broken_lane",
+    "test_an_agent_publishes_its_lanes_load_and_says_it_whole_when_asked",
+    "test_a_secrets_bucket_made_late_still_carries_every_lanes_key",
+    "test_lanes_keep_serving_through_nats_restart_and_resync",
+    "test_agent_rejects_hostile_plans_and_starts_nothing",
+    "test_two_gateways_enforce_one_budget_that_survives_a_restart",
+    "test_a_wedged_lane_is_marked_unresponsive_then_restarted_like_a_crash",
+    "test_idle_ttl_unloads_a_model_and_a_request_loads_it_back",
+    "test_lane_that_cannot_start_is_reported_not_restarted_forever",
+    "test_sigusr1_leaves_the_lanes_for_the_next_agent_and_sigterm_stops_them",
+    "test_a_report_the_bucket_refused_is_sent_again_within_seconds",
+    "test_agent_that_keeps_failing_ends_its_run",
+    "test_nats_credentials_and_rights",
+    "test_lane_using_more_than_planned_is_replanned_smaller",
+    "test_config_and_plan_revisions_count_changes",
+    "test_a_rejected_plan_is_fed_back_and_rewritten_newer",
+    "test_sigkilled_lane_restarts_with_backoff",
+    "test_agent_report_loop_restarts_after_a_failure",
+    "test_compose_up_and_down_with_docker",
+    "test_compose_up_adds_only_the_missing_passwords_and_gives_up_when_the_gateway_never_answers",
+    "test_a_gateway_beyond_loopback_without_keys_refuses_to_start",
+    "test_estimate_moe_contract",
+    # thousands of simulated hosts
+    "test_every_page_of_ten_thousand_hosts_is_under_256_kib_and_every_host_comes_once",
+    "test_lanes_status_reads_a_thousand_hosts_in_pages",
 })  # fmt: skip
 
 
