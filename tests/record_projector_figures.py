@@ -109,6 +109,19 @@ SHAPES = [
     ('mlp', 128, 256, 4, 2, 448, 14, 2, 'on', 256),
     ('mlp', 128, 256, 4, 2, 336, 14, 2, 'on', 4096),
     ('mlp', 128, 256, 4, 3, 336, 14, 2, 'on', 4096),
+    # Qwen2-VL and Qwen2.5-VL: warmed up at 46 x 46 merged tokens whatever the image size
+    ('qwen2vl_merger', 64, 128, 2, 2, 560, 14, 2, 'on', 256),
+    ('qwen2vl_merger', 64, 128, 2, 2, 560, 14, 2, 'off', 256),
+    ('qwen2vl_merger', 128, 256, 2, 2, 560, 14, 2, 'on', 256),
+    ('qwen2vl_merger', 256, 1024, 4, 2, 560, 14, 2, 'on', 256),
+    ('qwen2vl_merger', 256, 1024, 4, 2, 560, 14, 2, 'on', 2048),
+    ('qwen2vl_merger', 64, 128, 2, 2, 336, 14, 2, 'on', 256),
+    ('qwen2vl_merger', 128, 512, 4, 3, 560, 14, 2, 'off', 1024),
+    ('qwen2vl_merger', 512, 512, 8, 2, 560, 14, 2, 'on', 4096),
+    ('qwen2.5vl_merger', 64, 128, 2, 4, 560, 14, 2, 'on', 256),
+    ('qwen2.5vl_merger', 128, 512, 2, 4, 560, 14, 2, 'off', 256),
+    ('qwen2.5vl_merger', 256, 1024, 4, 4, 560, 14, 2, 'on', 2048),
+    ('qwen2.5vl_merger', 128, 256, 2, 4, 560, 14, 2, 'on', 4096),
 ]
 
 

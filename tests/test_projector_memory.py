@@ -18,11 +18,11 @@ from tinyprojectors import write_projector
 from planner_svc.layouts import with_layers
 from planner_svc.planner import plan
 from shared.gguf_facts import scan_models
-from shared.gguf_projector import base_name, pair
+from shared.gguf_projector import base_name, pair, projector_facts
 from shared.llama.flags import lane_args, parse_caps
 from shared.llama.logs import devices_from_lines
 from shared.memory import LaneShape, lane_memory
-from shared.memory.projector import projector_compute_bytes
+from shared.memory.projector import host_inputs, projector_compute_bytes
 from shared.messages.config import Demand, FleetConfig, Persona
 from shared.messages.hosts import GpuInfo, ProjectorFacts, ServerCaps
 from shared.messages.plans import LaneSpec
@@ -41,8 +41,9 @@ def _facts(key: str) -> tuple[ProjectorFacts, bool]:
     return proj, d["flash_attn"] == "on"
 
 
-def test_figures_were_recorded_for_three_projector_types():
-    assert {dict(p.split("=", 1) for p in k.split("|")[1:])["type"] for k in RECORDED} >= {"gemma3", "idefics3", "mlp"}
+def test_figures_were_recorded_for_five_projector_types():
+    types = {"gemma3", "idefics3", "mlp", "qwen2vl_merger", "qwen2.5vl_merger"}
+    assert {dict(p.split("=", 1) for p in k.split("|")[1:])["type"] for k in RECORDED} >= types
     assert all("error" not in FIGURES[k] for k in RECORDED)
 
 
@@ -50,12 +51,15 @@ def test_figures_were_recorded_for_three_projector_types():
 def test_compute_buffer_matches_the_printed_line(key):
     """With flash attention (llama-server's default on CPU and CUDA) the plan is the printed figure;
     without it, never below it and at most 0.25 MiB above (ggml-alloc's packing of the scores).
-    LLaVA's (type mlp) is a bound: never below, at most 2.5 MiB above (shared/memory/projector.py)."""
+    LLaVA's (type mlp) is a bound: never below, at most 2.5 MiB above; Qwen2-VL's and Qwen2.5-VL's,
+    warmed up at a fixed 46 x 46 merged tokens, never below, at most 10% above (shared/memory/projector.py)."""
     proj, flash_attn = _facts(key)
     printed = FIGURES[key]["compute_mib"]["CPU"]
     planned = projector_compute_bytes(proj, flash_attn) / MIB
     if proj.projector_type == "mlp":
         assert printed <= round(planned, 2) <= printed + 2.5
+    elif proj.projector_type.startswith("qwen"):  # a bound at the warm-up of 46 x 46 merged tokens
+        assert printed <= round(planned, 2) <= printed * 1.10 + 2.5
     elif flash_attn:
         assert round(planned, 2) == printed
     else:
@@ -221,3 +225,17 @@ def test_estimate_counts_a_projector(tmp_path):
         # offloaded, the warm-up image (a graph input) stays in host memory
         assert per == ([224 * 224 * 3 * 4, own] if where == 2 else [own] + [0] * (len(per) - 1))
         assert sum(per) == out["projector_bytes"]
+
+
+def test_a_qwen_projector_is_planned_at_its_warm_up_image_not_its_file_image_size(tmp_path):
+    """clip.cpp warms Qwen2-VL's family up at 46 x 46 merged tokens whatever clip.vision.image_size
+    says (560 in the generated file, 1,288 pixels a side warmed up): the agent reads the merge, the
+    plan follows the warm-up (both recorded sizes printed the same 30.67 MiB), and with the projector
+    on a device the host keeps that image."""
+    path = write_projector(tmp_path / "mmproj-q.gguf", proj_type="qwen2vl_merger", n_embd=64, n_ff=128, n_head=2,
+                           image_size=560)  # fmt: skip
+    proj = projector_facts(path)
+    assert (proj.projector_type, proj.n_merge or 2, proj.n_mmproj_embd) == ("qwen2vl_merger", 2, 256)
+    small = msgspec.structs.replace(proj, image_size=336)
+    assert projector_compute_bytes(proj, True) == projector_compute_bytes(small, True) >= 30.67 * MIB
+    assert host_inputs(proj) == 1288 * 1288 * 3 * 4

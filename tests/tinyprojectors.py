@@ -15,7 +15,45 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-PROJECTOR_TYPES = ("gemma3", "idefics3", "mlp")
+PROJECTOR_TYPES = ("gemma3", "idefics3", "mlp", "qwen2vl_merger", "qwen2.5vl_merger")
+
+
+def _clip_writer(path: Path, proj_type: str, text_embd: int, n_embd: int, n_ff: int, n_head: int, n_layer: int,
+                 image_size: int, patch_size: int) -> gguf.GGUFWriter:  # fmt: skip
+    """A projector file's keys that every type reads (clip.cpp's load_hparams)."""
+    w = gguf.GGUFWriter(str(path), "clip")
+    w.add_name(path.stem)
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_string("clip.projector_type", proj_type)
+    w.add_uint32("clip.vision.embedding_length", n_embd)
+    w.add_uint32("clip.vision.feed_forward_length", n_ff)
+    w.add_uint32("clip.vision.block_count", n_layer)
+    w.add_uint32("clip.vision.projection_dim", text_embd)
+    w.add_uint32("clip.vision.attention.head_count", n_head)
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    w.add_uint32("clip.vision.image_size", image_size)
+    w.add_uint32("clip.vision.patch_size", patch_size)
+    w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
+    w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    w.add_bool("clip.use_gelu", True)
+    return w
+
+
+def _matrices(rng: np.random.Generator):
+    def mat(rows: int, cols: int) -> np.ndarray:  # ggml shape [cols, rows], f16 like real projectors
+        return (rng.standard_normal((rows, cols)) * 0.02).astype(np.float16)
+
+    return mat
+
+
+def _vec(n: int, value: float = 0.0) -> np.ndarray:
+    return np.full(n, value, dtype=np.float32)
+
+
+def _attention(w: gguf.GGUFWriter, block: str, mat, n_embd: int) -> None:
+    for t in ("attn_q", "attn_k", "attn_v", "attn_out"):
+        w.add_tensor(f"{block}.{t}.weight", mat(n_embd, n_embd))
+        w.add_tensor(f"{block}.{t}.bias", _vec(n_embd))
 
 
 def write_projector(
@@ -34,67 +72,90 @@ def write_projector(
 ) -> Path:
     if proj_type not in PROJECTOR_TYPES:
         raise ValueError(f"projector type {proj_type!r}: one of {PROJECTOR_TYPES}")
+    if proj_type.startswith("qwen"):
+        return _write_qwen(Path(path), proj_type, text_embd, n_embd, n_ff, n_head, n_layer, image_size, patch_size,
+                           window=4 if proj_type == "qwen2.5vl_merger" else 0, seed=seed)  # fmt: skip
     path = Path(path)
     rng = np.random.default_rng(seed)
     n_pos = (image_size // patch_size) ** 2
 
-    def mat(rows: int, cols: int) -> np.ndarray:  # ggml shape [cols, rows], f16 like real projectors
-        return (rng.standard_normal((rows, cols)) * 0.02).astype(np.float16)
+    mat = _matrices(rng)
 
-    def vec(n: int, value: float = 0.0) -> np.ndarray:
-        return np.full(n, value, dtype=np.float32)
-
-    w = gguf.GGUFWriter(str(path), "clip")
-    w.add_name(path.stem)
-    w.add_bool("clip.has_vision_encoder", True)
-    w.add_string("clip.projector_type", proj_type)
-    w.add_uint32("clip.vision.embedding_length", n_embd)
-    w.add_uint32("clip.vision.feed_forward_length", n_ff)
-    w.add_uint32("clip.vision.block_count", n_layer)
-    w.add_uint32("clip.vision.projection_dim", text_embd)
-    w.add_uint32("clip.vision.attention.head_count", n_head)
-    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
-    w.add_uint32("clip.vision.image_size", image_size)
-    w.add_uint32("clip.vision.patch_size", patch_size)
-    w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
-    w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
-    w.add_bool("clip.use_gelu", True)
+    w = _clip_writer(path, proj_type, text_embd, n_embd, n_ff, n_head, n_layer, image_size, patch_size)
     w.add_uint32("clip.vision.projector.scale_factor", scale_factor)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
 
     w.add_tensor("v.patch_embd.weight", (rng.standard_normal((n_embd, 3, patch_size, patch_size)) * 0.02).astype(np.float16))
-    w.add_tensor("v.patch_embd.bias", vec(n_embd))
+    w.add_tensor("v.patch_embd.bias", _vec(n_embd))
     llava = proj_type == "mlp"
     if llava:  # CLIP: a class token before the patches, and a norm before the first block
         w.add_tensor("v.class_embd", (rng.standard_normal(n_embd) * 0.02).astype(np.float32))
-        w.add_tensor("v.pre_ln.weight", vec(n_embd, 1.0))
-        w.add_tensor("v.pre_ln.bias", vec(n_embd))
+        w.add_tensor("v.pre_ln.weight", _vec(n_embd, 1.0))
+        w.add_tensor("v.pre_ln.bias", _vec(n_embd))
     w.add_tensor("v.position_embd.weight", (rng.standard_normal((n_pos + llava, n_embd)) * 0.02).astype(np.float32))
     for il in range(n_layer):
         p = f"v.blk.{il}"
-        for t in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            w.add_tensor(f"{p}.{t}.weight", mat(n_embd, n_embd))
-            w.add_tensor(f"{p}.{t}.bias", vec(n_embd))
+        _attention(w, p, mat, n_embd)
         for t in ("ln1", "ln2"):
-            w.add_tensor(f"{p}.{t}.weight", vec(n_embd, 1.0))
-            w.add_tensor(f"{p}.{t}.bias", vec(n_embd))
+            w.add_tensor(f"{p}.{t}.weight", _vec(n_embd, 1.0))
+            w.add_tensor(f"{p}.{t}.bias", _vec(n_embd))
         w.add_tensor(f"{p}.ffn_up.weight", mat(n_ff, n_embd))
-        w.add_tensor(f"{p}.ffn_up.bias", vec(n_ff))
+        w.add_tensor(f"{p}.ffn_up.bias", _vec(n_ff))
         w.add_tensor(f"{p}.ffn_down.weight", mat(n_embd, n_ff))
-        w.add_tensor(f"{p}.ffn_down.bias", vec(n_embd))
+        w.add_tensor(f"{p}.ffn_down.bias", _vec(n_embd))
     if not llava:  # LLaVA takes the second-to-last block's output: its converters drop the post-norm
-        w.add_tensor("v.post_ln.weight", vec(n_embd, 1.0))
-        w.add_tensor("v.post_ln.bias", vec(n_embd))
+        w.add_tensor("v.post_ln.weight", _vec(n_embd, 1.0))
+        w.add_tensor("v.post_ln.bias", _vec(n_embd))
     if llava:
         w.add_tensor("mm.0.weight", mat(text_embd, n_embd))
-        w.add_tensor("mm.0.bias", vec(text_embd))
+        w.add_tensor("mm.0.bias", _vec(text_embd))
         w.add_tensor("mm.2.weight", mat(text_embd, text_embd))
-        w.add_tensor("mm.2.bias", vec(text_embd))
+        w.add_tensor("mm.2.bias", _vec(text_embd))
     elif proj_type == "gemma3":
         w.add_tensor("mm.input_projection.weight", mat(n_embd, text_embd))
-        w.add_tensor("mm.soft_emb_norm.weight", vec(n_embd, 1.0))
+        w.add_tensor("mm.soft_emb_norm.weight", _vec(n_embd, 1.0))
     else:
         w.add_tensor("mm.model.fc.weight", mat(text_embd, n_embd * scale_factor * scale_factor))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _write_qwen(path: Path, proj_type: str, text_embd: int, n_embd: int, n_ff: int, n_head: int, n_layer: int,
+                image_size: int, patch_size: int, window: int, seed: int) -> Path:  # fmt: skip
+    rng = np.random.default_rng(seed)
+    qwen2 = proj_type == "qwen2vl_merger"  # LayerNorms with biases, a plain FFN; 2.5: RMS norms, gated
+
+    mat = _matrices(rng)
+
+    w = _clip_writer(path, proj_type, text_embd, n_embd, n_ff, n_head, n_layer, image_size, patch_size)
+    if window:
+        w.add_uint32("clip.vision.n_wa_pattern", window)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    for suffix in ("", ".1"):  # the two frames' convolutions (a still image feeds both)
+        w.add_tensor(f"v.patch_embd.weight{suffix}",
+                     (rng.standard_normal((n_embd, 3, patch_size, patch_size)) * 0.02).astype(np.float16))  # fmt: skip
+    for il in range(n_layer):
+        p = f"v.blk.{il}"
+        _attention(w, p, mat, n_embd)
+        for t in ("ln1", "ln2"):
+            w.add_tensor(f"{p}.{t}.weight", _vec(n_embd, 1.0))
+            if qwen2:
+                w.add_tensor(f"{p}.{t}.bias", _vec(n_embd))
+        for t in ("ffn_up",) if qwen2 else ("ffn_up", "ffn_gate"):
+            w.add_tensor(f"{p}.{t}.weight", mat(n_ff, n_embd))
+            w.add_tensor(f"{p}.{t}.bias", _vec(n_ff))
+        w.add_tensor(f"{p}.ffn_down.weight", mat(n_embd, n_ff))
+        w.add_tensor(f"{p}.ffn_down.bias", _vec(n_embd))
+    w.add_tensor("v.post_ln.weight", _vec(n_embd, 1.0))
+    if qwen2:
+        w.add_tensor("v.post_ln.bias", _vec(n_embd))
+    w.add_tensor("mm.0.weight", mat(n_embd * 4, n_embd * 4))  # over the 2 x 2 merged patches
+    w.add_tensor("mm.0.bias", _vec(n_embd * 4))
+    w.add_tensor("mm.2.weight", mat(text_embd, n_embd * 4))
+    w.add_tensor("mm.2.bias", _vec(text_embd))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

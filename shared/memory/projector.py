@@ -41,6 +41,8 @@ def compute_peaks(proj: ProjectorFacts, flash_attn: bool) -> dict[str, int]:
     (at most 0.25 MiB above, tests/test_projector_memory.py)."""
     if proj.projector_type == "mlp":
         return _llava_peaks(proj, flash_attn)
+    if proj.projector_type in QWEN_TYPES:
+        return _qwen_peaks(proj, flash_attn)
     side = proj.image_size // proj.patch_size if proj.patch_size else 0
     n_pos = side * side
     e = proj.n_embd * n_pos * F32
@@ -59,6 +61,45 @@ def compute_peaks(proj: ProjectorFacts, flash_attn: bool) -> dict[str, int]:
     else:
         kq = n_pos * n_pos * proj.n_head * F32
         peaks["attention"] = kq + 4 * e + (max(min(2 * e, kq), e + c) if gemma3 else 0)
+    return peaks
+
+
+QWEN_TYPES = frozenset({"qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger"})
+QWEN_WARMUP_TOKENS = 46  # clip.cpp: set_warmup_n_tokens(46*46), whatever the file's image size
+QWEN_WINDOWED = frozenset({"qwen2.5vl_merger"})  # window attention: an n_pos x n_pos mask
+QWEN_SLACK = 32 * 1024  # the graph's smaller inputs and alignment, which no recorded shape exceeded
+
+
+def qwen_warmup_side(proj: ProjectorFacts) -> int:
+    """The warm-up image's side in pixels: 46 x 46 merged tokens of 2 x 2 patches each."""
+    return QWEN_WARMUP_TOKENS * proj.patch_size * (proj.n_merge or 2)
+
+
+def _qwen_peaks(proj: ProjectorFacts, flash_attn: bool) -> dict[str, int]:
+    """Qwen2-VL's family (tools/mtmd/models/qwen2vl.cpp): clip warms up on an image of 46 x 46
+    merged tokens, not the file's image size (8,464 patches at 14 pixels and a merge of 2), so the
+    buffer is that image's, a bound fitted to the real binary (tests/test_projector_memory.py:
+    never below; Qwen2-VL within 0.1% but one shape 2.1 MiB, Qwen2.5-VL at most 10% above, where the
+    merger's activations fit in blocks the mask leaves). Under everything: the image (f32 RGB) and the M-RoPE positions
+    (4 x i32 a patch); with window attention (2.5-VL) its n_pos x n_pos f32 mask, and its f16 copy
+    with flash attention (410 MiB of a 430 MiB buffer at this warm-up); then the largest of the two
+    patch convolutions' unrolled input and a residual, the FFN activations, the scores without flash
+    attention and the merger's output of the text model's width. An image larger than the warm-up
+    grows the buffer (llama-server re-reserves it): not planned."""
+    side = qwen_warmup_side(proj)
+    n_pos = (side // proj.patch_size) ** 2 if proj.patch_size else 0
+    e = proj.n_embd * n_pos * F32
+    f = proj.n_ff * n_pos * F32
+    base = side * side * 3 * F32 + n_pos * 4 * 4 + QWEN_SLACK
+    if proj.projector_type in QWEN_WINDOWED:  # the mask, and the window order and its inverse (i32)
+        base += n_pos * n_pos * F32 + (n_pos * n_pos * 2 if flash_attn else 0) + 2 * (n_pos // 4) * 4
+    peaks = {
+        "patches": base + 3 * proj.patch_size**2 * n_pos * 2 + e,
+        "ffn": base + f,
+        # mm.0's input and output (each a residual's size), under mm.2's output of the text width
+        "merger": base + 2 * e + proj.n_mmproj_embd * (n_pos // 4) * F32,
+    }
+    peaks["attention"] = base + (3 * e if flash_attn else n_pos * n_pos * proj.n_head * F32 + e)
     return peaks
 
 
@@ -110,6 +151,8 @@ def projector_bytes(
 def host_inputs(proj: ProjectorFacts) -> int:
     """The warm-up graph's inputs, in host memory when the projector is on a device: the image
     (f32 RGB), and for LLaVA its positions and the patch rows it keeps (i32 each)."""
+    if proj.projector_type in QWEN_TYPES:
+        return qwen_warmup_side(proj) ** 2 * 3 * F32
     image = proj.image_size * proj.image_size * 3 * F32
     if proj.projector_type != "mlp" or not proj.patch_size:
         return image
