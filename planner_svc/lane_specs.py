@@ -9,6 +9,7 @@ from planner_svc.layouts import pins_for
 from planner_svc.policy import chat_template_for
 from planner_svc.prompt_cache import MIB
 from shared.memory import ngl_count
+from shared.memory.projector import warmup_image_tokens
 from shared.messages.config import FleetConfig
 from shared.messages.hosts import HostReport
 from shared.messages.plans import LaneSpec
@@ -51,10 +52,15 @@ def lane_spec(report: HostReport, config: FleetConfig, lane: PlannedLane) -> Lan
                        "one too, into the RAM prompt cache at each new task (and lose it where the cache is smaller); "
                        "they stay in the KV pool until a task needs the room")  # fmt: skip
     mmproj = lane.facts.mmproj if lane.loads_projector and caps.has_mmproj else None
+    image_max_tokens = None
     if mmproj is not None:
         where = "GPU0, the lane's first device" if lane.layout.gpus else "host RAM"
         reasons.append(f"projector {mmproj.projector_type} (--mmproj {mmproj.path}) in {where}: "
                        f"{memory.projector_bytes / MIB:.1f} MiB of weights and compute")  # fmt: skip
+        image_max_tokens = warmup_image_tokens(mmproj) if caps.has_image_max_tokens else None
+        if image_max_tokens is not None:
+            reasons.append(f"--image-max-tokens {image_max_tokens}: the warm-up's image, which the plan holds; a "
+                           "larger image would grow the projector's buffer past it")  # fmt: skip
     return LaneSpec(
         lane_id=lane.lane_id,
         model=lane.persona.model,
@@ -94,6 +100,7 @@ def lane_spec(report: HostReport, config: FleetConfig, lane: PlannedLane) -> Lan
         reranking=reranking,
         mmproj_path=mmproj.path if mmproj is not None else None,
         mmproj_offload=bool(lane.layout.gpus) if mmproj is not None else None,
+        image_max_tokens=image_max_tokens,
         **_spec_fields(lane),
     )
 

@@ -26,7 +26,7 @@ KEY_FIELDS = (
     "cache_type_k", "cache_type_v", "flash_attn", "fit_off", "n_cpu_moe",
     "threads", "threads_batch", "cpus", "poll",
     "chat_template", "cache_ram_mib", "embeddings", "pooling",
-    "adapter_paths", "reranking", "mmproj_path", "mmproj_offload",
+    "adapter_paths", "reranking", "mmproj_path", "mmproj_offload", "image_max_tokens",
     "spec_type", "draft_path", "draft_n_gpu_layers", "draft_cache_type_k", "draft_cache_type_v",
 )  # fmt: skip
 _DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(LaneSpec)}

@@ -26,7 +26,7 @@ OTHER = {
     "threads": 4, "threads_batch": 4, "cpus": (0, 1), "poll": 50,
     "chat_template": "chatml", "cache_ram_mib": 256, "embeddings": True, "pooling": "mean",
     "adapter_paths": ("/models/a.gguf",), "reranking": True,
-    "mmproj_path": "/models/mmproj-m.gguf", "mmproj_offload": False,
+    "mmproj_path": "/models/mmproj-m.gguf", "mmproj_offload": False, "image_max_tokens": 2116,
     "spec_type": "ngram-mod", "draft_path": "/models/d.gguf", "draft_n_gpu_layers": 7, "draft_cache_type_k": "q8_0",
     "draft_cache_type_v": "q8_0",
     # not launch fields

@@ -33,11 +33,11 @@ def endpoint(rpc_bin):
         yield eps[0]
 
 
-def _printed(rpc_bin, endpoint: str, model, path, offload: bool) -> dict[str, int]:
+def _printed(rpc_bin, endpoint: str, model, path, offload: bool, *extra: str) -> dict[str, int]:
     """The projector's bytes per device, as the real llama-server printed them with one RPC device."""
     lines = run_until_loaded([str(rpc_bin / "llama-server"), "-m", str(model), "--mmproj", str(path), "--rpc", endpoint,
                               "-ngl", "all", "-c", "512", "-fit", "off", "--flash-attn", "on", "--verbosity", "4",
-                              "--port", "0", "--mmproj-offload" if offload else "--no-mmproj-offload"])  # fmt: skip
+                              "--port", "0", "--mmproj-offload" if offload else "--no-mmproj-offload", *extra])  # fmt: skip
     assert any("CLIP using" in line for line in lines), lines[-5:]
     return {d.device: d.projector_bytes for d in devices_from_lines(lines)}
 
@@ -80,3 +80,20 @@ def test_llavas_projector_per_device_is_never_below_the_printed_bytes(rpc_bin, e
     assert printed[holder] <= by_device[holder] - (proj.weight_bytes - proj.file_weight_bytes) <= printed[holder] + 2.5 * MIB, \
         (by_device, printed)  # fmt: skip
     assert abs(by_device[other] - printed.get(other, 0)) <= 0.005 * MIB, (by_device, printed)
+
+
+def test_a_qwen_projector_capped_at_its_warm_up_image_reserves_what_is_planned(rpc_bin, endpoint, tmp_path):
+    """--image-max-tokens 2116, as the plan renders it for Qwen2-VL's family: the binary takes it,
+    warms up the same image, and its projector on the RPC device is the planned bound or less."""
+    model = write_llama(tmp_path / "m.gguf")
+    path = write_projector(tmp_path / "mmproj-m.gguf", proj_type="qwen2vl_merger", n_embd=64, n_ff=128, n_head=2,
+                           image_size=560)  # fmt: skip
+    capped = _printed(rpc_bin, endpoint, model, path, True, "--image-max-tokens", str(46 * 46))
+    assert capped == _printed(rpc_bin, endpoint, model, path, True)
+    proj = projector_facts(path)
+    planned = lane_memory(msgspec.structs.replace(read_model_facts(model), mmproj=proj), LaneShape(
+        ctx=512, flash_attn=True, mmproj=True, mmproj_offload=True, n_gpu_layers="all", devices=("rpc",)))  # fmt: skip
+    by_device = {d.device: d.projector_bytes for d in planned.devices}
+    padding = proj.weight_bytes - proj.file_weight_bytes
+    assert capped["GPU0"] <= by_device["GPU0"] - padding <= capped["GPU0"] * 1.10 + 2.5 * MIB, (by_device, capped)
+    assert abs(by_device["CPU"] - capped.get("CPU", 0)) <= 0.01 * MIB, (by_device, capped)

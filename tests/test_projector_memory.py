@@ -169,7 +169,9 @@ def test_the_flags_come_from_the_binarys_help(llama_server):
     --device: the device lanes plans the projector on)."""
     help_text = subprocess.run([llama_server, "--help"], capture_output=True, text=True, timeout=60).stdout
     assert parse_caps(help_text).has_mmproj and "--mmproj-device" in help_text
+    assert parse_caps(help_text).has_image_max_tokens
     assert not parse_caps("--flash-attn [on|off|auto]\n--mmproj FILE\n").has_mmproj
+    assert not parse_caps("--flash-attn [on|off|auto]\n--mmproj FILE\n").has_image_max_tokens
 
 
 def test_the_printed_projector_lines_are_read_per_device():
@@ -238,4 +240,25 @@ def test_a_qwen_projector_is_planned_at_its_warm_up_image_not_its_file_image_siz
     assert (proj.projector_type, proj.n_merge or 2, proj.n_mmproj_embd) == ("qwen2vl_merger", 2, 256)
     small = msgspec.structs.replace(proj, image_size=336)
     assert projector_compute_bytes(proj, True) == projector_compute_bytes(small, True) >= 30.67 * MIB
-    assert host_inputs(proj) == 1288 * 1288 * 3 * 4
+    assert host_inputs(proj) == 1288 * 1288 * 3 * 4 + 92 * 92 * 16  # the image and its M-RoPE positions
+
+
+def test_a_qwen_lane_takes_no_image_larger_than_its_planned_warm_up():
+    """Qwen2-VL's buffer grows with an image larger than its warm-up: the lane is started with
+    --image-max-tokens 2116 (46 x 46) where the binary has the flag, so the plan holds; other
+    projectors (their warm-up is their largest image) and older binaries get no such flag."""
+    qwen = _proj(projector_type="qwen2.5vl_merger", n_embd=1280, n_ff=3420, n_head=16, n_layer=32, image_size=560,
+                 n_mmproj_embd=2048, n_merge=2)  # fmt: skip
+    demand = Demand(personas=(Persona(model="vlm"),))
+    caps = ServerCaps(has_image_max_tokens=True)
+    lane = only_lane(plan([host(models=(msgspec.structs.replace(llama_1b("vlm"), mmproj=qwen),), server=caps)],
+                          FleetConfig(), demand))  # fmt: skip
+    assert lane.image_max_tokens == 46 * 46 and any("--image-max-tokens 2116" in r for r in lane.reasons)
+    args = lane_args(lane, caps)
+    assert args[args.index("--image-max-tokens") + 1] == "2116"
+    assert lane.memory.projector_bytes >= 410 * MIB  # the window mask and its f16 copy, at the warm-up
+    gemma = only_lane(plan([host(models=(msgspec.structs.replace(llama_1b("vlm"), mmproj=_proj()),), server=caps)],
+                           FleetConfig(), demand))  # fmt: skip
+    older = only_lane(plan([host(models=(msgspec.structs.replace(llama_1b("vlm"), mmproj=qwen),))], FleetConfig(), demand))
+    assert gemma.image_max_tokens is None and older.image_max_tokens is None
+    assert "--image-max-tokens" not in lane_args(gemma, caps) + lane_args(older, ServerCaps())

@@ -112,6 +112,8 @@ def lane_args(spec: LaneSpec, caps: ServerCaps, slot_dir: str | None = None, key
         args += ["--mmproj", spec.mmproj_path]
         if spec.mmproj_offload is not None:  # without it llama-server offloads to the first GPU it finds
             args.append("--mmproj-offload" if spec.mmproj_offload else "--no-mmproj-offload")
+        if spec.image_max_tokens is not None:
+            args += ["--image-max-tokens", str(spec.image_max_tokens)]
     if spec.fit_off:
         args += ["-fit", "off"]
     if spec.n_ubatch != DEFAULT_N_UBATCH:  # the plan's compute and sliding-window sizes assume it
@@ -257,6 +259,7 @@ def parse_caps(help_text: str, version_text: str = "") -> ServerCaps:
         has_reranking="--reranking" in help_text,
         has_slot_save="--slot-save-path" in help_text,
         has_mmproj="--no-mmproj-offload" in help_text,
+        has_image_max_tokens="--image-max-tokens" in help_text,
         has_cache_idle_slots="--no-cache-idle-slots" in help_text,
         spec_types=_spec_types(help_text),
         spec_flags=tuple(f for f in SPEC_FLAGS if re.search(rf"(^|[\s,]){re.escape(f)}[\s,=]", help_text, re.M)),

@@ -70,6 +70,12 @@ QWEN_WINDOWED = frozenset({"qwen2.5vl_merger"})  # window attention: an n_pos x 
 QWEN_SLACK = 32 * 1024  # the graph's smaller inputs and alignment, which no recorded shape exceeded
 
 
+def warmup_image_tokens(proj: ProjectorFacts) -> int | None:
+    """The tokens of the image the projector warms up with, where a larger one would grow its
+    buffer past the plan (Qwen2-VL's family); None where the warm-up is already the largest."""
+    return QWEN_WARMUP_TOKENS**2 if proj.projector_type in QWEN_TYPES else None
+
+
 def qwen_warmup_side(proj: ProjectorFacts) -> int:
     """The warm-up image's side in pixels: 46 x 46 merged tokens of 2 x 2 patches each."""
     return QWEN_WARMUP_TOKENS * proj.patch_size * (proj.n_merge or 2)
@@ -150,9 +156,11 @@ def projector_bytes(
 
 def host_inputs(proj: ProjectorFacts) -> int:
     """The warm-up graph's inputs, in host memory when the projector is on a device: the image
-    (f32 RGB), and for LLaVA its positions and the patch rows it keeps (i32 each)."""
-    if proj.projector_type in QWEN_TYPES:
-        return qwen_warmup_side(proj) ** 2 * 3 * F32
+    (f32 RGB), for LLaVA its positions and the patch rows it keeps (i32 each), for Qwen's family
+    the warm-up image and its positions."""
+    if proj.projector_type in QWEN_TYPES:  # and its M-RoPE positions, 4 x i32 a patch
+        side = qwen_warmup_side(proj)
+        return side * side * 3 * F32 + (side // proj.patch_size) ** 2 * 4 * 4
     image = proj.image_size * proj.image_size * 3 * F32
     if proj.projector_type != "mlp" or not proj.patch_size:
         return image

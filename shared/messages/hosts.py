@@ -80,6 +80,7 @@ class ServerCaps(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     has_lora: bool = True
     has_reranking: bool = True
     has_mmproj: bool = True  # --mmproj and --mmproj-offload/--no-mmproj-offload
+    has_image_max_tokens: bool = False  # --image-max-tokens: the largest image a projector takes
     # --no-cache-idle-slots (builds of 2026): without it, a unified cache empties its idle slots
     # into the RAM prompt cache at every new task (False: an older binary, or one not probed)
     has_cache_idle_slots: bool = False
