@@ -122,6 +122,18 @@ SHAPES = [
     ('qwen2.5vl_merger', 128, 512, 2, 4, 560, 14, 2, 'off', 256),
     ('qwen2.5vl_merger', 256, 1024, 4, 4, 560, 14, 2, 'on', 2048),
     ('qwen2.5vl_merger', 128, 256, 2, 4, 560, 14, 2, 'on', 4096),
+    # Qwen3-VL: deepstack mergers at blocks 1..3 (two with 4 blocks), 16-pixel patches
+    ('qwen3vl_merger', 64, 128, 2, 4, 768, 16, 2, 'on', 256),
+    ('qwen3vl_merger', 64, 128, 2, 4, 768, 16, 2, 'off', 256),
+    ('qwen3vl_merger', 64, 128, 2, 4, 768, 16, 2, 'on', 2048),
+    ('qwen3vl_merger', 64, 128, 2, 4, 768, 16, 2, 'on', 4096),
+    ('qwen3vl_merger', 64, 128, 2, 5, 768, 16, 2, 'on', 4096),
+    ('qwen3vl_merger', 256, 1024, 4, 4, 768, 16, 2, 'on', 2048),
+    ('qwen3vl_merger', 128, 512, 2, 5, 768, 16, 2, 'off', 4096),
+    ('qwen3vl_merger', 256, 1024, 4, 5, 768, 16, 2, 'on', 4096),
+    ('qwen3vl_merger', 512, 1024, 4, 5, 768, 16, 2, 'on', 4096),
+    ('qwen3vl_merger', 1152, 4304, 16, 5, 768, 16, 2, 'on', 2048),
+    ('qwen3vl_merger', 128, 256, 2, 5, 768, 16, 2, 'on', 4096),
 ]
 
 

@@ -4,8 +4,12 @@ A SigLIP-style vision encoder (tools/mtmd/clip.cpp: v.* tensors) with one of the
 heads llama.cpp's clip reads: `gemma3` (average pool, then mm.input_projection), `idefics3`
 (SmolVLM: pixel shuffle, then mm.model.fc), and `mlp` (LLaVA 1.5/1.6: a CLIP encoder with a class
 token and a pre-norm, run to its second-to-last block, then mm.0, GELU, mm.2; its hidden width is
-the text model's, as LLaVA's converters write it). The projector's output width must be the text
-model's n_embd (mtmd refuses a mismatch), so `text_embd` is the paired model's.
+the text model's, as LLaVA's converters write it); Qwen2-VL's `qwen2vl_merger` (two patch
+convolutions, M-RoPE, a 2 x 2 merge then mm.0, GELU, mm.2), Qwen2.5-VL's `qwen2.5vl_merger` (RMS
+norms, a gated FFN, window attention every 4th block) and Qwen3-VL's `qwen3vl_merger` (fused QKV, a
+patch bias, learned positions on a 48 x 48 grid, deepstack mergers at blocks 1 to 3 but the last
+two). The projector's output width must be the text model's n_embd (mtmd refuses a mismatch), so
+`text_embd` is the paired model's.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-PROJECTOR_TYPES = ("gemma3", "idefics3", "mlp", "qwen2vl_merger", "qwen2.5vl_merger")
+PROJECTOR_TYPES = ("gemma3", "idefics3", "mlp", "qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger")
 
 
 def _clip_writer(path: Path, proj_type: str, text_embd: int, n_embd: int, n_ff: int, n_head: int, n_layer: int,
@@ -126,20 +130,41 @@ def write_projector(
 def _write_qwen(path: Path, proj_type: str, text_embd: int, n_embd: int, n_ff: int, n_head: int, n_layer: int,
                 image_size: int, patch_size: int, window: int, seed: int) -> Path:  # fmt: skip
     rng = np.random.default_rng(seed)
-    qwen2 = proj_type == "qwen2vl_merger"  # LayerNorms with biases, a plain FFN; 2.5: RMS norms, gated
+    qwen2 = proj_type != "qwen2.5vl_merger"  # LayerNorms with biases, a plain FFN; 2.5: RMS norms, gated
+    qwen3 = proj_type == "qwen3vl_merger"
+    deep = (1, 2, 3)[: max(0, n_layer - 2)] if qwen3 else ()
 
     mat = _matrices(rng)
 
     w = _clip_writer(path, proj_type, text_embd, n_embd, n_ff, n_head, n_layer, image_size, patch_size)
     if window:
         w.add_uint32("clip.vision.n_wa_pattern", window)
+    if qwen3:
+        w.add_array("clip.vision.is_deepstack_layers", [il in deep for il in range(n_layer)])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     for suffix in ("", ".1"):  # the two frames' convolutions (a still image feeds both)
         w.add_tensor(f"v.patch_embd.weight{suffix}",
                      (rng.standard_normal((n_embd, 3, patch_size, patch_size)) * 0.02).astype(np.float16))  # fmt: skip
+    if qwen3:
+        w.add_tensor("v.patch_embd.bias", _vec(n_embd))
+        w.add_tensor("v.position_embd.weight", (rng.standard_normal((48 * 48, n_embd)) * 0.02).astype(np.float32))
     for il in range(n_layer):
         p = f"v.blk.{il}"
-        _attention(w, p, mat, n_embd)
+        if qwen3:
+            w.add_tensor(f"{p}.attn_qkv.weight", mat(3 * n_embd, n_embd))
+            w.add_tensor(f"{p}.attn_qkv.bias", _vec(3 * n_embd))
+            w.add_tensor(f"{p}.attn_out.weight", mat(n_embd, n_embd))
+            w.add_tensor(f"{p}.attn_out.bias", _vec(n_embd))
+        else:
+            _attention(w, p, mat, n_embd)
+        if il in deep:  # its own merger of the 2 x 2 merged patches, to the text width
+            d = f"v.deepstack.{il}"
+            w.add_tensor(f"{d}.norm.weight", _vec(4 * n_embd, 1.0))
+            w.add_tensor(f"{d}.norm.bias", _vec(4 * n_embd))
+            w.add_tensor(f"{d}.fc1.weight", mat(4 * n_embd, 4 * n_embd))
+            w.add_tensor(f"{d}.fc1.bias", _vec(4 * n_embd))
+            w.add_tensor(f"{d}.fc2.weight", mat(text_embd, 4 * n_embd))
+            w.add_tensor(f"{d}.fc2.bias", _vec(text_embd))
         for t in ("ln1", "ln2"):
             w.add_tensor(f"{p}.{t}.weight", _vec(n_embd, 1.0))
             if qwen2:

@@ -106,6 +106,14 @@ def _qwen_peaks(proj: ProjectorFacts, flash_attn: bool) -> dict[str, int]:
         "merger": base + 2 * e + proj.n_mmproj_embd * (n_pos // 4) * F32,
     }
     peaks["attention"] = base + (3 * e if flash_attn else n_pos * n_pos * proj.n_head * F32 + e)
+    if proj.projector_type == "qwen3vl_merger":
+        # Deepstack (Qwen3-VL's models have it at 3 blocks): each such block's own merger output of the
+        # text width, concatenated one by one and then with the main merger's. Measured with 2 and 3
+        # (never below, at most 30% above); 4 would be short, a file without any planned high.
+        text = proj.n_mmproj_embd * (n_pos // 4) * F32
+        peaks["attention"] += e  # without flash attention, one more residual is alive beside the scores
+        peaks["deepstack"] = 8 * text + 6 * e + QWEN_SLACK
+        peaks["ffn_wide"] = base + f + 5 * e
     return peaks
 
 
