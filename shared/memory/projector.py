@@ -111,7 +111,8 @@ def _qwen_peaks(proj: ProjectorFacts, flash_attn: bool) -> dict[str, int]:
         # text width, concatenated one by one and then with the main merger's. Measured with 2 and 3
         # (never below, at most 30% above); 4 would be short, a file without any planned high.
         text = proj.n_mmproj_embd * (n_pos // 4) * F32
-        peaks["attention"] += e  # one more residual beside the attention: seen without flash attention, kept with it (a bound)
+        # one more residual beside the attention: seen without flash attention, kept with it (a bound)
+        peaks["attention"] += e
         peaks["deepstack"] = 8 * text + 6 * e + QWEN_SLACK
         peaks["ffn_wide"] = base + f + 5 * e
     return peaks
