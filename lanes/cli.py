@@ -208,9 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LoRA adapters with a scale: the same buffers whatever the scale")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="llama-server's warm-up run: the same buffers with and without (measured on b11434)")
-    for flag, what in (("--image-min-tokens", "a projector's smallest image"), ("--image-max-tokens", "a projector's largest image"),
-                       ("--spec-draft-device", "the draft's own devices")):  # fmt: skip
-        p.add_argument(flag, dest=flag.strip("-").replace("-", "_"), metavar="N", help=f"{what}: not predicted yet (refused)")
+    p.add_argument("--image-max-tokens", type=_positive, metavar="N",
+                   help="a projector's largest image in tokens: Pixtral is planned at it (default its build's 1024), "
+                        "Qwen2-VL's family at its 2116-token warm-up (a larger N is refused); other types refused")
+    p.add_argument("--image-min-tokens", type=_positive, metavar="N",
+                   help="a projector's smallest image in tokens: no buffer changes, refused above the largest")
+    p.add_argument("--spec-draft-device", metavar="N", help="the draft's own devices: not predicted yet (refused)")
     p.add_argument("-devd", "--device-draft", dest="spec_draft_device", help=argparse.SUPPRESS)
     p.add_argument("--llama-build", type=_positive,
                    help="plan for this llama.cpp build's rules without the binary (b6325 -> 6325)")

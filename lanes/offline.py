@@ -125,6 +125,29 @@ def _shares(text: str) -> tuple[float, ...]:
     return values
 
 
+def _image_tokens(proj, smallest: int | None, largest: int | None) -> int:
+    """--image-max-tokens as the memory model takes it (0: the projector's own), or a UserError where the
+    estimate cannot say what the flags do to the projector's buffer."""
+    from shared.memory.projector import DYNAMIC_MAX_TOKENS, image_tokens_cap
+
+    if smallest is None and largest is None:
+        return 0
+    cap = image_tokens_cap(proj) if proj is not None else None
+    if cap is None:
+        what = f"a {proj.projector_type} projector" if proj is not None else "a lane without --mmproj"
+        raise UserError(f"--image-{'max' if largest is not None else 'min'}-tokens: predicted for Pixtral and "
+                        f"Qwen2-VL's family, not yet for {what}; leave it out")  # fmt: skip
+    if proj.projector_type in DYNAMIC_MAX_TOKENS:  # planned at the largest image, whatever its size
+        cap = largest or cap
+    elif largest is not None and largest > cap:
+        raise UserError(f"--image-max-tokens {largest}: {proj.projector_type} reserves for {cap} tokens and grows "
+                        "its buffer past that at a larger image, which the estimate cannot predict yet")  # fmt: skip
+    if smallest is not None and smallest > cap:
+        raise UserError(f"--image-min-tokens {smallest}: more than the {cap} tokens the estimate holds for "
+                        f"the largest image; give at most {cap}")  # fmt: skip
+    return largest or 0
+
+
 def cmd_estimate(args: argparse.Namespace) -> int:
     from launcher_agent.hardware import cpu_repack, gpu_backend_of
     from shared.gguf_weights import EXPERT_TENSOR
@@ -182,9 +205,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from None
     if args.n_cpu_moe and not caps.has_n_cpu_moe:
         raise UserError(f"--n-cpu-moe: this llama-server build ({caps.build}) does not have it")
-    for flag in ("image_min_tokens", "image_max_tokens", "spec_draft_device"):
-        if getattr(args, flag) is not None:
-            raise UserError(f"--{flag.replace('_', '-')}: the estimate cannot predict it yet; leave it out")
+    if args.spec_draft_device is not None:
+        raise UserError("--spec-draft-device: the estimate cannot predict it yet; leave it out")
+    image_max_tokens = _image_tokens(facts.mmproj, args.image_min_tokens, args.image_max_tokens)
     if args.mmproj_device not in (None, "none"):
         raise UserError(f"--mmproj-device {args.mmproj_device}: the estimate places a projector on the first "
                         "device or, with none, in host RAM; another device is not predicted yet")  # fmt: skip
@@ -198,7 +221,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         main_gpu=args.main_gpu, no_kv_offload=args.no_kv_offload, ngl_rule=caps.ngl_rule,
         n_cpu_moe=args.n_cpu_moe, tensor_overrides=overrides,
         cache_ram=args.cache_ram * 2**20, llama_build=caps.build or 0,
-        mmproj=bool(args.mmproj), mmproj_offload=bool(gpus) and not mmproj_in_ram, adapters=adapters,
+        mmproj=bool(args.mmproj), mmproj_offload=bool(gpus) and not mmproj_in_ram, image_max_tokens=image_max_tokens,
+        adapters=adapters,
     )  # fmt: skip
     try:
         mem = _with_speculation(args, facts, shape) if args.spec_type != "none" or args.spec_draft_model \

@@ -9,7 +9,7 @@ from planner_svc.layouts import pins_for
 from planner_svc.policy import chat_template_for
 from planner_svc.prompt_cache import MIB
 from shared.memory import ngl_count
-from shared.memory.projector import warmup_image_tokens
+from shared.memory.projector import DYNAMIC_MAX_TOKENS, image_tokens_cap
 from shared.messages.config import FleetConfig
 from shared.messages.hosts import HostReport
 from shared.messages.plans import LaneSpec
@@ -57,8 +57,11 @@ def lane_spec(report: HostReport, config: FleetConfig, lane: PlannedLane) -> Lan
         where = "GPU0, the lane's first device" if lane.layout.gpus else "host RAM"
         reasons.append(f"projector {mmproj.projector_type} (--mmproj {mmproj.path}) in {where}: "
                        f"{memory.projector_bytes / MIB:.1f} MiB of weights and compute")  # fmt: skip
-        image_max_tokens = warmup_image_tokens(mmproj) if caps.has_image_max_tokens else None
-        if image_max_tokens is not None:
+        image_max_tokens = image_tokens_cap(mmproj) if caps.has_image_max_tokens else None
+        if image_max_tokens is not None and mmproj.projector_type in DYNAMIC_MAX_TOKENS:
+            reasons.append(f"--image-max-tokens {image_max_tokens}: the largest image its build takes, which the plan "
+                           "holds (the buffer grows past the warm-up's at the first larger image)")  # fmt: skip
+        elif image_max_tokens is not None:
             reasons.append(f"--image-max-tokens {image_max_tokens}: the warm-up's image, which the plan holds; a "
                            "larger image would grow the projector's buffer past it")  # fmt: skip
     return LaneSpec(

@@ -4,26 +4,39 @@ For each projector shape in SHAPES, generates the projector (tests/tinyprojector
 text model of the width it feeds, runs the real llama-server (`lanes install-llama`) with
 --mmproj on the CPU, and keeps the two lines clip prints: `load_hparams: model size` (its
 weights) and `reserve_compute_meta: CPU compute buffer size` (its warm-up graph).
-tests/test_projector_memory.py compares the memory model with them. To record new shapes (--all:
-every shape again):
+tests/test_projector_memory.py compares the memory model with them.
+
+Dynamic-size projectors (Pixtral, PIXTRAL_SHAPES) warm up on a smaller image than the largest they
+accept, and llama-server grows the buffer at the first larger image. These are recorded with the
+projector on an RPC device whose server logs each buffer it allocates (GGML_RPC_DEBUG): the lane
+runs with --image-min-tokens and --image-max-tokens both N, so any image is scaled to N tokens,
+one image is sent, and the device's compute buffer after it (`largest_bytes`) is kept beside the
+warm-up's printed lines. To record new shapes (--all: every shape again):
 
   .venv/bin/python tests/record_projector_figures.py
 """
 
 from __future__ import annotations
 
+import base64
 import json
+import os
 import re
 import socket
+import subprocess
 import sys
 import tempfile
+import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from lanes.install_rpc import rpc_bin_dir  # noqa: E402
 from launcher_agent.probe import find_llama_server  # noqa: E402
 from record_llama_figures import run_until_loaded  # noqa: E402
+from test_vision_real import tiny_png  # noqa: E402
 from tinymodels import write_llama  # noqa: E402
 from tinyprojectors import write_projector  # noqa: E402
 
@@ -137,9 +150,53 @@ SHAPES = [
 ]
 
 
+# Pixtral (merge 1: Pixtral-12B; merge 2: Mistral Small 3.1's patch merger). The shape as above, then
+# N, the --image-min-tokens and --image-max-tokens the lane runs with; then, where given, the sent
+# image's width and height in pixels (else 64 x 64): 1 x 1024 is scaled to one token a row, N rows.
+PIXTRAL_SHAPES = [
+    ("pixtral", 128, 256, 4, 2, 1024, 16, 1, "on", 256, 1024),
+    ("pixtral", 128, 256, 4, 2, 1024, 16, 1, "off", 256, 1024),
+    ("pixtral", 128, 256, 4, 2, 1024, 16, 1, "on", 256, 256),
+    ("pixtral", 128, 256, 4, 2, 1024, 16, 1, "off", 256, 256),
+    ("pixtral", 128, 256, 4, 2, 1024, 16, 1, "on", 256, 64),
+    ("pixtral", 256, 1024, 4, 2, 1024, 16, 1, "on", 256, 1024),
+    ("pixtral", 256, 1024, 8, 3, 1024, 16, 1, "off", 256, 1024),
+    ("pixtral", 128, 256, 4, 2, 1024, 16, 1, "on", 2048, 1024),
+    ("pixtral", 128, 256, 4, 2, 1024, 16, 1, "on", 4096, 1024),
+    ("pixtral", 512, 512, 2, 2, 1024, 16, 1, "off", 256, 1024),
+    ("pixtral", 128, 256, 4, 2, 1024, 16, 1, "on", 256, 576),
+    ("pixtral", 128, 256, 4, 2, 1540, 14, 2, "on", 256, 1024),
+    ("pixtral", 128, 256, 4, 2, 1540, 14, 2, "off", 256, 1024),
+    ("pixtral", 256, 1024, 4, 3, 1540, 14, 2, "on", 2048, 1024),
+    ("pixtral", 128, 256, 4, 2, 1540, 14, 2, "on", 256, 256),
+    ("pixtral", 1024, 4096, 16, 1, 1024, 16, 1, "on", 4096, 1024),  # Pixtral-12B's widths (one block of 24)
+    ("pixtral", 128, 256, 4, 2, 1024, 14, 1, "on", 256, 1024),
+    ("pixtral", 128, 256, 4, 2, 1024, 16, 2, "on", 256, 1024),
+    ("pixtral", 64, 128, 2, 2, 1540, 14, 2, "on", 256, 1024),
+    ("pixtral", 512, 256, 8, 2, 1024, 16, 1, "on", 256, 1024),
+    ("pixtral", 256, 512, 4, 1, 1540, 14, 2, "on", 1024, 1024),
+    ("pixtral", 256, 512, 4, 1, 1540, 14, 2, "off", 1024, 1024),
+    ("pixtral", 128, 256, 4, 4, 1024, 16, 1, "off", 256, 2048),
+    ("pixtral", 1024, 4096, 16, 1, 1540, 14, 2, "on", 5120, 1024),  # Mistral Small 3.1's widths (one block of 24)
+    ("pixtral", 128, 256, 4, 2, 1024, 16, 1, "on", 4096, 1024, 1, 1024),
+    ("pixtral", 128, 256, 4, 2, 1024, 16, 1, "off", 256, 1024, 1, 1024),
+    ("pixtral", 128, 256, 4, 2, 1024, 16, 1, "on", 256, 1024, 1, 1024),
+    ("pixtral", 1024, 4096, 16, 1, 1024, 16, 1, "on", 5120, 1024, 1, 1024),
+    ("pixtral", 128, 256, 4, 2, 1540, 14, 2, "on", 2048, 1024, 1, 1024),
+    ("pixtral", 192, 384, 4, 2, 1024, 16, 1, "on", 1024, 1024, 1, 1024),
+    ("pixtral", 192, 384, 4, 2, 1024, 16, 1, "on", 1024, 1024),
+    ("pixtral", 384, 1536, 6, 3, 1540, 14, 2, "on", 3072, 1024, 1, 1024),
+    ("pixtral", 256, 512, 4, 2, 1024, 16, 1, "off", 2048, 1024, 1, 1024),
+]
+
+
 def shape_key(proj_type, n_embd, n_ff, n_head, n_layer, image_size, patch_size, scale, flash_attn, text_embd) -> str:
     return (f"mmproj|type={proj_type}|n_embd={n_embd}|n_ff={n_ff}|n_head={n_head}|n_layer={n_layer}|"
             f"image={image_size}|patch={patch_size}|merge={scale}|text_embd={text_embd}|flash_attn={flash_attn}")  # fmt: skip
+
+
+def pixtral_key(*shape) -> str:
+    return shape_key(*shape[:10]) + f"|max_tokens={shape[10]}" + (f"|image_px={shape[11]}x{shape[12]}" if len(shape) > 11 else "")
 
 
 def _free_port() -> int:
@@ -162,8 +219,75 @@ def measure(binary: str, model: Path, mmproj: Path, flash_attn: str, timeout: fl
             "argv": argv[1:]}  # fmt: skip
 
 
+_BATCH = re.compile(r"decoding image batch \d+/\d+, n_tokens_batch = (\d+)")
+_ALLOC = re.compile(r"\[alloc_buffer\] device: 0, size: (\d+) ->")
+
+
+def measure_largest(bin_dir: Path, model: Path, mmproj: Path, flash_attn: str, tokens: int, image_px: tuple = (64, 64),
+                    timeout: float = 180.0) -> dict:  # fmt: skip
+    """The projector on an RPC device, every image scaled to `tokens`: the warm-up's printed lines and the
+    device's compute buffer after one image (the last buffer its server allocated, or the warm-up's)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        rpc_log, port = Path(tmp) / "rpc.log", _free_port()
+        with rpc_log.open("w") as out:
+            rpc = subprocess.Popen([str(bin_dir / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
+                                   stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, GGML_RPC_DEBUG="1"))  # fmt: skip
+        try:
+            time.sleep(1.0)
+            argv = [str(bin_dir / "llama-server"), "-m", str(model), "--mmproj", str(mmproj), "--rpc", f"127.0.0.1:{port}",
+                    "-ngl", "0", "-c", str(3 * tokens + 1024), "-fit", "off", "--flash-attn", flash_attn, "--verbosity", "4",
+                    "--mmproj-offload", "--image-min-tokens", str(tokens), "--image-max-tokens", str(tokens)]  # fmt: skip
+            lines, after = _serve_one_image(argv, rpc_log, image_px, timeout)
+        finally:
+            rpc.terminate()
+            rpc.wait()
+    text = "\n".join(lines)
+    computes = {m.group(1).split("[")[0]: float(m.group(2)) for m in _COMPUTE.finditer(text)}
+    if "RPC0" not in computes or after is None:
+        return {"error": [ln for ln in lines if "error" in ln.lower() or "failed" in ln.lower()][-3:] or lines[-2:]}
+    before, grown = after
+    # the device's compute buffer at the image: grown after it, else still the warm-up's (its last buffer)
+    batches = _BATCH.findall(text)  # the image's tokens, with one [IMG_BREAK] a row but the last
+    return {"warmup_compute_mib": computes, "largest_bytes": (grown or before)[-1], "grew": bool(grown),
+            "image_batch_tokens": sum(map(int, batches)) if batches else None,
+            "clip_flash_attn": (m.group(1) if (m := _FA.search(text)) else "")}  # fmt: skip
+
+
+def _serve_one_image(argv: list[str], rpc_log: Path, image_px: tuple, timeout: float) -> tuple[list[str], tuple | None]:
+    """Start llama-server, send one small image once it listens; its lines, and the sizes of the buffers
+    the RPC server allocated before the image and after it (None when the image failed)."""
+    port = _free_port()
+    server_log = rpc_log.with_name("server.log")
+    with server_log.open("w") as out:  # a file, not a pipe: a full pipe would stop the server mid-image
+        proc = subprocess.Popen([*argv, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT)
+    after, failure = None, []
+    try:
+        deadline = time.monotonic() + timeout
+        while "listening on http" not in server_log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, server_log.read_text().splitlines()[-3:]
+            time.sleep(0.1)
+        before = [int(s) for s in _ALLOC.findall(rpc_log.read_text())]
+        url = "data:image/png;base64," + base64.b64encode(tiny_png(*image_px)).decode()
+        body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url",
+                "image_url": {"url": url}}]}], "max_tokens": 1}  # fmt: skip
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})  # fmt: skip
+        try:
+            with urllib.request.urlopen(req, timeout=timeout):
+                after = (before, [int(s) for s in _ALLOC.findall(rpc_log.read_text())[len(before):]])
+        except OSError as exc:
+            failure = [f"error: the image request failed: {exc}"]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return server_log.read_text().splitlines() + failure, after
+
+
 def projector_for(folder: Path, shape: tuple) -> tuple[Path, Path]:
-    proj_type, n_embd, n_ff, n_head, n_layer, image, patch, scale, _, text_embd = shape
+    proj_type, n_embd, n_ff, n_head, n_layer, image, patch, scale, _, text_embd = shape[:10]
     model = write_llama(folder / f"text-{text_embd}.gguf", n_embd=text_embd)
     mmproj = write_projector(folder / f"mmproj-{proj_type}-{n_embd}-{n_ff}-{n_head}-{n_layer}-{image}-{patch}-{scale}-{text_embd}.gguf",
                              proj_type=proj_type, text_embd=text_embd, n_embd=n_embd, n_ff=n_ff, n_head=n_head,
@@ -186,6 +310,17 @@ def main() -> int:
             model, mmproj = projector_for(Path(tmp), shape)
             table[key] = fig = measure(binary, model, mmproj, shape[8])
             print(key, fig.get("error") or (fig["weights_mib"], fig["compute_mib"]))
+        for shape in PIXTRAL_SHAPES:
+            key = pixtral_key(*shape)
+            if key in table and not again:
+                continue
+            rpc = rpc_bin_dir()
+            if rpc is None:
+                print("no RPC build: run `lanes install-llama --rpc`", file=sys.stderr)
+                return 2
+            model, mmproj = projector_for(Path(tmp), shape)
+            table[key] = fig = measure_largest(rpc, model, mmproj, shape[8], shape[10], *[tuple(shape[11:])] if len(shape) > 11 else [])
+            print(key, fig.get("error") or (fig["warmup_compute_mib"], fig["largest_bytes"]))
     FIGURES.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     return 0
 

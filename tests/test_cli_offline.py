@@ -187,11 +187,47 @@ def test_estimate_takes_loras_as_llama_server_does_and_refuses_what_it_cannot_pr
     other = write_llama(tmp_path / "other.gguf")
     for flags, says in ((["--lora", wide], "does not fit base.gguf"), (["--lora", other], "not a LoRA adapter"),
                         (["--lora-scaled", files[0]], "give FNAME:SCALE"),
-                        (["--image-max-tokens", "1024"], "--image-max-tokens: the estimate cannot predict it yet"),
-                        (["--image-min-tokens", "64"], "--image-min-tokens: the estimate cannot predict it yet"),
+                        (["--image-max-tokens", "1024"], "--image-max-tokens: predicted for Pixtral and Qwen2-VL's "
+                         "family, not yet for a lane without --mmproj"),
+                        (["--image-min-tokens", "64"], "--image-min-tokens: predicted for Pixtral"),
                         (["-devd", "CUDA0"], "--spec-draft-device: the estimate cannot predict it yet"),
                         (["-mmdev", "CUDA1"], "another device is not predicted yet")):  # fmt: skip
         assert_one_line_error(lanes("estimate", base, "--ctx", "1024", *flags), says)
+
+
+def test_estimate_plans_a_projector_at_the_image_tokens_it_is_given(tmp_path):
+    """--image-max-tokens: Pixtral's buffer at the largest image it names (its build's 1,024 without it),
+    host RAM holding that image as the graph's input; Qwen2-VL's family at its warm-up, a larger N refused;
+    --image-min-tokens changes nothing up to the largest; types the estimate cannot size are refused."""
+    from tinymodels import write_llama
+    from tinyprojectors import write_projector
+
+    from shared.gguf_projector import projector_facts
+    from shared.memory.projector import host_inputs, projector_compute_bytes
+
+    model = write_llama(tmp_path / "m.gguf", n_embd=1024)
+    pixtral = write_projector(tmp_path / "mmproj-p.gguf", proj_type="pixtral", text_embd=1024, n_embd=192, n_ff=384,
+                              n_head=4, n_layer=2, image_size=1024, patch_size=16, scale_factor=1)  # fmt: skip
+    proj = projector_facts(pixtral)
+
+    def estimate(*flags: str) -> dict:
+        run = lanes("estimate", model, "--ctx", "1024", "--mmproj", pixtral, "--no-mmproj-offload", *flags, "--json")
+        assert run.returncode == 0, run.stderr
+        return json.loads(run.stdout)
+
+    own, capped = estimate(), estimate("--image-max-tokens", "256", "--image-min-tokens", "64")
+    assert own["projector_bytes"] == proj.weight_bytes + projector_compute_bytes(proj, True, 1024)
+    assert own == estimate("--image-max-tokens", "1024")
+    assert capped["projector_bytes"] == proj.weight_bytes + projector_compute_bytes(proj, True, 256)
+    assert capped["projector_bytes"] < own["projector_bytes"] and host_inputs(proj, 256) < host_inputs(proj)
+    qwen = write_projector(tmp_path / "mmproj-q.gguf", proj_type="qwen2vl_merger", text_embd=1024, n_embd=64, n_ff=128)
+    gemma = write_projector(tmp_path / "mmproj-g.gguf", proj_type="gemma3", text_embd=1024)
+    for path, flags, says in ((qwen, ["--image-max-tokens", "4096"], "grows its buffer past that"),
+                              (pixtral, ["--image-min-tokens", "512", "--image-max-tokens", "256"], "give at most 256"),
+                              (gemma, ["--image-max-tokens", "256"], "not yet for a gemma3 projector")):  # fmt: skip
+        assert_one_line_error(lanes("estimate", model, "--ctx", "1024", "--mmproj", path, *flags), says)
+    run = lanes("estimate", model, "--ctx", "1024", "--mmproj", qwen, "--image-max-tokens", "1024", "--json")
+    assert run.returncode == 0, run.stderr  # at most the warm-up: planned at the warm-up
 
 
 # ------------------------------------------------------------------ plan

@@ -6,6 +6,7 @@ and the plan renders --mmproj with the offload flag the binary's --help offers."
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from shared.gguf_projector import base_name, pair, projector_facts
 from shared.llama.flags import lane_args, parse_caps
 from shared.llama.logs import devices_from_lines
 from shared.memory import LaneShape, lane_memory
-from shared.memory.projector import host_inputs, projector_compute_bytes
+from shared.memory.projector import host_inputs, pixtral_peaks, projector_compute_bytes
 from shared.messages.config import Demand, FleetConfig, Persona
 from shared.messages.hosts import GpuInfo, ProjectorFacts, ServerCaps
 from shared.messages.plans import LaneSpec
@@ -30,7 +31,9 @@ from shared.messages.plans import LaneSpec
 MIB = 2**20
 GIB = 2**30
 FIGURES = json.loads(Path(__file__).with_name("llama_figures.json").read_text())
-RECORDED = sorted(k for k in FIGURES if k.startswith("mmproj|"))
+RECORDED = sorted(k for k in FIGURES if k.startswith("mmproj|") and "|max_tokens=" not in k)
+# Pixtral's buffer at its largest image (tests/record_projector_figures.py, PIXTRAL_SHAPES)
+LARGEST = sorted(k for k in FIGURES if k.startswith("mmproj|") and "|max_tokens=" in k)
 
 
 def _facts(key: str) -> tuple[ProjectorFacts, bool]:
@@ -41,10 +44,38 @@ def _facts(key: str) -> tuple[ProjectorFacts, bool]:
     return proj, d["flash_attn"] == "on"
 
 
-def test_figures_were_recorded_for_six_projector_types():
-    types = {"gemma3", "idefics3", "mlp", "qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger"}
-    assert {dict(p.split("=", 1) for p in k.split("|")[1:])["type"] for k in RECORDED} >= types
-    assert all("error" not in FIGURES[k] for k in RECORDED)
+def test_figures_were_recorded_for_seven_projector_types():
+    types = {"gemma3", "idefics3", "mlp", "qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger", "pixtral"}
+    assert {dict(p.split("=", 1) for p in k.split("|")[1:])["type"] for k in RECORDED + LARGEST} >= types
+    assert all("error" not in FIGURES[k] for k in RECORDED + LARGEST)
+    assert len(LARGEST) >= 25 and sum(FIGURES[k]["grew"] for k in LARGEST) >= 20
+
+
+def _image(key: str) -> tuple[int, int]:
+    """The recorded image's tokens and rows: the lane scaled a 64 x 64 picture to N tokens or more,
+    ceil(sqrt(N)) a side (llama.cpp rounds the smallest size up); a 1 x H one to one token a row."""
+    d = dict(part.split("=", 1) for part in key.split("|")[1:])
+    n = int(d["max_tokens"])
+    if d.get("image_px", "64x64").startswith("1x"):
+        return n, n
+    side = math.isqrt(n - 1) + 1  # ceil(sqrt(n))
+    return side * side, side
+
+
+@pytest.mark.parametrize("key", LARGEST)
+def test_pixtrals_buffer_at_its_largest_image_is_never_below_the_binarys(key):
+    """The device's compute buffer after one image (grown past the warm-up's where the image is larger):
+    the plan at that image never below it, at most 20% above; the image's tokens as the binary counted
+    them. And the lane's plan, at an image one
+    token wide, is at least every recorded one of its N."""
+    proj, flash_attn = _facts(key)
+    tokens, rows = _image(key)
+    assert FIGURES[key]["image_batch_tokens"] == tokens + rows - 1  # one [IMG_BREAK] a row but the last
+    grown = FIGURES[key]["largest_bytes"]
+    planned = max(pixtral_peaks(proj, flash_attn, tokens, rows).values())
+    assert grown <= planned <= grown * 1.20, (planned / MIB, grown / MIB)
+    if tokens == int(key.split("|max_tokens=")[1].split("|")[0]):
+        assert projector_compute_bytes(proj, flash_attn, tokens) >= grown
 
 
 @pytest.mark.parametrize("key", RECORDED)
@@ -265,3 +296,26 @@ def test_a_qwen_lane_takes_no_image_larger_than_its_planned_warm_up():
     older = only_lane(plan([host(models=(msgspec.structs.replace(llama_1b("vlm"), mmproj=qwen),))], FleetConfig(), demand))
     assert gemma.image_max_tokens is None and older.image_max_tokens is None
     assert "--image-max-tokens" not in lane_args(gemma, caps) + lane_args(older, ServerCaps())
+
+
+def test_a_pixtral_lane_is_planned_and_started_at_the_largest_image_its_build_takes(tmp_path):
+    """Pixtral warms up at 256 tokens and grows its buffer at the first larger image, up to 1,024: the plan
+    holds the largest (an image one token wide, where its row breaks are largest) and renders
+    --image-max-tokens 1024 so llama-server enforces it; the host holds that image as the graph's input."""
+    path = write_projector(tmp_path / "mmproj-p.gguf", proj_type="pixtral", text_embd=5120, n_embd=1024, n_ff=4096,
+                           n_head=16, n_layer=1, image_size=1024, patch_size=16, scale_factor=1)  # fmt: skip
+    proj = projector_facts(path)
+    assert (proj.projector_type, proj.n_merge or 1, proj.n_mmproj_embd, proj.n_ff) == ("pixtral", 1, 5120, 4096)
+    key = next(k for k in LARGEST if "n_embd=1024|n_ff=4096|n_head=16|n_layer=1|image=1024" in k and "1x1024" in k)
+    assert projector_compute_bytes(proj, True) == max(pixtral_peaks(proj, True, 1024, 1024).values())
+    assert FIGURES[key]["largest_bytes"] <= projector_compute_bytes(proj, True) <= FIGURES[key]["largest_bytes"] * 1.10
+    assert projector_compute_bytes(proj, True, 256) < projector_compute_bytes(proj, True) / 3  # a smaller cap, less
+    assert host_inputs(proj) == 1024 * 16 * 16 * 3 * 4 + 1024 * 8  # the image at 1,024 patches, and its positions
+    demand = Demand(personas=(Persona(model="vlm"),))
+    caps = ServerCaps(has_image_max_tokens=True)
+    lane = only_lane(plan([host(models=(msgspec.structs.replace(llama_1b("vlm"), mmproj=proj),), server=caps)],
+                          FleetConfig(), demand))  # fmt: skip
+    assert lane.image_max_tokens == 1024 and any("--image-max-tokens 1024: the largest" in r for r in lane.reasons)
+    args = lane_args(lane, caps)
+    assert args[args.index("--image-max-tokens") + 1] == "1024"
+    assert lane.memory.projector_bytes >= proj.weight_bytes + FIGURES[key]["largest_bytes"]

@@ -8,8 +8,10 @@ the text model's, as LLaVA's converters write it); Qwen2-VL's `qwen2vl_merger` (
 convolutions, M-RoPE, a 2 x 2 merge then mm.0, GELU, mm.2), Qwen2.5-VL's `qwen2.5vl_merger` (RMS
 norms, a gated FFN, window attention every 4th block) and Qwen3-VL's `qwen3vl_merger` (fused QKV, a
 patch bias, learned positions on a 48 x 48 grid, deepstack mergers at blocks 1 to 3 but the last
-two). The projector's output width must be the text model's n_embd (mtmd refuses a mismatch), so
-`text_embd` is the paired model's.
+two); Pixtral's `pixtral` (RMS norms, 2D RoPE, a gated SiLU FFN, no post-norm, then mm.1, GELU, mm.2
+and an [IMG_BREAK] embedding after each row; with scale_factor > 1 Mistral Small 3.1's patch merger
+before the head). The projector's output width must be the text model's n_embd (mtmd refuses a
+mismatch), so `text_embd` is the paired model's.
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-PROJECTOR_TYPES = ("gemma3", "idefics3", "mlp", "qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger")
+PROJECTOR_TYPES = ("gemma3", "idefics3", "mlp", "qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger", "pixtral")
 
 
 def _clip_writer(path: Path, proj_type: str, text_embd: int, n_embd: int, n_ff: int, n_head: int, n_layer: int,
-                 image_size: int, patch_size: int) -> gguf.GGUFWriter:  # fmt: skip
+                 image_size: int, patch_size: int, ffn: str = "gelu") -> gguf.GGUFWriter:  # fmt: skip
     """A projector file's keys that every type reads (clip.cpp's load_hparams)."""
     w = gguf.GGUFWriter(str(path), "clip")
     w.add_name(path.stem)
@@ -39,7 +41,7 @@ def _clip_writer(path: Path, proj_type: str, text_embd: int, n_embd: int, n_ff: 
     w.add_uint32("clip.vision.patch_size", patch_size)
     w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
     w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
-    w.add_bool("clip.use_gelu", True)
+    w.add_bool(f"clip.use_{ffn}", True)
     return w
 
 
@@ -79,6 +81,9 @@ def write_projector(
     if proj_type.startswith("qwen"):
         return _write_qwen(Path(path), proj_type, text_embd, n_embd, n_ff, n_head, n_layer, image_size, patch_size,
                            window=4 if proj_type == "qwen2.5vl_merger" else 0, seed=seed)  # fmt: skip
+    if proj_type == "pixtral":
+        return _write_pixtral(Path(path), text_embd, n_embd, n_ff, n_head, n_layer, image_size, patch_size,
+                              merge=scale_factor, seed=seed)  # fmt: skip
     path = Path(path)
     rng = np.random.default_rng(seed)
     n_pos = (image_size // patch_size) ** 2
@@ -181,6 +186,42 @@ def _write_qwen(path: Path, proj_type: str, text_embd: int, n_embd: int, n_ff: i
     w.add_tensor("mm.0.bias", _vec(n_embd * 4))
     w.add_tensor("mm.2.weight", mat(text_embd, n_embd * 4))
     w.add_tensor("mm.2.bias", _vec(text_embd))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _write_pixtral(path: Path, text_embd: int, n_embd: int, n_ff: int, n_head: int, n_layer: int, image_size: int,
+                   patch_size: int, merge: int, seed: int) -> Path:  # fmt: skip
+    """Pixtral-12B's encoder as llama.cpp's converter writes it (clip.cpp, PROJECTOR_TYPE_PIXTRAL); merge > 1
+    adds Mistral Small 3.1's patch merger (mm.input_norm, mm.patch_merger over merge x merge patches)."""
+    rng = np.random.default_rng(seed)
+    mat = _matrices(rng)
+    w = _clip_writer(path, "pixtral", text_embd, n_embd, n_ff, n_head, n_layer, image_size, patch_size, ffn="silu")
+    if merge > 1:
+        w.add_uint32("clip.vision.spatial_merge_size", merge)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_tensor("v.patch_embd.weight", (rng.standard_normal((n_embd, 3, patch_size, patch_size)) * 0.02).astype(np.float16))
+    w.add_tensor("v.pre_ln.weight", _vec(n_embd, 1.0))
+    for il in range(n_layer):
+        p = f"v.blk.{il}"
+        for t in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            w.add_tensor(f"{p}.{t}.weight", mat(n_embd, n_embd))
+        for t in ("ln1", "ln2"):
+            w.add_tensor(f"{p}.{t}.weight", _vec(n_embd, 1.0))
+        for t in ("ffn_gate", "ffn_up"):
+            w.add_tensor(f"{p}.{t}.weight", mat(n_ff, n_embd))
+        w.add_tensor(f"{p}.ffn_down.weight", mat(n_embd, n_ff))
+    if merge > 1:
+        w.add_tensor("mm.input_norm.weight", _vec(n_embd, 1.0))
+        w.add_tensor("mm.patch_merger.weight", mat(n_embd, n_embd * merge * merge))
+    w.add_tensor("mm.1.weight", mat(text_embd, n_embd))
+    w.add_tensor("mm.1.bias", _vec(text_embd))
+    w.add_tensor("mm.2.weight", mat(text_embd, text_embd))
+    w.add_tensor("mm.2.bias", _vec(text_embd))
+    w.add_tensor("v.token_embd.img_break", (rng.standard_normal(text_embd) * 0.02).astype(np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

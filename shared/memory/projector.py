@@ -23,13 +23,13 @@ def projector_device(placement: Placement, offload: bool) -> int:
     return 0 if offload and placement.n_devices > 0 else CPU
 
 
-def projector_compute_bytes(proj: ProjectorFacts, flash_attn: bool) -> int:
-    """The compute buffer clip reserves for its warm-up image: the largest of the graph's peaks
-    (compute_peaks)."""
-    return max(compute_peaks(proj, flash_attn).values())
+def projector_compute_bytes(proj: ProjectorFacts, flash_attn: bool, image_max_tokens: int = 0) -> int:
+    """The compute buffer clip reserves for its warm-up image, or grows to at the largest image the lane
+    takes (Pixtral): the largest of the graph's peaks (compute_peaks)."""
+    return max(compute_peaks(proj, flash_attn, image_max_tokens).values())
 
 
-def compute_peaks(proj: ProjectorFacts, flash_attn: bool) -> dict[str, int]:
+def compute_peaks(proj: ProjectorFacts, flash_attn: bool, image_max_tokens: int = 0) -> dict[str, int]:
     """The warm-up graph's peaks, by name. ggml-alloc packs the graph (no closed form), so these
     follow the tensors alive at each peak, fitted to the printed lines of SigLIP encoders with the
     gemma3 and idefics3 heads (tests/record_projector_figures.py): with P patches a side, e (the
@@ -43,6 +43,9 @@ def compute_peaks(proj: ProjectorFacts, flash_attn: bool) -> dict[str, int]:
         return _llava_peaks(proj, flash_attn)
     if proj.projector_type in QWEN_TYPES:
         return _qwen_peaks(proj, flash_attn)
+    if proj.projector_type in DYNAMIC_MAX_TOKENS:
+        tokens = largest_image_tokens(proj, image_max_tokens) or 0
+        return pixtral_peaks(proj, flash_attn, tokens, rows=tokens)
     side = proj.image_size // proj.patch_size if proj.patch_size else 0
     n_pos = side * side
     e = proj.n_embd * n_pos * F32
@@ -70,10 +73,26 @@ QWEN_WINDOWED = frozenset({"qwen2.5vl_merger"})  # window attention: an n_pos x 
 QWEN_SLACK = 32 * 1024  # the graph's smaller inputs and alignment, which no recorded shape exceeded
 
 
-def warmup_image_tokens(proj: ProjectorFacts) -> int | None:
-    """The tokens of the image the projector warms up with, where a larger one would grow its
-    buffer past the plan (Qwen2-VL's family); None where the warm-up is already the largest."""
-    return QWEN_WARMUP_TOKENS**2 if proj.projector_type in QWEN_TYPES else None
+# Projectors that take images of any size up to a number of tokens, and warm up on a smaller one (clip.cpp
+# load_hparams: set_limit_image_tokens(8, 1024), set_warmup_n_tokens(256)): the buffer grows at the first
+# larger image, so the plan holds the largest, and the lane renders that limit.
+DYNAMIC_MAX_TOKENS = {"pixtral": 1024}
+
+
+def image_tokens_cap(proj: ProjectorFacts) -> int | None:
+    """The --image-max-tokens a lane renders: Qwen2-VL's family at its warm-up image (a larger one would
+    grow its buffer past the plan), Pixtral at the largest its build takes (the plan holds that one);
+    None where the warm-up is already the largest."""
+    if proj.projector_type in QWEN_TYPES:
+        return QWEN_WARMUP_TOKENS**2
+    return DYNAMIC_MAX_TOKENS.get(proj.projector_type)
+
+
+def largest_image_tokens(proj: ProjectorFacts, image_max_tokens: int = 0) -> int | None:
+    """The tokens of the largest image a dynamic-size projector takes: --image-max-tokens where given,
+    else its build's own limit."""
+    default = DYNAMIC_MAX_TOKENS.get(proj.projector_type)
+    return (image_max_tokens or default) if default else None
 
 
 def qwen_warmup_side(proj: ProjectorFacts) -> int:
@@ -118,6 +137,47 @@ def _qwen_peaks(proj: ProjectorFacts, flash_attn: bool) -> dict[str, int]:
     return peaks
 
 
+PIXTRAL_ALIGN_SLACK = 32 * 32  # each tensor padded to 32 bytes (short by 32 at 2,116 tokens without it)
+# percent: with Mistral Small 3.1's patch merger the encoder's FFN peak sat up to 6% above its tensors' sum
+# (one more residual and a little, three blocks, an image one token wide): none of its fits said why
+MERGER_MARGIN = 110
+
+
+def pixtral_peaks(proj: ProjectorFacts, flash_attn: bool, tokens: int, rows: int) -> dict[str, int]:
+    """Pixtral's graph (tools/mtmd/models/pixtral.cpp) at an image of `tokens` tokens in `rows` rows, with
+    merge x merge patches a token (Mistral Small 3.1's patch merger; 1 for Pixtral-12B): n_pos patches
+    through a RoPE-2D encoder with a gated FFN, then mm.1, GELU and mm.2 of the text width over the
+    tokens, and one [IMG_BREAK] embedding concatenated to each row. The lane's largest image is one token
+    wide (rows = tokens: llama.cpp keeps any aspect ratio within the pixel budget), where the breaks are
+    as large as the head's output. A bound fitted to the real binary's buffers at images of 64 to 2,116
+    tokens, square and one token wide (tests/test_projector_memory.py: never below, at most 20% above;
+    8% at Pixtral-12B's widths, 10% at Mistral Small 3.1's). Peaks: the encoder's three FFN activations
+    over three residuals, with the positions (two i32 a patch) and the breaks alive beside them; without
+    flash attention the scores, at most six residuals beside; the head's output, the rows with their
+    breaks and the breaks' two copies, above at most three residuals; the image (a graph input copied
+    to the device) under the patch convolution's unrolled input."""
+    merge = proj.n_merge or 1
+    n_pos = tokens * merge * merge
+    e = proj.n_embd * n_pos * F32
+    f = proj.n_ff * n_pos * F32
+    pos = 2 * n_pos * 4
+    text = proj.n_mmproj_embd * F32
+    breaks = text * rows
+    head = text * tokens
+    image = n_pos * proj.patch_size**2 * 3 * F32
+    kq = 0 if flash_attn else n_pos * n_pos * proj.n_head * F32
+    pos += PIXTRAL_ALIGN_SLACK
+    return {
+        "patches": image + 3 * proj.patch_size**2 * n_pos * 2 + pos + breaks,
+        "ffn": (3 * f + 3 * e if proj.n_layer >= 2 else 3 * f + 2 * e) * (MERGER_MARGIN if merge > 1 else 100) // 100
+        + (pos if proj.n_layer >= 2 else 0) + breaks,
+        "attention": kq + 6 * e + pos + breaks,
+        # mm.2's output, the rows with their breaks (head + breaks), the breaks' zeroed and added copies, above
+        # where the encoder's last tensors left off: measured from one to three residuals up
+        "head": head + (head + breaks) + 2 * breaks + 3 * e,
+    }
+
+
 def _llava_peaks(proj: ProjectorFacts, flash_attn: bool) -> dict[str, int]:
     """LLaVA's graph (tools/mtmd/models/llava.cpp, type mlp): a CLIP encoder whose class token makes
     P^2 + 1 positions, run to its second-to-last block, then mm.0, GELU and mm.2 over the P^2 patch
@@ -149,24 +209,29 @@ def _llava_peaks(proj: ProjectorFacts, flash_attn: bool) -> dict[str, int]:
 
 
 def projector_bytes(
-    proj: ProjectorFacts | None, placement: Placement, offload: bool, flash_attn: bool
+    proj: ProjectorFacts | None, placement: Placement, offload: bool, flash_attn: bool, image_max_tokens: int = 0
 ) -> list[int]:
-    """Weights and compute per device (host RAM at index 0, as the other buffers)."""
+    """Weights and compute per device (host RAM at index 0, as the other buffers); image_max_tokens: the
+    lane's --image-max-tokens, 0 for the one image_tokens_cap renders."""
     out = [0] * (1 + placement.n_devices)
     if proj is None:
         return out
     dev = projector_device(placement, offload)
     pinned = dev != CPU and placement.backend(dev) in PINNED
-    out[1 + dev] += (proj.weight_cuda_bytes if pinned else proj.weight_bytes) + projector_compute_bytes(proj, flash_attn)
+    compute = projector_compute_bytes(proj, flash_attn, image_max_tokens)
+    out[1 + dev] += (proj.weight_cuda_bytes if pinned else proj.weight_bytes) + compute
     if dev != CPU:  # the graph's inputs stay in host memory
-        out[0] += host_inputs(proj)
+        out[0] += host_inputs(proj, image_max_tokens)
     return out
 
 
-def host_inputs(proj: ProjectorFacts) -> int:
+def host_inputs(proj: ProjectorFacts, image_max_tokens: int = 0) -> int:
     """The warm-up graph's inputs, in host memory when the projector is on a device: the image
     (f32 RGB), for LLaVA its positions and the patch rows it keeps (i32 each), for Qwen's family
-    the warm-up image and its positions."""
+    the warm-up image and its positions, for Pixtral the largest image and its positions."""
+    if (tokens := largest_image_tokens(proj, image_max_tokens)) is not None:
+        n_pos = tokens * (proj.n_merge or 1) ** 2
+        return n_pos * (proj.patch_size**2 * 3 * F32 + 2 * 4)
     if proj.projector_type in QWEN_TYPES:  # and its M-RoPE positions, 4 x i32 a patch
         side = qwen_warmup_side(proj)
         return side * side * 3 * F32 + (side // proj.patch_size) ** 2 * 4 * 4

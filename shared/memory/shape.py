@@ -40,4 +40,5 @@ class LaneShape:
     pooled: bool = False  # --embeddings or --reranking: every ubatch token is an output (shared.memory.pooled)
     mmproj: bool = False  # --mmproj: the model's projector (facts.mmproj) is loaded
     mmproj_offload: bool = False  # --mmproj-offload: on the lane's first device (else host RAM)
+    image_max_tokens: int = 0  # --image-max-tokens: a dynamic-size projector's largest image; 0: its own
     n_outputs: int = 0  # outputs the context reserves (speculative decoding: every drafted token); 0: one per slot
