@@ -67,12 +67,18 @@ def run_until_loaded(argv: list[str], timeout: float = 120.0) -> list[str]:
         lines.append(line.rstrip("\n"))
         if "server is listening" in line or "model loaded" in line or time.monotonic() > deadline:
             break
+    stop(proc)
+    return lines
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 10 s."""
     proc.terminate()
     try:
         proc.wait(10)
     except subprocess.TimeoutExpired:
         proc.kill()
-    return lines
+        proc.wait()
 
 
 def measure(binary: str, model: str, key: str, timeout: float = 120.0) -> dict:

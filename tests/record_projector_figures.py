@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lanes.install_rpc import rpc_bin_dir  # noqa: E402
 from launcher_agent.probe import find_llama_server  # noqa: E402
-from record_llama_figures import run_until_loaded  # noqa: E402
+from record_llama_figures import run_until_loaded, stop  # noqa: E402
 from test_vision_real import tiny_png  # noqa: E402
 from tinymodels import write_llama  # noqa: E402
 from tinyprojectors import write_projector  # noqa: E402
@@ -239,8 +239,7 @@ def measure_largest(bin_dir: Path, model: Path, mmproj: Path, flash_attn: str, t
                     "--mmproj-offload", "--image-min-tokens", str(tokens), "--image-max-tokens", str(tokens)]  # fmt: skip
             lines, after = _serve_one_image(argv, rpc_log, image_px, timeout)
         finally:
-            rpc.terminate()
-            rpc.wait()
+            stop(rpc)
     text = "\n".join(lines)
     computes = {m.group(1).split("[")[0]: float(m.group(2)) for m in _COMPUTE.finditer(text)}
     if "RPC0" not in computes or after is None:
@@ -278,11 +277,7 @@ def _serve_one_image(argv: list[str], rpc_log: Path, image_px: tuple, timeout: f
         except OSError as exc:
             failure = [f"error: the image request failed: {exc}"]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
     return server_log.read_text().splitlines() + failure, after
 
 
