@@ -55,7 +55,8 @@ def projector_facts(path: str | os.PathLike[str], header: GGUFHeader | None = No
 
     proj_type = f.get("clip.projector_type") or f.get("clip.vision.projector_type") or ""
     st = path.stat()
-    heads = ("mm.input_projection.weight", "mm.model.fc.weight", "mm.2.weight")  # gemma3, idefics3, mlp (LLaVA)
+    # gemma3; idefics3 and llama4; mlp (LLaVA), pixtral and Qwen's; internvl
+    heads = ("mm.input_projection.weight", "mm.model.fc.weight", "mm.2.weight", "mm.model.mlp.3.weight")
     proj = next((t for t in header.tensors if t.name in heads), None)
     mmproj_embd = 0
     if proj is not None:  # clip_n_mmproj_embd for the types generated files and tests read

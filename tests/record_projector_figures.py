@@ -147,6 +147,26 @@ SHAPES = [
     ('qwen3vl_merger', 512, 1024, 4, 5, 768, 16, 2, 'on', 4096),
     ('qwen3vl_merger', 1152, 4304, 16, 5, 768, 16, 2, 'on', 2048),
     ('qwen3vl_merger', 128, 256, 2, 5, 768, 16, 2, 'on', 4096),
+    # InternVL (a class token, layer scales, a 2 x 2 pixel shuffle into mm.model.mlp) and Llama 4 (a linear
+    # patch unfold, RoPE-2D, a pixel shuffle into a two-layer MLP and mm.model.fc): one tile a warm-up
+    ('internvl', 128, 256, 4, 2, 448, 14, 2, 'on', 256),
+    ('internvl', 128, 256, 4, 2, 448, 14, 2, 'off', 256),
+    ('internvl', 256, 1024, 4, 3, 448, 14, 2, 'on', 2048),
+    ('internvl', 256, 1024, 8, 2, 448, 14, 2, 'off', 2048),
+    ('internvl', 512, 512, 2, 2, 448, 14, 2, 'on', 4096),
+    ('internvl', 128, 256, 4, 2, 224, 14, 2, 'on', 896),
+    ('internvl', 64, 128, 2, 1, 448, 14, 2, 'on', 256),
+    ('internvl', 1024, 4096, 16, 1, 448, 14, 2, 'on', 3584),  # InternViT-300M (one block of 24), Qwen2.5-7B's width
+    ('internvl', 1024, 4096, 16, 1, 448, 14, 2, 'off', 3584),
+    ('llama4', 128, 256, 4, 2, 336, 14, 2, 'on', 256),
+    ('llama4', 128, 256, 4, 2, 336, 14, 2, 'off', 256),
+    ('llama4', 256, 1024, 4, 3, 336, 14, 2, 'on', 2048),
+    ('llama4', 256, 1024, 8, 2, 336, 14, 2, 'off', 2048),
+    ('llama4', 512, 512, 2, 2, 336, 14, 2, 'on', 4096),
+    ('llama4', 128, 256, 4, 2, 448, 14, 2, 'on', 1024),
+    ('llama4', 64, 128, 2, 1, 336, 14, 2, 'on', 256),
+    ('llama4', 1408, 5632, 16, 1, 336, 14, 2, 'on', 5120),  # Llama 4's vision encoder (one block of 34)
+    ('llama4', 1408, 5632, 16, 1, 336, 14, 2, 'off', 5120),
 ]
 
 

@@ -25,6 +25,8 @@ CASES = [  # (projector type, n_embd, n_ff, image size, offload)
     ("gemma3", 256, 1024, 448, False),
     ("idefics3", 192, 768, 448, True),
     ("idefics3", 192, 768, 448, False),
+    ("internvl", 192, 768, 448, True),
+    ("internvl", 128, 256, 224, False),
 ]
 
 

@@ -21,7 +21,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-PROJECTOR_TYPES = ("gemma3", "idefics3", "mlp", "qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger", "pixtral")
+PROJECTOR_TYPES = ("gemma3", "idefics3", "mlp", "qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger", "pixtral",
+                   "internvl", "llama4")  # fmt: skip
 
 
 def _clip_writer(path: Path, proj_type: str, text_embd: int, n_embd: int, n_ff: int, n_head: int, n_layer: int,
@@ -62,6 +63,13 @@ def _attention(w: gguf.GGUFWriter, block: str, mat, n_embd: int) -> None:
         w.add_tensor(f"{block}.{t}.bias", _vec(n_embd))
 
 
+def _attention_and_norms(w: gguf.GGUFWriter, block: str, mat, n_embd: int) -> None:
+    _attention(w, block, mat, n_embd)
+    for t in ("ln1", "ln2"):
+        w.add_tensor(f"{block}.{t}.weight", _vec(n_embd, 1.0))
+        w.add_tensor(f"{block}.{t}.bias", _vec(n_embd))
+
+
 def write_projector(
     path: str | Path,
     *,
@@ -81,6 +89,9 @@ def write_projector(
     if proj_type.startswith("qwen"):
         return _write_qwen(Path(path), proj_type, text_embd, n_embd, n_ff, n_head, n_layer, image_size, patch_size,
                            window=4 if proj_type == "qwen2.5vl_merger" else 0, seed=seed)  # fmt: skip
+    if proj_type in ("internvl", "llama4"):
+        return _write_shuffled(Path(path), proj_type, text_embd, n_embd, n_ff, n_head, n_layer, image_size, patch_size,
+                               merge=scale_factor, seed=seed)  # fmt: skip
     if proj_type == "pixtral":
         return _write_pixtral(Path(path), text_embd, n_embd, n_ff, n_head, n_layer, image_size, patch_size,
                               merge=scale_factor, seed=seed)  # fmt: skip
@@ -104,10 +115,7 @@ def write_projector(
     w.add_tensor("v.position_embd.weight", (rng.standard_normal((n_pos + llava, n_embd)) * 0.02).astype(np.float32))
     for il in range(n_layer):
         p = f"v.blk.{il}"
-        _attention(w, p, mat, n_embd)
-        for t in ("ln1", "ln2"):
-            w.add_tensor(f"{p}.{t}.weight", _vec(n_embd, 1.0))
-            w.add_tensor(f"{p}.{t}.bias", _vec(n_embd))
+        _attention_and_norms(w, p, mat, n_embd)
         w.add_tensor(f"{p}.ffn_up.weight", mat(n_ff, n_embd))
         w.add_tensor(f"{p}.ffn_up.bias", _vec(n_ff))
         w.add_tensor(f"{p}.ffn_down.weight", mat(n_embd, n_ff))
@@ -222,6 +230,54 @@ def _write_pixtral(path: Path, text_embd: int, n_embd: int, n_ff: int, n_head: i
     w.add_tensor("mm.2.weight", mat(text_embd, text_embd))
     w.add_tensor("mm.2.bias", _vec(text_embd))
     w.add_tensor("v.token_embd.img_break", (rng.standard_normal(text_embd) * 0.02).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _write_shuffled(path: Path, proj_type: str, text_embd: int, n_embd: int, n_ff: int, n_head: int, n_layer: int,
+                    image_size: int, patch_size: int, merge: int, seed: int) -> Path:  # fmt: skip
+    """A class token, learned positions, LayerNorm blocks, then a pixel shuffle of merge x merge patches
+    into an MLP: InternVL's (layer scales; mm.model.mlp.0 LayerNorm, .1, GELU, .3) or Llama 4's (a
+    linear patch unfold, RoPE-2D; mm.model.mlp.1, .2 and mm.model.fc, no biases)."""
+    rng = np.random.default_rng(seed)
+    mat = _matrices(rng)
+    internvl = proj_type == "internvl"
+    n_pos = (image_size // patch_size) ** 2 + 1
+    w = _clip_writer(path, proj_type, text_embd, n_embd, n_ff, n_head, n_layer, image_size, patch_size)
+    w.add_uint32("clip.vision.projector.scale_factor", merge)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    if internvl:
+        w.add_tensor("v.patch_embd.weight", (rng.standard_normal((n_embd, 3, patch_size, patch_size)) * 0.02).astype(np.float16))
+        w.add_tensor("v.patch_embd.bias", _vec(n_embd))
+    else:  # Llama4UnfoldConvolution: a linear layer over the unrolled patch
+        w.add_tensor("v.patch_embd.weight", mat(n_embd, 3 * patch_size * patch_size))
+    w.add_tensor("v.class_embd", (rng.standard_normal(n_embd) * 0.02).astype(np.float32))
+    w.add_tensor("v.position_embd.weight", (rng.standard_normal((n_pos, n_embd)) * 0.02).astype(np.float32))
+    for il in range(n_layer):
+        p = f"v.blk.{il}"
+        _attention_and_norms(w, p, mat, n_embd)
+        if internvl:
+            w.add_tensor(f"{p}.ls1.weight", _vec(n_embd, 0.1))
+            w.add_tensor(f"{p}.ls2.weight", _vec(n_embd, 0.1))
+        w.add_tensor(f"{p}.ffn_up.weight", mat(n_ff, n_embd))
+        w.add_tensor(f"{p}.ffn_up.bias", _vec(n_ff))
+        w.add_tensor(f"{p}.ffn_down.weight", mat(n_embd, n_ff))
+        w.add_tensor(f"{p}.ffn_down.bias", _vec(n_embd))
+    shuffled = n_embd * merge * merge
+    if internvl:
+        w.add_tensor("mm.model.mlp.0.weight", _vec(shuffled, 1.0))
+        w.add_tensor("mm.model.mlp.0.bias", _vec(shuffled))
+        w.add_tensor("mm.model.mlp.1.weight", mat(text_embd, shuffled))
+        w.add_tensor("mm.model.mlp.1.bias", _vec(text_embd))
+        w.add_tensor("mm.model.mlp.3.weight", mat(text_embd, text_embd))
+        w.add_tensor("mm.model.mlp.3.bias", _vec(text_embd))
+    else:  # Llama4VisionMLP2 (the shuffled width to n_ff, then to text_embd), then the projector
+        w.add_tensor("mm.model.mlp.1.weight", mat(n_ff, shuffled))
+        w.add_tensor("mm.model.mlp.2.weight", mat(text_embd, n_ff))
+        w.add_tensor("mm.model.fc.weight", mat(text_embd, text_embd))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

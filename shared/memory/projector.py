@@ -46,6 +46,8 @@ def compute_peaks(proj: ProjectorFacts, flash_attn: bool, image_max_tokens: int 
     if proj.projector_type in DYNAMIC_MAX_TOKENS:
         tokens = largest_image_tokens(proj, image_max_tokens) or 0
         return pixtral_peaks(proj, flash_attn, tokens, rows=tokens)
+    if proj.projector_type in SHUFFLED_TYPES:
+        return _shuffled_peaks(proj, flash_attn)
     side = proj.image_size // proj.patch_size if proj.patch_size else 0
     n_pos = side * side
     e = proj.n_embd * n_pos * F32
@@ -178,6 +180,49 @@ def pixtral_peaks(proj: ProjectorFacts, flash_attn: bool, tokens: int, rows: int
     }
 
 
+SHUFFLED_TYPES = frozenset({"internvl", "llama4"})
+
+
+def _with_class_token(proj: ProjectorFacts) -> tuple[int, int, int, int]:
+    """A class-token encoder's patches, residual and FFN activation (f32, patches + 1 positions), and
+    the image (f32 RGB)."""
+    side = proj.image_size // proj.patch_size if proj.patch_size else 0
+    n_pos = side * side + 1
+    return side * side, proj.n_embd * n_pos * F32, proj.n_ff * n_pos * F32, proj.image_size**2 * 3 * F32
+
+
+def _aligned(n: int) -> int:
+    return -(-n // 32) * 32
+
+
+def _shuffled_peaks(proj: ProjectorFacts, flash_attn: bool) -> dict[str, int]:
+    """InternVL's and Llama 4's graphs (tools/mtmd/models/internvl.cpp, llama4.cpp): one tile of the
+    file's image size (their warm-up, and every slice of a larger image), a class token (P^2 + 1
+    positions), all blocks, then a merge x merge pixel shuffle into an MLP of the text model's width.
+    InternVL is exact on 9 recorded shapes: the SigLIP terms, where its layer scales keep a third
+    residual beside the FFN in every block. Llama 4's patch unfold is an f32 im2col and its RoPE-2D
+    splits and joins Q and K: a bound, never below and at most 10% above on 9 shapes."""
+    patches, e, f, image = _with_class_token(proj)
+    n_pos = patches + 1
+    kq = _aligned(n_pos * n_pos * proj.n_head * F32)
+    tokens = patches // max(1, proj.n_merge) ** 2
+    text = proj.n_mmproj_embd * tokens * F32
+    if proj.projector_type == "internvl":
+        return {
+            "patches": image + 3 * proj.patch_size**2 * patches * 2,
+            "ffn": f + 3 * e,
+            "attention": 5 * e if flash_attn else kq + 4 * e,
+            "head": 2 * text + e,  # mm.model.mlp.1's and .3's outputs
+        }
+    pos = 2 * _aligned(n_pos * 4)  # the RoPE-2D positions, i32 each
+    return {
+        "patches": image + 3 * proj.patch_size**2 * patches * F32 + pos,
+        "ffn": (2 * f + 3 * e // 2 if proj.n_layer >= 2 else f + 2 * e) + pos,
+        "attention": (21 * e // 4 if flash_attn else kq + 7 * e) + pos,
+        "head": proj.n_ff * tokens * F32 + 2 * text + e,  # the MLP's two layers and mm.model.fc
+    }
+
+
 def _llava_peaks(proj: ProjectorFacts, flash_attn: bool) -> dict[str, int]:
     """LLaVA's graph (tools/mtmd/models/llava.cpp, type mlp): a CLIP encoder whose class token makes
     P^2 + 1 positions, run to its second-to-last block, then mm.0, GELU and mm.2 over the P^2 patch
@@ -188,12 +233,8 @@ def _llava_peaks(proj: ProjectorFacts, flash_attn: bool) -> dict[str, int]:
     follows the whole graph's placement; so does the offset the stem's extra tensors (the class
     token's concat) leave under the encoder's peaks: the im2col buffer's size with flash attention,
     the larger of two residuals and the image without."""
-    side = proj.image_size // proj.patch_size if proj.patch_size else 0
-    patches = side * side
+    patches, e, f, image = _with_class_token(proj)
     n_pos = patches + 1
-    e = proj.n_embd * n_pos * F32
-    f = proj.n_ff * n_pos * F32
-    image = proj.image_size * proj.image_size * 3 * F32
     im2col = 3 * proj.patch_size**2 * patches * 2
     offset = im2col if flash_attn else max(2 * e, image)
     peaks = {"patches": image + im2col, "ffn": f + 2 * e + offset}
