@@ -53,10 +53,13 @@ def projector_facts(path: str | os.PathLike[str], header: GGUFHeader | None = No
         value = f.get(key, 0)
         return int(value) if isinstance(value, (int, float)) else 0
 
-    proj_type = f.get("clip.projector_type") or f.get("clip.vision.projector_type") or ""
+    vision = bool(f.get("clip.has_vision_encoder", False))
+    audio = bool(f.get("clip.has_audio_encoder", False))
+    enc = "clip.vision" if vision or not audio else "clip.audio"  # an audio-only file's encoder
+    proj_type = f.get("clip.projector_type") or f.get(f"{enc}.projector_type") or ""
     st = path.stat()
-    # gemma3; idefics3 and llama4; mlp (LLaVA), pixtral and Qwen's; internvl
-    heads = ("mm.input_projection.weight", "mm.model.fc.weight", "mm.2.weight", "mm.model.mlp.3.weight")
+    # gemma3; idefics3 and llama4; mlp (LLaVA), pixtral and Qwen's; internvl; qwen2a (audio)
+    heads = ("mm.input_projection.weight", "mm.model.fc.weight", "mm.2.weight", "mm.model.mlp.3.weight", "mm.a.fc.weight")
     proj = next((t for t in header.tensors if t.name in heads), None)
     mmproj_embd = 0
     if proj is not None:  # clip_n_mmproj_embd for the types generated files and tests read
@@ -64,15 +67,16 @@ def projector_facts(path: str | os.PathLike[str], header: GGUFHeader | None = No
     return ProjectorFacts(
         path=os.path.abspath(path),
         projector_type=str(proj_type),
-        vision=bool(f.get("clip.has_vision_encoder", False)),
-        audio=bool(f.get("clip.has_audio_encoder", False)),
+        vision=vision,
+        audio=audio,
         weight_bytes=sum(-(-t.n_bytes // 32) * 32 for t in header.tensors),
         weight_cuda_bytes=sum(cuda_bytes(t) for t in header.tensors),
         file_weight_bytes=sum(t.n_bytes for t in header.tensors),
-        n_embd=u32("clip.vision.embedding_length"),
-        n_ff=u32("clip.vision.feed_forward_length"),
-        n_head=u32("clip.vision.attention.head_count"),
-        n_layer=u32("clip.vision.block_count"),
+        n_embd=u32(f"{enc}.embedding_length"),
+        n_ff=u32(f"{enc}.feed_forward_length"),
+        n_head=u32(f"{enc}.attention.head_count"),
+        n_layer=u32(f"{enc}.block_count"),
+        n_mel_bins=u32("clip.audio.num_mel_bins"),
         image_size=u32("clip.vision.image_size"),
         patch_size=u32("clip.vision.patch_size"),
         n_merge=u32("clip.vision.projector.scale_factor") or u32("clip.vision.spatial_merge_size"),

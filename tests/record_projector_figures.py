@@ -167,6 +167,15 @@ SHAPES = [
     ('llama4', 64, 128, 2, 1, 336, 14, 2, 'on', 256),
     ('llama4', 1408, 5632, 16, 1, 336, 14, 2, 'on', 5120),  # Llama 4's vision encoder (one block of 34)
     ('llama4', 1408, 5632, 16, 1, 336, 14, 2, 'off', 5120),
+    # Qwen2-Audio (qwen2a): a Whisper encoder over a 30 s chunk of 3,000 frames; "image" is the mel bins
+    ('qwen2a', 128, 256, 4, 2, 128, 0, 0, 'on', 256),
+    ('qwen2a', 128, 256, 4, 2, 128, 0, 0, 'off', 256),
+    ('qwen2a', 256, 1024, 4, 3, 128, 0, 0, 'on', 2048),
+    ('qwen2a', 256, 1024, 8, 2, 80, 0, 0, 'off', 2048),
+    ('qwen2a', 512, 512, 2, 2, 128, 0, 0, 'on', 4096),
+    ('qwen2a', 64, 128, 2, 1, 128, 0, 0, 'on', 256),
+    ('qwen2a', 1280, 5120, 20, 1, 128, 0, 0, 'on', 4096),  # Qwen2-Audio-7B's encoder (one block of 32)
+    ('qwen2a', 1280, 5120, 20, 1, 128, 0, 0, 'off', 4096),
 ]
 
 

@@ -117,3 +117,23 @@ def test_pixtrals_buffer_after_its_largest_image_is_within_the_plan(rpc_bin, tmp
     compute = {d.device: d.projector_bytes for d in planned.devices}["GPU0"] - proj.weight_bytes
     assert got["largest_bytes"] <= compute <= got["largest_bytes"] / 0.90, (compute / MIB, got["largest_bytes"] / MIB)
     assert got["warmup_compute_mib"]["RPC0"] * MIB < got["largest_bytes"]  # the warm-up's (256 tokens) is smaller
+
+
+@pytest.mark.parametrize("offload", [True, False], ids=["offload", "host"])
+def test_an_audio_projector_per_device_is_the_printed_bytes(rpc_bin, endpoint, tmp_path, offload):
+    """Qwen2-Audio's layout (a Whisper encoder over a 30 s chunk): weights and compute on the RPC device
+    or in host RAM as printed; with offload the chunk's mel frames (f32) stay in host RAM."""
+    model = write_llama(tmp_path / "m.gguf", n_embd=1024)
+    path = write_projector(tmp_path / "mmproj-m.gguf", proj_type="qwen2a", text_embd=1024, n_embd=384, n_ff=1536,
+                           n_head=6, n_layer=2, image_size=80)  # fmt: skip
+    printed = _printed(rpc_bin, endpoint, model, path, offload)
+    proj = projector_facts(path)
+    assert (proj.audio, proj.vision, proj.n_mel_bins, proj.n_embd) == (True, False, 80, 384)
+    planned = lane_memory(msgspec.structs.replace(read_model_facts(model), mmproj=proj), LaneShape(
+        ctx=512, flash_attn=True, mmproj=True, mmproj_offload=offload, n_gpu_layers="all", devices=("rpc",)))  # fmt: skip
+    by_device = {d.device: d.projector_bytes for d in planned.devices}
+    holder, other = ("GPU0", "CPU") if offload else ("CPU", "GPU0")
+    padding = proj.weight_bytes - proj.file_weight_bytes
+    assert abs(by_device[holder] - padding - printed[holder]) <= 0.01 * MIB, (by_device, printed)
+    assert abs(by_device[other] - printed.get(other, 0)) <= 0.005 * MIB, (by_device, printed)
+    assert by_device[other] == (80 * 3000 * 4 if offload else 0)

@@ -23,7 +23,7 @@ from shared.gguf_projector import base_name, pair, projector_facts
 from shared.llama.flags import lane_args, parse_caps
 from shared.llama.logs import devices_from_lines
 from shared.memory import LaneShape, lane_memory
-from shared.memory.projector import host_inputs, pixtral_peaks, projector_compute_bytes
+from shared.memory.projector import WHISPER_TYPES, host_inputs, pixtral_peaks, projector_compute_bytes
 from shared.messages.config import Demand, FleetConfig, Persona
 from shared.messages.hosts import GpuInfo, ProjectorFacts, ServerCaps
 from shared.messages.plans import LaneSpec
@@ -41,12 +41,14 @@ def _facts(key: str) -> tuple[ProjectorFacts, bool]:
     proj = ProjectorFacts(path="/m/mmproj.gguf", projector_type=d["type"], n_embd=int(d["n_embd"]), n_ff=int(d["n_ff"]),
                           n_head=int(d["n_head"]), n_layer=int(d["n_layer"]), image_size=int(d["image"]),
                           patch_size=int(d["patch"]), n_merge=int(d["merge"]), n_mmproj_embd=int(d["text_embd"]))  # fmt: skip
+    if d["type"] in WHISPER_TYPES:  # an audio encoder: the recorded "image" is its mel bins
+        proj = msgspec.structs.replace(proj, vision=False, audio=True, image_size=0, n_mel_bins=int(d["image"]))
     return proj, d["flash_attn"] == "on"
 
 
-def test_figures_were_recorded_for_nine_projector_types():
+def test_figures_were_recorded_for_ten_projector_types():
     types = {"gemma3", "idefics3", "mlp", "qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger", "pixtral",
-             "internvl", "llama4"}  # fmt: skip
+             "internvl", "llama4", "qwen2a"}  # fmt: skip
     assert {dict(p.split("=", 1) for p in k.split("|")[1:])["type"] for k in RECORDED + LARGEST} >= types
     assert all("error" not in FIGURES[k] for k in RECORDED + LARGEST)
     assert len(LARGEST) >= 25 and sum(FIGURES[k]["grew"] for k in LARGEST) >= 20
@@ -86,7 +88,7 @@ def test_compute_buffer_matches_the_printed_line(key):
     LLaVA's (type mlp) is a bound: never below, at most 2.5 MiB above; Qwen2-VL's and Qwen2.5-VL's,
     warmed up at a fixed 46 x 46 merged tokens, never below, at most 10% above; Qwen3-VL's (its
     deepstack mergers too) at most 30% above; InternVL's exact, Llama 4's never below and at most 10%
-    above (shared/memory/projector.py)."""
+    above; Qwen2-Audio's (a Whisper encoder) exact (shared/memory/projector.py)."""
     proj, flash_attn = _facts(key)
     printed = FIGURES[key]["compute_mib"]["CPU"]
     planned = projector_compute_bytes(proj, flash_attn) / MIB

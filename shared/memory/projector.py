@@ -48,6 +48,8 @@ def compute_peaks(proj: ProjectorFacts, flash_attn: bool, image_max_tokens: int 
         return pixtral_peaks(proj, flash_attn, tokens, rows=tokens)
     if proj.projector_type in SHUFFLED_TYPES:
         return _shuffled_peaks(proj, flash_attn)
+    if proj.projector_type in WHISPER_TYPES:
+        return _whisper_peaks(proj, flash_attn)
     side = proj.image_size // proj.patch_size if proj.patch_size else 0
     n_pos = side * side
     e = proj.n_embd * n_pos * F32
@@ -181,6 +183,37 @@ def pixtral_peaks(proj: ProjectorFacts, flash_attn: bool, tokens: int, rows: int
 
 
 SHUFFLED_TYPES = frozenset({"internvl", "llama4"})
+# Audio projectors on Whisper's encoder (tools/mtmd/models/whisper-enc.cpp); qwen2a measured, the others
+# share its encoder and differ in the head (a frame stack, another MLP): planned alike, not measured
+WHISPER_TYPES = frozenset({"qwen2a", "ultravox", "voxtral", "glma", "meralion", "musicflamingo"})
+WHISPER_FRAMES = 3000  # clip-model.h warmup_audio_size: a 30 s chunk of 10 ms frames, every chunk's size
+
+
+def _whisper_peaks(proj: ProjectorFacts, flash_attn: bool) -> dict[str, int]:
+    """Whisper's encoder over one 30 s chunk (its warm-up, and every chunk of longer audio): the mel
+    frames (f32) through a 1-D convolution, then one of stride 2 to 1,500 positions, the blocks, an
+    average pool of 2 and mm.a.fc to the text width. Exact on 8 shapes recorded from Qwen2-Audio's
+    layout (tests/test_projector_memory.py): the SigLIP terms, a third residual beside every FFN, and
+    the convolutions' unrolled inputs (f16) beside the first one's output of 3,000 frames."""
+    n_pos = WHISPER_FRAMES // 2
+    e = proj.n_embd * n_pos * F32
+    f = proj.n_ff * n_pos * F32
+    unrolled = 3 * proj.n_mel_bins * WHISPER_FRAMES * 2
+    # conv 1's output (3,000 frames, 2e) sits in the freed mel frames where it fits; else above them and
+    # conv 1's unrolled input, with conv 2's unrolled input (1.5e) and output (e) on top
+    above = 2 * e + 3 * e // 2 + e if 2 * e > mel_bytes(proj) else 0
+    return {
+        "frames": mel_bytes(proj) + unrolled,
+        "convolutions": unrolled + above,
+        "ffn": f + 3 * e,
+        "attention": 5 * e if flash_attn else n_pos * n_pos * proj.n_head * F32 + 4 * e,
+        "head": proj.n_mmproj_embd * (n_pos // 2) * F32 + e,
+    }
+
+
+def mel_bytes(proj: ProjectorFacts) -> int:
+    """An audio chunk's mel spectrogram (f32), the encoder's input."""
+    return proj.n_mel_bins * WHISPER_FRAMES * F32
 
 
 def _with_class_token(proj: ProjectorFacts) -> tuple[int, int, int, int]:
@@ -270,6 +303,8 @@ def host_inputs(proj: ProjectorFacts, image_max_tokens: int = 0) -> int:
     """The warm-up graph's inputs, in host memory when the projector is on a device: the image
     (f32 RGB), for LLaVA its positions and the patch rows it keeps (i32 each), for Qwen's family
     the warm-up image and its positions, for Pixtral the largest image and its positions."""
+    if proj.projector_type in WHISPER_TYPES:
+        return mel_bytes(proj)
     if (tokens := largest_image_tokens(proj, image_max_tokens)) is not None:
         n_pos = tokens * (proj.n_merge or 1) ** 2
         return n_pos * (proj.patch_size**2 * 3 * F32 + 2 * 4)

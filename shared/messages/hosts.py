@@ -130,6 +130,7 @@ class ProjectorFacts(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     patch_size: Int32 = 0
     n_merge: Int32 = 0  # clip.vision.projector.scale_factor (0: the type's default)
     n_mmproj_embd: Int32 = 0  # the text model's n_embd it feeds
+    n_mel_bins: Int32 = 0  # clip.audio.num_mel_bins: an audio encoder's input rows
     file_bytes: Bytes = 0
     file_mtime_ns: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] = 0
 
