@@ -201,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mmproj", help="a multimodal projector file the lane loads (llama-server --mmproj)")
     p.add_argument("--no-mmproj-offload", action="store_true", help="the projector in host RAM, not on the first device")
     p.add_argument("--mmproj-device", "-mmdev", metavar="DEVICE",
-                   help="none: the projector in host RAM (as --no-mmproj-offload); another device is refused")
+                   help="the device that holds the projector, as llama-server names it (CUDA1, RPC0 ...; default the "
+                        "first of --gpus); none: in host RAM (as --no-mmproj-offload)")
     p.add_argument("--lora", action="append", default=[], metavar="FNAME[,FNAME...]",
                    help="LoRA adapters the lane loads (repeatable, or comma-separated, as llama-server takes them)")
     p.add_argument("--lora-scaled", action="append", default=[], metavar="FNAME:SCALE[,...]",

@@ -125,6 +125,22 @@ def _shares(text: str) -> tuple[float, ...]:
     return values
 
 
+# llama-server's device names by backend (--list-devices): CUDA0, ROCm0, Vulkan0, MTL0, RPC0
+_DEVICE_PREFIX = {"cuda": "CUDA", "rocm": "ROCm", "vulkan": "Vulkan", "metal": "MTL", "rpc": "RPC"}
+
+
+def _mmproj_device(name: str | None, backend: str, n_gpus: int) -> int:
+    """-mmdev's device as an index among the --gpus (0 where not given or none), or a UserError."""
+    if name in (None, "none"):
+        return 0
+    prefix = _DEVICE_PREFIX.get(backend, backend.upper())
+    index = name[len(prefix):] if name.lower().startswith(prefix.lower()) else ""
+    if not index.isdigit() or int(index) >= n_gpus:
+        names = ", ".join(f"{prefix}{i}" for i in range(n_gpus)) or "none (no --gpus)"
+        raise UserError(f"--mmproj-device {name}: not one of this estimate's devices ({names}) or none")
+    return int(index)
+
+
 def _image_tokens(proj, smallest: int | None, largest: int | None) -> int:
     """--image-max-tokens as the memory model takes it (0: the projector's own), or a UserError where the
     estimate cannot say what the flags do to the projector's buffer."""
@@ -208,9 +224,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if args.spec_draft_device is not None:
         raise UserError("--spec-draft-device: the estimate cannot predict it yet; leave it out")
     image_max_tokens = _image_tokens(facts.mmproj, args.image_min_tokens, args.image_max_tokens)
-    if args.mmproj_device not in (None, "none"):
-        raise UserError(f"--mmproj-device {args.mmproj_device}: the estimate places a projector on the first "
-                        "device or, with none, in host RAM; another device is not predicted yet")  # fmt: skip
+    mmproj_device = _mmproj_device(args.mmproj_device, backend, len(gpus))
     mmproj_in_ram = args.no_mmproj_offload or args.mmproj_device == "none"
     adapters = _adapters(args.model, args.lora, args.lora_scaled)
     shape = LaneShape(
@@ -222,6 +236,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         n_cpu_moe=args.n_cpu_moe, tensor_overrides=overrides,
         cache_ram=args.cache_ram * 2**20, llama_build=caps.build or 0,
         mmproj=bool(args.mmproj), mmproj_offload=bool(gpus) and not mmproj_in_ram, image_max_tokens=image_max_tokens,
+        mmproj_device=mmproj_device,
         adapters=adapters,
     )  # fmt: skip
     try:

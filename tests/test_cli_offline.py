@@ -191,7 +191,7 @@ def test_estimate_takes_loras_as_llama_server_does_and_refuses_what_it_cannot_pr
                          "family, not yet for a lane without --mmproj"),
                         (["--image-min-tokens", "64"], "--image-min-tokens: predicted for Pixtral"),
                         (["-devd", "CUDA0"], "--spec-draft-device: the estimate cannot predict it yet"),
-                        (["-mmdev", "CUDA1"], "another device is not predicted yet")):  # fmt: skip
+                        (["-mmdev", "CUDA1"], "not one of this estimate's devices (none (no --gpus)) or none")):  # fmt: skip
         assert_one_line_error(lanes("estimate", base, "--ctx", "1024", *flags), says)
 
 
@@ -228,6 +228,28 @@ def test_estimate_plans_a_projector_at_the_image_tokens_it_is_given(tmp_path):
         assert_one_line_error(lanes("estimate", model, "--ctx", "1024", "--mmproj", path, *flags), says)
     run = lanes("estimate", model, "--ctx", "1024", "--mmproj", qwen, "--image-max-tokens", "1024", "--json")
     assert run.returncode == 0, run.stderr  # at most the warm-up: planned at the warm-up
+
+
+def test_estimate_puts_the_projector_on_the_device_mmdev_names(tmp_path):
+    """-mmdev CUDA1: the projector's weights and compute on the second device, none on the first; the
+    graph's input image in host RAM either way; a device the estimate does not have is refused."""
+    from tinymodels import write_llama
+    from tinyprojectors import write_projector
+
+    model = write_llama(tmp_path / "m.gguf")
+    proj = write_projector(tmp_path / "mmproj-g.gguf", proj_type="gemma3")
+    base = ["estimate", model, "--ctx", "1024", "--mmproj", proj, "--gpus", "8GiB,8GiB", "--gpu-backend", "cuda", "--json"]
+
+    def projector_by_device(*flags: str) -> dict:
+        run = lanes(*base, *flags)
+        assert run.returncode == 0, run.stderr
+        return {d["device"]: d["projector_bytes"] for d in json.loads(run.stdout)["devices"]}
+
+    first, second = projector_by_device(), projector_by_device("-mmdev", "CUDA1")
+    assert first["GPU0"] == second["GPU1"] > 0 and first["GPU1"] == second["GPU0"] == 0
+    assert first["CPU"] == second["CPU"] == 224 * 224 * 3 * 4  # the warm-up image, a graph input
+    assert projector_by_device("--mmproj-device", "CUDA0") == first
+    assert_one_line_error(lanes(*base[:-1], "-mmdev", "CUDA2"), "not one of this estimate's devices (CUDA0, CUDA1)")
 
 
 # ------------------------------------------------------------------ plan

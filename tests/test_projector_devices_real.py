@@ -137,3 +137,25 @@ def test_an_audio_projector_per_device_is_the_printed_bytes(rpc_bin, endpoint, t
     assert abs(by_device[holder] - padding - printed[holder]) <= 0.01 * MIB, (by_device, printed)
     assert abs(by_device[other] - printed.get(other, 0)) <= 0.005 * MIB, (by_device, printed)
     assert by_device[other] == (80 * 3000 * 4 if offload else 0)
+
+
+def test_a_projector_on_the_device_mmdev_names_is_planned_there(rpc_bin, tmp_path):
+    """Two RPC devices and -mmdev RPC1: the projector's weights and compute land on the second, as
+    the plan with mmproj_device=1 puts them; the first holds none of it."""
+    model = write_llama(tmp_path / "m.gguf")
+    path = write_projector(tmp_path / "mmproj-m.gguf", proj_type="gemma3", n_embd=256, n_ff=1024, image_size=448)
+    with rpc_servers(rpc_bin, 2) as eps:
+        lines = run_until_loaded([str(rpc_bin / "llama-server"), "-m", str(model), "--mmproj", str(path), "--rpc",
+                                  ",".join(eps), "-ngl", "all", "-c", "512", "-fit", "off", "--flash-attn", "on",
+                                  "--verbosity", "4", "--port", "0", "-mmdev", "RPC1"])  # fmt: skip
+    assert any("CLIP using" in line for line in lines), lines[-5:]
+    printed = {d.device: d.projector_bytes for d in devices_from_lines(lines)}
+    proj = projector_facts(path)
+    planned = lane_memory(msgspec.structs.replace(read_model_facts(model), mmproj=proj), LaneShape(
+        ctx=512, flash_attn=True, mmproj=True, mmproj_offload=True, mmproj_device=1, n_gpu_layers="all",
+        devices=("rpc", "rpc")))  # fmt: skip
+    by_device = {d.device: d.projector_bytes for d in planned.devices}
+    padding = proj.weight_bytes - proj.file_weight_bytes
+    assert printed["GPU1"] > 0 and printed.get("GPU0", 0) == 0 == by_device["GPU0"], (printed, by_device)
+    assert abs(by_device["GPU1"] - padding - printed["GPU1"]) <= 0.01 * MIB, (by_device, printed)
+    assert abs(by_device["CPU"] - printed.get("CPU", 0)) <= 0.005 * MIB, (by_device, printed)

@@ -201,7 +201,7 @@ def lane_memory(
     prompt_cache = prompt_cache_bytes(shape, placement)
     adapters = adapter_bytes(shape.adapters, placement)
     projector = projector_bytes(facts.mmproj if shape.mmproj else None, placement, shape.mmproj_offload,
-                                shape.flash_attn, shape.image_max_tokens)  # fmt: skip
+                                shape.flash_attn, shape.image_max_tokens, shape.mmproj_device)  # fmt: skip
     devices = []
     for i in range(1 + placement.n_devices):
         dev = CPU if i == 0 else i - 1

@@ -18,9 +18,9 @@ PINNED = frozenset({"cuda", "rocm"})
 F32 = 4
 
 
-def projector_device(placement: Placement, offload: bool) -> int:
-    """CPU (-1), or 0: the lane's first GPU-type device."""
-    return 0 if offload and placement.n_devices > 0 else CPU
+def projector_device(placement: Placement, offload: bool, device: int = 0) -> int:
+    """CPU (-1), or the GPU-type device -mmdev names (the lane's first by default)."""
+    return min(device, placement.n_devices - 1) if offload and placement.n_devices > 0 else CPU
 
 
 def projector_compute_bytes(proj: ProjectorFacts, flash_attn: bool, image_max_tokens: int = 0) -> int:
@@ -283,14 +283,15 @@ def _llava_peaks(proj: ProjectorFacts, flash_attn: bool) -> dict[str, int]:
 
 
 def projector_bytes(
-    proj: ProjectorFacts | None, placement: Placement, offload: bool, flash_attn: bool, image_max_tokens: int = 0
+    proj: ProjectorFacts | None, placement: Placement, offload: bool, flash_attn: bool, image_max_tokens: int = 0,
+    device: int = 0,
 ) -> list[int]:
     """Weights and compute per device (host RAM at index 0, as the other buffers); image_max_tokens: the
-    lane's --image-max-tokens, 0 for the one image_tokens_cap renders."""
+    lane's --image-max-tokens, 0 for the one image_tokens_cap renders; device: -mmdev's GPU-type device."""
     out = [0] * (1 + placement.n_devices)
     if proj is None:
         return out
-    dev = projector_device(placement, offload)
+    dev = projector_device(placement, offload, device)
     pinned = dev != CPU and placement.backend(dev) in PINNED
     compute = projector_compute_bytes(proj, flash_attn, image_max_tokens)
     out[1 + dev] += (proj.weight_cuda_bytes if pinned else proj.weight_bytes) + compute

@@ -41,4 +41,5 @@ class LaneShape:
     mmproj: bool = False  # --mmproj: the model's projector (facts.mmproj) is loaded
     mmproj_offload: bool = False  # --mmproj-offload: on the lane's first device (else host RAM)
     image_max_tokens: int = 0  # --image-max-tokens: a dynamic-size projector's largest image; 0: its own
+    mmproj_device: int = 0  # -mmdev: the GPU-type device that holds the projector with offload
     n_outputs: int = 0  # outputs the context reserves (speculative decoding: every drafted token); 0: one per slot
