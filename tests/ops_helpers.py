@@ -12,7 +12,7 @@ import msgspec
 import psutil
 
 from shared import subjects
-from shared.bus import kv_bucket
+from shared.bus import kv_bucket, read_all
 from shared.messages.activity import PlannerLease
 from shared.messages.plans import HostPlan
 
@@ -75,9 +75,7 @@ async def lease_holder(nc) -> str | None:
 
 
 async def plans(nc) -> dict[str, HostPlan]:
-    kv = await kv_bucket(nc)
-    out = {}
-    for host in await kv.keys():
-        if host.startswith("plan."):
-            out[host[5:]] = msgspec.json.decode((await kv.get(host)).value, type=HostPlan)
-    return out
+    """Every host's plan, read by one watch to its end (kv.keys() can end at nats-py's early caught-up
+    marker with no key at all on a loaded machine: NoKeysError in CI)."""
+    values = await read_all(await kv_bucket(nc), "plan.>")
+    return {key.removeprefix("plan."): msgspec.json.decode(value, type=HostPlan) for key, value in values.items()}
