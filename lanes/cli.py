@@ -214,8 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "Qwen2-VL's family at its 2116-token warm-up (a larger N is refused); other types refused")
     p.add_argument("--image-min-tokens", type=_positive, metavar="N",
                    help="a projector's smallest image in tokens: no buffer changes, refused above the largest")
-    p.add_argument("--spec-draft-device", metavar="N", help="the draft's own devices: not predicted yet (refused)")
-    p.add_argument("-devd", "--device-draft", dest="spec_draft_device", help=argparse.SUPPRESS)
+    p.add_argument("--spec-draft-device", "-devd", "--device-draft", metavar="DEV1[,DEV2...]",
+                   help="the draft's own devices, in order, as llama-server names them (CUDA1,CUDA0 ...; the lane's "
+                        "-ts read by position over them); none: the draft in host RAM (default: the lane's devices)")
     p.add_argument("--llama-build", type=_positive,
                    help="plan for this llama.cpp build's rules without the binary (b6325 -> 6325)")
     p.add_argument("--n-cpu-moe", "-ncmoe", type=_int_at_least(0, "must not be negative"), default=0,
@@ -228,8 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-split", "-ts", help="shares of the layers per device: 3,1 (default: the --gpus sizes)")
     p.add_argument("--gpu-backend", choices=["cuda", "rpc", "metal", "vulkan", "rocm"],
                    help="what the --gpus are (default: from --llama-server's devices; else cuda with NVML, rpc without)")
-    p.add_argument("--split-mode", choices=["layer", "none"], default="layer")
-    p.add_argument("--main-gpu", type=int, default=0)
+    p.add_argument("--split-mode", "-sm", choices=["layer", "none"], default="layer")
+    p.add_argument("--main-gpu", "-mg", type=int, default=0)
     p.add_argument("--no-kv-offload", "-nkvo", action="store_true", help="keep the KV cache in host memory")
     p.add_argument("--json", action="store_true")
 

@@ -19,7 +19,7 @@ from shared.llama.flash_attn import resolve_flash_attn
 from shared.memory import BLOCK_BYTES, MemoryModelError
 from shared.memory.shape import LaneShape
 from shared.memory.speculative import (
-    DRAFT_KINDS, N_MAX, draft_shape, speculator_host_bytes, target_shape, with_speculation,
+    DRAFT_KINDS, N_MAX, draft_shape, on_devices, speculator_host_bytes, target_shape, with_speculation,
 )
 from shared.messages.config import Demand, FleetConfig
 from shared.messages.hosts import HostReport, ServerCaps
@@ -73,7 +73,8 @@ def _n_gpu_layers(text: str) -> NGpuLayers:
     return value
 
 
-def _with_speculation(args: argparse.Namespace, facts, shape: LaneShape):
+def _with_speculation(args: argparse.Namespace, facts, shape: LaneShape, draft_devices: tuple[int, ...] | None,
+                      gpus: list[int]):  # fmt: skip
     """The lane with llama-server's speculative flags: the target's outputs for every drafted token,
     the draft model's buffers on the devices -ngld puts it, and the speculator's host bytes
     (shared/memory/speculative.py)."""
@@ -99,9 +100,11 @@ def _with_speculation(args: argparse.Namespace, facts, shape: LaneShape):
             draft_facts = read_model_facts(args.spec_draft_model)
         except (ModelError, OSError) as exc:
             raise UserError(str(exc)) from None
-        layers = _n_gpu_layers(args.spec_draft_ngl) if shape.devices else 0
-        draft = lane_memory(draft_facts, dataclasses.replace(
-            draft_shape(shape, args.spec_draft_type_k, args.spec_draft_type_v), n_gpu_layers=layers), cpu_repack())  # fmt: skip
+        placed = _draft_placement(args, draft_shape(shape, args.spec_draft_type_k, args.spec_draft_type_v),
+                                  draft_devices, gpus)  # fmt: skip
+        draft = lane_memory(draft_facts, placed, cpu_repack())
+        if draft_devices:
+            draft = on_devices(draft, draft_devices)
     host = speculator_host_bytes(spec_type, facts.n_vocab, shape.parallel, shape.n_ubatch, args.spec_draft_n_max)
     return with_speculation(target, draft, host)
 
@@ -129,16 +132,52 @@ def _shares(text: str) -> tuple[float, ...]:
 _DEVICE_PREFIX = {"cuda": "CUDA", "rocm": "ROCm", "vulkan": "Vulkan", "metal": "MTL", "rpc": "RPC"}
 
 
-def _mmproj_device(name: str | None, backend: str, n_gpus: int) -> int:
-    """-mmdev's device as an index among the --gpus (0 where not given or none), or a UserError."""
-    if name in (None, "none"):
-        return 0
+def _device_index(flag: str, name: str, backend: str, n_gpus: int) -> int:
+    """One device as llama-server names it (CUDA1, RPC0 ...) as an index among the --gpus, or a UserError."""
     prefix = _DEVICE_PREFIX.get(backend, backend.upper())
     index = name[len(prefix):] if name.lower().startswith(prefix.lower()) else ""
     if not index.isdigit() or int(index) >= n_gpus:
         names = ", ".join(f"{prefix}{i}" for i in range(n_gpus)) or "none (no --gpus)"
-        raise UserError(f"--mmproj-device {name}: not one of this estimate's devices ({names}) or none")
+        raise UserError(f"{flag} {name}: not one of this estimate's devices ({names}) or none")
     return int(index)
+
+
+def _mmproj_device(name: str | None, backend: str, n_gpus: int) -> int:
+    """-mmdev's device as an index among the --gpus (0 where not given or none), or a UserError."""
+    return 0 if name in (None, "none") else _device_index("--mmproj-device", name, backend, n_gpus)
+
+
+def _draft_devices(text: str | None, backend: str, n_gpus: int) -> tuple[int, ...] | None:
+    """-devd's list as indices among the --gpus, in its order (none: no device); None where not given."""
+    if text is None:
+        return None
+    if text == "none":
+        return ()
+    indices = tuple(_device_index("--spec-draft-device", name.strip(), backend, n_gpus) for name in text.split(","))
+    if len(set(indices)) != len(indices):
+        raise UserError(f"--spec-draft-device {text}: a device is named twice")
+    return indices
+
+
+def _draft_placement(args: argparse.Namespace, shape: LaneShape, indices: tuple[int, ...] | None,
+                     gpus: list[int]) -> LaneShape:  # fmt: skip
+    """The draft's shape on its own devices (-devd) as common_base_params_to_speculative gives them: the
+    target's -ts read by position over them (each device's free memory where that leaves none), one
+    device always split by layer, -sm none keeping the -mg-th of them."""
+    layers = _n_gpu_layers(args.spec_draft_ngl) if shape.devices else 0
+    if indices is None:
+        return dataclasses.replace(shape, n_gpu_layers=layers)
+    shares = shape.tensor_split[: len(indices)] if args.tensor_split else ()
+    if sum(shares) <= 0:
+        shares = tuple(float(gpus[i]) for i in indices)
+    split_mode = "layer" if len(indices) == 1 else shape.split_mode
+    if split_mode == "none" and indices and shape.main_gpu >= len(indices):
+        raise UserError(f"--spec-draft-device {args.spec_draft_device}: llama-server refuses the draft with "
+                        f"--split-mode none and --main-gpu {shape.main_gpu}, past its {len(indices)} device(s)")  # fmt: skip
+    return dataclasses.replace(
+        shape, n_gpu_layers=layers if indices else 0, devices=shape.devices[: len(indices)], tensor_split=shares,
+        split_mode=split_mode,
+    )  # fmt: skip
 
 
 def _image_tokens(proj, smallest: int | None, largest: int | None) -> int:
@@ -221,8 +260,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from None
     if args.n_cpu_moe and not caps.has_n_cpu_moe:
         raise UserError(f"--n-cpu-moe: this llama-server build ({caps.build}) does not have it")
-    if args.spec_draft_device is not None:
-        raise UserError("--spec-draft-device: the estimate cannot predict it yet; leave it out")
+    draft_devices = _draft_devices(args.spec_draft_device, backend, len(gpus))
+    if draft_devices is not None and not args.spec_draft_model:
+        raise UserError("--spec-draft-device: places a draft model; give it with --spec-draft-model")
     image_max_tokens = _image_tokens(facts.mmproj, args.image_min_tokens, args.image_max_tokens)
     mmproj_device = _mmproj_device(args.mmproj_device, backend, len(gpus))
     mmproj_in_ram = args.no_mmproj_offload or args.mmproj_device == "none"
@@ -240,7 +280,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         adapters=adapters,
     )  # fmt: skip
     try:
-        mem = _with_speculation(args, facts, shape) if args.spec_type != "none" or args.spec_draft_model \
+        mem = _with_speculation(args, facts, shape, draft_devices, gpus) if args.spec_type != "none" or args.spec_draft_model \
             else lane_memory(facts, shape, cpu_repack())  # fmt: skip
     except (MemoryModelError, PlacementError) as exc:
         raise UserError(str(exc)) from None

@@ -167,6 +167,28 @@ def test_estimate_takes_llama_servers_speculative_and_swa_flags(tiny_models):
         assert run.returncode != 0 and says in run.stderr and len(run.stderr.strip().splitlines()) == 1, run.stderr
 
 
+def test_estimate_puts_the_draft_on_the_devices_devd_names(tiny_models):
+    """-devd: the draft's buffers on the devices named (none: host RAM), the target's where they were;
+    figures against the binary in tests/test_speculative_real.py (two RPC devices)."""
+    model, draft = tiny_models["gemma3"], tiny_models["llama8"]
+    base = [model, "--ctx", "4096", "-ngl", "all", "--gpus", "8GiB,8GiB", "--gpu-backend", "cuda", "-md", draft]
+
+    def draft_on(*flags: str) -> dict[str, int]:
+        run = lanes("estimate", *base, *flags, "--json")
+        assert run.returncode == 0, run.stderr
+        return {d["device"]: d["draft_bytes"] for d in json.loads(run.stdout)["devices"] if d["draft_bytes"]}
+
+    both, second, host = draft_on(), draft_on("-devd", "CUDA1"), draft_on("--spec-draft-device", "none")
+    assert {"GPU0", "GPU1"} <= set(both) and "GPU0" not in second and second["GPU1"] > both["GPU1"]
+    assert set(host) == {"CPU"} and host["CPU"] > both["CPU"]
+    assert draft_on("--device-draft", "CUDA1,CUDA0", "-ts", "1,0").keys() == {"CPU", "GPU1"}  # -ts by position
+    for flags, says in ((["-devd", "CUDA0,CUDA0"], "a device is named twice"),
+                        (["--gpus", "8GiB,8GiB,8GiB", "-devd", "CUDA0,CUDA1", "-sm", "none", "-mg", "2"],
+                         "llama-server refuses the draft with --split-mode none and --main-gpu 2"),
+                        (["-devd", "CUDA2"], "not one of this estimate's devices (CUDA0, CUDA1) or none")):  # fmt: skip
+        assert_one_line_error(lanes("estimate", *base, *flags), says)
+
+
 def test_estimate_takes_loras_as_llama_server_does_and_refuses_what_it_cannot_predict(tmp_path):
     """--lora and --lora-scaled (comma lists, repeatable): the adapters' buffers equal the binary's
     `LoRA buffer size` lines recorded in tests/lora_figures.json; an adapter llama.cpp would not
@@ -190,7 +212,8 @@ def test_estimate_takes_loras_as_llama_server_does_and_refuses_what_it_cannot_pr
                         (["--image-max-tokens", "1024"], "--image-max-tokens: predicted for Pixtral and Qwen2-VL's "
                          "family, not yet for a lane without --mmproj"),
                         (["--image-min-tokens", "64"], "--image-min-tokens: predicted for Pixtral"),
-                        (["-devd", "CUDA0"], "--spec-draft-device: the estimate cannot predict it yet"),
+                        (["-devd", "CUDA0"], "--spec-draft-device CUDA0: not one of this estimate's devices"),
+                        (["-devd", "none"], "--spec-draft-device: places a draft model; give it with"),
                         (["-mmdev", "CUDA1"], "not one of this estimate's devices (none (no --gpus)) or none")):  # fmt: skip
         assert_one_line_error(lanes("estimate", base, "--ctx", "1024", *flags), says)
 

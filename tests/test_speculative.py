@@ -3,6 +3,8 @@ rendered from --help, and the draft's and speculator's bytes counted in the wind
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgspec
 import pytest
 from tinymodels import write_llama
@@ -15,9 +17,11 @@ from planner_svc.wake_placement import room_on
 from shared.gguf_facts import read_model_facts
 from shared.llama.flags import lane_args, parse_caps
 from shared.memory import LaneShape, lane_memory
-from shared.memory.speculative import N_MAX, n_outputs, speculator_host_bytes, target_shape, with_speculation
+from shared.memory.speculative import (
+    N_MAX, draft_shape, n_outputs, on_devices, speculator_host_bytes, target_shape, with_speculation,
+)
 from shared.messages.config import Demand, FleetConfig, Persona
-from shared.messages.hosts import GpuInfo, HostReport, ServerCaps
+from shared.messages.hosts import AdapterFacts, GpuInfo, HostReport, ServerCaps
 
 GIB = 1024**3
 MIB = 1024**2
@@ -201,6 +205,19 @@ def test_the_draft_adds_to_the_devices_it_lands_on(facts):
     assert cpu.kv_bytes == t.kv_bytes + d.kv_bytes and cpu.model_bytes == t.model_bytes + d.model_bytes
     assert cpu.draft_bytes == d.total and both.total_bytes == target.total_bytes + d.total
     assert both.kv_bytes == target.kv_bytes + draft.kv_bytes  # the KV lines the agent sums include the draft's
+
+
+def test_the_draft_is_loaded_bare_and_moved_to_its_own_devices(facts):
+    """The draft carries none of the target's adapters or projector (llama_model_load_from_file
+    alone); -devd's devices: the draft planned over its list, then placed at those indices."""
+    adapter = AdapterFacts(path="a.gguf", name="a", architecture="llama")
+    shape = draft_shape(LaneShape(ctx=4096, parallel=2, mmproj=True, adapters=(adapter,), flash_attn=True), "q8_0")
+    assert not shape.mmproj and shape.adapters == () and shape.type_k == "q8_0" and shape.cache_ram == 0
+    alone = lane_memory(facts["draft"], dataclasses.replace(shape, devices=("cuda",), tensor_split=(1.0,),
+                                                            n_gpu_layers="all"))  # fmt: skip
+    moved = on_devices(alone, (2,))
+    assert [(d.index, d.device) for d in moved.devices] == [(-1, "CPU"), (2, "GPU2")]
+    assert [d.total for d in moved.devices] == [d.total for d in alone.devices]
 
 
 def test_auto_with_todays_figures(facts):

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 
+import msgspec
 import openai
 import psutil
 import pytest
@@ -139,3 +140,45 @@ def test_a_draft_with_its_own_cache_types_is_planned_as_printed(tmp_path, llama_
             for d in said["devices"]] == [(d.device, d.model_bytes, d.kv_bytes, d.compute_bytes, d.output_bytes,
                                            d.draft_bytes) for d in planned.devices]  # fmt: skip
     assert said["speculator_bytes"] == planned.speculator_bytes > 0
+
+
+DRAFT_DEVICE_CASES = [  # (-devd, -ts for the lane, the GPUs the draft lands on)
+    ("RPC1", "1,1", {"GPU1"}),
+    ("RPC1,RPC0", "3,1", {"GPU0", "GPU1"}),
+    ("RPC1,RPC0", "1,0", {"GPU1"}),  # every layer of both on one device of two: each still pipelined
+    ("none", "1,1", set()),
+]
+
+
+@pytest.mark.parametrize("case", DRAFT_DEVICE_CASES, ids=lambda c: f"{c[0]}-ts{c[1]}")
+def test_a_draft_on_its_own_devices_is_estimated_as_printed(tmp_path, rpc_bin, case):
+    """-devd puts the draft on the devices it names, in its order (the lane's -ts read by position
+    over them: with 3,1 the draft's blocks on RPC1, its output layer on RPC0), or on none: `lanes
+    estimate` with the same flags says per device what the real binary prints with two RPC devices,
+    the target's buffers and the draft's. Two devices in the draft's list pipeline its graph
+    even where one holds every layer (model.n_devices(), llama-context.cpp)."""
+    from record_llama_figures import run_until_loaded
+    from rpc_harness import rpc_servers
+
+    devd, split, lands_on = case
+    target = write_llama(tmp_path / "target.gguf", n_layer=4, n_embd=256, n_vocab=32000, seed=1)
+    draft = write_llama(tmp_path / "draft.gguf", n_layer=4, n_embd=128, n_vocab=32000, seed=2)
+    flags = ["--ctx-size", "2048", "--parallel", "2", "--flash-attn", "on", "--spec-type", "draft-simple",
+             "--spec-draft-model", str(draft), "--spec-draft-ngl", "all", "-devd", devd, "-ngl", "all", "-ts", split]  # fmt: skip
+    server = str(rpc_bin / "llama-server")
+    with rpc_servers(rpc_bin, 2) as eps:
+        lines = run_until_loaded([server, "-m", str(target), "--rpc", ",".join(eps), "--port", "0", "-fit", "off",
+                                  "--verbosity", "4", *flags])  # fmt: skip
+    assert any("model loaded" in line for line in lines), lines[-5:]
+    run = subprocess.run([sys.executable, "-m", "lanes.cli", "estimate", str(target), "--gpus", "16GiB,16GiB",
+                          "--llama-server", server, "--json", *(a.replace("--ctx-size", "--ctx") for a in flags)],
+                         capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    from shared.messages.plans import MemoryBreakdown
+
+    said = msgspec.convert(json.loads(run.stdout), MemoryBreakdown, strict=False)
+    checks = compare(said.devices, parse_buffers(lines))
+    assert {c.kind for c in checks} == {"model", "KV", "compute", "output"}
+    assert all(c.ok for c in checks), [c for c in checks if not c.ok]
+    on = {d.device for d in said.devices if d.draft_bytes and d.index >= 0}
+    assert on == lands_on, said.devices

@@ -96,9 +96,11 @@ def compute_bytes(facts: ModelFacts, placement: Placement, shape: LaneShape, kv:
     cpu_has_layers = CPU in holders
     # llama_context: several devices, full offload, split by layer -> pipeline parallelism,
     # and ggml's scheduler keeps GGML_SCHED_MAX_COPIES (4) copies of each split's inputs.
-    # Not with tensor overrides (--n-cpu-moe, -ot): llama_context turns pipelining off for them.
+    # Several devices in the model's list, whether or not each holds a layer (model.n_devices()):
+    # a draft on -devd B,A with every layer on B is pipelined too. Not with tensor overrides
+    # (--n-cpu-moe, -ot): llama_context turns pipelining off for them.
     pipeline = (
-        not cpu_has_layers and len(holders) > 1 and placement.split_mode == "layer" and not shape.no_kv_offload
+        not cpu_has_layers and placement.n_devices > 1 and placement.split_mode == "layer" and not shape.no_kv_offload
         and not (shape.n_cpu_moe or shape.tensor_overrides)
     )  # fmt: skip
     copies = 4 if pipeline else 1

@@ -60,8 +60,10 @@ def target_shape(shape: LaneShape, spec_type: str | None, n_max: int | None = No
 
 def draft_shape(shape: LaneShape, type_k: str = "f16", type_v: str = "f16") -> LaneShape:
     """The draft context's shape: the target's context, slots, flash attention and ubatch; its own
-    K/V types; one output per slot; no prompt cache of its own."""
-    return dataclasses.replace(shape, type_k=type_k, type_v=type_v, n_outputs=0, cache_ram=0)
+    K/V types; one output per slot; no prompt cache, projector or adapter of its own (the draft is
+    loaded bare: llama_model_load_from_file, common/speculative.cpp)."""
+    return dataclasses.replace(shape, type_k=type_k, type_v=type_v, n_outputs=0, cache_ram=0, mmproj=False,
+                               adapters=())  # fmt: skip
 
 
 def speculator_host_bytes(spec_type: str | None, n_vocab: int, parallel: int, n_ubatch: int,
@@ -74,6 +76,19 @@ def speculator_host_bytes(spec_type: str | None, n_vocab: int, parallel: int, n_
     table = NGRAM_MOD_TABLE if spec_type == "ngram-mod" else 0
     measured = NGRAM_MEASURED_PER_SLOT * parallel if spec_type.startswith("ngram-") else 0
     return growth + table + measured
+
+
+def on_devices(draft: MemoryBreakdown, indices: tuple[int, ...]) -> MemoryBreakdown:
+    """The draft's breakdown, planned over its own device list (--spec-draft-device), moved to where
+    those devices sit among the lane's: llama.cpp gives the draft the devices named there, in that
+    order, with the target's tensor split read by position (common_base_params_to_speculative)."""
+    moved = []
+    for d in draft.devices:
+        if d.index >= 0:
+            index = indices[d.index]
+            d = msgspec.structs.replace(d, index=index, device=f"GPU{index}")
+        moved.append(d)
+    return msgspec.structs.replace(draft, devices=tuple(moved))
 
 
 def with_speculation(target: MemoryBreakdown, draft: MemoryBreakdown | None, host_bytes: int) -> MemoryBreakdown:
