@@ -58,20 +58,32 @@ def projector_facts(path: str | os.PathLike[str], header: GGUFHeader | None = No
     enc = "clip.vision" if vision or not audio else "clip.audio"  # an audio-only file's encoder
     proj_type = f.get("clip.projector_type") or f.get(f"{enc}.projector_type") or ""
     st = path.stat()
-    # gemma3; idefics3 and llama4; mlp (LLaVA), pixtral and Qwen's; internvl; qwen2a (audio)
-    heads = ("mm.input_projection.weight", "mm.model.fc.weight", "mm.2.weight", "mm.model.mlp.3.weight", "mm.a.fc.weight")
+    # gemma3 and gemma3nv; idefics3 and llama4; mlp (LLaVA), pixtral and Qwen's; internvl; qwen2a (audio);
+    # MiniCPM-V's resampler
+    heads = ("mm.input_projection.weight", "mm.model.fc.weight", "mm.2.weight", "mm.model.mlp.3.weight",
+             "mm.a.fc.weight", "resampler.proj.weight")  # fmt: skip
     proj = next((t for t in header.tensors if t.name in heads), None)
     mmproj_embd = 0
     if proj is not None:  # clip_n_mmproj_embd for the types generated files and tests read
-        mmproj_embd = proj.shape[0] if proj.name == "mm.input_projection.weight" else proj.shape[1]
+        first = proj.name in ("mm.input_projection.weight", "resampler.proj.weight")
+        mmproj_embd = proj.shape[0] if first else proj.shape[1]
+    tensors = header.tensors
+    graph_compute = 0
+    if proj_type == "gemma3nv":  # clip.cpp loads its vision tower only: the file's audio tower stays on disk
+        from shared.memory.mobilenet import MobileNetFacts, mobilenet_compute_bytes
+
+        tensors = tuple(t for t in tensors if t.name.startswith(("v.", "mm.")) and not t.name.startswith("mm.a."))
+        graph_compute = mobilenet_compute_bytes(MobileNetFacts(
+            image_size=u32("clip.vision.image_size"), shapes={t.name: t.shape for t in tensors},
+            types={t.name: t.type for t in tensors}))  # fmt: skip
     return ProjectorFacts(
         path=os.path.abspath(path),
         projector_type=str(proj_type),
         vision=vision,
         audio=audio,
-        weight_bytes=sum(-(-t.n_bytes // 32) * 32 for t in header.tensors),
-        weight_cuda_bytes=sum(cuda_bytes(t) for t in header.tensors),
-        file_weight_bytes=sum(t.n_bytes for t in header.tensors),
+        weight_bytes=sum(-(-t.n_bytes // 32) * 32 for t in tensors),
+        weight_cuda_bytes=sum(cuda_bytes(t) for t in tensors),
+        file_weight_bytes=sum(t.n_bytes for t in tensors),
         n_embd=u32(f"{enc}.embedding_length"),
         n_ff=u32(f"{enc}.feed_forward_length"),
         n_head=u32(f"{enc}.attention.head_count"),
@@ -81,9 +93,21 @@ def projector_facts(path: str | os.PathLike[str], header: GGUFHeader | None = No
         patch_size=u32("clip.vision.patch_size"),
         n_merge=u32("clip.vision.projector.scale_factor") or u32("clip.vision.spatial_merge_size"),
         n_mmproj_embd=int(mmproj_embd),
+        n_queries=_resampler_queries(f) if proj_type == "resampler" else 0,
+        graph_compute_bytes=graph_compute,
         file_bytes=st.st_size,
         file_mtime_ns=st.st_mtime_ns,
     )
+
+
+def _resampler_queries(fields: dict) -> int:
+    """clip.cpp load_hparams: clip.minicpmv_query_num, else 64 from version 3 (MiniCPM-V 2.6) on, 96 before
+    (version 2 when unset)."""
+    queries = fields.get("clip.minicpmv_query_num", 0)
+    if isinstance(queries, int) and queries > 0:
+        return queries
+    version = fields.get("clip.minicpmv_version", 2)
+    return 64 if isinstance(version, int) and version >= 3 else 96
 
 
 def pair(models: Iterable[str], projectors: Iterable[str]) -> dict[str, str]:

@@ -38,7 +38,7 @@ from launcher_agent.probe import find_llama_server  # noqa: E402
 from record_llama_figures import run_until_loaded, stop  # noqa: E402
 from test_vision_real import tiny_png  # noqa: E402
 from tinymodels import write_llama  # noqa: E402
-from tinyprojectors import write_projector  # noqa: E402
+from tinyprojectors import MINICPMV_TOKENS, write_projector  # noqa: E402
 
 FIGURES = Path(__file__).with_name("llama_figures.json")
 _WEIGHTS = re.compile(r"load_hparams: model size: +([\d.]+) MiB")
@@ -176,6 +176,20 @@ SHAPES = [
     ('qwen2a', 64, 128, 2, 1, 128, 0, 0, 'on', 256),
     ('qwen2a', 1280, 5120, 20, 1, 128, 0, 0, 'on', 4096),  # Qwen2-Audio-7B's encoder (one block of 32)
     ('qwen2a', 1280, 5120, 20, 1, 128, 0, 0, 'off', 4096),
+    # MiniCPM-V (resampler; "merge" is its queries): a SigLIP encoder at the 448 x 448 warm-up, a resampler
+    ('resampler', 128, 256, 4, 2, 448, 14, 64, 'on', 256),
+    ('resampler', 128, 256, 4, 2, 448, 14, 64, 'off', 256),
+    ('resampler', 128, 1024, 4, 2, 448, 14, 64, 'on', 512),
+    ('resampler', 256, 256, 4, 2, 448, 14, 64, 'on', 512),
+    ('resampler', 256, 1024, 4, 2, 224, 14, 64, 'off', 512),
+    ('resampler', 128, 256, 4, 2, 224, 14, 96, 'on', 1024),
+    ('resampler', 192, 768, 4, 2, 336, 14, 64, 'on', 384),
+    ('resampler', 384, 1536, 6, 2, 448, 14, 64, 'on', 1024),
+    ('resampler', 384, 1536, 6, 2, 448, 14, 64, 'off', 1024),
+    ('resampler', 1152, 4304, 16, 1, 448, 14, 64, 'on', 2560),  # SigLIP-400M (one block of 27): MiniCPM-V 4.0
+    ('resampler', 1152, 4304, 16, 1, 448, 14, 64, 'on', 3584),  # MiniCPM-V 2.6, MiniCPM-o 2.6
+    ('resampler', 1152, 4304, 16, 1, 448, 14, 64, 'off', 3584),
+    ('resampler', 1152, 4304, 16, 1, 448, 14, 64, 'on', 4096),  # MiniCPM-V 4.5
 ]
 
 
@@ -219,9 +233,24 @@ PIXTRAL_SHAPES = [
 ]
 
 
+# MiniCPM-V after one image (RPC device, the buffer it grew to): the shape as in SHAPES, then the image's
+# width and height in pixels. 105 x 1,911 is sliced into pieces of up to 1,096 patches, 449 x 449 of 1,035.
+RESAMPLER_LARGEST = [
+    ("resampler", 128, 256, 4, 2, 448, 14, 64, "on", 256, 105, 1911),
+    ("resampler", 128, 256, 4, 2, 448, 14, 64, "off", 256, 105, 1911),
+    ("resampler", 128, 256, 4, 2, 448, 14, 64, "on", 256, 449, 449),
+    ("resampler", 384, 1536, 6, 2, 448, 14, 64, "on", 1024, 105, 1911),
+    ("resampler", 1152, 4304, 16, 1, 448, 14, 64, "on", 3584, 105, 1911),
+]
+
+
 def shape_key(proj_type, n_embd, n_ff, n_head, n_layer, image_size, patch_size, scale, flash_attn, text_embd) -> str:
     return (f"mmproj|type={proj_type}|n_embd={n_embd}|n_ff={n_ff}|n_head={n_head}|n_layer={n_layer}|"
             f"image={image_size}|patch={patch_size}|merge={scale}|text_embd={text_embd}|flash_attn={flash_attn}")  # fmt: skip
+
+
+def resampler_key(*shape) -> str:
+    return shape_key(*shape[:10]) + f"|image_px={shape[10]}x{shape[11]}"
 
 
 def pixtral_key(*shape) -> str:
@@ -252,20 +281,22 @@ _BATCH = re.compile(r"decoding image batch \d+/\d+, n_tokens_batch = (\d+)")
 _ALLOC = re.compile(r"\[alloc_buffer\] device: 0, size: (\d+) ->")
 
 
-def measure_largest(bin_dir: Path, model: Path, mmproj: Path, flash_attn: str, tokens: int, image_px: tuple = (64, 64),
-                    timeout: float = 180.0) -> dict:  # fmt: skip
-    """The projector on an RPC device, every image scaled to `tokens`: the warm-up's printed lines and the
-    device's compute buffer after one image (the last buffer its server allocated, or the warm-up's)."""
+def measure_largest(bin_dir: Path, model: Path, mmproj: Path, flash_attn: str, tokens: int | None,
+                    image_px: tuple = (64, 64), timeout: float = 180.0, threads: int = 1) -> dict:  # fmt: skip
+    """The projector on an RPC device, every image scaled to `tokens` (None: as the type slices it): the
+    warm-up's printed lines and the device's compute buffer after one image (the last buffer its server
+    allocated, or the warm-up's)."""
     with tempfile.TemporaryDirectory() as tmp:
         rpc_log, port = Path(tmp) / "rpc.log", _free_port()
         with rpc_log.open("w") as out:
-            rpc = subprocess.Popen([str(bin_dir / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
+            rpc = subprocess.Popen([str(bin_dir / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(port), "-t", str(threads)],
                                    stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, GGML_RPC_DEBUG="1"))  # fmt: skip
         try:
             time.sleep(1.0)
             argv = [str(bin_dir / "llama-server"), "-m", str(model), "--mmproj", str(mmproj), "--rpc", f"127.0.0.1:{port}",
-                    "-ngl", "0", "-c", str(3 * tokens + 1024), "-fit", "off", "--flash-attn", flash_attn, "--verbosity", "4",
-                    "--mmproj-offload", "--image-min-tokens", str(tokens), "--image-max-tokens", str(tokens)]  # fmt: skip
+                    "-ngl", "0", "-c", str(3 * (tokens or 1024) + 1024), "-fit", "off", "--flash-attn", flash_attn,
+                    "--verbosity", "4", "--mmproj-offload",
+                    *(["--image-min-tokens", str(tokens), "--image-max-tokens", str(tokens)] if tokens else [])]  # fmt: skip
             lines, after = _serve_one_image(argv, rpc_log, image_px, timeout)
         finally:
             stop(rpc)
@@ -276,7 +307,8 @@ def measure_largest(bin_dir: Path, model: Path, mmproj: Path, flash_attn: str, t
     before, grown = after
     # the device's compute buffer at the image: grown after it, else still the warm-up's (its last buffer)
     batches = _BATCH.findall(text)  # the image's tokens, with one [IMG_BREAK] a row but the last
-    return {"warmup_compute_mib": computes, "largest_bytes": (grown or before)[-1], "grew": bool(grown),
+    return {"warmup_compute_mib": computes, "warmup_bytes": before[-1], "largest_bytes": (grown or before)[-1],
+            "grew": bool(grown),
             "image_batch_tokens": sum(map(int, batches)) if batches else None,
             "clip_flash_attn": (m.group(1) if (m := _FA.search(text)) else "")}  # fmt: skip
 
@@ -312,7 +344,8 @@ def _serve_one_image(argv: list[str], rpc_log: Path, image_px: tuple, timeout: f
 
 def projector_for(folder: Path, shape: tuple) -> tuple[Path, Path]:
     proj_type, n_embd, n_ff, n_head, n_layer, image, patch, scale, _, text_embd = shape[:10]
-    model = write_llama(folder / f"text-{text_embd}.gguf", n_embd=text_embd)
+    special = MINICPMV_TOKENS if proj_type == "resampler" else ()  # the pieces mtmd looks up at start
+    model = write_llama(folder / f"text-{text_embd}-{proj_type}.gguf", n_embd=text_embd, special=special)
     mmproj = write_projector(folder / f"mmproj-{proj_type}-{n_embd}-{n_ff}-{n_head}-{n_layer}-{image}-{patch}-{scale}-{text_embd}.gguf",
                              proj_type=proj_type, text_embd=text_embd, n_embd=n_embd, n_ff=n_ff, n_head=n_head,
                              n_layer=n_layer, image_size=image, patch_size=patch, scale_factor=scale)  # fmt: skip
@@ -344,6 +377,13 @@ def main() -> int:
                 return 2
             model, mmproj = projector_for(Path(tmp), shape)
             table[key] = fig = measure_largest(rpc, model, mmproj, shape[8], shape[10], *[tuple(shape[11:])] if len(shape) > 11 else [])
+            print(key, fig.get("error") or (fig["warmup_compute_mib"], fig["largest_bytes"]))
+        for shape in RESAMPLER_LARGEST:
+            key = resampler_key(*shape)
+            if key in table and not again:
+                continue
+            model, mmproj = projector_for(Path(tmp), shape)
+            table[key] = fig = measure_largest(rpc_bin_dir(), model, mmproj, shape[8], None, tuple(shape[10:12]))
             print(key, fig.get("error") or (fig["warmup_compute_mib"], fig["largest_bytes"]))
     FIGURES.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     return 0

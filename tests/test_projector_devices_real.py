@@ -159,3 +159,41 @@ def test_a_projector_on_the_device_mmdev_names_is_planned_there(rpc_bin, tmp_pat
     assert printed["GPU1"] > 0 and printed.get("GPU0", 0) == 0 == by_device["GPU0"], (printed, by_device)
     assert abs(by_device["GPU1"] - padding - printed["GPU1"]) <= 0.01 * MIB, (by_device, printed)
     assert abs(by_device["CPU"] - printed.get("CPU", 0)) <= 0.005 * MIB, (by_device, printed)
+
+
+def test_gemma3ns_projector_is_planned_as_the_binary_allocates_it(rpc_bin, endpoint, tmp_path):
+    """Gemma 3n's MobileNetV5 (a generated projector at 1/8 of its widths) on an RPC device: the agent
+    reads the file and replays its graph (ProjectorFacts.graph_compute_bytes); the lane's plan puts the
+    weights and that buffer on the device, to the printed figure, and the 768 x 768 image in host RAM."""
+    from tinymobilenet import write_gemma3n_projector
+
+    model = write_llama(tmp_path / "m.gguf", n_embd=256)
+    path = write_gemma3n_projector(tmp_path / "mmproj-m.gguf", 256, 0.125)
+    proj = projector_facts(path)
+    assert proj.projector_type == "gemma3nv" and proj.graph_compute_bytes > 0
+    printed = _printed(rpc_bin, endpoint, model, path, True)
+    planned = lane_memory(msgspec.structs.replace(read_model_facts(model), mmproj=proj), LaneShape(
+        ctx=512, flash_attn=True, mmproj=True, mmproj_offload=True, n_gpu_layers="all", devices=("rpc",)))  # fmt: skip
+    by_device = {d.device: d.projector_bytes for d in planned.devices}
+    padding = proj.weight_bytes - proj.file_weight_bytes
+    assert abs(by_device["GPU0"] - padding - printed["GPU0"]) <= 0.01 * MIB, (by_device, printed)
+    assert abs(by_device["CPU"] - printed["CPU"]) <= 0.005 * MIB, (by_device, printed)
+
+
+def test_minicpmvs_buffer_after_a_sliced_image_is_within_the_plan(rpc_bin, tmp_path):
+    """MiniCPM-V's resampler on an RPC device whose server logs each buffer: an image of 105 x 1,911
+    pixels is sliced into pieces of up to 1,096 patches; the buffer grows past the warm-up's (1,024) to
+    at most the planned compute (the largest piece of any image up to 20:1), and at least 85% of it."""
+    from tinyprojectors import MINICPMV_TOKENS
+
+    model = write_llama(tmp_path / "m.gguf", n_embd=3584, special=MINICPMV_TOKENS)  # MiniCPM-V 2.6's widths
+    path = write_projector(tmp_path / "mmproj-m.gguf", proj_type="resampler", text_embd=3584, n_embd=1152, n_ff=4304,
+                           n_head=16, n_layer=1, image_size=448, patch_size=14, scale_factor=64)  # fmt: skip
+    got = measure_largest(rpc_bin, model, path, "on", None, (105, 1911))
+    assert "error" not in got and got["grew"], got
+    proj = projector_facts(path)
+    assert proj.n_queries == 64 and proj.n_mmproj_embd == 3584
+    planned = lane_memory(msgspec.structs.replace(read_model_facts(model), mmproj=proj), LaneShape(
+        ctx=512, flash_attn=True, mmproj=True, mmproj_offload=True, n_gpu_layers="all", devices=("rpc",)))  # fmt: skip
+    compute = {d.device: d.projector_bytes for d in planned.devices}["GPU0"] - proj.weight_bytes
+    assert got["largest_bytes"] <= compute <= got["largest_bytes"] / 0.85, (compute / MIB, got["largest_bytes"] / MIB)

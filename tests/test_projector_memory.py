@@ -23,7 +23,9 @@ from shared.gguf_projector import base_name, pair, projector_facts
 from shared.llama.flags import lane_args, parse_caps
 from shared.llama.logs import devices_from_lines
 from shared.memory import LaneShape, lane_memory
-from shared.memory.projector import WHISPER_TYPES, host_inputs, pixtral_peaks, projector_compute_bytes
+from shared.memory.projector import (
+    WHISPER_TYPES, host_inputs, pixtral_peaks, projector_compute_bytes, resampler_largest_patches, resampler_peaks,
+)
 from shared.messages.config import Demand, FleetConfig, Persona
 from shared.messages.hosts import GpuInfo, ProjectorFacts, ServerCaps
 from shared.messages.plans import LaneSpec
@@ -31,9 +33,11 @@ from shared.messages.plans import LaneSpec
 MIB = 2**20
 GIB = 2**30
 FIGURES = json.loads(Path(__file__).with_name("llama_figures.json").read_text())
-RECORDED = sorted(k for k in FIGURES if k.startswith("mmproj|") and "|max_tokens=" not in k)
+RECORDED = sorted(k for k in FIGURES if k.startswith("mmproj|") and "|max_tokens=" not in k and "|image_px=" not in k)
 # Pixtral's buffer at its largest image (tests/record_projector_figures.py, PIXTRAL_SHAPES)
 LARGEST = sorted(k for k in FIGURES if k.startswith("mmproj|") and "|max_tokens=" in k)
+# MiniCPM-V's after one image, sliced (RESAMPLER_LARGEST)
+SLICED = sorted(k for k in FIGURES if k.startswith("mmproj|type=resampler") and "|image_px=" in k)
 
 
 def _facts(key: str) -> tuple[ProjectorFacts, bool]:
@@ -41,14 +45,16 @@ def _facts(key: str) -> tuple[ProjectorFacts, bool]:
     proj = ProjectorFacts(path="/m/mmproj.gguf", projector_type=d["type"], n_embd=int(d["n_embd"]), n_ff=int(d["n_ff"]),
                           n_head=int(d["n_head"]), n_layer=int(d["n_layer"]), image_size=int(d["image"]),
                           patch_size=int(d["patch"]), n_merge=int(d["merge"]), n_mmproj_embd=int(d["text_embd"]))  # fmt: skip
+    if d["type"] == "resampler":  # the recorded "merge" is its queries
+        proj = msgspec.structs.replace(proj, n_merge=0, n_queries=int(d["merge"]))
     if d["type"] in WHISPER_TYPES:  # an audio encoder: the recorded "image" is its mel bins
         proj = msgspec.structs.replace(proj, vision=False, audio=True, image_size=0, n_mel_bins=int(d["image"]))
     return proj, d["flash_attn"] == "on"
 
 
-def test_figures_were_recorded_for_ten_projector_types():
+def test_figures_were_recorded_for_eleven_projector_types():
     types = {"gemma3", "idefics3", "mlp", "qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger", "pixtral",
-             "internvl", "llama4", "qwen2a"}  # fmt: skip
+             "internvl", "llama4", "qwen2a", "resampler"}  # fmt: skip
     assert {dict(p.split("=", 1) for p in k.split("|")[1:])["type"] for k in RECORDED + LARGEST} >= types
     assert all("error" not in FIGURES[k] for k in RECORDED + LARGEST)
     assert len(LARGEST) >= 25 and sum(FIGURES[k]["grew"] for k in LARGEST) >= 20
@@ -92,7 +98,10 @@ def test_compute_buffer_matches_the_printed_line(key):
     proj, flash_attn = _facts(key)
     printed = FIGURES[key]["compute_mib"]["CPU"]
     planned = projector_compute_bytes(proj, flash_attn) / MIB
-    if proj.projector_type == "mlp":
+    if proj.projector_type == "resampler":  # planned at the largest slice; a bound at the warm-up's too
+        at_warmup = max(resampler_peaks(proj, flash_attn, (proj.image_size // proj.patch_size) ** 2).values()) / MIB
+        assert printed <= round(at_warmup, 2) <= _resampler_bound(proj, printed) and at_warmup <= planned, at_warmup
+    elif proj.projector_type == "mlp":
         assert printed <= round(planned, 2) <= printed + 2.5
     elif proj.projector_type == "qwen3vl_merger":  # ... and its deepstack mergers' outputs
         assert printed <= round(planned, 2) <= printed * 1.30 + 2.5
@@ -106,6 +115,72 @@ def test_compute_buffer_matches_the_printed_line(key):
         assert round(planned, 2) == printed
     else:
         assert printed <= round(planned, 2) <= printed + 0.25
+
+
+def _resampler_bound(proj: ProjectorFacts, printed_mib: float) -> float:
+    """How far above the binary MiniCPM-V's plan may be: 12% at its own widths (SigLIP-400M's 1,152),
+    3.2 MiB on the small generated encoders (ggml-alloc packs their resampler's K and V into the
+    encoder's freed blocks, which the bound does not count on)."""
+    return printed_mib * 1.12 if proj.n_embd == 1152 else printed_mib + 3.2
+
+
+def _llava_uhd_pieces(width: int, height: int, size: int = 448, patch: int = 14) -> list[tuple[int, int]]:
+    """The pieces (w, h in pixels) clip encodes for a MiniCPM-V image: tools/mtmd/mtmd-image.cpp's
+    llava-uhd slicing (get_slice_instructions, get_best_resize, get_best_grid, get_refine_size) as
+    written there, its float rounding included, for checking the planned piece against real sizes."""
+    def divide(length: float, by: int) -> int:  # ensure_divide: std::round, at least one patch
+        return max(int(math.floor(length / by + 0.5)) * by, by)
+
+    def best_resize(w: int, h: int, upscale: bool) -> tuple[int, int]:
+        if w * h > size * size or upscale:
+            r = w / h
+            h = int(size / math.sqrt(r))
+            w = int(h * r)
+        return divide(w, patch), divide(h, patch)
+
+    if width <= size and height <= size:
+        return [(size, size)]
+    multiple = min(math.ceil(width * height / (size * size)), 9)
+    grids = [(m, n // m) for n in (multiple - 1, multiple, multiple + 1) if n != 1 and n <= 9
+             for m in range(1, n + 1) if n % m == 0]  # fmt: skip
+    log_ratio = math.log(width / height)
+    grid = min(grids, key=lambda g: abs(log_ratio - math.log(g[0] / g[1])))  # the first of equal errors
+    slice_w, slice_h = divide(width, grid[0]) // grid[0], divide(height, grid[1]) // grid[1]
+    return [best_resize(width, height, False), best_resize(slice_w, slice_h, True)]
+
+
+@pytest.mark.parametrize("key", SLICED)
+def test_minicpmvs_buffer_after_its_largest_slice_is_never_below_the_binarys(key):
+    """MiniCPM-V on an RPC device, one image sliced (105 x 1,911 pixels: a slice of 8 x 137 patches;
+    449 x 449: 45 x 23): the buffer the device grew to is within the bound at that slice, and below
+    the plan, which holds the largest slice of any image up to 20:1."""
+    proj, flash_attn = _facts(key)
+    width, height = map(int, key.split("|image_px=")[1].split("x"))
+    n_pos = max((w // proj.patch_size) * (h // proj.patch_size) for w, h in _llava_uhd_pieces(width, height))
+    grown = FIGURES[key]["largest_bytes"]
+    assert grown > FIGURES[key]["warmup_compute_mib"]["RPC0"] * MIB  # the slice is larger than the warm-up
+    at_slice = max(resampler_peaks(proj, flash_attn, n_pos).values())
+    assert grown <= at_slice <= _resampler_bound(proj, grown / MIB) * MIB, (at_slice / MIB, grown / MIB)
+    assert at_slice <= projector_compute_bytes(proj, flash_attn)
+
+
+def test_minicpmvs_planned_slice_is_the_largest_of_any_image_up_to_twenty_to_one():
+    """Every piece of every image from 1:1 to 20:1 (long side up to 4,096 pixels, both orientations) has
+    at most the planned patches; the largest is within 1% of it. Past 20:1 a piece can have
+    more: llama.cpp does not bound the aspect (docs/known-limits.md)."""
+    proj = ProjectorFacts(path="/m.gguf", projector_type="resampler", image_size=448, patch_size=14)
+    planned = resampler_largest_patches(proj)
+    largest = 0
+    for short in range(1, 4097, 3):
+        for aspect in (1, 1.01, 1.5, 2, 3, 4, 5, 7, 9, 10, 13, 16, 19, 20):
+            long = min(int(short * aspect), 4096)
+            for w, h in ((long, short), (short, long)):
+                pieces = _llava_uhd_pieces(w, h)
+                largest = max(largest, *((pw // 14) * (ph // 14) for pw, ph in pieces))
+    for w, h in ((105, 1911), (1911, 105)):  # 18.2:1, the largest found by a finer search: 1,096 patches
+        largest = max(largest, *((pw // 14) * (ph // 14) for pw, ph in _llava_uhd_pieces(w, h)))
+    assert planned == 1100 and planned * 0.99 <= largest <= planned, largest
+    assert max((w // 14) * (h // 14) for w, h in _llava_uhd_pieces(49, 4095)) > planned  # 84:1: 1,172 patches
 
 
 def test_weights_are_the_printed_model_size_padded_as_allocated(tmp_path):

@@ -22,7 +22,7 @@ import gguf
 import numpy as np
 
 PROJECTOR_TYPES = ("gemma3", "idefics3", "mlp", "qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger", "pixtral",
-                   "internvl", "llama4", "qwen2a")  # fmt: skip
+                   "internvl", "llama4", "qwen2a", "resampler")  # fmt: skip
 
 
 def _clip_writer(path: Path, proj_type: str, text_embd: int, n_embd: int, n_ff: int, n_head: int, n_layer: int,
@@ -78,6 +78,17 @@ def _attention_and_norms(w: gguf.GGUFWriter, block: str, mat, n_embd: int) -> No
         w.add_tensor(f"{block}.{t}.bias", _vec(n_embd))
 
 
+def _siglip_blocks(w: gguf.GGUFWriter, mat, n_embd: int, n_ff: int, n_layer: int) -> None:
+    """Pre-norm blocks with biased attention and a biased GELU FFN (v.blk.N.*)."""
+    for il in range(n_layer):
+        p = f"v.blk.{il}"
+        _attention_and_norms(w, p, mat, n_embd)
+        w.add_tensor(f"{p}.ffn_up.weight", mat(n_ff, n_embd))
+        w.add_tensor(f"{p}.ffn_up.bias", _vec(n_ff))
+        w.add_tensor(f"{p}.ffn_down.weight", mat(n_embd, n_ff))
+        w.add_tensor(f"{p}.ffn_down.bias", _vec(n_embd))
+
+
 def write_projector(
     path: str | Path,
     *,
@@ -102,6 +113,9 @@ def write_projector(
     if proj_type in ("internvl", "llama4"):
         return _write_shuffled(Path(path), proj_type, text_embd, n_embd, n_ff, n_head, n_layer, image_size, patch_size,
                                merge=scale_factor, seed=seed)  # fmt: skip
+    if proj_type == "resampler":  # scale_factor: the resampler's queries (MiniCPM-V 2.6's 64)
+        return _write_resampler(Path(path), text_embd, n_embd, n_ff, n_head, n_layer, image_size, patch_size,
+                                queries=scale_factor, seed=seed)  # fmt: skip
     if proj_type == "pixtral":
         return _write_pixtral(Path(path), text_embd, n_embd, n_ff, n_head, n_layer, image_size, patch_size,
                               merge=scale_factor, seed=seed)  # fmt: skip
@@ -123,13 +137,7 @@ def write_projector(
         w.add_tensor("v.pre_ln.weight", _vec(n_embd, 1.0))
         w.add_tensor("v.pre_ln.bias", _vec(n_embd))
     w.add_tensor("v.position_embd.weight", (rng.standard_normal((n_pos + llava, n_embd)) * 0.02).astype(np.float32))
-    for il in range(n_layer):
-        p = f"v.blk.{il}"
-        _attention_and_norms(w, p, mat, n_embd)
-        w.add_tensor(f"{p}.ffn_up.weight", mat(n_ff, n_embd))
-        w.add_tensor(f"{p}.ffn_up.bias", _vec(n_ff))
-        w.add_tensor(f"{p}.ffn_down.weight", mat(n_embd, n_ff))
-        w.add_tensor(f"{p}.ffn_down.bias", _vec(n_embd))
+    _siglip_blocks(w, mat, n_embd, n_ff, n_layer)
     if not llava:  # LLaVA takes the second-to-last block's output: its converters drop the post-norm
         w.add_tensor("v.post_ln.weight", _vec(n_embd, 1.0))
         w.add_tensor("v.post_ln.bias", _vec(n_embd))
@@ -235,6 +243,37 @@ def _write_pixtral(path: Path, text_embd: int, n_embd: int, n_ff: int, n_head: i
     return _finish(w, path)
 
 
+def _write_resampler(path: Path, text_embd: int, n_embd: int, n_ff: int, n_head: int, n_layer: int,
+                     image_size: int, patch_size: int, queries: int, seed: int) -> Path:  # fmt: skip
+    """MiniCPM-V 2.6's projector as llama.cpp's converter writes it (minicpmv-convert-image-encoder-to-gguf.py,
+    type "resampler", version 3): a SigLIP encoder whose learned positions are a 70 x 70 table read by
+    bucket, a post-norm, then a resampler: `queries` learned queries cross-attending (heads of 128) to
+    the patches, a LayerNorm and a square projection to the text width (a multiple of 128)."""
+    rng = np.random.default_rng(seed)
+    mat = _matrices(rng)
+    w = _clip_writer(path, "resampler", 0, n_embd, n_ff, n_head, n_layer, image_size, patch_size)
+    w.add_int32("clip.minicpmv_version", 3)
+    w.add_uint32("clip.minicpmv_query_num", queries)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_tensor("v.patch_embd.weight", (rng.standard_normal((n_embd, 3, patch_size, patch_size)) * 0.02).astype(np.float16))
+    w.add_tensor("v.patch_embd.bias", _vec(n_embd))
+    w.add_tensor("v.position_embd.weight", (rng.standard_normal((70 * 70, n_embd)) * 0.02).astype(np.float32))
+    _siglip_blocks(w, mat, n_embd, n_ff, n_layer)
+    w.add_tensor("v.post_ln.weight", _vec(n_embd, 1.0))
+    w.add_tensor("v.post_ln.bias", _vec(n_embd))
+    w.add_tensor("resampler.pos_embed_k", (rng.standard_normal((70 * 70, text_embd)) * 0.02).astype(np.float32))
+    w.add_tensor("resampler.query", (rng.standard_normal((queries, text_embd)) * 0.02).astype(np.float32))
+    w.add_tensor("resampler.kv.weight", mat(text_embd, n_embd))
+    for t in ("q", "k", "v", "out"):
+        w.add_tensor(f"resampler.attn.{t}.weight", mat(text_embd, text_embd))
+        w.add_tensor(f"resampler.attn.{t}.bias", _vec(text_embd))
+    for t in ("q", "kv", "post"):
+        w.add_tensor(f"resampler.ln_{t}.weight", _vec(text_embd, 1.0))
+        w.add_tensor(f"resampler.ln_{t}.bias", _vec(text_embd))
+    w.add_tensor("resampler.proj.weight", mat(text_embd, text_embd))
+    return _finish(w, path)
+
+
 def _write_shuffled(path: Path, proj_type: str, text_embd: int, n_embd: int, n_ff: int, n_head: int, n_layer: int,
                     image_size: int, patch_size: int, merge: int, seed: int) -> Path:  # fmt: skip
     """A class token, learned positions, LayerNorm blocks, then a pixel shuffle of merge x merge patches
@@ -322,3 +361,4 @@ def _write_qwen2a(path: Path, text_embd: int, n_embd: int, n_ff: int, n_head: in
 # The vocabulary pieces mtmd looks up for an idefics3 image (tools/mtmd/mtmd.cpp): a text model
 # paired with an idefics3 projector needs them (tinymodels.write_llama(special=...)).
 IDEFICS3_TOKENS = ("\n", "\n\n", "<fake_token_around_image>", "<global-img>")
+MINICPMV_TOKENS = ("<image>", "</image>", "<slice>", "</slice>", "\n")

@@ -11,6 +11,8 @@ compute buffer for the graph's input, the image (f32 RGB): measured with RPC dev
 
 from __future__ import annotations
 
+import math
+
 from shared.memory.placement import CPU, Placement
 from shared.messages.hosts import ProjectorFacts
 
@@ -50,6 +52,10 @@ def compute_peaks(proj: ProjectorFacts, flash_attn: bool, image_max_tokens: int 
         return _shuffled_peaks(proj, flash_attn)
     if proj.projector_type in WHISPER_TYPES:
         return _whisper_peaks(proj, flash_attn)
+    if proj.projector_type in RESAMPLER_TYPES:
+        return resampler_peaks(proj, flash_attn, resampler_largest_patches(proj))
+    if proj.projector_type in GRAPH_REPLAYED:  # every image resized to the warm-up's: its buffer is every one's
+        return {"graph": proj.graph_compute_bytes}
     side = proj.image_size // proj.patch_size if proj.patch_size else 0
     n_pos = side * side
     e = proj.n_embd * n_pos * F32
@@ -211,6 +217,55 @@ def _whisper_peaks(proj: ProjectorFacts, flash_attn: bool) -> dict[str, int]:
     }
 
 
+# Types whose buffer the agent replays from the file's own graph when it reads the file (ggml-alloc over
+# clip.cpp's graph, shared/memory/mobilenet.py): ProjectorFacts.graph_compute_bytes
+GRAPH_REPLAYED = frozenset({"gemma3nv"})
+# MiniCPM-V (clip.projector_type "resampler"; tools/mtmd/models/minicpmv.cpp): llava-uhd slices
+RESAMPLER_TYPES = frozenset({"resampler"})
+# The image aspect the plan holds, long side over short. mtmd-image.cpp's llava-uhd slicing scales the
+# overview and each of up to 9 slices to about image_size^2 pixels at the piece's own aspect, each side
+# rounded to the patch (get_best_resize, ensure_divide): the rounding adds up to half a patch row and
+# column, more the longer the piece. Nothing in llama.cpp bounds the aspect: docs/known-limits.md.
+RESAMPLER_MAX_ASPECT = 20
+RESAMPLER_MAX_QUERIES = 96  # clip.minicpmv_query_num: 64 from MiniCPM-V 2.6 on, 96 before
+
+
+def resampler_largest_patches(proj: ProjectorFacts) -> int:
+    """The patches of the largest piece (overview or slice) of an image of at most RESAMPLER_MAX_ASPECT:
+    side^2 patches at the piece's aspect a, each side rounded up to half a patch, so at most
+    side^2 + side / 2 (sqrt(a) + 1 / sqrt(a)) + 1/4 (1,100 at 448 pixels and 14-pixel patches; the warm-up's
+    448 x 448 is 1,024; an image of 105 x 1,911 pixels gives a slice of 1,096)."""
+    side = proj.image_size // proj.patch_size if proj.patch_size else 0
+    root = RESAMPLER_MAX_ASPECT**0.5
+    return math.ceil(side * side + side / 2 * (root + 1 / root) + 0.25)
+
+
+def resampler_peaks(proj: ProjectorFacts, flash_attn: bool, n_pos: int) -> dict[str, int]:
+    """MiniCPM-V's graph over one piece of n_pos patches: a SigLIP encoder whose positions are read
+    from a 70 x 70 table by bucket, then the resampler: the patches to the text width (T, f32, n_pos
+    rows), a LayerNorm, 2-D sin-cos positions added as K, and RESAMPLER_MAX_QUERIES queries attending
+    with heads of 128. A bound fitted to the real binary (tests/test_projector_memory.py: shapes at the
+    warm-up and after the largest slice): the resampler's v, k, K and V (4T) with the encoder's residual
+    and the queries under them, a per-patch rest of 320 bytes (its position inputs and what
+    ggml-alloc leaves between them) under every peak; without flash attention a fifth residual beside
+    the scores, and half the piece's pixels. At most 16% above on MiniCPM-V's own widths (SigLIP
+    at 1,152, text 2,560 to 4,096)."""
+    e = proj.n_embd * n_pos * F32
+    f = proj.n_ff * n_pos * F32
+    text = proj.n_mmproj_embd * n_pos * F32
+    pixels = n_pos * proj.patch_size**2 * 3 * F32
+    rest = 320 * n_pos + (0 if flash_attn else pixels // 2)
+    heads = max(proj.n_mmproj_embd // 128, 1)
+    peaks = {
+        "patches": pixels + 3 * proj.patch_size**2 * n_pos * 2,
+        "ffn": f + 4 * e,
+        "attention": 5 * e if flash_attn else n_pos * n_pos * proj.n_head * F32 + 5 * e,
+        "head": 4 * text + e + RESAMPLER_MAX_QUERIES * proj.n_mmproj_embd * F32
+        + (0 if flash_attn else n_pos * RESAMPLER_MAX_QUERIES * heads * F32),
+    }
+    return {name: peak + rest for name, peak in peaks.items()}
+
+
 def mel_bytes(proj: ProjectorFacts) -> int:
     """An audio chunk's mel spectrogram (f32), the encoder's input."""
     return proj.n_mel_bins * WHISPER_FRAMES * F32
@@ -309,6 +364,9 @@ def host_inputs(proj: ProjectorFacts, image_max_tokens: int = 0) -> int:
     if (tokens := largest_image_tokens(proj, image_max_tokens)) is not None:
         n_pos = tokens * (proj.n_merge or 1) ** 2
         return n_pos * (proj.patch_size**2 * 3 * F32 + 2 * 4)
+    if proj.projector_type in RESAMPLER_TYPES:  # the largest piece and its three position inputs
+        n_pos = resampler_largest_patches(proj)
+        return n_pos * (proj.patch_size**2 * 3 * F32 + 3 * 4)
     if proj.projector_type in QWEN_TYPES:  # and its M-RoPE positions, 4 x i32 a patch
         side = qwen_warmup_side(proj)
         return side * side * 3 * F32 + (side // proj.patch_size) ** 2 * 4 * 4

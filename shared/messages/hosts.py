@@ -131,6 +131,10 @@ class ProjectorFacts(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     n_merge: Int32 = 0  # clip.vision.projector.scale_factor (0: the type's default)
     n_mmproj_embd: Int32 = 0  # the text model's n_embd it feeds
     n_mel_bins: Int32 = 0  # clip.audio.num_mel_bins: an audio encoder's input rows
+    n_queries: Int32 = 0  # MiniCPM-V's resampler queries (clip.minicpmv_query_num, else its version's)
+    # The compute buffer replayed from the file's own graph where its type's buffer follows the file's
+    # tensor shapes rather than a few widths (Gemma 3n's MobileNetV5: shared/memory/mobilenet.py)
+    graph_compute_bytes: Bytes = 0
     file_bytes: Bytes = 0
     file_mtime_ns: Annotated[int, msgspec.Meta(ge=-(2**63), le=2**63 - 1)] = 0
 
