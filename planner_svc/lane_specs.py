@@ -9,7 +9,7 @@ from planner_svc.layouts import pins_for
 from planner_svc.policy import chat_template_for
 from planner_svc.prompt_cache import MIB
 from shared.memory import ngl_count
-from shared.memory.projector import DYNAMIC_MAX_TOKENS, image_tokens_cap
+from shared.memory.projector import DYNAMIC_MAX_TOKENS, image_aspect_cap, image_tokens_cap
 from shared.messages.config import FleetConfig
 from shared.messages.hosts import HostReport
 from shared.messages.plans import LaneSpec
@@ -52,7 +52,7 @@ def lane_spec(report: HostReport, config: FleetConfig, lane: PlannedLane) -> Lan
                        "one too, into the RAM prompt cache at each new task (and lose it where the cache is smaller); "
                        "they stay in the KV pool until a task needs the room")  # fmt: skip
     mmproj = lane.facts.mmproj if lane.loads_projector and caps.has_mmproj else None
-    image_max_tokens = None
+    image_max_tokens = image_max_aspect = None
     if mmproj is not None:
         where = "GPU0, the lane's first device" if lane.layout.gpus else "host RAM"
         reasons.append(f"projector {mmproj.projector_type} (--mmproj {mmproj.path}) in {where}: "
@@ -64,6 +64,10 @@ def lane_spec(report: HostReport, config: FleetConfig, lane: PlannedLane) -> Lan
         elif image_max_tokens is not None:
             reasons.append(f"--image-max-tokens {image_max_tokens}: the warm-up's image, which the plan holds; a "
                            "larger image would grow the projector's buffer past it")  # fmt: skip
+        image_max_aspect = image_aspect_cap(mmproj, image_max_tokens or 0)
+        if image_max_aspect is not None:
+            reasons.append(f"images up to {image_max_aspect}:1 (long side over short): the plan holds the largest "
+                           "piece of those; gateways refuse longer ones, which llama.cpp would take past it")  # fmt: skip
     return LaneSpec(
         lane_id=lane.lane_id,
         model=lane.persona.model,
@@ -104,6 +108,7 @@ def lane_spec(report: HostReport, config: FleetConfig, lane: PlannedLane) -> Lan
         mmproj_path=mmproj.path if mmproj is not None else None,
         mmproj_offload=bool(lane.layout.gpus) if mmproj is not None else None,
         image_max_tokens=image_max_tokens,
+        image_max_aspect=image_max_aspect,
         **_spec_fields(lane),
     )
 

@@ -33,10 +33,10 @@ OTHER = {
     "lane_id": "m-1", "model": "n", "ctx_per_slot": 2048, "memory": MemoryBreakdown(kv_bytes=2**20),
     "args": ("--model", "/models/m.gguf"), "reasons": ("why",), "layout": LaneLayout("gpu", (0,)),
     "workers": (SpanWorker(host_id="w", endpoint="10.0.0.2:50052"),), "adapters": ("a",), "draft_model": "d",
-    "slot_buddy_host": "h2", "slot_buddy_lane": "m-0",
+    "slot_buddy_host": "h2", "slot_buddy_lane": "m-0", "image_max_aspect": 20,
 }  # fmt: skip
 NOT_IN_KEY = ("lane_id", "model", "ctx_per_slot", "memory", "args", "reasons", "layout", "workers", "adapters",
-              "draft_model", "slot_buddy_host", "slot_buddy_lane")
+              "draft_model", "slot_buddy_host", "slot_buddy_lane", "image_max_aspect")
 
 
 def test_every_field_is_placed():

@@ -164,6 +164,19 @@ def test_minicpmvs_buffer_after_its_largest_slice_is_never_below_the_binarys(key
     assert at_slice <= projector_compute_bytes(proj, flash_attn)
 
 
+def test_a_minicpmv_lane_holds_its_largest_slice_and_says_how_long_an_image_it_takes():
+    """The lane's projector bytes hold the largest slice (1,100 patches), more than the warm-up's; the
+    spec carries the aspect its plan holds, which gateways enforce (gateway/edge/images.py)."""
+    proj = _proj(projector_type="resampler", image_size=448, n_layer=27, n_mmproj_embd=3584, n_queries=64)
+    lane = only_lane(plan([host(models=(msgspec.structs.replace(llama_1b("vlm"), mmproj=proj),))], FleetConfig(),
+                          Demand(personas=(Persona(model="vlm"),))))  # fmt: skip
+    assert lane.image_max_aspect == 20 and any("images up to 20:1" in r for r in lane.reasons)
+    assert lane.image_max_tokens is None and lane.memory.projector_bytes == proj.weight_bytes + max(
+        resampler_peaks(proj, True, 1100).values())  # fmt: skip
+    assert projector_compute_bytes(proj, True) > max(resampler_peaks(proj, True, 1024).values())
+    assert host_inputs(proj) == 1100 * (14 * 14 * 3 * 4 + 3 * 4)  # the largest piece and its positions
+
+
 def test_minicpmvs_planned_slice_is_the_largest_of_any_image_up_to_twenty_to_one():
     """Every piece of every image from 1:1 to 20:1 (long side up to 4,096 pixels, both orientations) has
     at most the planned patches; the largest is within 1% of it. Past 20:1 a piece can have
@@ -261,6 +274,7 @@ def test_the_plan_renders_mmproj_and_counts_it_in_the_window():
     # flash attention auto: on for the CPU, as clip turns it on
     assert lane.memory.projector_bytes == 600 * MIB + projector_compute_bytes(facts.mmproj, True)
     assert lane.ctx_total < text_only.ctx_total  # the projector's bytes came out of the window
+    assert lane.image_max_aspect is None  # gemma3 resizes every image to its square: any aspect
     assert any("--mmproj" in r for r in lane.reasons)
     args = lane_args(lane, ServerCaps())
     assert args[args.index("--mmproj") + 1] == "/m/mmproj-m.gguf" and "--no-mmproj-offload" in args
@@ -399,6 +413,7 @@ def test_a_pixtral_lane_is_planned_and_started_at_the_largest_image_its_build_ta
     lane = only_lane(plan([host(models=(msgspec.structs.replace(llama_1b("vlm"), mmproj=proj),), server=caps)],
                           FleetConfig(), demand))  # fmt: skip
     assert lane.image_max_tokens == 1024 and any("--image-max-tokens 1024: the largest" in r for r in lane.reasons)
+    assert lane.image_max_aspect == 1024  # one token wide at its largest: the gateway refuses longer strips
     args = lane_args(lane, caps)
     assert args[args.index("--image-max-tokens") + 1] == "1024"
     assert lane.memory.projector_bytes >= proj.weight_bytes + FIGURES[key]["largest_bytes"]

@@ -162,3 +162,33 @@ async def test_an_image_wakes_an_unloaded_model_with_its_projector(nats_server, 
         finally:
             stop.set()
             await asyncio.wait_for(task, 15)
+
+
+async def test_an_image_longer_than_its_lanes_plan_holds_is_refused_at_the_door(nats_server, tmp_path, llama_server):
+    """MiniCPM-V (a generated resampler projector): the plan holds the largest slice of images up to
+    20:1 and says so (LaneSpec.image_max_aspect); through the gateway a 105 x 1,911 image (18:1) is
+    sliced and answered by the real llama-server, a 49 x 4,095 one (84:1, whose slice llama.cpp would
+    give more patches than the plan holds) is refused with a 400 before any lane sees it."""
+    from tinyprojectors import MINICPMV_TOKENS
+
+    models = tmp_path / "models"
+    (models / "minicpm").mkdir(parents=True)
+    write_llama(models / "minicpm" / "minicpm.gguf", n_layer=2, n_embd=256, special=MINICPMV_TOKENS)
+    write_projector(models / "minicpm" / "mmproj-minicpm-f16.gguf", proj_type="resampler", text_embd=256,
+                    image_size=448, scale_factor=64)  # fmt: skip
+    demand = Demand(personas=(Persona(model="minicpm", ctx_max=4096),))
+
+    def picture(width: int, height: int) -> list[dict]:
+        url = "data:image/png;base64," + base64.b64encode(tiny_png(width, height)).decode()
+        return [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": url}}]}]
+
+    async def check(nc, ai):
+        spec = (await fleet_status(nc)).plans[0].lanes[0]
+        assert spec.image_max_aspect == 20 and "images up to 20:1" in " ".join(spec.reasons)
+        answer = await ai.chat.completions.create(model="minicpm", messages=picture(105, 1911), max_tokens=2)
+        assert answer.usage.prompt_tokens > 3 * 64  # an overview and two slices of 64 queries each
+        with pytest.raises(openai.BadRequestError) as refused:
+            await ai.chat.completions.create(model="minicpm", messages=picture(49, 4095), max_tokens=2)
+        assert refused.value.code == "image_too_long" and "49 x 4095 pixels is longer than 20:1" in str(refused.value)
+
+    await _vision_fleet(nats_server, tmp_path, llama_server, models, demand, check)

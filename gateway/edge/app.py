@@ -31,6 +31,7 @@ from gateway.edge.app_keys import (ADMISSION, COOKIE_SECRET, KEYS, LEFT, METRICS
 from gateway.edge.endpoints import ENDPOINTS
 from gateway.edge.lane_stream import lane_socket
 from gateway.edge.forward import Shape, forward
+from gateway.edge.images import aspect_refusal
 from gateway.edge.openai_errors import give_up, openai_error
 from gateway.edge.tenancy import cache_route, errors_and_keys, foreign_lanes, tenant_refusal
 from gateway.fleet import FleetView
@@ -161,6 +162,9 @@ async def _answer(
     if images and model.state != "unknown" and not _takes_images(view, name):
         return openai_error(400, f"model {name!r} takes no images: no multimodal projector (mmproj) is paired with "
                             "it on its hosts (put a *mmproj*.gguf beside its file)", "images_not_supported")  # fmt: skip
+    if images and (longest := _image_max_aspect(view, name)):
+        if (message := aspect_refusal(payload, longest)) is not None:
+            return openai_error(400, message, "image_too_long")
     response = await _held(request, model) if model.state != "ready" else None
     if response is None:
         prompt = routing.prompt_of(request.path, payload)
@@ -198,6 +202,12 @@ def _takes_images(view, name: str) -> bool:
     """A lane of the model has a projector, or the planner says its lanes will (an unloaded model)."""
     entry = view.model_entry(name)
     return any(lane.vision for lane in view.lanes_for(name)) or bool(entry and entry.vision)
+
+
+def _image_max_aspect(view, name: str) -> int:
+    """The longest image the model's lanes are planned for (the smallest cap among them); 0: any."""
+    caps = [lane.image_max_aspect for lane in view.lanes_for(name) if lane.vision and lane.image_max_aspect]
+    return min(caps, default=0)
 
 
 async def _held(request: web.Request, model: ModelView) -> web.Response | None:

@@ -45,6 +45,7 @@ class LaneRoute:
     adapters: tuple[str, ...] = ()  # its LoRA adapters (--lora order): it serves "alias:adapter" too
     reranking: bool = False  # started with --reranking: it serves /v1/rerank
     vision: bool = False  # started with --mmproj (a projector that reads images)
+    image_max_aspect: int = 0  # the longest image (long side over short) its plan holds; 0: any
     cache_tokens: int = 0  # prompt tokens it keeps: its slots' windows and its --cache-ram; 0 not known
     # The key the lane answers to (its agent's, bucket lanes-secrets); "": none known (a lane of an
     # agent from before lane keys). Never shown: not in repr, not in the dashboard's state.
@@ -338,6 +339,7 @@ class FleetView:
                     adapters=spec.adapters,
                     reranking=spec.reranking,
                     vision=spec.mmproj_path is not None,
+                    image_max_aspect=spec.image_max_aspect or 0,
                     cache_tokens=kept_tokens(spec),
                     api_key=self.secrets.get((host, subjects.host_token(spec.lane_id)), ""),
                     key_id=live.key_id if live else "",

@@ -98,6 +98,16 @@ def image_tokens_cap(proj: ProjectorFacts) -> int | None:
     return DYNAMIC_MAX_TOKENS.get(proj.projector_type)
 
 
+def image_aspect_cap(proj: ProjectorFacts, image_max_tokens: int = 0) -> int | None:
+    """The longest image, long side over short, that the plan holds where llama.cpp bounds none and a
+    longer one grows the buffer past it (the gateway refuses longer ones): MiniCPM-V's slices up to
+    RESAMPLER_MAX_ASPECT; Pixtral's one token wide at its largest image (a strip of N tokens is N:1,
+    and llama.cpp keeps one patch across whatever the strip's length). None: any."""
+    if proj.projector_type in RESAMPLER_TYPES:
+        return RESAMPLER_MAX_ASPECT
+    return largest_image_tokens(proj, image_max_tokens)
+
+
 def largest_image_tokens(proj: ProjectorFacts, image_max_tokens: int = 0) -> int | None:
     """The tokens of the largest image a dynamic-size projector takes: --image-max-tokens where given,
     else its build's own limit."""

@@ -205,6 +205,9 @@ class LaneSpec(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     # --image-max-tokens: the largest image the projector takes, where its buffer would grow past
     # the planned warm-up's for a larger one (Qwen2-VL's family: its warm-up's 46 x 46 tokens).
     image_max_tokens: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] | None = None
+    # The longest image (long side over short) its plan holds, where llama.cpp bounds none and a longer
+    # one would grow the projector's buffer past the plan: gateways refuse longer ones. None: any.
+    image_max_aspect: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] | None = None
     # Speculative decoding (--spec-type); with draft-simple, the draft model (--spec-draft-model),
     # its layers on the lane's devices (--spec-draft-ngl) and its K/V types (-ctkd/-ctvd: None, f16).
     spec_type: SpecType | None = None
