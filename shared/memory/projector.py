@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 from shared.memory.placement import CPU, Placement
+from shared.memory.resampler_graph import resampler_compute_bytes
 from shared.messages.hosts import ProjectorFacts
 
 PINNED = frozenset({"cuda", "rocm"})
@@ -53,7 +54,7 @@ def compute_peaks(proj: ProjectorFacts, flash_attn: bool, image_max_tokens: int 
     if proj.projector_type in WHISPER_TYPES:
         return _whisper_peaks(proj, flash_attn)
     if proj.projector_type in RESAMPLER_TYPES:
-        return resampler_peaks(proj, flash_attn, resampler_largest_patches(proj))
+        return {"graph": resampler_buffer(proj, flash_attn)}
     if proj.projector_type in GRAPH_REPLAYED:  # every image resized to the warm-up's: its buffer is every one's
         return {"graph": proj.graph_compute_bytes}
     side = proj.image_size // proj.patch_size if proj.patch_size else 0
@@ -237,7 +238,8 @@ RESAMPLER_TYPES = frozenset({"resampler"})
 # rounded to the patch (get_best_resize, ensure_divide): the rounding adds up to half a patch row and
 # column, more the longer the piece. Nothing in llama.cpp bounds the aspect: docs/known-limits.md.
 RESAMPLER_MAX_ASPECT = 20
-RESAMPLER_MAX_QUERIES = 96  # clip.minicpmv_query_num: 64 from MiniCPM-V 2.6 on, 96 before
+RESAMPLER_MAX_QUERIES = 96  # clip.minicpmv_query_num: 64 from MiniCPM-V 2.6 on, 96 before (an old agent's 0)
+RESAMPLER_WINDOW = 32
 
 
 def resampler_largest_patches(proj: ProjectorFacts) -> int:
@@ -250,30 +252,28 @@ def resampler_largest_patches(proj: ProjectorFacts) -> int:
     return math.ceil(side * side + side / 2 * (root + 1 / root) + 0.25)
 
 
-def resampler_peaks(proj: ProjectorFacts, flash_attn: bool, n_pos: int) -> dict[str, int]:
-    """MiniCPM-V's graph over one piece of n_pos patches: a SigLIP encoder whose positions are read
-    from a 70 x 70 table by bucket, then the resampler: the patches to the text width (T, f32, n_pos
-    rows), a LayerNorm, 2-D sin-cos positions added as K, and RESAMPLER_MAX_QUERIES queries attending
-    with heads of 128. A bound fitted to the real binary (tests/test_projector_memory.py: shapes at the
-    warm-up and after the largest slice): the resampler's v, k, K and V (4T) with the encoder's residual
-    and the queries under them, a per-patch rest of 320 bytes (its position inputs and what
-    ggml-alloc leaves between them) under every peak; without flash attention a fifth residual beside
-    the scores, and half the piece's pixels. At most 16% above on MiniCPM-V's own widths (SigLIP
-    at 1,152, text 2,560 to 4,096)."""
-    e = proj.n_embd * n_pos * F32
-    f = proj.n_ff * n_pos * F32
-    text = proj.n_mmproj_embd * n_pos * F32
-    pixels = n_pos * proj.patch_size**2 * 3 * F32
-    rest = 320 * n_pos + (0 if flash_attn else pixels // 2)
-    heads = max(proj.n_mmproj_embd // 128, 1)
-    peaks = {
-        "patches": pixels + 3 * proj.patch_size**2 * n_pos * 2,
-        "ffn": f + 4 * e,
-        "attention": 5 * e if flash_attn else n_pos * n_pos * proj.n_head * F32 + 5 * e,
-        "head": 4 * text + e + RESAMPLER_MAX_QUERIES * proj.n_mmproj_embd * F32
-        + (0 if flash_attn else n_pos * RESAMPLER_MAX_QUERIES * heads * F32),
-    }
-    return {name: peak + rest for name, peak in peaks.items()}
+def resampler_piece_bytes(proj: ProjectorFacts, flash_attn: bool, n_pos: int) -> int:
+    """The buffer for one piece of n_pos patches, replayed from MiniCPM-V's graph (exact: shared/memory/
+    resampler_graph.py); 0 for widths llama.cpp's graph cannot build (it fails to start the lane)."""
+    try:
+        return resampler_compute_bytes(
+            n_embd=proj.n_embd, n_ff=proj.n_ff, n_head=proj.n_head, n_layer=proj.n_layer, n_pos=n_pos,
+            patch_size=proj.patch_size, text_embd=proj.n_mmproj_embd, queries=proj.n_queries or RESAMPLER_MAX_QUERIES,
+            flash_attn=flash_attn,
+        )  # fmt: skip
+    except ValueError:
+        return 0
+
+
+def resampler_buffer(proj: ProjectorFacts, flash_attn: bool) -> int:
+    """The buffer after the largest piece the plan holds (or the warm-up's, if larger: the buffer only
+    grows). ggml-alloc's packing makes it not quite monotone
+    in the patches (a few hundred KiB down for a few more patches, then up again), so the largest over
+    the last RESAMPLER_WINDOW piece sizes up to the largest: on every shape tried the largest of all
+    smaller pieces lies there (tests/test_projector_memory.py)."""
+    largest, warmup = resampler_largest_patches(proj), (proj.image_size // max(proj.patch_size, 1)) ** 2
+    pieces = (warmup, *range(max(largest - RESAMPLER_WINDOW, 1), largest + 1))
+    return max(resampler_piece_bytes(proj, flash_attn, n) for n in pieces)
 
 
 def mel_bytes(proj: ProjectorFacts) -> int:
