@@ -376,7 +376,7 @@ def main() -> int:
                 print("no RPC build: run `lanes install-llama --rpc`", file=sys.stderr)
                 return 2
             model, mmproj = projector_for(Path(tmp), shape)
-            table[key] = fig = measure_largest(rpc, model, mmproj, shape[8], shape[10], *[tuple(shape[11:])] if len(shape) > 11 else [])
+            table[key] = fig = measure_largest(rpc, model, mmproj, shape[8], shape[10], tuple(shape[11:13]) or (64, 64))
             print(key, fig.get("error") or (fig["warmup_compute_mib"], fig["largest_bytes"]))
         for shape in RESAMPLER_LARGEST:
             key = resampler_key(*shape)
