@@ -94,6 +94,8 @@ def projector_facts(path: str | os.PathLike[str], header: GGUFHeader | None = No
         n_merge=u32("clip.vision.projector.scale_factor") or u32("clip.vision.spatial_merge_size"),
         n_mmproj_embd=int(mmproj_embd),
         n_queries=_resampler_queries(f) if proj_type == "resampler" else 0,
+        pre_ln=any(t.name == "v.pre_ln.weight" for t in tensors),
+        post_ln=any(t.name == "v.post_ln.weight" for t in tensors),
         graph_compute_bytes=graph_compute,
         file_bytes=st.st_size,
         file_mtime_ns=st.st_mtime_ns,

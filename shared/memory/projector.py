@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import math
 
+from shared.memory.llama4_graph import llama4_compute_bytes
+from shared.memory.llava_graph import llava_compute_bytes
 from shared.memory.placement import CPU, Placement
 from shared.memory.resampler_graph import resampler_compute_bytes
 from shared.messages.hosts import ProjectorFacts
@@ -42,8 +44,8 @@ def compute_peaks(proj: ProjectorFacts, flash_attn: bool, image_max_tokens: int 
     the text model's n_embd). Exact on every recorded shape with flash attention (llama-server's
     default, auto, turns it on for CPU and CUDA); without it the gemma3 figure is an upper bound
     (at most 0.25 MiB above, tests/test_projector_memory.py)."""
-    if proj.projector_type == "mlp":
-        return _llava_peaks(proj, flash_attn)
+    if proj.projector_type in GRAPH_TYPES:
+        return {"graph": graph_bytes(proj, flash_attn)}
     if proj.projector_type in QWEN_TYPES:
         return _qwen_peaks(proj, flash_attn)
     if proj.projector_type in DYNAMIC_MAX_TOKENS:
@@ -199,7 +201,7 @@ def pixtral_peaks(proj: ProjectorFacts, flash_attn: bool, tokens: int, rows: int
     }
 
 
-SHUFFLED_TYPES = frozenset({"internvl", "llama4"})
+SHUFFLED_TYPES = frozenset({"internvl"})
 # Audio projectors on Whisper's encoder (tools/mtmd/models/whisper-enc.cpp); qwen2a measured, the others
 # share its encoder and differ in the head (a frame stack, another MLP): planned alike, not measured
 WHISPER_TYPES = frozenset({"qwen2a", "ultravox", "voxtral", "glma", "meralion", "musicflamingo"})
@@ -226,6 +228,26 @@ def _whisper_peaks(proj: ProjectorFacts, flash_attn: bool) -> dict[str, int]:
         "attention": 5 * e if flash_attn else n_pos * n_pos * proj.n_head * F32 + 4 * e,
         "head": proj.n_mmproj_embd * (n_pos // 2) * F32 + e,
     }
+
+
+# Types whose buffer the planner replays from clip.cpp's graph at the file's widths (ggml-alloc over the
+# graph's tensors, shared/memory/graph_alloc.py): LLaVA's (llava_graph.py) and Llama 4's (llama4_graph.py),
+# one image of the file's image size a side, which every image is resized or tiled to
+GRAPH_TYPES = frozenset({"mlp", "llama4"})
+
+
+def graph_bytes(proj: ProjectorFacts, flash_attn: bool) -> int:
+    """The replayed warm-up buffer of a GRAPH_TYPES projector; 0 for widths clip's graph cannot build
+    (llama.cpp fails to start such a lane)."""
+    widths = dict(n_embd=proj.n_embd, n_ff=proj.n_ff, n_head=proj.n_head, n_layer=proj.n_layer,
+                  image_size=proj.image_size, patch_size=proj.patch_size, text_embd=proj.n_mmproj_embd,
+                  flash_attn=flash_attn, post_ln=proj.post_ln)  # fmt: skip
+    try:
+        if proj.projector_type == "llama4":
+            return llama4_compute_bytes(**widths, merge=proj.n_merge or 2, pre_ln=proj.pre_ln)
+        return llava_compute_bytes(**widths)
+    except ValueError:
+        return 0
 
 
 # Types whose buffer the agent replays from the file's own graph when it reads the file (ggml-alloc over
@@ -294,57 +316,21 @@ def _aligned(n: int) -> int:
 
 
 def _shuffled_peaks(proj: ProjectorFacts, flash_attn: bool) -> dict[str, int]:
-    """InternVL's and Llama 4's graphs (tools/mtmd/models/internvl.cpp, llama4.cpp): one tile of the
-    file's image size (their warm-up, and every slice of a larger image), a class token (P^2 + 1
-    positions), all blocks, then a merge x merge pixel shuffle into an MLP of the text model's width.
-    InternVL is exact on 9 recorded shapes: the SigLIP terms, where its layer scales keep a third
-    residual beside the FFN in every block. Llama 4's patch unfold is an f32 im2col and its RoPE-2D
-    splits and joins Q and K: a bound, never below and at most 10% above on 9 shapes."""
+    """InternVL's graph (tools/mtmd/models/internvl.cpp): one tile of the file's image size (its warm-up,
+    and every slice of a larger image), a class token (P^2 + 1 positions), all blocks, then a 2 x 2
+    pixel shuffle into an MLP of the text model's width. Exact on 9 recorded shapes: the SigLIP terms,
+    where its layer scales keep a third residual beside the FFN in every block."""
     patches, e, f, image = _with_class_token(proj)
     n_pos = patches + 1
     kq = _aligned(n_pos * n_pos * proj.n_head * F32)
     tokens = patches // max(1, proj.n_merge) ** 2
     text = proj.n_mmproj_embd * tokens * F32
-    if proj.projector_type == "internvl":
-        return {
-            "patches": image + 3 * proj.patch_size**2 * patches * 2,
-            "ffn": f + 3 * e,
-            "attention": 5 * e if flash_attn else kq + 4 * e,
-            "head": 2 * text + e,  # mm.model.mlp.1's and .3's outputs
-        }
-    pos = 2 * _aligned(n_pos * 4)  # the RoPE-2D positions, i32 each
     return {
-        "patches": image + 3 * proj.patch_size**2 * patches * F32 + pos,
-        "ffn": (2 * f + 3 * e // 2 if proj.n_layer >= 2 else f + 2 * e) + pos,
-        "attention": (21 * e // 4 if flash_attn else kq + 7 * e) + pos,
-        "head": proj.n_ff * tokens * F32 + 2 * text + e,  # the MLP's two layers and mm.model.fc
+        "patches": image + 3 * proj.patch_size**2 * patches * 2,
+        "ffn": f + 3 * e,
+        "attention": 5 * e if flash_attn else kq + 4 * e,
+        "head": 2 * text + e,  # mm.model.mlp.1's and .3's outputs
     }
-
-
-def _llava_peaks(proj: ProjectorFacts, flash_attn: bool) -> dict[str, int]:
-    """LLaVA's graph (tools/mtmd/models/llava.cpp, type mlp): a CLIP encoder whose class token makes
-    P^2 + 1 positions, run to its second-to-last block, then mm.0, GELU and mm.2 over the P^2 patch
-    rows. A bound, not the printed figure (tests/test_projector_memory.py: never below it, at most
-    2.5 MiB above on 32 recorded shapes, 1 MiB on LLaVA 1.5's own widths): the head's two f32
-    activations of the text model's width (T each, mm.0's output alive while mm.2 writes) sit above
-    wherever ggml-alloc left the patch rows they read (g) among the encoder's freed blocks, which
-    follows the whole graph's placement; so does the offset the stem's extra tensors (the class
-    token's concat) leave under the encoder's peaks: the im2col buffer's size with flash attention,
-    the larger of two residuals and the image without."""
-    patches, e, f, image = _with_class_token(proj)
-    n_pos = patches + 1
-    im2col = 3 * proj.patch_size**2 * patches * 2
-    offset = im2col if flash_attn else max(2 * e, image)
-    peaks = {"patches": image + im2col, "ffn": f + 2 * e + offset}
-    if proj.n_layer - 1 >= 2:  # blocks run: all but the last
-        peaks["ffn_next"] = f + 3 * e + offset
-    if flash_attn:
-        peaks["attention"] = 5 * e + offset
-    else:
-        peaks["attention"] = n_pos * n_pos * proj.n_head * F32 + 4 * e + offset
-    head = proj.n_mmproj_embd * patches * F32
-    peaks["head"] = 2 * head + proj.n_embd * patches * F32 + max(e, image)
-    return peaks
 
 
 def projector_bytes(
