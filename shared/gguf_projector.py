@@ -92,14 +92,23 @@ def projector_facts(path: str | os.PathLike[str], header: GGUFHeader | None = No
         image_size=u32("clip.vision.image_size"),
         patch_size=u32("clip.vision.patch_size"),
         n_merge=u32("clip.vision.projector.scale_factor") or u32("clip.vision.spatial_merge_size"),
-        n_mmproj_embd=int(mmproj_embd),
+        n_mmproj_embd=int(mmproj_embd) or u32(f"{enc}.projection_dim"),
         n_queries=_resampler_queries(f) if proj_type == "resampler" else 0,
+        stack_factor=u32("clip.audio.projector.stack_factor"),
+        proj_hidden=_audio_hidden(tensors, proj_type),
         pre_ln=any(t.name == "v.pre_ln.weight" for t in tensors),
         post_ln=any(t.name == "v.post_ln.weight" for t in tensors),
         graph_compute_bytes=graph_compute,
         file_bytes=st.st_size,
         file_mtime_ns=st.st_mtime_ns,
     )
+
+
+def _audio_hidden(tensors, proj_type: str) -> int:
+    """An audio head's MLP width: the rows (ne[1]) of its first matrix, mm.a.mlp.1 (MERaLiON's mm.a.mlp.0)."""
+    name = "mm.a.mlp.0.weight" if proj_type == "meralion" else "mm.a.mlp.1.weight"
+    first = next((t for t in tensors if t.name == name), None)
+    return int(first.shape[1]) if first is not None and len(first.shape) > 1 else 0
 
 
 def _resampler_queries(fields: dict) -> int:

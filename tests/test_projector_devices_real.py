@@ -120,15 +120,21 @@ def test_pixtrals_buffer_after_its_largest_image_is_within_the_plan(rpc_bin, tmp
 
 
 @pytest.mark.parametrize("offload", [True, False], ids=["offload", "host"])
-def test_an_audio_projector_per_device_is_the_printed_bytes(rpc_bin, endpoint, tmp_path, offload):
-    """Qwen2-Audio's layout (a Whisper encoder over a 30 s chunk): weights and compute on the RPC device
-    or in host RAM as printed; with offload the chunk's mel frames (f32) stay in host RAM."""
+@pytest.mark.parametrize("proj_type", ["qwen2a", "ultravox", "voxtral"])
+def test_an_audio_projector_per_device_is_the_printed_bytes(rpc_bin, endpoint, tmp_path, offload, proj_type):
+    """Whisper-encoder audio projectors (Qwen2-Audio's fc head, Ultravox's frame stack of 8 and SwiGLU,
+    Voxtral's stack of 4 and GELU MLP) over a 30 s chunk: the agent reads the head's facts from the
+    file; weights and compute on the RPC device or in host RAM as printed; with offload the chunk's mel
+    frames (f32) stay in host RAM."""
+    from tinyaudio import write_audio_projector
+
     model = write_llama(tmp_path / "m.gguf", n_embd=1024)
-    path = write_projector(tmp_path / "mmproj-m.gguf", proj_type="qwen2a", text_embd=1024, n_embd=384, n_ff=1536,
-                           n_head=6, n_layer=2, image_size=80)  # fmt: skip
+    path = write_audio_projector(tmp_path / "mmproj-m.gguf", proj_type=proj_type, text_embd=1024, n_embd=384,
+                                 n_ff=1536, n_head=6, n_layer=2, n_mel=80)  # fmt: skip
     printed = _printed(rpc_bin, endpoint, model, path, offload)
     proj = projector_facts(path)
-    assert (proj.audio, proj.vision, proj.n_mel_bins, proj.n_embd) == (True, False, 80, 384)
+    assert (proj.audio, proj.vision, proj.n_mel_bins, proj.n_embd, proj.n_mmproj_embd) == (True, False, 80, 384, 1024)
+    assert proj.stack_factor == {"qwen2a": 0, "ultravox": 8, "voxtral": 4}[proj_type]
     planned = lane_memory(msgspec.structs.replace(read_model_facts(model), mmproj=proj), LaneShape(
         ctx=512, flash_attn=True, mmproj=True, mmproj_offload=offload, n_gpu_layers="all", devices=("rpc",)))  # fmt: skip
     by_device = {d.device: d.projector_bytes for d in planned.devices}

@@ -17,6 +17,7 @@ from shared.memory.llama4_graph import llama4_compute_bytes
 from shared.memory.llava_graph import llava_compute_bytes
 from shared.memory.placement import CPU, Placement
 from shared.memory.resampler_graph import resampler_compute_bytes
+from shared.memory.whisper_graph import AUDIO_TYPES, WHISPER_FRAMES, whisper_compute_bytes
 from shared.messages.hosts import ProjectorFacts
 
 PINNED = frozenset({"cuda", "rocm"})
@@ -54,7 +55,7 @@ def compute_peaks(proj: ProjectorFacts, flash_attn: bool, image_max_tokens: int 
     if proj.projector_type in SHUFFLED_TYPES:
         return _shuffled_peaks(proj, flash_attn)
     if proj.projector_type in WHISPER_TYPES:
-        return _whisper_peaks(proj, flash_attn)
+        return {"graph": whisper_bytes(proj, flash_attn)}
     if proj.projector_type in RESAMPLER_TYPES:
         return {"graph": resampler_buffer(proj, flash_attn)}
     if proj.projector_type in GRAPH_REPLAYED:  # every image resized to the warm-up's: its buffer is every one's
@@ -202,32 +203,22 @@ def pixtral_peaks(proj: ProjectorFacts, flash_attn: bool, tokens: int, rows: int
 
 
 SHUFFLED_TYPES = frozenset({"internvl"})
-# Audio projectors on Whisper's encoder (tools/mtmd/models/whisper-enc.cpp); qwen2a measured, the others
-# share its encoder and differ in the head (a frame stack, another MLP): planned alike, not measured
-WHISPER_TYPES = frozenset({"qwen2a", "ultravox", "voxtral", "glma", "meralion", "musicflamingo"})
-WHISPER_FRAMES = 3000  # clip-model.h warmup_audio_size: a 30 s chunk of 10 ms frames, every chunk's size
+# Audio projectors on Whisper's encoder (tools/mtmd/models/whisper-enc.cpp), each with its own head
+WHISPER_TYPES = AUDIO_TYPES
 
 
-def _whisper_peaks(proj: ProjectorFacts, flash_attn: bool) -> dict[str, int]:
-    """Whisper's encoder over one 30 s chunk (its warm-up, and every chunk of longer audio): the mel
-    frames (f32) through a 1-D convolution, then one of stride 2 to 1,500 positions, the blocks, an
-    average pool of 2 and mm.a.fc to the text width. Exact on 8 shapes recorded from Qwen2-Audio's
-    layout (tests/test_projector_memory.py): the SigLIP terms, a third residual beside every FFN, and
-    the convolutions' unrolled inputs (f16) beside the first one's output of 3,000 frames."""
-    n_pos = WHISPER_FRAMES // 2
-    e = proj.n_embd * n_pos * F32
-    f = proj.n_ff * n_pos * F32
-    unrolled = 3 * proj.n_mel_bins * WHISPER_FRAMES * 2
-    # conv 1's output (3,000 frames, 2e) sits in the freed mel frames where it fits; else above them and
-    # conv 1's unrolled input, with conv 2's unrolled input (1.5e) and output (e) on top
-    above = 2 * e + 3 * e // 2 + e if 2 * e > mel_bytes(proj) else 0
-    return {
-        "frames": mel_bytes(proj) + unrolled,
-        "convolutions": unrolled + above,
-        "ffn": f + 3 * e,
-        "attention": 5 * e if flash_attn else n_pos * n_pos * proj.n_head * F32 + 4 * e,
-        "head": proj.n_mmproj_embd * (n_pos // 2) * F32 + e,
-    }
+def whisper_bytes(proj: ProjectorFacts, flash_attn: bool) -> int:
+    """One 30 s chunk through Whisper's encoder and the type's head (a frame stack, an MLP), the graph
+    replayed (shared/memory/whisper_graph.py: exact on 42 shapes of six types and Qwen2-Audio's printed
+    figures); 0 where a fact the head needs is missing (an older agent's facts) or clip cannot build it."""
+    try:
+        return whisper_compute_bytes(
+            proj_type=proj.projector_type, n_embd=proj.n_embd, n_ff=proj.n_ff, n_head=proj.n_head,
+            n_layer=proj.n_layer, n_mel=proj.n_mel_bins, text_embd=proj.n_mmproj_embd, flash_attn=flash_attn,
+            stack_factor=proj.stack_factor, proj_hidden=proj.proj_hidden,
+        )  # fmt: skip
+    except ValueError:
+        return 0
 
 
 # Types whose buffer the planner replays from clip.cpp's graph at the file's widths (ggml-alloc over the

@@ -132,6 +132,8 @@ class ProjectorFacts(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     n_mmproj_embd: Int32 = 0  # the text model's n_embd it feeds
     n_mel_bins: Int32 = 0  # clip.audio.num_mel_bins: an audio encoder's input rows
     n_queries: Int32 = 0  # MiniCPM-V's resampler queries (clip.minicpmv_query_num, else its version's)
+    stack_factor: Int32 = 0  # an audio head's frames stacked into one (clip.audio.projector.stack_factor)
+    proj_hidden: Int32 = 0  # an audio head's MLP width (mm.a.mlp.1's rows; MERaLiON's mm.a.mlp.0's)
     pre_ln: bool = False  # the encoder's norm before its first block (v.pre_ln): Llama 4's files have one
     post_ln: bool = False  # and after its last (v.post_ln): LLaVA's converters drop it, Llama 4's keep it
     # The compute buffer replayed from the file's own graph where its type's buffer follows the file's
