@@ -9,6 +9,7 @@ beside NAME-Q4_K_M.gguf): the name without "mmproj" and its type suffix.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Iterable
@@ -20,6 +21,8 @@ from shared.messages.hosts import ProjectorFacts
 
 PROJECTOR_ARCH = "clip"
 # A weight type or quantization at the end of a file's stem: -f16, .Q4_K_M, _bf16, -IQ3_XXS, -model-f16.
+_DEEPSTACK = re.compile(r"v\.deepstack\.\d+\.")  # Qwen3-VL's deepstack mergers, by block
+BF16 = 30  # ggml's type id
 _TYPE_SUFFIX = re.compile(r"([-_.](model|f16|f32|bf16|fp16|fp32|q\d[a-z0-9_]*|iq\d[a-z0-9_]*|mxfp4))+$")
 
 
@@ -96,12 +99,22 @@ def projector_facts(path: str | os.PathLike[str], header: GGUFHeader | None = No
         n_queries=_resampler_queries(f) if proj_type == "resampler" else 0,
         stack_factor=u32("clip.audio.projector.stack_factor"),
         proj_hidden=_audio_hidden(tensors, proj_type),
+        n_wa_pattern=u32("clip.vision.n_wa_pattern"),
+        deepstack=tuple(sorted({int(t.name.split(".")[2]) for t in tensors if _DEEPSTACK.match(t.name)})),
+        pos_side=_table_side(tensors) if proj_type == "qwen3vl_merger" else 0,
+        kernel_bf16=any(t.name == "v.patch_embd.weight" and t.type == BF16 for t in tensors),
         pre_ln=any(t.name == "v.pre_ln.weight" for t in tensors),
         post_ln=any(t.name == "v.post_ln.weight" for t in tensors),
         graph_compute_bytes=graph_compute,
         file_bytes=st.st_size,
         file_mtime_ns=st.st_mtime_ns,
     )
+
+
+def _table_side(tensors) -> int:
+    """Qwen3-VL's learned position table's side: the root of v.position_embd's rows."""
+    table = next((t for t in tensors if t.name == "v.position_embd.weight" and len(t.shape) > 1), None)
+    return math.isqrt(int(table.shape[1])) if table is not None else 0
 
 
 def _audio_hidden(tensors, proj_type: str) -> int:

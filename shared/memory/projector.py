@@ -16,6 +16,7 @@ import math
 from shared.memory.llama4_graph import llama4_compute_bytes
 from shared.memory.llava_graph import llava_compute_bytes
 from shared.memory.placement import CPU, Placement
+from shared.memory.qwen_graph import POS_TABLE_SIDE, qwen_planned_bytes
 from shared.memory.resampler_graph import resampler_compute_bytes
 from shared.memory.whisper_graph import AUDIO_TYPES, WHISPER_FRAMES, whisper_compute_bytes
 from shared.messages.hosts import ProjectorFacts
@@ -48,7 +49,7 @@ def compute_peaks(proj: ProjectorFacts, flash_attn: bool, image_max_tokens: int 
     if proj.projector_type in GRAPH_TYPES:
         return {"graph": graph_bytes(proj, flash_attn)}
     if proj.projector_type in QWEN_TYPES:
-        return _qwen_peaks(proj, flash_attn)
+        return {"graph": qwen_bytes(proj, flash_attn)}
     if proj.projector_type in DYNAMIC_MAX_TOKENS:
         tokens = largest_image_tokens(proj, image_max_tokens) or 0
         return pixtral_peaks(proj, flash_attn, tokens, rows=tokens)
@@ -83,8 +84,6 @@ def compute_peaks(proj: ProjectorFacts, flash_attn: bool, image_max_tokens: int 
 
 QWEN_TYPES = frozenset({"qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger"})
 QWEN_WARMUP_TOKENS = 46  # clip.cpp: set_warmup_n_tokens(46*46), whatever the file's image size
-QWEN_WINDOWED = frozenset({"qwen2.5vl_merger"})  # window attention: an n_pos x n_pos mask
-QWEN_SLACK = 32 * 1024  # the graph's smaller inputs and alignment, which no recorded shape exceeded
 
 
 # Projectors that take images of any size up to a number of tokens, and warm up on a smaller one (clip.cpp
@@ -106,9 +105,12 @@ def image_aspect_cap(proj: ProjectorFacts, image_max_tokens: int = 0) -> int | N
     """The longest image, long side over short, that the plan holds where llama.cpp bounds none and a
     longer one grows the buffer past it (the gateway refuses longer ones): MiniCPM-V's slices up to
     RESAMPLER_MAX_ASPECT; Pixtral's one token wide at its largest image (a strip of N tokens is N:1,
-    and llama.cpp keeps one patch across whatever the strip's length). None: any."""
+    and llama.cpp keeps one patch across whatever the strip's length); Qwen2-VL's family likewise at its
+    --image-max-tokens. None: any."""
     if proj.projector_type in RESAMPLER_TYPES:
         return RESAMPLER_MAX_ASPECT
+    if proj.projector_type in QWEN_TYPES:  # one token across past image_max_tokens:1, more tokens than the cap
+        return image_max_tokens or QWEN_WARMUP_TOKENS**2
     return largest_image_tokens(proj, image_max_tokens)
 
 
@@ -124,41 +126,23 @@ def qwen_warmup_side(proj: ProjectorFacts) -> int:
     return QWEN_WARMUP_TOKENS * proj.patch_size * (proj.n_merge or 2)
 
 
-def _qwen_peaks(proj: ProjectorFacts, flash_attn: bool) -> dict[str, int]:
-    """Qwen2-VL's family (tools/mtmd/models/qwen2vl.cpp): clip warms up on an image of 46 x 46
-    merged tokens, not the file's image size (8,464 patches at 14 pixels and a merge of 2), so the
-    buffer is that image's, a bound fitted to the real binary (tests/test_projector_memory.py:
-    never below; Qwen2-VL within 0.1% but one shape 2.1 MiB, Qwen2.5-VL at most 10% above, where the
-    merger's activations fit in blocks the mask leaves). Under everything: the image (f32 RGB) and the M-RoPE positions
-    (4 x i32 a patch); with window attention (2.5-VL) its n_pos x n_pos f32 mask, and its f16 copy
-    with flash attention (410 MiB of a 430 MiB buffer at this warm-up); then the largest of the two
-    patch convolutions' unrolled input and a residual, the FFN activations, the scores without flash
-    attention and the merger's output of the text model's width. An image larger than the warm-up
-    grows the buffer (llama-server re-reserves it): not planned."""
-    side = qwen_warmup_side(proj)
-    n_pos = (side // proj.patch_size) ** 2 if proj.patch_size else 0
-    e = proj.n_embd * n_pos * F32
-    f = proj.n_ff * n_pos * F32
-    base = side * side * 3 * F32 + n_pos * 4 * 4 + QWEN_SLACK
-    if proj.projector_type in QWEN_WINDOWED:  # the mask, and the window order and its inverse (i32)
-        base += n_pos * n_pos * F32 + (n_pos * n_pos * 2 if flash_attn else 0) + 2 * (n_pos // 4) * 4
-    peaks = {
-        "patches": base + 3 * proj.patch_size**2 * n_pos * 2 + e,
-        "ffn": base + f,
-        # mm.0's input and output (each a residual's size), under mm.2's output of the text width
-        "merger": base + 2 * e + proj.n_mmproj_embd * (n_pos // 4) * F32,
-    }
-    peaks["attention"] = base + (3 * e if flash_attn else n_pos * n_pos * proj.n_head * F32 + e)
-    if proj.projector_type == "qwen3vl_merger":
-        # Deepstack (Qwen3-VL's models have it at 3 blocks): each such block's own merger output of the
-        # text width, concatenated one by one and then with the main merger's. Measured with 2 and 3
-        # (never below, at most 30% above); 4 would be short, a file without any planned high.
-        text = proj.n_mmproj_embd * (n_pos // 4) * F32
-        # one more residual beside the attention: seen without flash attention, kept with it (a bound)
-        peaks["attention"] += e
-        peaks["deepstack"] = 8 * text + 6 * e + QWEN_SLACK
-        peaks["ffn_wide"] = base + f + 5 * e
-    return peaks
+def qwen_bytes(proj: ProjectorFacts, flash_attn: bool) -> int:
+    """Qwen2-VL's family, its graph replayed (shared/memory/qwen_graph.py): the largest buffer over every
+    image the lane takes at --image-max-tokens 2116 (the buffer follows an image's merged tokens alone,
+    not monotone in them; on every shape measured the largest is the warm-up's 46 x 46). Images more
+    than 2,116 times longer than wide would escape the limit (llama.cpp keeps one token across): the
+    gateway refuses those (image_aspect_cap), so the plan leaves them out. 0 for widths clip's graph
+    cannot build."""
+    try:
+        return qwen_planned_bytes(
+            proj_type=proj.projector_type, n_embd=proj.n_embd, n_ff=proj.n_ff, n_head=proj.n_head,
+            n_layer=proj.n_layer, patch_size=proj.patch_size, text_embd=proj.n_mmproj_embd, flash_attn=flash_attn,
+            image_max_tokens=QWEN_WARMUP_TOKENS**2, strips=False, n_wa_pattern=proj.n_wa_pattern or None,
+            deepstack=(proj.deepstack or None) if proj.projector_type == "qwen3vl_merger" else None,
+            pos_side=proj.pos_side or POS_TABLE_SIDE, kernel_bf16=proj.kernel_bf16,
+        )  # fmt: skip
+    except ValueError:
+        return 0
 
 
 PIXTRAL_ALIGN_SLACK = 32 * 32  # each tensor padded to 32 bytes (short by 32 at 2,116 tokens without it)

@@ -134,6 +134,13 @@ class ProjectorFacts(msgspec.Struct, frozen=True, gc=False, kw_only=True):
     n_queries: Int32 = 0  # MiniCPM-V's resampler queries (clip.minicpmv_query_num, else its version's)
     stack_factor: Int32 = 0  # an audio head's frames stacked into one (clip.audio.projector.stack_factor)
     proj_hidden: Int32 = 0  # an audio head's MLP width (mm.a.mlp.1's rows; MERaLiON's mm.a.mlp.0's)
+    # Qwen2-VL's family: blocks with (i + 1) % n_wa_pattern != 0 attend in windows (clip.vision.n_wa_pattern;
+    # 0: the type's default), Qwen3-VL's deepstack blocks (v.deepstack.N), its position table's side
+    # (the root of v.position_embd's rows; 0: 48), a bf16 patch kernel (unrolled to f32, not f16)
+    n_wa_pattern: Int32 = 0
+    deepstack: Annotated[tuple[Int32, ...], msgspec.Meta(max_length=256)] = ()
+    pos_side: Int32 = 0
+    kernel_bf16: bool = False
     pre_ln: bool = False  # the encoder's norm before its first block (v.pre_ln): Llama 4's files have one
     post_ln: bool = False  # and after its last (v.post_ln): LLaVA's converters drop it, Llama 4's keep it
     # The compute buffer replayed from the file's own graph where its type's buffer follows the file's

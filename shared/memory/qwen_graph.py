@@ -1,0 +1,659 @@
+"""Qwen2-VL's family of vision projectors (clip.projector_type `qwen2vl_merger`, `qwen2.5vl_merger`,
+`qwen3vl_merger`): the compute buffer clip allocates for one image, to the byte. Pure.
+
+The graph (b11434: tools/mtmd/models/qwen2vl.cpp clip_graph_qwen2vl::build for Qwen2-VL and 2.5-VL,
+models/qwen3vl.cpp clip_graph_qwen3vl::build for 3-VL, with clip.cpp's build_norm, build_ffn, build_attn):
+
+- the image (inp_raw, W x H x 3 f32) through two patch convolutions (ggml_conv_2d: im2col to f16, f32
+  when the kernel is bf16, and mul_mat; a still image feeds both frames' kernels) added, then
+  reordered so each 2 x 2 block of patches is contiguous (cont, reshape, permute, cont);
+- Qwen3-VL: a patch bias, and learned positions from a side x side table (48 x 48 in Qwen3-VL's files)
+  bilinearly resized to the patch grid (ggml_interpolate; skipped when the grid is the table's) and
+  reordered the same way;
+- Qwen2.5-VL (window attention, clip.vision.n_wa_pattern > 0): the patches gathered into window order
+  (get_rows of 2 x 2 blocks by inv_window_idx), an n_pos x n_pos f32 window mask (an f16 copy with flash
+  attention, and another copy in every windowed block's build_attn), blocks il with (il + 1) %
+  n_wa_pattern != 0 attending in windows, and the merger's output put back in order (get_rows by
+  window_idx);
+- n_layer pre-norm blocks (LayerNorm with biases; 2.5-VL RMS norms without) with separate Q, K, V
+  (3-VL: one fused QKV read through three views), M-RoPE (ggml_rope_multi on 4 i32 positions a patch) on
+  Q and K, attention (ggml_flash_attn_ext over f16 copies of K and V with flash attention on; else the
+  f32 scores n_pos x n_pos x n_head, soft_max, and V transposed), a GELU FFN (2.5-VL gated: GEGLU /
+  SwiGLU of gate and up), residuals;
+- Qwen3-VL's deepstack: the blocks with v.deepstack.N tensors (clip.vision.is_deepstack_layers) each
+  feed their output, 2 x 2 merged, through their own LayerNorm + fc1 + GELU + fc2 to the text width;
+  nothing later reads them, so ggml orders all of these after the main merger (the blocks' outputs stay
+  live until then), concatenated one by one and then after the merger's output;
+- the post-norm, then the merger: 2 x 2 patches (4 n_embd) through mm.0, GELU, mm.2 to the text width.
+
+build_attn fixes the order of Q, K and V (ggml_build_forward_order), so this module builds the same
+tensors in ggml's order and replays ggml-alloc on them (shared/memory/graph_alloc.py). Every size
+follows the patch count alone (the image, im2col, the positions, the mask, the resized position table:
+W x H = n_pos * patch^2), not the grid's shape: any image of a given number of merged tokens needs the
+same buffer, the one exception being Qwen3-VL at exactly the position table's grid (no resize).
+
+Which buffer: with --no-mmproj-offload the CPU's (inputs are leafs, allocated first); on a device (an
+RPC server) the device's, where the scheduler's copies of the host inputs are the split's first nodes
+(offload=True). clip reserves the warm-up image (46 x 46 merged tokens: clip.cpp set_warmup_n_tokens, or
+the side of --image-max-tokens when that is smaller) and the buffer grows when a larger image's graph
+needs more (ggml_gallocr: reallocated only larger), so a lane's buffer is the largest over the warm-up
+and every image it takes (qwen_planned_bytes).
+
+Measured (tests/llama_figures.json and the table in tests/test_qwen_graph.py, b11434): byte-exact on all 23
+recorded warm-ups (CPU, printed MiB: 4 to 5 blocks, widths 64 to 1,152, flash attention on and off) and on
+14 device buffers (RPC server, exact bytes: warm-ups at 44 x 44 and 46 x 46 tokens, images of 1 x 2,000,
+40 x 50, 23 x 92, 24 x 24 at Qwen3-VL's table grid, and 1 x 2,340 tokens; Qwen2.5-VL at 7B's widths).
+
+The largest image: every image of n merged tokens needs the same buffer, so a lane's largest is the
+largest over n. With --image-max-tokens 2116 it is the warm-up's own count, 2,116 (46 x 46, or any shape
+of 2,116), on every recorded shape and on Qwen2-VL-7B, 2.5-VL-3B/7B, 3-VL-2B/8B widths: no smaller image
+needs more, though the buffer is not monotone in n with window attention. But mtmd's resize
+(calc_size_preserved_ratio) bounds only images within limit:1: a longer one keeps one token across and
+about sqrt(limit * aspect) along, up to 65,536 pixels (image_grid): 2,340 tokens at 14-pixel patches
+(measured: a 59,524 x 23 image with --image-max-tokens 2116 encodes 2,340 tokens and grows Qwen2.5-VL's
+buffer 22% past the warm-up's; 17% at 7B's widths), 2,048 at 16 (Qwen3-VL: never past 2,116). Without a
+gateway refusing such images, a lane must plan the strips (qwen_planned_bytes(strips=True), the default).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from math import isqrt
+
+from shared.memory.graph_alloc import (
+    ALIGNMENT,
+    F16,
+    F32,
+    I32,
+    Graph,
+    Tensor,
+    cast,
+    dup,
+    leaf,
+    mul_mat,
+    new,
+    permute,
+    replay,
+    reshape,
+    view,
+)
+
+QWEN_TYPES = ("qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger")
+WARMUP_TOKENS_SIDE = 46  # clip.cpp load_hparams: set_warmup_n_tokens(46*46) for the three types
+DEFAULT_MAX_TOKENS = 4096  # clip.cpp: set_limit_image_tokens(8, 4096) without --image-max-tokens
+POS_TABLE_SIDE = 48  # Qwen3-VL: v.position_embd is 48 * 48 rows (num_position_embeddings 2304)
+MERGE = 2  # qwen2vl.cpp / qwen3vl.cpp hard-code the 2 x 2 merge (n_embd * 4, n_pos / 4)
+MAX_RESIZE_SIDE = 65536  # mtmd-image.cpp: a resize target's side ("is out of range (max 65536)")
+
+
+def qwen_compute_bytes(*, proj_type: str, n_embd: int, n_ff: int, n_head: int, n_layer: int, patch_size: int,
+                       text_embd: int, flash_attn: bool, grid: tuple[int, int], merge: int = MERGE,
+                       n_wa_pattern: int | None = None, deepstack: tuple[int, ...] | None = None,
+                       pos_side: int = POS_TABLE_SIDE, kernel_bf16: bool = False,
+                       offload: bool = False) -> int:  # fmt: skip
+    """The compute buffer (bytes) clip allocates for one image of grid = (patches across, patches down)
+    (each even): the CPU's with --no-mmproj-offload, the device's (offload=True) when offloaded.
+
+    The file's facts beyond the widths (clip.vision.*: embedding_length, feed_forward_length,
+    attention.head_count, block_count, patch_size, and text_embd = mm.2's rows, the text model's n_embd):
+    n_wa_pattern, clip.vision.n_wa_pattern (Qwen2-VL's graph reads it too; None: 4 for 2.5-VL, 0 for the
+    others, as tests/tinyprojectors.py writes them; Qwen2.5-VL's real files say 8); deepstack, the blocks
+    with v.deepstack.N tensors (clip.vision.is_deepstack_layers; None: blocks 1..3 but the last two, as
+    tests/tinyprojectors.py writes them; Qwen3-VL-8B's are 8, 16, 24); pos_side, the side of 3-VL's
+    v.position_embd (sqrt of its rows, 48); kernel_bf16, v.patch_embd.weight is bf16 (im2col in f32).
+    flash_attn: clip's own (its log's "flash attention is enabled"). Raises ValueError on what clip's
+    graph cannot build."""
+    if proj_type not in QWEN_TYPES:
+        raise ValueError(f"projector type {proj_type!r}: one of {QWEN_TYPES}")
+    gx, gy = grid
+    if merge != MERGE:
+        raise ValueError(f"merge {merge}: clip's Qwen graphs merge 2 x 2 patches")
+    if gx <= 0 or gy <= 0 or gx % 2 or gy % 2:
+        raise ValueError(f"grid {gx} x {gy}: patches across and down, each a positive even number")
+    if n_head <= 0 or n_embd % n_head:
+        raise ValueError(f"n_embd {n_embd} over {n_head} heads")
+    if n_wa_pattern is None:
+        n_wa_pattern = default_wa_pattern(proj_type)
+    if deepstack is None:
+        deepstack = default_deepstack(proj_type, n_layer)
+    if proj_type == "qwen3vl_merger":
+        n_wa_pattern = 0  # clip_graph_qwen3vl has no window attention
+    else:
+        deepstack = ()
+    return _bytes(proj_type, n_embd, n_ff, n_head, n_layer, patch_size, text_embd, bool(flash_attn), gx, gy,
+                  int(n_wa_pattern), tuple(sorted(set(deepstack))), pos_side, bool(kernel_bf16), bool(offload))  # fmt: skip
+
+
+def default_wa_pattern(proj_type: str) -> int:
+    return 4 if proj_type == "qwen2.5vl_merger" else 0
+
+
+def default_deepstack(proj_type: str, n_layer: int) -> tuple[int, ...]:
+    return (1, 2, 3)[: max(0, n_layer - 2)] if proj_type == "qwen3vl_merger" else ()
+
+
+@lru_cache(maxsize=8192)
+def _bytes(proj_type, n_embd, n_ff, n_head, n_layer, patch_size, text_embd, flash_attn, gx, gy, n_wa_pattern,
+           deepstack, pos_side, kernel_bf16, offload) -> int:  # fmt: skip
+    graph = build_graph(proj_type=proj_type, n_embd=n_embd, n_ff=n_ff, n_head=n_head, n_layer=n_layer,
+                        patch_size=patch_size, text_embd=text_embd, flash_attn=flash_attn, grid=(gx, gy),
+                        n_wa_pattern=n_wa_pattern, deepstack=deepstack, pos_side=pos_side,
+                        kernel_bf16=kernel_bf16)  # fmt: skip
+    return replay(graph, offload_inputs=offload).size
+
+
+def warmup_grid(patch_size: int = 14, image_max_tokens: int = 0) -> tuple[int, int]:
+    """The warm-up image's patch grid (clip_model's set_warmup_n_tokens: 46 x 46 merged tokens, or the
+    square of whole tokens within --image-max-tokens when that is fewer)."""
+    side = WARMUP_TOKENS_SIDE
+    if image_max_tokens > 0 and side * side > image_max_tokens:
+        side = max(1, isqrt(image_max_tokens))
+    return (side * MERGE, side * MERGE)
+
+
+def image_grid(width: int, height: int, patch_size: int, *, image_max_tokens: int = 0,
+               image_min_tokens: int = 0) -> tuple[int, int]:  # fmt: skip
+    """The patch grid (across, down) clip encodes an image of width x height pixels at (mtmd-image.cpp
+    mtmd_image_preprocessor_dyn_size: calc_size_preserved_ratio, aligned to patch_size * 2, between the
+    min and max pixels of --image-min-tokens / --image-max-tokens, else 8 and 4,096 tokens; float32 as in
+    C++). Raises ValueError where llama.cpp refuses the image (a resized side over 65,536 pixels).
+
+    --image-max-tokens does not bound every image: one more than that many times longer than wide (and
+    larger than the limit once aligned) keeps one token across, clamped up from less, and
+    sqrt(limit * aspect) tokens along: up to MAX_RESIZE_SIDE // (patch_size * 2) (2,340 at 14-pixel
+    patches, 2,048 at 16; strip_tokens)."""
+    import numpy as np
+
+    f32 = np.float32
+    align = patch_size * MERGE
+    area = align * align
+    min_px = (image_min_tokens if image_min_tokens > 0 else 8) * area
+    max_px = (image_max_tokens if image_max_tokens > 0 else DEFAULT_MAX_TOKENS) * area
+
+    def by(x, rounding) -> int:  # round/ceil/floor_by_factor: float32 x / align, then an int times align
+        return int(rounding(float(f32(x) / f32(align)))) * align
+
+    def cround(q: float) -> int:  # std::round of a float32 >= 0 (exact in a double): halves away from zero
+        return math.floor(q + 0.5)
+
+    w_bar = max(align, by(width, cround))
+    h_bar = max(align, by(height, cround))
+    if h_bar * w_bar > max_px:
+        beta = np.sqrt(f32(height) * f32(width) / f32(max_px), dtype=f32)
+        h_bar = max(align, by(f32(height) / beta, math.floor))
+        w_bar = max(align, by(f32(width) / beta, math.floor))
+    elif h_bar * w_bar < min_px:
+        beta = np.sqrt(f32(min_px) / (f32(height) * f32(width)), dtype=f32)
+        h_bar = by(f32(height) * beta, math.ceil)
+        w_bar = by(f32(width) * beta, math.ceil)
+    if not (0 < w_bar <= MAX_RESIZE_SIDE and 0 < h_bar <= MAX_RESIZE_SIDE):
+        raise ValueError(f"resize target {w_bar}x{h_bar} is out of range (max {MAX_RESIZE_SIDE})")
+    return (w_bar // patch_size, h_bar // patch_size)
+
+
+def strip_tokens(patch_size: int) -> int:
+    """The most merged tokens an image one token across can keep: its long side at most 65,536 pixels."""
+    return MAX_RESIZE_SIDE // (patch_size * MERGE)
+
+
+def qwen_planned_bytes(*, proj_type: str, n_embd: int, n_ff: int, n_head: int, n_layer: int, patch_size: int,
+                       text_embd: int, flash_attn: bool, image_max_tokens: int = 2116, strips: bool = True,
+                       merge: int = MERGE, n_wa_pattern: int | None = None, deepstack: tuple[int, ...] | None = None,
+                       pos_side: int = POS_TABLE_SIDE, kernel_bf16: bool = False,
+                       offload: bool = False) -> int:  # fmt: skip
+    """The buffer a lane holds with --image-max-tokens image_max_tokens: the largest over the warm-up and
+    every image it takes (largest_image). strips=False: without the images more than image_max_tokens
+    times longer than wide that escape the limit (image_grid), for a gateway that refuses them."""
+    return largest_image(proj_type=proj_type, n_embd=n_embd, n_ff=n_ff, n_head=n_head, n_layer=n_layer,
+                         patch_size=patch_size, text_embd=text_embd, flash_attn=flash_attn,
+                         image_max_tokens=image_max_tokens, strips=strips, merge=merge, n_wa_pattern=n_wa_pattern,
+                         deepstack=deepstack, pos_side=pos_side, kernel_bf16=kernel_bf16, offload=offload)[1]  # fmt: skip
+
+
+def largest_image(*, image_max_tokens: int = 2116, strips: bool = True, **args) -> tuple[tuple[int, int], int]:
+    """(the patch grid, its buffer) of the image needing the largest buffer among those a lane with
+    --image-max-tokens takes (0: clip's 4,096), the warm-up included (its grid where nothing needs more);
+    args as qwen_compute_bytes's but grid.
+
+    The buffer follows the image's merged tokens n alone (Qwen3-VL's position-table grid aside, taken
+    too), so this is the largest over n = 1 .. the limit, or .. strip_tokens(patch_size) where that is
+    more and strips: one token across stands for every shape of n. Not monotone in n (ggml-alloc reuses
+    freed blocks best-fit: replayed drops of 12 MB from n - 1 to n with window attention), hence
+    every n: _largest_by_regions replays once per interval of n where the allocator decides alike."""
+    args = {k: v for k, v in args.items() if v is not None or k not in ("n_wa_pattern", "deepstack")}
+    args.setdefault("n_wa_pattern", default_wa_pattern(args["proj_type"]))
+    args.setdefault("deepstack", default_deepstack(args["proj_type"], args["n_layer"]))
+    args["deepstack"] = tuple(sorted(set(args["deepstack"])))
+    limit = image_max_tokens if image_max_tokens > 0 else DEFAULT_MAX_TOKENS
+    return _largest(tuple(sorted(args.items())), limit, bool(strips))
+
+
+@lru_cache(maxsize=256)
+def _largest(items: tuple, limit: int, strips: bool) -> tuple[tuple[int, int], int]:
+    args = dict(items)
+    best_grid = warmup_grid(args["patch_size"], limit)
+    best = qwen_compute_bytes(grid=best_grid, **args)
+    side = args.get("pos_side", POS_TABLE_SIDE)
+    if args["proj_type"] == "qwen3vl_merger" and side % 2 == 0 and (side // 2) ** 2 <= limit:
+        size = qwen_compute_bytes(grid=(side, side), **args)  # the table's own grid: no resize
+        if size > best:
+            best_grid, best = (side, side), size
+    most = max(limit, strip_tokens(args["patch_size"])) if strips else limit
+    n, size = _largest_over_counts(args, most)
+    if size > best:
+        best_grid, best = (2, 2 * n), size
+    return best_grid, best
+
+
+def _largest_over_counts(args: dict, limit: int) -> tuple[int, int]:
+    """(n, buffer) of the largest buffer over images of n = 1..limit merged tokens, one token across."""
+    qwen_compute_bytes(grid=(2, 2), **args)  # the arguments' checks
+    graph_args = dict(args)
+    offload = bool(graph_args.pop("offload", False))
+    graph_args.pop("merge", None)
+    if graph_args["proj_type"] == "qwen3vl_merger":  # as qwen_compute_bytes reads them
+        graph_args["n_wa_pattern"] = 0
+    else:
+        graph_args["deepstack"] = ()
+
+    def graph_of(n):
+        return build_graph(grid=(2, 2 * n), **graph_args)
+
+    def replay_of(graph):
+        return replay(graph, offload_inputs=offload).size
+
+    for step in (8, 32):
+        try:
+            return _largest_by_regions(graph_of, replay_of, limit, step)
+        except (_Inexact, TypeError):  # a size the intervals cannot follow: every count, one by one
+            break
+    size, n = max((qwen_compute_bytes(grid=(2, 2 * n), **args), n) for n in range(1, limit + 1))
+    return n, size
+
+
+def build_graph(*, proj_type: str, n_embd: int, n_ff: int, n_head: int, n_layer: int, patch_size: int,
+                text_embd: int, flash_attn: bool, grid: tuple[int, int], n_wa_pattern: int = 0,
+                deepstack: tuple[int, ...] = (), pos_side: int = POS_TABLE_SIDE,
+                kernel_bf16: bool = False) -> Graph:  # fmt: skip
+    """clip's graph for one image of grid = (patches across, patches down)."""
+    return _Builder(proj_type, n_embd, n_ff, n_head, n_layer, patch_size, text_embd, flash_attn, n_wa_pattern,
+                    deepstack, pos_side, kernel_bf16).build(*grid)  # fmt: skip
+
+
+class _Builder:
+    def __init__(self, proj_type, n_embd, n_ff, n_head, n_layer, patch_size, text_embd, flash_attn, n_wa_pattern,
+                 deepstack, pos_side, kernel_bf16):  # fmt: skip
+        self.qwen3 = proj_type == "qwen3vl_merger"
+        self.rms = proj_type == "qwen2.5vl_merger"  # RMS norms without biases, a gated FFN
+        self.e, self.ff, self.n_head, self.n_layer = n_embd, n_ff, n_head, n_layer
+        self.patch, self.text, self.fa = patch_size, text_embd, flash_attn
+        self.n_wa, self.deep, self.pos_side, self.kernel_bf16 = n_wa_pattern, set(deepstack), pos_side, kernel_bf16
+        self.gf = Graph()
+
+    @staticmethod
+    def w(ne, dtype=F32, name=""):
+        return leaf(ne, dtype, name, weight=True)
+
+    def mat(self, cols, rows, name=""):  # an f16 matrix, ggml shape [cols, rows]
+        return self.w((cols, rows), F16, name)
+
+    def vec(self, n, name=""):
+        return self.w((n,), F32, name)
+
+    # clip.cpp helpers
+    def norm(self, cur: Tensor, width: int, rms: bool, bias: bool) -> Tensor:  # build_norm
+        cur = dup(cur, "RMS_NORM" if rms else "NORM")
+        cur = dup(cur, "MUL", self.vec(width))
+        return dup(cur, "ADD", self.vec(width)) if bias else cur
+
+    def linear(self, cur: Tensor, cols: int, rows: int) -> Tensor:  # build_mm + bias
+        return dup(mul_mat(self.mat(cols, rows), cur), "ADD", self.vec(rows))
+
+    def ffn(self, cur: Tensor, cols: int, hidden: int, rows: int, gated: bool) -> Tensor:  # build_ffn, GELU
+        tmp = self.linear(cur, cols, hidden)
+        if gated:  # ggml_geglu_split(gate, up): the gate is src[0]
+            gate = self.linear(cur, cols, hidden)
+            cur = new(gate.ne, "GLU", (gate, tmp))
+        else:
+            cur = dup(tmp, "UNARY")
+        return self.linear(cur, hidden, rows)
+
+    def conv(self, kernel: Tensor, inp_raw: Tensor, nx: int, ny: int) -> Tensor:  # ggml_conv_2d, stride = kernel
+        p = self.patch
+        im2col = new((3 * p * p, nx, ny, 1), "IM2COL", (kernel, inp_raw), F32 if self.kernel_bf16 else F16)
+        cur = mul_mat(reshape(im2col, im2col.ne[0], nx * ny), reshape(kernel, 3 * p * p, self.e))
+        cur = reshape(cur, nx, ny, 1, self.e)
+        return dup(permute(cur, 0, 1, 3, 2), "CONT")  # [nx, ny, n_embd, 1]
+
+    def merge_order(self, cur: Tensor, nx: int, ny: int) -> Tensor:
+        """[n_embd, nx, ny] -> each 2 x 2 block of patches contiguous: [n_embd, nx * ny]."""
+        e = self.e
+        cur = new((2 * e, nx // 2, ny, 1), "CONT", (cur,))
+        cur = reshape(cur, 2 * e, nx // 2, 2, ny // 2)
+        cur = permute(cur, 0, 2, 1, 3)
+        return new((e, nx * ny, 1), "CONT", (cur,))
+
+    def attn(self, wo, wo_b, q_cur, k_cur, v_cur, mask) -> Tensor:
+        """build_attn: q/k/v_cur are [d_head, n_head, n_tokens]."""
+        for t in (q_cur, k_cur, v_cur):
+            self.gf.expand(t)  # ggml_build_forward_order
+        q = permute(q_cur, 0, 2, 1, 3)
+        k = permute(k_cur, 0, 2, 1, 3)
+        if self.fa:
+            v = permute(v_cur, 0, 2, 1, 3)
+            k = cast(k, F16)
+            v = cast(v, F16)
+            srcs = (q, k, v)
+            if mask is not None:
+                srcs += (cast(mask, F16),)
+            cur = new((v.ne[0], q.ne[2], q.ne[1], q.ne[3]), "FLASH_ATTN_EXT", srcs)
+            cur = reshape(cur, cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3])
+        else:
+            v = permute(v_cur, 1, 2, 0, 3)
+            v = dup(v, "CONT")
+            kq = mul_mat(k, q)
+            kq = dup(kq, "SOFT_MAX", *(() if mask is None else (mask,)))
+            kqv = mul_mat(v, kq)
+            cur = permute(kqv, 0, 2, 1, 3)
+            cur = new((cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3]), "CONT", (cur,))
+        cur = mul_mat(wo, cur)
+        return dup(cur, "ADD", wo_b)
+
+    def rope(self, cur: Tensor, positions: Tensor) -> Tensor:  # ggml_rope_multi: a contiguous copy
+        return new(cur.ne, "ROPE", (cur, positions), cur.type)
+
+    def build(self, nx: int, ny: int) -> Graph:
+        e, p, d_head, n_head = self.e, self.patch, self.e // self.n_head, self.n_head
+        n_pos = nx * ny
+        bias = not self.rms
+
+        inp_raw = leaf((nx * p, ny * p, 3, 1), F32, "inp_raw", input=True)
+        k0 = self.w((p, p, 3, e), F16, "v.patch_embd.weight")
+        k1 = self.w((p, p, 3, e), F16, "v.patch_embd.weight.1")
+        inp = dup(self.conv(k0, inp_raw, nx, ny), "ADD", self.conv(k1, inp_raw, nx, ny))
+        inp = permute(inp, 1, 2, 0, 3)  # [w, h, c] -> [c, w, h]
+        inp = self.merge_order(inp, nx, ny)
+
+        if self.qwen3:
+            inp = dup(inp, "ADD", self.vec(e, "v.patch_embd.bias"))
+            side = self.pos_side
+            pos = self.w((e, side * side), F32, "v.position_embd.weight")
+            if (nx, ny) != (side, side):  # resize_position_embeddings
+                pos = permute(reshape(pos, e, side, side), 2, 0, 1, 3)
+                pos = new((nx, ny, e, 1), "UPSCALE", (pos,))
+                pos = permute(pos, 1, 2, 0, 3)
+                pos = new((e, nx * ny), "CONT", (pos,))
+            inp = dup(inp, "ADD", self.merge_order(pos, nx, ny))
+
+        positions = leaf((n_pos * 4,), I32, "positions", input=True)
+        inp_l = inp
+        window_mask = None
+        if self.n_wa > 0:
+            inv_window_idx = leaf((n_pos // 4,), I32, "inv_window_idx", input=True)
+            window_mask = leaf((n_pos, n_pos), F32, "window_mask", input=True)
+            if self.fa:
+                window_mask = cast(window_mask, F16)
+            inp_l = reshape(inp_l, e * 4, n_pos // 4)
+            inp_l = new((e * 4, n_pos // 4), "GET_ROWS", (inp_l, inv_window_idx))
+            inp_l = reshape(inp_l, e, n_pos, 1)
+
+        deep_features = None
+        deep_outputs = []
+        for il in range(self.n_layer):
+            full = (il + 1) % self.n_wa == 0 if self.n_wa > 0 else True
+            cur = self.norm(inp_l, e, self.rms, bias)
+            if self.qwen3:
+                qkv = self.linear(cur, e, 3 * e)
+                nb = (4, 4 * d_head, qkv.nb[1], qkv.nb[1] * n_pos)
+                q = view(qkv, "VIEW", (d_head, n_head, n_pos), nb)
+                k = view(qkv, "VIEW", (d_head, n_head, n_pos), nb)
+                v = view(qkv, "VIEW", (d_head, n_head, n_pos), nb)
+            else:
+                q = reshape(self.linear(cur, e, e), d_head, n_head, n_pos)
+                k = reshape(self.linear(cur, e, e), d_head, n_head, n_pos)
+                v = reshape(self.linear(cur, e, e), d_head, n_head, n_pos)
+            q = self.rope(q, positions)
+            k = self.rope(k, positions)
+            cur = self.attn(self.mat(e, e), self.vec(e), q, k, v, None if full else window_mask)
+            cur = dup(cur, "ADD", inp_l)
+            inp_l = cur
+            cur = self.norm(cur, e, self.rms, bias)
+            cur = self.ffn(cur, e, self.ff, e, gated=self.rms)
+            cur = dup(inp_l, "ADD", cur)
+            if self.qwen3 and il in self.deep:
+                deep_outputs.append(cur)
+            inp_l = cur
+
+        # deepstack: built in block order (ggml visits them after the merger: nothing else reads them)
+        for out in deep_outputs:
+            feat = reshape(out, e * 4, n_pos // 4, 1)
+            feat = self.norm(feat, e * 4, False, True)
+            feat = self.ffn(feat, e * 4, e * 4, self.text, gated=False)
+            if deep_features is None:
+                deep_features = feat
+            else:
+                deep_features = new((deep_features.ne[0] + feat.ne[0], n_pos // 4), "CONCAT", (deep_features, feat))
+
+        inp_l = self.norm(inp_l, e, self.rms, bias)  # v.post_ln
+        emb = reshape(inp_l, e * 4, n_pos // 4, 1)
+        emb = self.ffn(emb, e * 4, e * 4, self.text, gated=False)  # mm.0, GELU, mm.2
+        if self.n_wa > 0:
+            window_idx = leaf((n_pos // 4,), I32, "window_idx", input=True)
+            emb = reshape(emb, self.text, n_pos // 4)
+            emb = new((self.text, n_pos // 4), "GET_ROWS", (emb, window_idx))
+            emb = reshape(emb, self.text, n_pos // 4, 1)
+        if deep_features is not None:
+            emb = new((emb.ne[0] + deep_features.ne[0], n_pos // 4), "CONCAT", (emb, deep_features))
+        return self.gf.expand(emb)
+
+
+# --- the largest over every token count, by regions -------------------------------------------------
+#
+# Every size in the graph is a polynomial in the image's merged tokens n (n_pos = 4n patches; degree 2 for
+# the window mask and the scores without flash attention), and so is every offset ggml-alloc computes from
+# them. Within a residue class n = M k + r (M = 8: every size's padding to 32 bytes is then a polynomial
+# too) the allocator takes the same decisions for every k where each comparison it makes (a freed block
+# fits, is smaller than the best so far, adjoins another, ...) comes out the same; the buffer is one
+# polynomial there. `_Poly` runs graph_alloc's replay once on symbolic sizes, keeping the interval of k
+# around the evaluated one where every comparison keeps its outcome; the largest over the interval is at
+# one of its ends (or a concave polynomial's vertex). Walking down interval by interval, a class of ~290
+# counts takes one replay (flash attention without a mask: every size linear, one interval) to a few dozen
+# (Qwen2.5-VL's mask against the blocks' activations) instead of ~290; it stops where even the sum of every
+# tensor is no more than the largest found. Exact: tests/test_qwen_graph.py checks it against every count.
+
+
+class _Inexact(Exception):
+    """A size whose padding is not a polynomial in this residue class, or of a degree over 2."""
+
+
+class _Region:
+    """The integers k in [lo, hi] around k0 where every comparison made so far keeps its outcome at k0."""
+
+    __slots__ = ("k0", "lo", "hi")
+
+    def __init__(self, k0: int, lo: int, hi: int):
+        self.k0, self.lo, self.hi = k0, lo, hi
+
+    def keep_sign(self, a: int, b: int, c: int, s0: int) -> None:
+        """Narrow [lo, hi] to where a + b k + c k^2 has the sign s0 (its sign at k0; not constant)."""
+        lo, hi, k0 = self.lo, self.hi, self.k0
+        if s0 == 0:
+            self.lo = self.hi = k0
+            return
+        # fast: the sign holds at both ends and, for a quadratic, about its vertex inside
+        ok = _sign(a + lo * (b + lo * c)) == s0 and _sign(a + hi * (b + hi * c)) == s0
+        if ok and c and (lo * 2 * c < -b < hi * 2 * c if c > 0 else hi * 2 * c < -b < lo * 2 * c):
+            x = -b // (2 * c)  # the vertex lies in (lo, hi): the integers beside it are the nearest to zero
+            ok = all(_sign(a + y * (b + y * c)) == s0 for y in (x, x + 1) if lo <= y <= hi)
+        if ok:
+            return
+        roots = [-a / b] if not c else _quadratic_roots(a, b, c)
+        for r in roots:
+            base = int(r)
+            for y in range(base - 2, base + 3):
+                if self.lo <= y <= self.hi and _sign(a + y * (b + y * c)) != s0:
+                    if y > k0:
+                        self.hi = y - 1
+                    elif y < k0:
+                        self.lo = y + 1
+
+
+def _quadratic_roots(a: int, b: int, c: int) -> list[float]:
+    disc = b * b - 4 * a * c
+    if disc < 0:
+        return []
+    s = disc**0.5
+    return [(-b - s) / (2 * c), (-b + s) / (2 * c)]
+
+
+def _sign(x: int) -> int:
+    return (x > 0) - (x < 0)
+
+
+class _Poly:
+    """a + b k + c k^2 (integers), its value v at the region's k0: what comparisons answer, each narrowing
+    the region to where its outcome holds. Arithmetic with a constant result gives an int."""
+
+    __slots__ = ("a", "b", "c", "v", "region")
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(self, a: int, b: int, c: int, region: _Region, v: int | None = None):
+        self.a, self.b, self.c, self.region = a, b, c, region
+        k = region.k0
+        self.v = a + k * (b + k * c) if v is None else v
+
+    def _new(self, a, b, c, v):
+        if not b and not c:
+            return a
+        return _Poly(a, b, c, self.region, v)
+
+    def __add__(self, o):
+        if isinstance(o, int):
+            return _Poly(self.a + o, self.b, self.c, self.region, self.v + o)
+        if isinstance(o, _Poly):
+            return self._new(self.a + o.a, self.b + o.b, self.c + o.c, self.v + o.v)
+        return NotImplemented
+
+    __radd__ = __add__
+
+    def __neg__(self):
+        return _Poly(-self.a, -self.b, -self.c, self.region, -self.v)
+
+    def __sub__(self, o):
+        if isinstance(o, int):
+            return _Poly(self.a - o, self.b, self.c, self.region, self.v - o)
+        if isinstance(o, _Poly):
+            return self._new(self.a - o.a, self.b - o.b, self.c - o.c, self.v - o.v)
+        return NotImplemented
+
+    def __rsub__(self, o):
+        return (-self) + o
+
+    def __mul__(self, o):
+        if isinstance(o, int):
+            return self._new(self.a * o, self.b * o, self.c * o, self.v * o)
+        if isinstance(o, _Poly):
+            if (self.c and (o.b or o.c)) or (o.c and self.b):
+                raise _Inexact("a size of degree over 2")
+            return self._new(self.a * o.a, self.a * o.b + self.b * o.a,
+                             self.a * o.c + self.b * o.b + self.c * o.a, self.v * o.v)  # fmt: skip
+        return NotImplemented
+
+    __rmul__ = __mul__
+
+    def __floordiv__(self, d):
+        if not isinstance(d, int) or d <= 0 or self.b % d or self.c % d:
+            raise _Inexact(f"({self.a}, {self.b}, {self.c}) // {d}")
+        return self._new(self.a // d, self.b // d, self.c // d, None)
+
+    def _cmp(self, o) -> int:
+        if isinstance(o, int):
+            da, db, dc, dv = self.a - o, self.b, self.c, self.v - o
+        elif isinstance(o, _Poly):
+            da, db, dc, dv = self.a - o.a, self.b - o.b, self.c - o.c, self.v - o.v
+        else:
+            raise TypeError(f"a symbolic size compared with {type(o).__name__}")
+        s0 = _sign(dv)
+        if db or dc:
+            self.region.keep_sign(da, db, dc, s0)
+        return s0
+
+    def __eq__(self, o):
+        return self._cmp(o) == 0 if isinstance(o, (int, _Poly)) else NotImplemented
+
+    def __ne__(self, o):
+        return self._cmp(o) != 0 if isinstance(o, (int, _Poly)) else NotImplemented
+
+    def __lt__(self, o):
+        return self._cmp(o) < 0
+
+    def __le__(self, o):
+        return self._cmp(o) <= 0
+
+    def __gt__(self, o):
+        return self._cmp(o) > 0
+
+    def __ge__(self, o):
+        return self._cmp(o) >= 0
+
+    def __bool__(self):
+        return self._cmp(0) != 0
+
+    def __index__(self):
+        raise TypeError("a symbolic size used as an integer")
+
+    def __repr__(self) -> str:
+        return f"_Poly({self.a} + {self.b} k + {self.c} k^2)"
+
+    def coefficients(self) -> tuple[int, int, int]:
+        return self.a, self.b, self.c
+
+
+def _coefficients(x) -> tuple[int, int, int]:
+    return x.coefficients() if isinstance(x, _Poly) else (x, 0, 0)
+
+
+def _at(c: tuple[int, int, int], k: int) -> int:
+    return c[0] + k * (c[1] + k * c[2])
+
+
+def _total_bytes(graph: Graph, alignment: int = ALIGNMENT):
+    """Every tensor the allocator may place, padded, summed: a bound on its high-water mark (each allocation
+    raises it by at most its size), nondecreasing in the token count."""
+    total = 0
+    for t in (*graph.leafs, *graph.nodes):
+        if not t.data and t.view_src is None:
+            total = total + (-(-t.nbytes() // alignment)) * alignment
+    return total
+
+
+def _largest_by_regions(graph_of, replay_of, limit: int, step: int = 8) -> tuple[int, int]:
+    """(n, size) of the largest buffer over n = 1..limit merged tokens: graph_of(n) builds the graph (n a
+    _Poly), replay_of(graph) its buffer. Each residue class is walked down interval by interval, and left
+    once even every tensor's sum (_total_bytes) is no more than the largest found. Raises _Inexact when a
+    size's padding is not polynomial in a class of this step."""
+    best_n, best = 0, -1
+    for r in sorted(range(1, min(step, limit) + 1), key=lambda r: -((limit - r) // step * step + r)):
+        k = (limit - r) // step
+        total = None
+        while k >= 0:
+            region = _Region(k, 0, k)
+            graph = graph_of(_Poly(r, step, 0, region))
+            if total is None:
+                total = _coefficients(_total_bytes(graph))
+            if _at(total, k) <= best:
+                break
+            size = replay_of(graph)
+            c = _coefficients(size)
+            cands = {region.lo, region.hi}
+            if c[2] < 0:  # concave: its vertex may lie inside
+                v = -c[1] / (2 * c[2])
+                cands |= {x for x in (int(v), int(v) + 1) if region.lo <= x <= region.hi}
+            for kk in cands:
+                val = _at(c, kk)
+                n = step * kk + r
+                if val > best or (val == best and n > best_n):
+                    best_n, best = n, val
+            k = region.lo - 1
+    return best_n, best
