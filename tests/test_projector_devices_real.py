@@ -105,7 +105,7 @@ def test_a_qwen_projector_capped_at_its_warm_up_image_reserves_what_is_planned(r
 def test_pixtrals_buffer_after_its_largest_image_is_within_the_plan(rpc_bin, tmp_path):
     """Pixtral on an RPC device whose server logs each buffer: the lane at --image-max-tokens 1024, as
     the plan renders it, is sent an image one token wide (the largest it takes, scaled to 1,024 rows);
-    the buffer grows past the warm-up's to at most the planned compute, and at least 90% of it."""
+    the buffer grows past the warm-up's to at most the planned compute, and within 1% of it."""
     model = write_llama(tmp_path / "m.gguf", n_embd=1024)
     path = write_projector(tmp_path / "mmproj-m.gguf", proj_type="pixtral", text_embd=1024, n_embd=192, n_ff=384,
                            n_head=4, n_layer=2, image_size=1024, patch_size=16, scale_factor=1)  # fmt: skip
@@ -115,7 +115,7 @@ def test_pixtrals_buffer_after_its_largest_image_is_within_the_plan(rpc_bin, tmp
     planned = lane_memory(msgspec.structs.replace(read_model_facts(model), mmproj=proj), LaneShape(
         ctx=512, flash_attn=True, mmproj=True, mmproj_offload=True, n_gpu_layers="all", devices=("rpc",)))  # fmt: skip
     compute = {d.device: d.projector_bytes for d in planned.devices}["GPU0"] - proj.weight_bytes
-    assert got["largest_bytes"] <= compute <= got["largest_bytes"] / 0.90, (compute / MIB, got["largest_bytes"] / MIB)
+    assert got["largest_bytes"] <= compute <= got["largest_bytes"] * 1.01, (compute / MIB, got["largest_bytes"] / MIB)
     assert got["warmup_compute_mib"]["RPC0"] * MIB < got["largest_bytes"]  # the warm-up's (256 tokens) is smaller
 
 

@@ -15,6 +15,7 @@ import math
 
 from shared.memory.llama4_graph import llama4_compute_bytes
 from shared.memory.llava_graph import llava_compute_bytes
+from shared.memory.pixtral_graph import pixtral_planned_bytes
 from shared.memory.placement import CPU, Placement
 from shared.memory.qwen_graph import POS_TABLE_SIDE, qwen_planned_bytes
 from shared.memory.resampler_graph import resampler_compute_bytes
@@ -51,8 +52,7 @@ def compute_peaks(proj: ProjectorFacts, flash_attn: bool, image_max_tokens: int 
     if proj.projector_type in QWEN_TYPES:
         return {"graph": qwen_bytes(proj, flash_attn)}
     if proj.projector_type in DYNAMIC_MAX_TOKENS:
-        tokens = largest_image_tokens(proj, image_max_tokens) or 0
-        return pixtral_peaks(proj, flash_attn, tokens, rows=tokens)
+        return {"graph": pixtral_bytes(proj, flash_attn, largest_image_tokens(proj, image_max_tokens) or 0)}
     if proj.projector_type in SHUFFLED_TYPES:
         return _shuffled_peaks(proj, flash_attn)
     if proj.projector_type in WHISPER_TYPES:
@@ -145,45 +145,18 @@ def qwen_bytes(proj: ProjectorFacts, flash_attn: bool) -> int:
         return 0
 
 
-PIXTRAL_ALIGN_SLACK = 32 * 32  # each tensor padded to 32 bytes (short by 32 at 2,116 tokens without it)
-# percent: with Mistral Small 3.1's patch merger the encoder's FFN peak sat up to 6% above its tensors' sum
-# (one more residual and a little, three blocks, an image one token wide): none of its fits said why
-MERGER_MARGIN = 110
-
-
-def pixtral_peaks(proj: ProjectorFacts, flash_attn: bool, tokens: int, rows: int) -> dict[str, int]:
-    """Pixtral's graph (tools/mtmd/models/pixtral.cpp) at an image of `tokens` tokens in `rows` rows, with
-    merge x merge patches a token (Mistral Small 3.1's patch merger; 1 for Pixtral-12B): n_pos patches
-    through a RoPE-2D encoder with a gated FFN, then mm.1, GELU and mm.2 of the text width over the
-    tokens, and one [IMG_BREAK] embedding concatenated to each row. The lane's largest image is one token
-    wide (rows = tokens: llama.cpp keeps any aspect ratio within the pixel budget), where the breaks are
-    as large as the head's output. A bound fitted to the real binary's buffers at images of 64 to 2,116
-    tokens, square and one token wide (tests/test_projector_memory.py: never below, at most 20% above;
-    8% at Pixtral-12B's widths, 10% at Mistral Small 3.1's). Peaks: the encoder's three FFN activations
-    over three residuals, with the positions (two i32 a patch) and the breaks alive beside them; without
-    flash attention the scores, at most six residuals beside; the head's output, the rows with their
-    breaks and the breaks' two copies, above at most three residuals; the image (a graph input copied
-    to the device) under the patch convolution's unrolled input."""
-    merge = proj.n_merge or 1
-    n_pos = tokens * merge * merge
-    e = proj.n_embd * n_pos * F32
-    f = proj.n_ff * n_pos * F32
-    pos = 2 * n_pos * 4
-    text = proj.n_mmproj_embd * F32
-    breaks = text * rows
-    head = text * tokens
-    image = n_pos * proj.patch_size**2 * 3 * F32
-    kq = 0 if flash_attn else n_pos * n_pos * proj.n_head * F32
-    pos += PIXTRAL_ALIGN_SLACK
-    return {
-        "patches": image + 3 * proj.patch_size**2 * n_pos * 2 + pos + breaks,
-        "ffn": (3 * f + 3 * e if proj.n_layer >= 2 else 3 * f + 2 * e) * (MERGER_MARGIN if merge > 1 else 100) // 100
-        + (pos if proj.n_layer >= 2 else 0) + breaks,
-        "attention": kq + 6 * e + pos + breaks,
-        # mm.2's output, the rows with their breaks (head + breaks), the breaks' zeroed and added copies, above
-        # where the encoder's last tensors left off: measured from one to three residuals up
-        "head": head + (head + breaks) + 2 * breaks + 3 * e,
-    }
+def pixtral_bytes(proj: ProjectorFacts, flash_attn: bool, max_tokens: int) -> int:
+    """Pixtral's buffer once its lane has taken the largest image it accepts at --image-max-tokens N, its
+    graph replayed (shared/memory/pixtral_graph.py): the image one token wide and N tall, whose [IMG_BREAK]
+    rows are most, or the few grids ggml-alloc's packing makes need slightly more; 0 for widths clip's
+    graph cannot build."""
+    try:
+        return pixtral_planned_bytes(
+            n_embd=proj.n_embd, n_ff=proj.n_ff, n_head=proj.n_head, n_layer=proj.n_layer, patch_size=proj.patch_size,
+            merge=proj.n_merge or 1, text_embd=proj.n_mmproj_embd, flash_attn=flash_attn, max_tokens=max_tokens,
+        )  # fmt: skip
+    except ValueError:
+        return 0
 
 
 SHUFFLED_TYPES = frozenset({"internvl"})
