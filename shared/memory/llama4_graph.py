@@ -2,8 +2,8 @@
 image, to the byte. Pure.
 
 The graph (b11434: tools/mtmd/models/llama4.cpp clip_graph_llama4::build, with clip.cpp's build_vit,
-build_rope_2d, build_norm, build_ffn, build_attn and build_mm) over P^2 patches (P = image_size /
-patch_size) and a class token:
+build_rope_2d, build_norm, build_ffn, build_attn and build_mm: shared/memory/clip_graph.py) over P^2 patches
+(P = image_size / patch_size) and a class token:
 
 - Llama4UnfoldConvolution: an f32 im2col of the image ([3 patch^2, P, P], the image's own type) and a
   mul_mat with v.patch_embd ([3 patch^2, n_embd]); the class token concatenated after the patches.
@@ -36,21 +36,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from shared.memory.graph_alloc import (
-    F32,
-    I32,
-    Graph,
-    Tensor,
-    dup,
-    leaf,
-    mul_mat,
-    new,
-    permute,
-    replay,
-    reshape,
-    view,
-)
-from shared.memory.llava_graph import ClipBuilder
+from shared.memory.clip_graph import ClipBuilder
+from shared.memory.graph_alloc import F32, I32, Graph, dup, leaf, mul_mat, new, permute, replay, reshape, view
 
 
 def llama4_compute_bytes(*, n_embd: int, n_ff: int, n_head: int, n_layer: int, image_size: int, patch_size: int,
@@ -99,20 +86,10 @@ def build_graph(*, n_embd: int, n_ff: int, n_head: int, n_layer: int, image_size
     cur = reshape(mul_mat(patch_w, im2col), e, n_patches)
     cur = new((e, n_pos, 1, 1), "CONCAT", (cur, b.vec(e, "v.class_embd")))
 
-    def rope_2d(t: Tensor) -> Tensor:  # build_rope_2d: two ROPE ops, the second in place on the first
-        t = dup(t, "ROPE", pos_w)
-        return dup(t, "ROPE", pos_h)
-
-    # build_vit
-    cur = dup(cur, "ADD", b.w((e, n_pos), F32, "v.position_embd.weight"))
-    inp_l = reshape(cur, e, n_pos)
-    if pre_ln:
-        inp_l = b.norm(inp_l, e)
-    for _ in range(n_layer):
-        inp_l = b.block(inp_l, n_pos, add_pos=rope_2d)
-    if post_ln:
-        inp_l = b.norm(inp_l, e)
-    cur = reshape(inp_l, e, n_pos, 1)
+    # build_vit, Q and K rotated by build_rope_2d (the first half by pos_w, the second by pos_h)
+    learned_pos = b.w((e, n_pos), F32, "v.position_embd.weight")
+    cur = b.vit(cur, n_pos, n_layer, learned_pos=learned_pos, pre_ln=pre_ln, post_ln=post_ln,
+                add_pos=lambda t: b.rope_2d(t, pos_w, pos_h))  # fmt: skip
 
     # drop the class token, pixel shuffle
     cur = view(cur, "VIEW", (e, n_patches), (4, 4 * e, 4 * e * n_patches, 4 * e * n_patches))

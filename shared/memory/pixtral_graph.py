@@ -3,18 +3,18 @@ clip.vision.spatial_merge_size > 1 Mistral Small 3.x's patch merger): the comput
 one image, to the byte. Pure.
 
 The graph (b11434: tools/mtmd/models/pixtral.cpp clip_graph_pixtral::build, with clip.cpp's build_inp,
-build_vit, build_norm, build_rope_2d, build_ffn, build_attn and build_mm) for an image of w x h tokens
-(w*merge x h*merge patches, n_pos of them): the patch convolution (im2col to f16, mul_mat, two contiguous
-copies), an RMS pre-norm, n_layer blocks (RMS norms, Q/K/V without biases, a 2-D RoPE of two ggml_rope_ext
-on Q and K, attention, a gated SiLU FFN: up, gate, swiglu_split, down), no post-norm; with merge > 1 the
-patch merger (an RMS norm, the patches unfolded merge x merge by an f32 im2col, mm.patch_merger); mm.1,
-GELU, mm.2 (biases, if any, and the GELU in place); then the [IMG_BREAK] rows: a zeroed [text, 1, h] tensor
-(a leaf, so the allocator places it first, at offset 0, and it lives to the end), scaled and added to in
-place, concatenated after each row of the output ([text, w + 1, h]) and viewed without the last break.
-Attention is ggml_flash_attn_ext over f16 copies of K and V with flash attention on, else mul_mat +
-soft_max over the f32 scores (n_pos x n_pos x n_head) and a contiguous copy of V transposed.
-build_attn fixes the order (ggml_build_forward_order of Q, K and V), so this module builds the same tensors
-in the same order and replays ggml-alloc on them (shared/memory/graph_alloc.py).
+build_vit, build_norm, build_rope_2d, build_ffn, build_attn and build_mm: shared/memory/clip_graph.py) for
+an image of w x h tokens (w*merge x h*merge patches, n_pos of them): the patch convolution (im2col to f16,
+mul_mat, two contiguous copies), an RMS pre-norm, n_layer blocks (RMS norms, Q/K/V without biases, a 2-D
+RoPE of two ggml_rope_ext on Q and K, attention, a gated SiLU FFN: up, gate, swiglu_split, down), no
+post-norm; with merge > 1 the patch merger (an RMS norm, the patches unfolded merge x merge by an f32
+im2col, mm.patch_merger); mm.1, GELU, mm.2 (biases, if any, and the GELU in place); then the [IMG_BREAK]
+rows: a zeroed [text, 1, h] tensor (a leaf, so the allocator places it first, at offset 0, and it lives to
+the end), scaled and added to in place, concatenated after each row of the output ([text, w + 1, h]) and
+viewed without the last break. Attention is ggml_flash_attn_ext over f16 copies of K and V with flash
+attention on, else mul_mat + soft_max over the f32 scores (n_pos x n_pos x n_head) and a contiguous copy of
+V transposed. build_attn fixes the order (ggml_build_forward_order of Q, K and V), so this module builds
+the same tensors in the same order and replays ggml-alloc on them (shared/memory/graph_alloc.py).
 
 Which buffer: the device's with the projector offloaded (--mmproj-offload, as the lane runs it), where the
 inputs (inp_raw, pos_h, pos_w) stay on the host and the scheduler's copies of them are the split's first
@@ -55,23 +55,11 @@ from functools import lru_cache
 
 import numpy as np
 
-from shared.memory.graph_alloc import (
-    F16,
-    F32,
-    I32,
-    Graph,
-    Tensor,
-    cast,
-    dup,
-    leaf,
-    mul_mat,
-    new,
-    permute,
-    replay,
-    reshape,
-    transpose,
-    view,
-)
+from shared.memory.clip_graph import ClipBuilder, Layer
+from shared.memory.graph_alloc import F32, I32, Graph, dup, leaf, mul_mat, new, permute, replay, reshape, view
+
+# Pixtral's blocks: RMS norms with weights alone, Q/K/V/O without biases, a gated SiLU FFN without biases
+PIXTRAL_LAYER = Layer(rms=True, norm_bias=False, qkv_bias=False, out_bias=False, gated=True, ffn_bias=False)
 
 
 def pixtral_compute_bytes(*, n_embd: int, n_ff: int, n_head: int, n_layer: int, patch_size: int, merge: int,
@@ -189,116 +177,38 @@ def _bytes(n_embd, n_ff, n_head, n_layer, patch_size, merge, text_embd, flash_at
 def build_graph(*, n_embd: int, n_ff: int, n_head: int, n_layer: int, patch_size: int, merge: int, text_embd: int,
                 flash_attn: bool, grid: tuple[int, int]) -> Graph:  # fmt: skip
     """clip_graph_pixtral::build for an image of grid = (tokens across, tokens down)."""
-    return _Builder(n_embd, n_ff, n_head, n_layer, patch_size, max(1, merge), text_embd, flash_attn).build(grid)
+    b = ClipBuilder(n_embd, n_ff, n_head, flash_attn, PIXTRAL_LAYER)
+    tw, th = grid
+    m, p, e, t = max(1, merge), patch_size, n_embd, text_embd
+    px, py = tw * m, th * m  # patches across, down
+    n_pos = px * py
 
+    pos_h = leaf((n_pos,), I32, "pos_h", input=True)
+    pos_w = leaf((n_pos,), I32, "pos_w", input=True)
+    cur = b.inp(px * p, py * p, p, bias=False)  # build_inp: [n_embd, n_pos]
 
-class _Builder:
-    def __init__(self, n_embd, n_ff, n_head, n_layer, patch_size, merge, text_embd, flash_attn):
-        self.n_embd, self.n_ff, self.n_head, self.n_layer = n_embd, n_ff, n_head, n_layer
-        self.patch, self.merge, self.text, self.fa = patch_size, merge, text_embd, flash_attn
-        self.gf = Graph()
+    # build_vit: an RMS pre-norm, the blocks with build_rope_2d(pos_h, pos_w) on Q and K, no post-norm
+    cur = b.vit(cur, n_pos, n_layer, pre_ln=True, add_pos=lambda x: b.rope_2d(x, pos_h, pos_w))
 
-    @staticmethod
-    def w(ne, dtype=F32, name=""):
-        return leaf(ne, dtype, name, weight=True)
+    # Mistral Small 3.1's patch merger: RMS norm, unfold merge x merge patches (im2col, f32), project
+    if m > 1:
+        cur = b.norm(cur, e, rms=True, bias=False)  # mm.input_norm
+        cur = reshape(cur, e, px, py)
+        cur = dup(permute(cur, 2, 0, 1, 3), "CONT")  # [px, py, n_embd]
+        kern = view(cur, "VIEW", (m, m, e, 1), (4, 0, 0, 0))
+        cur = new((e * m * m, tw, th, 1), "IM2COL", (kern, cur), F32)
+        cur = reshape(cur, cur.ne[0], tw * th)
+        cur = mul_mat(b.mat(e * m * m, e, "mm.patch_merger.weight"), cur)
 
-    def mat(self, cols, rows, name=""):  # an f16 matrix, ggml shape [cols, rows]
-        return self.w((cols, rows), F16, name)
+    cur = b.ffn(cur, e, t, t)  # mm.1 + bias, GELU, mm.2 + bias: the biases and the GELU in place
 
-    def vec(self, n, name=""):
-        return self.w((n,), F32, name)
-
-    # clip.cpp helpers
-    def rms_norm(self, cur: Tensor, width: int) -> Tensor:  # build_norm, NORM_TYPE_RMS, a weight, no bias
-        return dup(dup(cur, "RMS_NORM"), "MUL", self.vec(width))
-
-    def rope_2d(self, cur: Tensor, pos_h: Tensor, pos_w: Tensor) -> Tensor:  # build_rope_2d: two ggml_rope_ext
-        return dup(dup(cur, "ROPE", pos_h), "ROPE", pos_w)
-
-    def attn(self, q_cur: Tensor, k_cur: Tensor, v_cur: Tensor) -> Tensor:
-        """build_attn (no mask, no sinks, wo without a bias): q/k/v_cur are [d_head, n_head, n_tokens]."""
-        for t in (q_cur, k_cur, v_cur):
-            self.gf.expand(t)  # ggml_build_forward_order
-        q = permute(q_cur, 0, 2, 1, 3)
-        k = permute(k_cur, 0, 2, 1, 3)
-        if self.fa:
-            v = permute(v_cur, 0, 2, 1, 3)
-            k = cast(k, F16)
-            v = cast(v, F16)
-            cur = new((v.ne[0], q.ne[2], q.ne[1], q.ne[3]), "FLASH_ATTN_EXT", (q, k, v))
-            cur = reshape(cur, cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3])
-        else:
-            v = permute(v_cur, 1, 2, 0, 3)
-            v = dup(v, "CONT")
-            kq = mul_mat(k, q)
-            kq = dup(kq, "SOFT_MAX")
-            kqv = mul_mat(v, kq)
-            cur = permute(kqv, 0, 2, 1, 3)
-            cur = new((cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3]), "CONT", (cur,))
-        return mul_mat(self.mat(self.n_embd, self.n_embd, "attn_out"), cur)
-
-    def build(self, grid: tuple[int, int]) -> Graph:
-        tw, th = grid
-        m, p, e, t = self.merge, self.patch, self.n_embd, self.text
-        px, py = tw * m, th * m  # patches across, down
-        n_pos = px * py
-
-        pos_h = leaf((n_pos,), I32, "pos_h", input=True)
-        pos_w = leaf((n_pos,), I32, "pos_w", input=True)
-
-        # build_inp: ggml_conv_2d (im2col to f16, mul_mat, a contiguous permute), then [n_embd, n_pos]
-        inp_raw = leaf((px * p, py * p, 3, 1), F32, "inp_raw", input=True)
-        kernel = self.w((p, p, 3, e), F16, "v.patch_embd.weight")
-        im2col = new((3 * p * p, px, py, 1), "IM2COL", (kernel, inp_raw), F16)
-        cur = mul_mat(reshape(im2col, im2col.ne[0], px * py), reshape(kernel, 3 * p * p, e))
-        cur = reshape(cur, px, py, 1, e)
-        cur = dup(permute(cur, 0, 1, 3, 2), "CONT")
-        cur = reshape(cur, n_pos, e, 1)
-        cur = dup(transpose(cur), "CONT")
-
-        # build_vit: RMS pre-norm, RMS-normed blocks with a 2-D RoPE on Q and K, a gated SiLU FFN, no post-norm
-        inp_l = self.rms_norm(reshape(cur, e, n_pos), e)  # v.pre_ln
-        d_head = e // self.n_head
-        for _ in range(self.n_layer):
-            cur = self.rms_norm(inp_l, e)
-            q = reshape(mul_mat(self.mat(e, e, "attn_q"), cur), d_head, self.n_head, n_pos, 1)
-            k = reshape(mul_mat(self.mat(e, e, "attn_k"), cur), d_head, self.n_head, n_pos, 1)
-            v = reshape(mul_mat(self.mat(e, e, "attn_v"), cur), d_head, self.n_head, n_pos, 1)
-            q = self.rope_2d(q, pos_h, pos_w)
-            k = self.rope_2d(k, pos_h, pos_w)
-            cur = self.attn(q, k, v)
-            cur = dup(cur, "ADD", inp_l)
-            inp_l = cur
-            cur = self.rms_norm(cur, e)
-            up = mul_mat(self.mat(e, self.n_ff, "ffn_up"), cur)  # build_ffn: up, then gate, swiglu_split(gate, up)
-            gate = mul_mat(self.mat(e, self.n_ff, "ffn_gate"), cur)
-            cur = new(gate.ne, "GLU", (gate, up))
-            cur = mul_mat(self.mat(self.n_ff, e, "ffn_down"), cur)
-            inp_l = dup(inp_l, "ADD", cur)
-        cur = reshape(inp_l, e, n_pos, 1)
-
-        # Mistral Small 3.1's patch merger: RMS norm, unfold merge x merge patches (im2col, f32), project
-        if m > 1:
-            cur = dup(dup(cur, "RMS_NORM"), "MUL", self.vec(e, "mm.input_norm.weight"))
-            cur = reshape(cur, e, px, py)
-            cur = dup(permute(cur, 2, 0, 1, 3), "CONT")  # [px, py, n_embd]
-            kern = view(cur, "VIEW", (m, m, e, 1), (4, 0, 0, 0))
-            cur = new((e * m * m, tw, th, 1), "IM2COL", (kern, cur), F32)
-            cur = reshape(cur, cur.ne[0], tw * th)
-            cur = mul_mat(self.mat(e * m * m, e, "mm.patch_merger.weight"), cur)
-
-        # mm.1 (+ bias), GELU, mm.2 (+ bias): the biases and the GELU run in place
-        cur = dup(mul_mat(self.mat(e, t, "mm.1.weight"), cur), "ADD", self.vec(t))
-        cur = dup(cur, "UNARY")
-        cur = dup(mul_mat(self.mat(t, t, "mm.2.weight"), cur), "ADD", self.vec(t))
-
-        # [IMG_BREAK] after each row: a zeroed [text, 1, rows] tensor (a leaf the allocator places first),
-        # plus the embedding, concatenated to the rows, viewed without the last row's break
-        tmp = reshape(cur, t, tw, th)
-        tok = leaf((t, 1, th), F32, "img_break rows")
-        tok = dup(tok, "SCALE")
-        tok = dup(tok, "ADD", self.vec(t, "v.token_embd.img_break"))
-        cat = new((t, tw + 1, th, 1), "CONCAT", (tmp, tok))
-        n_out = tw * th + th - 1
-        out = view(cat, "VIEW", (t, n_out), (4, 4 * t, 4 * t * n_out, 4 * t * n_out))
-        return self.gf.expand(out)
+    # [IMG_BREAK] after each row: a zeroed [text, 1, rows] tensor (a leaf the allocator places first),
+    # plus the embedding, concatenated to the rows, viewed without the last row's break
+    tmp = reshape(cur, t, tw, th)
+    tok = leaf((t, 1, th), F32, "img_break rows")
+    tok = dup(tok, "SCALE")
+    tok = dup(tok, "ADD", b.vec(t, "v.token_embd.img_break"))
+    cat = new((t, tw + 1, th, 1), "CONCAT", (tmp, tok))
+    n_out = tw * th + th - 1
+    out = view(cat, "VIEW", (t, n_out), (4, 4 * t, 4 * t * n_out, 4 * t * n_out))
+    return b.gf.expand(out)

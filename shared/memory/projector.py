@@ -19,6 +19,7 @@ from shared.memory.pixtral_graph import pixtral_planned_bytes
 from shared.memory.placement import CPU, Placement
 from shared.memory.qwen_graph import POS_TABLE_SIDE, qwen_planned_bytes
 from shared.memory.resampler_graph import resampler_compute_bytes
+from shared.memory.siglip_graph import SIGLIP_TYPES, siglip_compute_bytes
 from shared.memory.whisper_graph import AUDIO_TYPES, WHISPER_FRAMES, whisper_compute_bytes
 from shared.messages.hosts import ProjectorFacts
 
@@ -33,53 +34,43 @@ def projector_device(placement: Placement, offload: bool, device: int = 0) -> in
 
 def projector_compute_bytes(proj: ProjectorFacts, flash_attn: bool, image_max_tokens: int = 0) -> int:
     """The compute buffer clip reserves for its warm-up image, or grows to at the largest image the lane
-    takes (Pixtral): the largest of the graph's peaks (compute_peaks)."""
-    return max(compute_peaks(proj, flash_attn, image_max_tokens).values())
+    takes. ggml-alloc packs each graph best-fit among freed blocks, so no closed form follows it: every
+    type's graph is rebuilt from clip.cpp at the file's widths and the allocator replayed over it
+    (shared/memory/*_graph.py over graph_alloc.py), exact to the byte against the real binary; Gemma
+    3n's from the file's own tensors, by the agent (ProjectorFacts.graph_compute_bytes). A type no
+    module rebuilds is planned as a SigLIP encoder with Gemma 3's head at the file's image size (not
+    measured). image_max_tokens: the lane's --image-max-tokens (0: the one image_tokens_cap renders)."""
+    kind = proj.projector_type
+    if kind in GRAPH_TYPES:
+        return graph_bytes(proj, flash_attn)
+    if kind in QWEN_TYPES:
+        return qwen_bytes(proj, flash_attn)
+    if kind in DYNAMIC_MAX_TOKENS:
+        return pixtral_bytes(proj, flash_attn, largest_image_tokens(proj, image_max_tokens) or 0)
+    if kind in WHISPER_TYPES:
+        return whisper_bytes(proj, flash_attn)
+    if kind in RESAMPLER_TYPES:
+        return resampler_buffer(proj, flash_attn)
+    if kind in GRAPH_REPLAYED:  # every image resized to the warm-up's: its buffer is every one's
+        return proj.graph_compute_bytes
+    return siglip_bytes(proj, flash_attn)
 
 
-def compute_peaks(proj: ProjectorFacts, flash_attn: bool, image_max_tokens: int = 0) -> dict[str, int]:
-    """The warm-up graph's peaks, by name. ggml-alloc packs the graph (no closed form), so these
-    follow the tensors alive at each peak, fitted to the printed lines of SigLIP encoders with the
-    gemma3 and idefics3 heads (tests/record_projector_figures.py): with P patches a side, e (the
-    residual stream, n_embd x P^2 f32), f (the FFN activations, n_ff x P^2 f32), the f32 scores of
-    every head without flash attention (P^2 x P^2 x n_head), and for gemma3 the f16 copy of its
-    transposed input projection, which the graph computes first and holds to the end (n_embd x
-    the text model's n_embd). Exact on every recorded shape with flash attention (llama-server's
-    default, auto, turns it on for CPU and CUDA); without it the gemma3 figure is an upper bound
-    (at most 0.25 MiB above, tests/test_projector_memory.py)."""
-    if proj.projector_type in GRAPH_TYPES:
-        return {"graph": graph_bytes(proj, flash_attn)}
-    if proj.projector_type in QWEN_TYPES:
-        return {"graph": qwen_bytes(proj, flash_attn)}
-    if proj.projector_type in DYNAMIC_MAX_TOKENS:
-        return {"graph": pixtral_bytes(proj, flash_attn, largest_image_tokens(proj, image_max_tokens) or 0)}
-    if proj.projector_type in SHUFFLED_TYPES:
-        return _shuffled_peaks(proj, flash_attn)
-    if proj.projector_type in WHISPER_TYPES:
-        return {"graph": whisper_bytes(proj, flash_attn)}
-    if proj.projector_type in RESAMPLER_TYPES:
-        return {"graph": resampler_buffer(proj, flash_attn)}
-    if proj.projector_type in GRAPH_REPLAYED:  # every image resized to the warm-up's: its buffer is every one's
-        return {"graph": proj.graph_compute_bytes}
-    side = proj.image_size // proj.patch_size if proj.patch_size else 0
-    n_pos = side * side
-    e = proj.n_embd * n_pos * F32
-    f = proj.n_ff * n_pos * F32
-    gemma3 = proj.projector_type == "gemma3"
-    c = proj.n_embd * proj.n_mmproj_embd * 2 if gemma3 else 0
-    peaks = {
-        # the image (f32 RGB) and its patches unrolled for the convolution (im2col, f16)
-        "patches": proj.image_size * proj.image_size * 3 * F32 + 3 * proj.patch_size**2 * n_pos * 2,
-        "ffn": f + 2 * e + c,
-    }
-    if proj.n_layer >= 2:  # a block's output stays alive while the next block's FFN runs
-        peaks["ffn_next"] = f + 3 * e
-    if flash_attn:
-        peaks["attention"] = 5 * e + (c if c > e else 0)
-    else:
-        kq = n_pos * n_pos * proj.n_head * F32
-        peaks["attention"] = kq + 4 * e + (max(min(2 * e, kq), e + c) if gemma3 else 0)
-    return peaks
+def siglip_bytes(proj: ProjectorFacts, flash_attn: bool) -> int:
+    """Gemma 3's, SmolVLM's (idefics3) and InternVL's warm-up buffer, their graphs replayed (shared/memory/
+    siglip_graph.py); any other type as Gemma 3's. 0 for widths clip's graph cannot build."""
+    kind = proj.projector_type if proj.projector_type in SIGLIP_TYPES else "gemma3"
+    try:
+        return siglip_compute_bytes(
+            proj_type=kind, n_embd=proj.n_embd, n_ff=proj.n_ff, n_head=proj.n_head, n_layer=proj.n_layer,
+            image_size=proj.image_size, patch_size=proj.patch_size, merge=proj.n_merge or _DEFAULT_MERGE[kind],
+            text_embd=proj.n_mmproj_embd, flash_attn=flash_attn,
+        )  # fmt: skip
+    except ValueError:
+        return 0
+
+
+_DEFAULT_MERGE = {"gemma3": 4, "idefics3": 1, "internvl": 1}  # clip.cpp load_hparams without scale_factor
 
 
 QWEN_TYPES = frozenset({"qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger"})
@@ -159,7 +150,6 @@ def pixtral_bytes(proj: ProjectorFacts, flash_attn: bool, max_tokens: int) -> in
         return 0
 
 
-SHUFFLED_TYPES = frozenset({"internvl"})
 # Audio projectors on Whisper's encoder (tools/mtmd/models/whisper-enc.cpp), each with its own head
 WHISPER_TYPES = AUDIO_TYPES
 
@@ -249,36 +239,6 @@ def resampler_buffer(proj: ProjectorFacts, flash_attn: bool) -> int:
 def mel_bytes(proj: ProjectorFacts) -> int:
     """An audio chunk's mel spectrogram (f32), the encoder's input."""
     return proj.n_mel_bins * WHISPER_FRAMES * F32
-
-
-def _with_class_token(proj: ProjectorFacts) -> tuple[int, int, int, int]:
-    """A class-token encoder's patches, residual and FFN activation (f32, patches + 1 positions), and
-    the image (f32 RGB)."""
-    side = proj.image_size // proj.patch_size if proj.patch_size else 0
-    n_pos = side * side + 1
-    return side * side, proj.n_embd * n_pos * F32, proj.n_ff * n_pos * F32, proj.image_size**2 * 3 * F32
-
-
-def _aligned(n: int) -> int:
-    return -(-n // 32) * 32
-
-
-def _shuffled_peaks(proj: ProjectorFacts, flash_attn: bool) -> dict[str, int]:
-    """InternVL's graph (tools/mtmd/models/internvl.cpp): one tile of the file's image size (its warm-up,
-    and every slice of a larger image), a class token (P^2 + 1 positions), all blocks, then a 2 x 2
-    pixel shuffle into an MLP of the text model's width. Exact on 9 recorded shapes: the SigLIP terms,
-    where its layer scales keep a third residual beside the FFN in every block."""
-    patches, e, f, image = _with_class_token(proj)
-    n_pos = patches + 1
-    kq = _aligned(n_pos * n_pos * proj.n_head * F32)
-    tokens = patches // max(1, proj.n_merge) ** 2
-    text = proj.n_mmproj_embd * tokens * F32
-    return {
-        "patches": image + 3 * proj.patch_size**2 * patches * 2,
-        "ffn": f + 3 * e,
-        "attention": 5 * e if flash_attn else kq + 4 * e,
-        "head": 2 * text + e,  # mm.model.mlp.1's and .3's outputs
-    }
 
 
 def projector_bytes(

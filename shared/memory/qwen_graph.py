@@ -2,7 +2,8 @@
 `qwen3vl_merger`): the compute buffer clip allocates for one image, to the byte. Pure.
 
 The graph (b11434: tools/mtmd/models/qwen2vl.cpp clip_graph_qwen2vl::build for Qwen2-VL and 2.5-VL,
-models/qwen3vl.cpp clip_graph_qwen3vl::build for 3-VL, with clip.cpp's build_norm, build_ffn, build_attn):
+models/qwen3vl.cpp clip_graph_qwen3vl::build for 3-VL, with clip.cpp's build_norm, build_ffn, build_attn:
+shared/memory/clip_graph.py):
 
 - the image (inp_raw, W x H x 3 f32) through two patch convolutions (ggml_conv_2d: im2col to f16, f32
   when the kernel is bf16, and mul_mat; a still image feeds both frames' kernels) added, then
@@ -61,6 +62,7 @@ import math
 from functools import lru_cache
 from math import isqrt
 
+from shared.memory.clip_graph import ClipBuilder, Layer
 from shared.memory.graph_alloc import (
     ALIGNMENT,
     F16,
@@ -71,12 +73,10 @@ from shared.memory.graph_alloc import (
     cast,
     dup,
     leaf,
-    mul_mat,
     new,
     permute,
     replay,
     reshape,
-    view,
 )
 
 QWEN_TYPES = ("qwen2vl_merger", "qwen2.5vl_merger", "qwen3vl_merger")
@@ -122,7 +122,8 @@ def qwen_compute_bytes(*, proj_type: str, n_embd: int, n_ff: int, n_head: int, n
     else:
         deepstack = ()
     return _bytes(proj_type, n_embd, n_ff, n_head, n_layer, patch_size, text_embd, bool(flash_attn), gx, gy,
-                  int(n_wa_pattern), tuple(sorted(set(deepstack))), pos_side, bool(kernel_bf16), bool(offload))  # fmt: skip
+                  int(n_wa_pattern), tuple(sorted(set(deepstack))), pos_side, bool(kernel_bf16),
+                  bool(offload))  # fmt: skip
 
 
 def default_wa_pattern(proj_type: str) -> int:
@@ -208,7 +209,8 @@ def qwen_planned_bytes(*, proj_type: str, n_embd: int, n_ff: int, n_head: int, n
     return largest_image(proj_type=proj_type, n_embd=n_embd, n_ff=n_ff, n_head=n_head, n_layer=n_layer,
                          patch_size=patch_size, text_embd=text_embd, flash_attn=flash_attn,
                          image_max_tokens=image_max_tokens, strips=strips, merge=merge, n_wa_pattern=n_wa_pattern,
-                         deepstack=deepstack, pos_side=pos_side, kernel_bf16=kernel_bf16, offload=offload)[1]  # fmt: skip
+                         deepstack=deepstack, pos_side=pos_side, kernel_bf16=kernel_bf16,
+                         offload=offload)[1]  # fmt: skip
 
 
 def largest_image(*, image_max_tokens: int = 2116, strips: bool = True, **args) -> tuple[tuple[int, int], int]:
@@ -281,50 +283,22 @@ def build_graph(*, proj_type: str, n_embd: int, n_ff: int, n_head: int, n_layer:
                     deepstack, pos_side, kernel_bf16).build(*grid)  # fmt: skip
 
 
-class _Builder:
+class _Builder(ClipBuilder):
+    """clip_graph_qwen2vl / clip_graph_qwen3vl: ClipBuilder's helpers and blocks (Qwen2.5-VL's RMS-normed and
+    gated, without norm biases; Qwen3-VL's with a fused QKV), the 2 x 2 merge order and M-RoPE."""
+
     def __init__(self, proj_type, n_embd, n_ff, n_head, n_layer, patch_size, text_embd, flash_attn, n_wa_pattern,
                  deepstack, pos_side, kernel_bf16):  # fmt: skip
         self.qwen3 = proj_type == "qwen3vl_merger"
         self.rms = proj_type == "qwen2.5vl_merger"  # RMS norms without biases, a gated FFN
-        self.e, self.ff, self.n_head, self.n_layer = n_embd, n_ff, n_head, n_layer
-        self.patch, self.text, self.fa = patch_size, text_embd, flash_attn
+        layer = Layer(rms=self.rms, norm_bias=not self.rms, gated=self.rms, fused_qkv=self.qwen3)
+        super().__init__(n_embd, n_ff, n_head, flash_attn, layer)
+        self.e, self.n_layer, self.patch, self.text = n_embd, n_layer, patch_size, text_embd
         self.n_wa, self.deep, self.pos_side, self.kernel_bf16 = n_wa_pattern, set(deepstack), pos_side, kernel_bf16
-        self.gf = Graph()
 
-    @staticmethod
-    def w(ne, dtype=F32, name=""):
-        return leaf(ne, dtype, name, weight=True)
-
-    def mat(self, cols, rows, name=""):  # an f16 matrix, ggml shape [cols, rows]
-        return self.w((cols, rows), F16, name)
-
-    def vec(self, n, name=""):
-        return self.w((n,), F32, name)
-
-    # clip.cpp helpers
-    def norm(self, cur: Tensor, width: int, rms: bool, bias: bool) -> Tensor:  # build_norm
-        cur = dup(cur, "RMS_NORM" if rms else "NORM")
-        cur = dup(cur, "MUL", self.vec(width))
-        return dup(cur, "ADD", self.vec(width)) if bias else cur
-
-    def linear(self, cur: Tensor, cols: int, rows: int) -> Tensor:  # build_mm + bias
-        return dup(mul_mat(self.mat(cols, rows), cur), "ADD", self.vec(rows))
-
-    def ffn(self, cur: Tensor, cols: int, hidden: int, rows: int, gated: bool) -> Tensor:  # build_ffn, GELU
-        tmp = self.linear(cur, cols, hidden)
-        if gated:  # ggml_geglu_split(gate, up): the gate is src[0]
-            gate = self.linear(cur, cols, hidden)
-            cur = new(gate.ne, "GLU", (gate, tmp))
-        else:
-            cur = dup(tmp, "UNARY")
-        return self.linear(cur, hidden, rows)
-
-    def conv(self, kernel: Tensor, inp_raw: Tensor, nx: int, ny: int) -> Tensor:  # ggml_conv_2d, stride = kernel
-        p = self.patch
-        im2col = new((3 * p * p, nx, ny, 1), "IM2COL", (kernel, inp_raw), F32 if self.kernel_bf16 else F16)
-        cur = mul_mat(reshape(im2col, im2col.ne[0], nx * ny), reshape(kernel, 3 * p * p, self.e))
-        cur = reshape(cur, nx, ny, 1, self.e)
-        return dup(permute(cur, 0, 1, 3, 2), "CONT")  # [nx, ny, n_embd, 1]
+    def conv(self, kernel: Tensor, inp_raw: Tensor, nx: int, ny: int) -> Tensor:
+        """ggml_conv_2d, stride = kernel: [nx, ny, n_embd, 1] (the im2col f32 for a bf16 kernel)."""
+        return self.conv_2d(kernel, inp_raw, nx, ny, F32 if self.kernel_bf16 else F16)
 
     def merge_order(self, cur: Tensor, nx: int, ny: int) -> Tensor:
         """[n_embd, nx, ny] -> each 2 x 2 block of patches contiguous: [n_embd, nx * ny]."""
@@ -334,39 +308,9 @@ class _Builder:
         cur = permute(cur, 0, 2, 1, 3)
         return new((e, nx * ny, 1), "CONT", (cur,))
 
-    def attn(self, wo, wo_b, q_cur, k_cur, v_cur, mask) -> Tensor:
-        """build_attn: q/k/v_cur are [d_head, n_head, n_tokens]."""
-        for t in (q_cur, k_cur, v_cur):
-            self.gf.expand(t)  # ggml_build_forward_order
-        q = permute(q_cur, 0, 2, 1, 3)
-        k = permute(k_cur, 0, 2, 1, 3)
-        if self.fa:
-            v = permute(v_cur, 0, 2, 1, 3)
-            k = cast(k, F16)
-            v = cast(v, F16)
-            srcs = (q, k, v)
-            if mask is not None:
-                srcs += (cast(mask, F16),)
-            cur = new((v.ne[0], q.ne[2], q.ne[1], q.ne[3]), "FLASH_ATTN_EXT", srcs)
-            cur = reshape(cur, cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3])
-        else:
-            v = permute(v_cur, 1, 2, 0, 3)
-            v = dup(v, "CONT")
-            kq = mul_mat(k, q)
-            kq = dup(kq, "SOFT_MAX", *(() if mask is None else (mask,)))
-            kqv = mul_mat(v, kq)
-            cur = permute(kqv, 0, 2, 1, 3)
-            cur = new((cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3]), "CONT", (cur,))
-        cur = mul_mat(wo, cur)
-        return dup(cur, "ADD", wo_b)
-
-    def rope(self, cur: Tensor, positions: Tensor) -> Tensor:  # ggml_rope_multi: a contiguous copy
-        return new(cur.ne, "ROPE", (cur, positions), cur.type)
-
     def build(self, nx: int, ny: int) -> Graph:
-        e, p, d_head, n_head = self.e, self.patch, self.e // self.n_head, self.n_head
+        e, p = self.e, self.patch
         n_pos = nx * ny
-        bias = not self.rms
 
         inp_raw = leaf((nx * p, ny * p, 3, 1), F32, "inp_raw", input=True)
         k0 = self.w((p, p, 3, e), F16, "v.patch_embd.weight")
@@ -402,42 +346,24 @@ class _Builder:
         deep_outputs = []
         for il in range(self.n_layer):
             full = (il + 1) % self.n_wa == 0 if self.n_wa > 0 else True
-            cur = self.norm(inp_l, e, self.rms, bias)
-            if self.qwen3:
-                qkv = self.linear(cur, e, 3 * e)
-                nb = (4, 4 * d_head, qkv.nb[1], qkv.nb[1] * n_pos)
-                q = view(qkv, "VIEW", (d_head, n_head, n_pos), nb)
-                k = view(qkv, "VIEW", (d_head, n_head, n_pos), nb)
-                v = view(qkv, "VIEW", (d_head, n_head, n_pos), nb)
-            else:
-                q = reshape(self.linear(cur, e, e), d_head, n_head, n_pos)
-                k = reshape(self.linear(cur, e, e), d_head, n_head, n_pos)
-                v = reshape(self.linear(cur, e, e), d_head, n_head, n_pos)
-            q = self.rope(q, positions)
-            k = self.rope(k, positions)
-            cur = self.attn(self.mat(e, e), self.vec(e), q, k, v, None if full else window_mask)
-            cur = dup(cur, "ADD", inp_l)
-            inp_l = cur
-            cur = self.norm(cur, e, self.rms, bias)
-            cur = self.ffn(cur, e, self.ff, e, gated=self.rms)
-            cur = dup(inp_l, "ADD", cur)
+            inp_l = self.block(inp_l, n_pos, add_pos=lambda t: dup(t, "ROPE", positions),  # ggml_rope_multi
+                               mask=None if full else window_mask)  # fmt: skip
             if self.qwen3 and il in self.deep:
-                deep_outputs.append(cur)
-            inp_l = cur
+                deep_outputs.append(inp_l)
 
         # deepstack: built in block order (ggml visits them after the merger: nothing else reads them)
         for out in deep_outputs:
             feat = reshape(out, e * 4, n_pos // 4, 1)
-            feat = self.norm(feat, e * 4, False, True)
-            feat = self.ffn(feat, e * 4, e * 4, self.text, gated=False)
+            feat = self.norm(feat, e * 4)
+            feat = self.ffn(feat, e * 4, e * 4, self.text)
             if deep_features is None:
                 deep_features = feat
             else:
                 deep_features = new((deep_features.ne[0] + feat.ne[0], n_pos // 4), "CONCAT", (deep_features, feat))
 
-        inp_l = self.norm(inp_l, e, self.rms, bias)  # v.post_ln
+        inp_l = self.norm(inp_l, e, rms=self.rms, bias=not self.rms)  # v.post_ln
         emb = reshape(inp_l, e * 4, n_pos // 4, 1)
-        emb = self.ffn(emb, e * 4, e * 4, self.text, gated=False)  # mm.0, GELU, mm.2
+        emb = self.ffn(emb, e * 4, e * 4, self.text)  # mm.0, GELU, mm.2
         if self.n_wa > 0:
             window_idx = leaf((n_pos // 4,), I32, "window_idx", input=True)
             emb = reshape(emb, self.text, n_pos // 4)

@@ -2,11 +2,12 @@
 `meralion`, `glma`): the compute buffer clip allocates for one 30 s chunk, to the byte. Pure.
 
 The graph (b11434: tools/mtmd/models/whisper-enc.cpp clip_graph_whisper_enc::build, with clip.cpp's build_inp_raw,
-build_vit, build_norm, build_ffn, build_attn and build_stack) takes the chunk's mel spectrogram (inp_raw, 3,000
-frames x n_mel f32: clip-model.h warmup_audio_size, the warm-up's and every chunk's size: mtmd-audio.cpp cuts longer
-audio into 30 s chunks) through two 1-D convolutions (ggml_conv_1d_ph: an f16 im2col and a mul_mat each, the second
-of stride 2, so 1,500 positions), each with a bias and an erf GELU, a transposed copy, learned positions (a view of
-a.position_embd), LayerNorm blocks (K without a bias, an erf-GELU FFN with biases), then per type:
+build_vit, build_norm, build_ffn, build_attn: shared/memory/clip_graph.py, and build_stack) takes the chunk's mel
+spectrogram (inp_raw, 3,000 frames x n_mel f32: clip-model.h warmup_audio_size, the warm-up's and every chunk's
+size: mtmd-audio.cpp cuts longer audio into 30 s chunks) through two 1-D convolutions (ggml_conv_1d_ph: an f16
+im2col and a mul_mat each, the second of stride 2, so 1,500 positions), each with a bias and an erf GELU, a
+transposed copy, learned positions (a view of a.position_embd), LayerNorm blocks (K without a bias, an erf-GELU FFN
+with biases), then per type:
 
 - qwen2a, voxtral, musicflamingo: an average pool of 2 (clip-model.h audio_has_avgpool: a transposed copy, pool_1d,
   a transposed copy back) before the post-norm, so 750 positions;
@@ -43,22 +44,8 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from shared.memory.graph_alloc import (
-    F16,
-    F32,
-    Graph,
-    Tensor,
-    cast,
-    dup,
-    leaf,
-    mul_mat,
-    new,
-    permute,
-    replay,
-    reshape,
-    transpose,
-    view,
-)
+from shared.memory.clip_graph import ClipBuilder, Layer
+from shared.memory.graph_alloc import F16, F32, Graph, Tensor, dup, leaf, mul_mat, new, replay, reshape, transpose, view
 
 WHISPER_FRAMES = 3000  # clip-model.h warmup_audio_size: a 30 s chunk of 10 ms frames
 WHISPER_POSITIONS = 1500  # a.position_embd: Whisper's table (the encoder's 1,500 positions)
@@ -122,34 +109,13 @@ def _view_2d(a: Tensor, ne0: int, ne1: int) -> Tensor:
     return view(a, "VIEW", (ne0, ne1))
 
 
-class _Builder:
+class _Builder(ClipBuilder):
+    """clip_graph_whisper_enc: ClipBuilder's helpers (blocks whose K has no bias) and the audio pieces."""
+
     def __init__(self, proj_type, n_embd, n_ff, n_head, n_layer, n_mel, text, fa, stack, hidden):
-        self.type, self.n_embd, self.n_ff, self.n_head, self.n_layer = proj_type, n_embd, n_ff, n_head, n_layer
-        self.n_mel, self.text, self.fa, self.stack, self.hidden = n_mel, text, fa, stack, hidden
-        self.gf = Graph()
-
-    @staticmethod
-    def w(ne, dtype=F32, name=""):
-        return leaf(ne, dtype, name, weight=True)
-
-    def mat(self, cols, rows, name=""):  # an f16 matrix, ggml shape [cols, rows]
-        return self.w((cols, rows), F16, name)
-
-    def vec(self, n, name=""):
-        return self.w((n,), F32, name)
-
-    # clip.cpp helpers
-    def norm(self, cur: Tensor, width: int, bias: bool = True) -> Tensor:  # build_norm, NORM_TYPE_NORMAL
-        cur = dup(cur, "NORM")
-        cur = dup(cur, "MUL", self.vec(width))
-        return dup(cur, "ADD", self.vec(width)) if bias else cur
-
-    def rms_norm(self, cur: Tensor, width: int) -> Tensor:  # ggml_rms_norm, then ggml_mul by the weight
-        return dup(dup(cur, "RMS_NORM"), "MUL", self.vec(width))
-
-    def linear(self, cur: Tensor, cols: int, rows: int, bias: bool = True) -> Tensor:  # build_mm (+ bias)
-        cur = mul_mat(self.mat(cols, rows), cur)
-        return dup(cur, "ADD", self.vec(rows)) if bias else cur
+        super().__init__(n_embd, n_ff, n_head, fa, Layer(k_bias=False))
+        self.type, self.n_layer, self.n_mel, self.text, self.stack, self.hidden = (
+            proj_type, n_layer, n_mel, text, stack, hidden)  # fmt: skip
 
     def conv_1d_ph(self, inp: Tensor, c_in: int, c_out: int, stride: int) -> Tensor:
         """ggml_conv_1d_ph (kernel 3, padding 1): an f16 im2col, a mul_mat, [frames, c_out]."""
@@ -158,27 +124,6 @@ class _Builder:
         im2col = new((3 * c_in, out_len, 1, 1), "IM2COL", (kernel, inp), F16)
         cur = mul_mat(reshape(im2col, 3 * c_in, out_len), reshape(kernel, 3 * c_in, c_out))
         return reshape(cur, out_len, c_out, 1)
-
-    def attn(self, q_cur: Tensor, k_cur: Tensor, v_cur: Tensor) -> Tensor:
-        """build_attn (no mask, no sinks) with attn_out and its bias: q/k/v_cur are [d_head, n_head, n_pos]."""
-        e = self.n_embd
-        for t in (q_cur, k_cur, v_cur):
-            self.gf.expand(t)  # ggml_build_forward_order
-        q = permute(q_cur, 0, 2, 1, 3)
-        k = permute(k_cur, 0, 2, 1, 3)
-        if self.fa:
-            v = permute(v_cur, 0, 2, 1, 3)
-            k = cast(k, F16)
-            v = cast(v, F16)
-            cur = new((v.ne[0], q.ne[2], q.ne[1], q.ne[3]), "FLASH_ATTN_EXT", (q, k, v))
-            cur = reshape(cur, cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3])
-        else:
-            v = dup(permute(v_cur, 1, 2, 0, 3), "CONT")
-            kq = dup(mul_mat(k, q), "SOFT_MAX")
-            kqv = mul_mat(v, kq)
-            cur = permute(kqv, 0, 2, 1, 3)
-            cur = new((cur.ne[0] * cur.ne[1], cur.ne[2] * cur.ne[3]), "CONT", (cur,))
-        return self.linear(cur, e, e)
 
     def stack_frames(self, cur: Tensor, factor: int) -> Tensor:  # build_stack
         if factor <= 1:
@@ -192,7 +137,7 @@ class _Builder:
         return _view_2d(cur, stride, padded // stride)
 
     def build(self, n_frames: int) -> Graph:
-        e, n_head = self.n_embd, self.n_head
+        e = self.n_embd
         inp = leaf((n_frames, self.n_mel, 1, 1), F32, "inp_raw", input=True)
 
         cur = self.conv_1d_ph(inp, self.n_mel, e, 1)
@@ -204,46 +149,24 @@ class _Builder:
         n_pos = cur.ne[0]
         inp = dup(transpose(cur), "CONT")  # [n_embd, n_pos]
 
-        # build_vit
+        # build_vit: learned positions (a view of Whisper's table), erf-GELU blocks, the pool, a.post_ln
         pos_table = self.w((e, WHISPER_POSITIONS), F32, "a.position_embd.weight")
-        cur = dup(inp, "ADD", _view_2d(pos_table, e, n_pos))
-        inp_l = reshape(cur, e, n_pos)
-        d_head = e // n_head
-        for _ in range(self.n_layer):
-            cur = self.norm(inp_l, e)
-            q = reshape(self.linear(cur, e, e), d_head, n_head, n_pos, 1)
-            k = reshape(self.linear(cur, e, e, bias=False), d_head, n_head, n_pos, 1)
-            v = reshape(self.linear(cur, e, e), d_head, n_head, n_pos, 1)
-            cur = self.attn(q, k, v)
-            cur = dup(cur, "ADD", inp_l)
-            inp_l = cur
-            cur = self.norm(cur, e)
-            cur = self.linear(cur, e, self.n_ff)  # build_ffn: up + bias, erf GELU, down + bias
-            cur = dup(cur, "UNARY")
-            cur = self.linear(cur, self.n_ff, e)
-            inp_l = dup(inp_l, "ADD", cur)
-        if self.type in AVGPOOL_TYPES:
-            cur = dup(transpose(inp_l), "CONT")  # [n_pos, n_embd]
-            cur = new(((cur.ne[0] - 2) // 2 + 1, cur.ne[1]), "POOL_1D", (cur,))
-            inp_l = dup(transpose(cur), "CONT")
-        inp_l = self.norm(inp_l, e)  # a.post_ln
-        cur = reshape(inp_l, e, inp_l.ne[1], 1)
+        cur = self.vit(inp, n_pos, self.n_layer, learned_pos=_view_2d(pos_table, e, n_pos), post_ln=True,
+                       avgpool=self.type in AVGPOOL_TYPES)  # fmt: skip
 
         if self.type in STACKED_TYPES:
             cur = self.stack_frames(cur, self.stack)
         width, h, t = cur.ne[0], self.hidden, self.text
         if self.type == "ultravox":
-            cur = self.rms_norm(cur, width)  # mm.a.norm_pre
+            cur = self.norm(cur, width, rms=True, bias=False)  # mm.a.norm_pre
             cur = self.linear(cur, width, h, bias=False)  # mm.a.mlp.1
             cur = new((h // 2, *cur.ne[1:]), "GLU", (cur,))  # ggml_swiglu_swapped
-            cur = self.rms_norm(cur, h // 2)  # mm.a.norm_mid
+            cur = self.norm(cur, h // 2, rms=True, bias=False)  # mm.a.norm_mid
             cur = self.linear(cur, h // 2, t, bias=False)  # mm.a.mlp.2
         elif self.type == "qwen2a":
             cur = self.linear(cur, width, t)  # mm.a.fc
         elif self.type in ("voxtral", "musicflamingo"):  # build_ffn: mm.a.mlp.1, erf GELU, mm.a.mlp.2
-            bias = self.type == "musicflamingo"
-            cur = dup(self.linear(cur, width, h, bias=bias), "UNARY")
-            cur = self.linear(cur, h, t, bias=bias)
+            cur = self.ffn(cur, width, h, t, bias=self.type == "musicflamingo")
         elif self.type == "meralion":
             cur = self.norm(cur, width)  # mm.a.norm_pre
             cur = dup(self.linear(cur, width, h), "UNARY")  # mm.a.mlp.0, SiLU
@@ -253,8 +176,7 @@ class _Builder:
         else:  # glma
             cur = self.norm(cur, e)  # mm.a.norm_pre
             cur = self.stack_frames(cur, self.stack)
-            cur = dup(self.linear(cur, cur.ne[0], h), "UNARY")  # mm.a.mlp.1, erf GELU
-            cur = self.linear(cur, h, t)  # mm.a.mlp.2
+            cur = self.ffn(cur, cur.ne[0], h, t)  # mm.a.mlp.1 + bias, erf GELU, mm.a.mlp.2 + bias
             boi, eoi = self.vec(t, "v.boi"), self.vec(t, "v.eoi")
             cur = new((t, cur.ne[1] + 1), "CONCAT", (boi, cur))
             cur = new((t, cur.ne[1] + 1), "CONCAT", (cur, eoi))
