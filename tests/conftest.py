@@ -17,7 +17,8 @@ import pytest
 # fuzzers, the NATS permission suites (their own configured servers), the fault injections or
 # `lanes up` as a user does, waits out a timeout by design (lease, liveness), runs services over
 # NATS through seconds of a fault by design (a cut-off, a stall, a restart, a rollout, a retry),
-# or reads a simulated fleet of thousands of hosts.
+# runs several CLI processes in a row or a full-depth projector replay, or reads a simulated fleet
+# of thousands of hosts.
 SLOW_FIXTURES = frozenset({"llama_server", "gemma_model", "rpc_bin", "topo"})
 SLOW_MODULES = frozenset({
     "test_dashboard_browser", "test_netns", "test_slot_moves_netns", "test_compose_live", "test_bench_agent", "test_bench_scripts",
@@ -55,6 +56,14 @@ SLOW_TESTS = frozenset({
     "test_compose_up_adds_only_the_missing_passwords_and_gives_up_when_the_gateway_never_answers",
     "test_a_gateway_beyond_loopback_without_keys_refuses_to_start",
     "test_estimate_moe_contract",
+    # several CLI processes in a row, or a planner replaying a real model's full-depth projector graph
+    # (each over 3 s on 2 cores)
+    "test_a_qwen_lane_takes_no_image_larger_than_its_planned_warm_up",
+    "test_estimate_puts_the_draft_on_the_devices_devd_names",
+    "test_estimate_takes_loras_as_llama_server_does_and_refuses_what_it_cannot_predict",
+    "test_estimate_takes_llama_servers_speculative_and_swa_flags",
+    "test_the_samples_decode_back_to_what_was_encoded",
+    "test_config_change_relaunches_lane_with_quantized_kv",
     # thousands of simulated hosts
     "test_every_page_of_ten_thousand_hosts_is_under_256_kib_and_every_host_comes_once",
     "test_lanes_status_reads_a_thousand_hosts_in_pages",
