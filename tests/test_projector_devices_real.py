@@ -45,25 +45,30 @@ def _printed(rpc_bin, endpoint: str, model, path, offload: bool, *extra: str) ->
     return {d.device: d.projector_bytes for d in devices_from_lines(lines)}
 
 
+def _planned_as_printed(model, proj, printed: dict[str, int], offload: bool) -> dict[str, int]:
+    """The lane's projector bytes per device (one RPC device), checked against what was printed: the
+    holder's compute and weights (clip prints them unpadded), the other's (host RAM holds the input when
+    the projector is on the device). The per-device plan, for the caller's own checks."""
+    planned = lane_memory(msgspec.structs.replace(read_model_facts(model), mmproj=proj), LaneShape(
+        ctx=512, flash_attn=True, mmproj=True, mmproj_offload=offload, n_gpu_layers="all", devices=("rpc",)))  # fmt: skip
+    by_device = {d.device: d.projector_bytes for d in planned.devices}
+    holder, other = ("GPU0", "CPU") if offload else ("CPU", "GPU0")
+    padding = proj.weight_bytes - proj.file_weight_bytes
+    assert abs(by_device[holder] - padding - printed[holder]) <= 0.01 * MIB, (by_device, printed)
+    assert abs(by_device[other] - printed.get(other, 0)) <= 0.005 * MIB, (by_device, printed)
+    return by_device
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 def test_projector_bytes_per_device_are_the_printed_ones(rpc_bin, endpoint, tmp_path, case):
     proj_type, n_embd, n_ff, image, offload = case
     model = write_llama(tmp_path / "m.gguf", special=IDEFICS3_TOKENS)
     path = write_projector(tmp_path / "mmproj-m.gguf", proj_type=proj_type, n_embd=n_embd, n_ff=n_ff, image_size=image,
                            patch_size=16 if proj_type == "idefics3" else 14)  # fmt: skip
-    printed = _printed(rpc_bin, endpoint, model, path, offload)
     proj = projector_facts(path)
-    facts = read_model_facts(model)
-    planned = lane_memory(msgspec.structs.replace(facts, mmproj=proj), LaneShape(
-        ctx=512, flash_attn=True, mmproj=True, mmproj_offload=offload, n_gpu_layers="all", devices=("rpc",)))  # fmt: skip
-    by_device = {d.device: d.projector_bytes for d in planned.devices}
-    holder = "GPU0" if offload else "CPU"
-    padding = proj.weight_bytes - proj.file_weight_bytes
-    assert 0 <= padding < 32 * 64
-    assert abs(by_device[holder] - padding - printed[holder]) <= 0.01 * MIB, (by_device, printed)
-    other = "CPU" if offload else "GPU0"
-    assert abs(by_device[other] - printed.get(other, 0)) <= 0.005 * MIB, (by_device, printed)
-    assert by_device[other] == (image * image * 3 * 4 if offload else 0)
+    assert 0 <= proj.weight_bytes - proj.file_weight_bytes < 32 * 64
+    by_device = _planned_as_printed(model, proj, _printed(rpc_bin, endpoint, model, path, offload), offload)
+    assert by_device["CPU" if offload else "GPU0"] == (image * image * 3 * 4 if offload else 0)
 
 
 @pytest.mark.parametrize("offload", [True, False], ids=["offload", "host"])
@@ -76,13 +81,7 @@ def test_llavas_projector_per_device_is_the_printed_bytes(rpc_bin, endpoint, tmp
     printed = _printed(rpc_bin, endpoint, model, path, offload)
     proj = projector_facts(path)
     assert proj.projector_type == "mlp" and proj.n_mmproj_embd == 2048
-    planned = lane_memory(msgspec.structs.replace(read_model_facts(model), mmproj=proj), LaneShape(
-        ctx=512, flash_attn=True, mmproj=True, mmproj_offload=offload, n_gpu_layers="all", devices=("rpc",)))  # fmt: skip
-    by_device = {d.device: d.projector_bytes for d in planned.devices}
-    holder, other = ("GPU0", "CPU") if offload else ("CPU", "GPU0")
-    padding = proj.weight_bytes - proj.file_weight_bytes
-    assert abs(by_device[holder] - padding - printed[holder]) <= 0.01 * MIB, (by_device, printed)
-    assert abs(by_device[other] - printed.get(other, 0)) <= 0.005 * MIB, (by_device, printed)
+    _planned_as_printed(model, proj, printed, offload)
 
 
 def test_a_qwen_projector_capped_at_its_warm_up_image_reserves_what_is_planned(rpc_bin, endpoint, tmp_path):
@@ -135,14 +134,8 @@ def test_an_audio_projector_per_device_is_the_printed_bytes(rpc_bin, endpoint, t
     proj = projector_facts(path)
     assert (proj.audio, proj.vision, proj.n_mel_bins, proj.n_embd, proj.n_mmproj_embd) == (True, False, 80, 384, 1024)
     assert proj.stack_factor == {"qwen2a": 0, "ultravox": 8, "voxtral": 4}[proj_type]
-    planned = lane_memory(msgspec.structs.replace(read_model_facts(model), mmproj=proj), LaneShape(
-        ctx=512, flash_attn=True, mmproj=True, mmproj_offload=offload, n_gpu_layers="all", devices=("rpc",)))  # fmt: skip
-    by_device = {d.device: d.projector_bytes for d in planned.devices}
-    holder, other = ("GPU0", "CPU") if offload else ("CPU", "GPU0")
-    padding = proj.weight_bytes - proj.file_weight_bytes
-    assert abs(by_device[holder] - padding - printed[holder]) <= 0.01 * MIB, (by_device, printed)
-    assert abs(by_device[other] - printed.get(other, 0)) <= 0.005 * MIB, (by_device, printed)
-    assert by_device[other] == (80 * 3000 * 4 if offload else 0)
+    by_device = _planned_as_printed(model, proj, printed, offload)
+    assert by_device["CPU" if offload else "GPU0"] == (80 * 3000 * 4 if offload else 0)
 
 
 def test_a_projector_on_the_device_mmdev_names_is_planned_there(rpc_bin, tmp_path):

@@ -106,7 +106,10 @@ def write_projector(
     if proj_type not in PROJECTOR_TYPES:
         raise ValueError(f"projector type {proj_type!r}: one of {PROJECTOR_TYPES}")
     if proj_type == "qwen2a":  # image_size: the mel bins (Qwen2-Audio's Whisper encoder takes 128)
-        return _write_qwen2a(Path(path), text_embd, n_embd, n_ff, n_head, n_layer, n_mel=image_size, seed=seed)
+        from tinyaudio import write_audio_projector
+
+        return write_audio_projector(path, proj_type="qwen2a", text_embd=text_embd, n_embd=n_embd, n_ff=n_ff,
+                                     n_head=n_head, n_layer=n_layer, n_mel=image_size, seed=seed)  # fmt: skip
     if proj_type.startswith("qwen"):
         return _write_qwen(Path(path), proj_type, text_embd, n_embd, n_ff, n_head, n_layer, image_size, patch_size,
                            window=4 if proj_type == "qwen2.5vl_merger" else 0, seed=seed)  # fmt: skip
@@ -315,46 +318,6 @@ def _write_shuffled(path: Path, proj_type: str, text_embd: int, n_embd: int, n_f
         w.add_tensor("mm.model.mlp.1.weight", mat(n_ff, shuffled))
         w.add_tensor("mm.model.mlp.2.weight", mat(text_embd, n_ff))
         w.add_tensor("mm.model.fc.weight", mat(text_embd, text_embd))
-    return _finish(w, path)
-
-
-def _write_qwen2a(path: Path, text_embd: int, n_embd: int, n_ff: int, n_head: int, n_layer: int, n_mel: int,
-                  seed: int) -> Path:  # fmt: skip
-    """Qwen2-Audio's encoder (Whisper's: two 1-D convolutions, the second of stride 2, 1,500 learned
-    positions, LayerNorm blocks whose K has no bias), an average pool of 2 and mm.a.fc to the text width."""
-    rng = np.random.default_rng(seed)
-    mat = _matrices(rng)
-    w = gguf.GGUFWriter(str(path), "clip")
-    w.add_name(path.stem)
-    w.add_bool("clip.has_audio_encoder", True)
-    w.add_string("clip.projector_type", "qwen2a")
-    for key, value in (("embedding_length", n_embd), ("feed_forward_length", n_ff), ("block_count", n_layer),
-                       ("projection_dim", text_embd), ("attention.head_count", n_head), ("num_mel_bins", n_mel)):  # fmt: skip
-        w.add_uint32(f"clip.audio.{key}", value)
-    w.add_float32("clip.audio.attention.layer_norm_epsilon", 1e-5)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    w.add_tensor("a.conv1d.1.weight", (rng.standard_normal((n_embd, n_mel, 3)) * 0.02).astype(np.float16))
-    w.add_tensor("a.conv1d.1.bias", np.zeros((n_embd, 1), dtype=np.float32))
-    w.add_tensor("a.conv1d.2.weight", (rng.standard_normal((n_embd, n_embd, 3)) * 0.02).astype(np.float16))
-    w.add_tensor("a.conv1d.2.bias", np.zeros((n_embd, 1), dtype=np.float32))
-    w.add_tensor("a.position_embd.weight", (rng.standard_normal((1500, n_embd)) * 0.02).astype(np.float32))
-    for il in range(n_layer):
-        p = f"a.blk.{il}"
-        for t in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            w.add_tensor(f"{p}.{t}.weight", mat(n_embd, n_embd))
-            if t != "attn_k":
-                w.add_tensor(f"{p}.{t}.bias", _vec(n_embd))
-        for t in ("ln1", "ln2"):
-            w.add_tensor(f"{p}.{t}.weight", _vec(n_embd, 1.0))
-            w.add_tensor(f"{p}.{t}.bias", _vec(n_embd))
-        w.add_tensor(f"{p}.ffn_up.weight", mat(n_ff, n_embd))
-        w.add_tensor(f"{p}.ffn_up.bias", _vec(n_ff))
-        w.add_tensor(f"{p}.ffn_down.weight", mat(n_embd, n_ff))
-        w.add_tensor(f"{p}.ffn_down.bias", _vec(n_embd))
-    w.add_tensor("a.post_ln.weight", _vec(n_embd, 1.0))
-    w.add_tensor("a.post_ln.bias", _vec(n_embd))
-    w.add_tensor("mm.a.fc.weight", mat(text_embd, n_embd))
-    w.add_tensor("mm.a.fc.bias", _vec(text_embd))
     return _finish(w, path)
 
 
