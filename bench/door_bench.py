@@ -159,16 +159,21 @@ async def main() -> int:
     ap.add_argument("--small", action="store_true", help="few rounds (a smoke run)")
     ap.add_argument("--rounds", type=int, default=400, help="paired rounds at 1 stream")
     ap.add_argument("--out", help="where the JSON goes (default: bench/door_results.json; none for --small)")
+    ap.add_argument("--lane-threads", type=int, default=None,
+                    help="the lane's threads (the fleet's `threads`); default: planned from the host's cores (all of them)")
+    ap.add_argument("--lane-spares", type=int, default=None, help="the gateway's --lane-spares (default: its own)")
     args = ap.parse_args()
     llama = find_llama_server() or sys.exit("no llama-server: run `lanes install-llama`")
     setup_logging("warning")
     rounds1, rounds8, rounds64 = (20, 2, 1) if args.small else (args.rounds, 6, 3)
     results: dict = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
-                     "when": time.strftime("%Y-%m-%d %H:%M"),
+                     "when": time.strftime("%Y-%m-%d %H:%M"), "lane_threads": args.lane_threads,
+                     "lane_spares": args.lane_spares,
                      "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                               text=True).stdout.strip()}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="lanes-door-") as tmp:
-        fleet = Fleet(Path(tmp), llama, args.small)
+        spares = () if args.lane_spares is None else ("--lane-spares", str(args.lane_spares))
+        fleet = Fleet(Path(tmp), llama, args.small, gateway_args=spares)
         await fleet.start()
         try:
             connector = aiohttp.TCPConnector(limit=0, force_close=True)
@@ -176,6 +181,8 @@ async def main() -> int:
             timeout = aiohttp.ClientTimeout(total=600)
             async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http, \
                     aiohttp.ClientSession(timeout=timeout) as pooled:  # fmt: skip
+                if args.lane_threads is not None:
+                    await fleet.config(threads=args.lane_threads)
                 await fleet.demand(1)
                 lane = (await fleet.lanes())[0]
                 direct, gateway = f"http://127.0.0.1:{lane.port}", fleet.gateway_url

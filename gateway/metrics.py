@@ -101,6 +101,10 @@ class GatewayMetrics:
             "lanes_gateway_retries", "Requests sent to a second lane after the first failed before any byte",
             ["model"], registry=self.registry,
         )  # fmt: skip
+        self.lane_connections = Counter(
+            "lanes_gateway_lane_connections", "Streamed requests' connections to their lanes: a spare opened "
+            "ahead of the request (--lane-spares), or a new one", ["how"], registry=self.registry,
+        )  # fmt: skip
         self.ttfb = Histogram(
             "lanes_gateway_time_to_first_byte_seconds",
             "From the request's arrival to the first byte of the lane's answer",

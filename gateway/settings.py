@@ -33,6 +33,9 @@ class GatewaySettings:
     # 408): a slow client (slowloris) holds a socket this long at most.
     client_timeout: float = 30.0
     connect_timeout: float = 3.0  # reaching a lane; past it the request goes to another lane
+    # Connections opened to each lane ahead of its next streamed request (gateway/edge/lane_spares.py):
+    # a new one waits for the lane's HTTP server to accept it, about 2.5 ms of its first byte. 0: none.
+    lane_spares: int = 2
     # Seconds a streamed answer may take to its first token; past it the lane counts as stalled and
     # the request goes to another. None: from the prompt's size and the lane's measured prefill
     # speed, never under 30 s (gateway/routing/tries.py, first_byte_timeout).

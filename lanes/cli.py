@@ -128,6 +128,9 @@ def _add_gateway_options(p: argparse.ArgumentParser) -> None:
                    help="seconds a client may take to send a request's headers, or its body, or sit idle between "
                    "requests, before its connection is closed (or 408)" + _DEFAULT)  # fmt: skip
     p.add_argument("--connect-timeout", type=float, default=d.connect_timeout, help="seconds to reach a lane")
+    p.add_argument("--lane-spares", type=int, choices=range(0, 17), default=d.lane_spares, metavar="N",
+                   help="connections kept open to each lane for its next streamed request, each for 2 s at most "
+                   "(a new one costs the lane's accept: milliseconds of the first token); 0: none" + _DEFAULT)  # fmt: skip
     p.add_argument("--first-byte-timeout", type=float, default=d.first_byte_timeout,
                    help="seconds a streamed answer may take to its first token before its lane counts as stalled "
                    "(the request goes to another); default: from the prompt's size and the lane's measured "

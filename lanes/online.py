@@ -86,6 +86,7 @@ def gateway_settings(args: argparse.Namespace) -> GatewaySettings:
         request_timeout=getattr(args, "request_timeout", base.request_timeout),
         client_timeout=getattr(args, "client_timeout", base.client_timeout),
         connect_timeout=getattr(args, "connect_timeout", base.connect_timeout),
+        lane_spares=getattr(args, "lane_spares", base.lane_spares),
         first_byte_timeout=getattr(args, "first_byte_timeout", base.first_byte_timeout),
         stream_idle_timeout=getattr(args, "stream_idle_timeout", base.stream_idle_timeout),
         admin_key=getattr(args, "admin_key", None) or None,

@@ -143,6 +143,27 @@ async def test_openai_client_plain_and_streaming(fleet):
         assert by_name.choices[0].message.content is not None
 
 
+async def test_a_stream_after_a_stream_to_its_lane_goes_on_the_connection_opened_for_it(fleet):
+    """llama-server closes each streamed answer's connection; the gateway opens the lane's next one
+    while the answer flows, and the next stream to that lane takes it (gateway/edge/lane_spares.py)."""
+    async with gateway(fleet) as gw, aiohttp.ClientSession() as http:
+        ai = _openai(gw)
+        seen: set[str] = set()
+        after_one = 0  # streams to a lane that streamed before in this test
+        for _ in range(4):
+            raw = await ai.chat.completions.with_raw_response.create(model=ALIAS, messages=MESSAGES, stream=True,
+                                                                     max_tokens=4)  # fmt: skip
+            lane = raw.headers["x-lanes-lane"]
+            after_one += lane in seen
+            seen.add(lane)
+            chunks = [chunk async for chunk in raw.parse()]
+            assert any(c.choices and c.choices[0].delta.content for c in chunks)
+        got = samples(await (await http.get(gw.url + "/metrics", headers=BEARER)).text())
+    how = {dict(labels)["how"]: value for (name, labels), value in got.items()
+           if name == "lanes_gateway_lane_connections_total"}  # fmt: skip
+    assert after_one >= 2 and how == {"spare": after_one, "new": 4 - after_one}, (after_one, how)
+
+
 def fleet_model_name(gw: Gateway) -> str:
     return gw.view.lanes_for(ALIAS)[0].model
 

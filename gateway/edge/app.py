@@ -26,9 +26,10 @@ from gateway.admission import (
 )
 from gateway.edge import adapters, assemble, bounds, conversations, cors, counted, endpoints, relay
 from gateway.edge.access import CookieSecret
-from gateway.edge.app_keys import (ADMISSION, COOKIE_SECRET, KEYS, LEFT, METRICS, SESSION, SETTINGS, TENANT, USAGE,
+from gateway.edge.app_keys import (ADMISSION, COOKIE_SECRET, KEYS, LEFT, METRICS, SESSION, SETTINGS, SPARES, TENANT, USAGE,
                                    VIEW, WAKER)  # fmt: skip
 from gateway.edge.endpoints import ENDPOINTS
+from gateway.edge.lane_spares import Spares
 from gateway.edge.lane_stream import lane_socket
 from gateway.edge.forward import Shape, forward
 from gateway.edge.images import aspect_refusal
@@ -307,8 +308,12 @@ def build_app(
                                          socket_factory=lane_socket)  # fmt: skip
         async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
             app[SESSION] = session
-            yield
-            await relay.settle_left(app)  # before the session closes their connections
+            app[SPARES] = Spares(app[SETTINGS].lane_spares, app[SETTINGS].connect_timeout)
+            try:
+                yield
+                await relay.settle_left(app)  # before the session closes their connections
+            finally:
+                await app[SPARES].close()
 
     app.cleanup_ctx.append(client_session)
     app.router.add_get("/health", _health)

@@ -7,6 +7,7 @@ from aiohttp import web
 
 from gateway.admission import Admission, Waker
 from gateway.edge.access import CookieSecret
+from gateway.edge.lane_spares import Spares
 from gateway.fleet import FleetView
 from gateway.metrics import GatewayMetrics
 from gateway.settings import GatewaySettings
@@ -18,6 +19,7 @@ METRICS = web.AppKey("metrics", GatewayMetrics)
 SETTINGS = web.AppKey("settings", GatewaySettings)
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 WAKER = web.AppKey("waker", Waker)
+SPARES = web.AppKey("spares", Spares)  # connections opened to lanes ahead of their next stream
 KEYS = web.AppKey("keys", object)  # a KeysFile, or None without --keys-file
 USAGE = web.AppKey("usage", UsageBook)  # tenants' tokens this minute and day, every gateway's
 COOKIE_SECRET = web.AppKey("cookie_secret", CookieSecret)  # signs the dashboard's session cookies

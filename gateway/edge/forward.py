@@ -15,8 +15,8 @@ from gateway import routing
 from gateway.admission import Lease
 from gateway.edge import adapters
 from gateway.edge.endpoints import ENDPOINTS
-from gateway.edge.lane_stream import LaneStream, LaneUnreachable, open_stream
-from gateway.edge.app_keys import ADMISSION, METRICS, SESSION, SETTINGS, TENANT, VIEW
+from gateway.edge.lane_stream import LaneStream, LaneUnreachable, lane_address, open_stream
+from gateway.edge.app_keys import ADMISSION, METRICS, SESSION, SETTINGS, SPARES, TENANT, VIEW
 from gateway.edge.openai_errors import give_up, openai_error
 from gateway.edge.relay import assembled, cut_short, relay
 from gateway.fleet import FleetView
@@ -95,7 +95,11 @@ async def forward(
                            | ({"X-Conversation-Id": shape.conversation} if shape.conversation else {})
                            | ({"Content-Type": shape.content_type} if shape.content_type else {}))  # fmt: skip
                 if streams:  # never pooled: the bare client (gateway/edge/lane_stream.py)
-                    upstream = await open_stream(lane.url, request.path, data, headers, settings.connect_timeout)
+                    spares, address = app[SPARES], lane_address(lane.url)
+                    spare = spares.take(address)
+                    upstream = await open_stream(lane.url, request.path, data, headers, settings.connect_timeout, spare)
+                    app[METRICS].lane_connections.labels("spare" if upstream is spare else "new").inc()
+                    spares.refill(address)  # the next stream's connection, opened while this one answers
                 else:
                     upstream = await app[SESSION].post(
                         lane.url + request.path, data=data, headers=headers,

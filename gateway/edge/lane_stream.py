@@ -113,6 +113,7 @@ class LaneStream(asyncio.Protocol):
         self.content_length: int | None = None
         self.content = _Content(self)
         self.sent_at = 0.0  # perf_counter when the request was written: the gateway's own time ends there
+        self._heard = False  # a byte came from the lane
 
     # ------------------------------------------------------------- what the edge reads
 
@@ -130,6 +131,11 @@ class LaneStream(asyncio.Protocol):
     def release(self) -> None:
         """Done with the answer: its connection is closed (never reused, see the module's docstring)."""
         self.close()
+
+    def fresh(self) -> bool:
+        """Open, and nothing sent or heard on it yet: a spare that can still carry a request."""
+        return (self.transport is not None and not self.transport.is_closing() and not self._heard
+                and self._error is None and self.sent_at == 0.0)  # fmt: skip
 
     def close(self) -> None:
         self._unwatch()
@@ -173,6 +179,7 @@ class LaneStream(asyncio.Protocol):
         self.transport = transport
 
     def data_received(self, data: bytes) -> None:
+        self._heard = True
         try:
             self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:  # a lane never upgrades
@@ -267,14 +274,14 @@ def _head_line(name: str, value: str) -> str:
     return f"{name}: {value}\r\n"
 
 
-async def open_stream(
-    url: str, path: str, body: bytes, headers: dict[str, str], connect_timeout: float
-) -> LaneStream:
-    """POST `body` to the lane at `url` + `path` and wait for its answer's head. Raises
-    LaneUnreachable (no connection), LaneConnectTimeout, aiohttp.ServerDisconnectedError (closed
-    before answering) or LaneBrokeOff (not HTTP); a caller that is cancelled leaves no socket open."""
+def lane_address(url: str) -> tuple[str, int]:
     split = urlsplit(url)
-    host, port = split.hostname or "", split.port or 80
+    return split.hostname or "", split.port or 80
+
+
+async def connect(host: str, port: int, connect_timeout: float) -> LaneStream:
+    """A connection to the lane, its protocol ready for one request. Raises LaneUnreachable
+    (refused, no route, name unknown) or LaneConnectTimeout."""
     loop = asyncio.get_running_loop()
     try:
         infos = await _addresses(host, port)
@@ -309,6 +316,23 @@ async def open_stream(
     except BaseException:
         sock.close()
         raise
+    return stream
+
+
+async def open_stream(
+    url: str, path: str, body: bytes, headers: dict[str, str], connect_timeout: float,
+    spare: LaneStream | None = None,
+) -> LaneStream:  # fmt: skip
+    """POST `body` to the lane at `url` + `path` and wait for its answer's head. Raises
+    LaneUnreachable (no connection), LaneConnectTimeout, aiohttp.ServerDisconnectedError (closed
+    before answering) or LaneBrokeOff (not HTTP); a caller that is cancelled leaves no socket open.
+    `spare`: a connection opened to this lane ahead of time (gateway/edge/lane_spares.py); one the
+    lane closed before it heard the request is replaced by a new connection, once."""
+    host, port = lane_address(url)
+    if spare is not None and not spare.fresh():
+        spare.close()
+        spare = None
+    stream = spare or await connect(host, port, connect_timeout)
     authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     head = f"POST {path} HTTP/1.1\r\n{_head_line('Host', authority)}" + "".join(
         _head_line(k, v) for k, v in headers.items() if k.lower() not in ("host", "content-length")
@@ -321,6 +345,13 @@ async def open_stream(
     stream.transport.write(head.encode("utf-8", "surrogateescape") + body)
     try:
         await stream._head
+    except aiohttp.ServerDisconnectedError:
+        stream.close()
+        if spare is None or stream._heard:
+            raise
+        # Closed before a byte of answer (the lane restarted, or timed the idle connection out
+        # as it was taken): the lane never read the request, so it is sent again, once.
+        return await open_stream(url, path, body, headers, connect_timeout)
     except BaseException:
         stream.close()
         raise
