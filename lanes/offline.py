@@ -90,7 +90,8 @@ def _with_speculation(args: argparse.Namespace, facts, shape: LaneShape, draft_d
     if (spec_type in DRAFT_KINDS) != bool(args.spec_draft_model):
         raise UserError(f"--spec-type {spec_type}: " + ("a draft model (--spec-draft-model) is needed"
                         if spec_type in DRAFT_KINDS else "takes no draft model (--spec-draft-model)"))  # fmt: skip
-    for name, value in (("--spec-draft-type-k", args.spec_draft_type_k), ("--spec-draft-type-v", args.spec_draft_type_v)):
+    for name, value in (("--spec-draft-type-k", args.spec_draft_type_k),
+                        ("--spec-draft-type-v", args.spec_draft_type_v)):  # fmt: skip
         if value not in BLOCK_BYTES:
             raise UserError(f"{name} {value}: unknown cache type; choose one of {', '.join(BLOCK_BYTES)}")
     target = lane_memory(facts, target_shape(shape, spec_type, args.spec_draft_n_max), cpu_repack())
@@ -173,7 +174,8 @@ def _draft_placement(args: argparse.Namespace, shape: LaneShape, indices: tuple[
     split_mode = "layer" if len(indices) == 1 else shape.split_mode
     if split_mode == "none" and indices and shape.main_gpu >= len(indices):
         raise UserError(f"--spec-draft-device {args.spec_draft_device}: llama-server refuses the draft with "
-                        f"--split-mode none and --main-gpu {shape.main_gpu}, past its {len(indices)} device(s)")  # fmt: skip
+                        f"--split-mode none and --main-gpu {shape.main_gpu}, past its {len(indices)} "
+                        "device(s)")  # fmt: skip
     return dataclasses.replace(
         shape, n_gpu_layers=layers if indices else 0, devices=shape.devices[: len(indices)], tensor_split=shares,
         split_mode=split_mode,
@@ -280,7 +282,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         adapters=adapters,
     )  # fmt: skip
     try:
-        mem = _with_speculation(args, facts, shape, draft_devices, gpus) if args.spec_type != "none" or args.spec_draft_model \
+        speculates = args.spec_type != "none" or args.spec_draft_model
+        mem = _with_speculation(args, facts, shape, draft_devices, gpus) if speculates \
             else lane_memory(facts, shape, cpu_repack())  # fmt: skip
     except (MemoryModelError, PlacementError) as exc:
         raise UserError(str(exc)) from None
@@ -395,7 +398,8 @@ def render_plan(fleet, reports) -> str:
         ]
         if rows:
             out.append(
-                table(["lane", "port", "window", "kv k/v", "fa", "dev", "weights", "kv", "compute", "cache", "total"], rows)
+                table(["lane", "port", "window", "kv k/v", "fa", "dev", "weights", "kv", "compute", "cache", "total"],
+                      rows)
             )
         for s in host.lanes:
             out.append(f"  {s.lane_id}: " + "; ".join(s.reasons))

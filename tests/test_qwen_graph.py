@@ -13,11 +13,9 @@ from pathlib import Path
 import pytest
 
 from shared.memory.graph_alloc import replay
+from shared.memory.symbolic_sweep import Poly, Region, largest_by_regions
 from shared.memory.qwen_graph import (
     _largest,
-    _largest_by_regions,
-    _Poly,
-    _Region,
     build_graph,
     image_grid,
     largest_image,
@@ -153,7 +151,7 @@ def test_regions_find_the_largest_of_every_count(args):
     full = dict(args, n_wa_pattern=4 if args["proj_type"] == "qwen2.5vl_merger" else 0,
                 deepstack=(1, 2) if args["proj_type"] == "qwen3vl_merger" else ())  # fmt: skip
     for limit in (57, 300):
-        got = _largest_by_regions(lambda n: build_graph(grid=(2, 2 * n), **full), lambda g: replay(g).size, limit)
+        got = largest_by_regions(lambda n: build_graph(grid=(2, 2 * n), **full), lambda g: replay(g).size, limit)
         brute = max((qwen_compute_bytes(grid=(2, 2 * n), **args), n) for n in range(1, limit + 1))
         assert got == (brute[1], brute[0])
 
@@ -163,8 +161,8 @@ def test_a_symbolic_replay_holds_over_its_interval():
     the interval the comparisons allowed."""
     args = dict(proj_type="qwen2.5vl_merger", n_embd=64, n_ff=128, n_head=2, n_layer=4, patch_size=14, text_embd=256,
                 flash_attn=True, n_wa_pattern=4)  # fmt: skip
-    region = _Region(200, 0, 264)
-    size = replay(build_graph(grid=(2, 2 * _Poly(3, 8, 0, region)), **args)).size
+    region = Region(200, 0, 264)
+    size = replay(build_graph(grid=(2, 2 * Poly(3, 8, 0, region)), **args)).size
     assert region.lo < 200 <= region.hi
     for k in (region.lo, (region.lo + region.hi) // 2, region.hi):
         want = replay(build_graph(grid=(2, 2 * (8 * k + 3)), **args)).size

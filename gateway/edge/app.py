@@ -26,8 +26,8 @@ from gateway.admission import (
 )
 from gateway.edge import adapters, assemble, bounds, conversations, cors, counted, endpoints, relay
 from gateway.edge.access import CookieSecret
-from gateway.edge.app_keys import (ADMISSION, COOKIE_SECRET, KEYS, LEFT, METRICS, SESSION, SETTINGS, SPARES, TENANT, USAGE,
-                                   VIEW, WAKER)  # fmt: skip
+from gateway.edge.app_keys import (ADMISSION, COOKIE_SECRET, KEYS, LEFT, METRICS, SESSION, SETTINGS, SPARES, TENANT,
+                                   USAGE, VIEW, WAKER)  # fmt: skip
 from gateway.edge.endpoints import ENDPOINTS
 from gateway.edge.lane_spares import Spares
 from gateway.edge.lane_stream import lane_socket

@@ -1,12 +1,15 @@
 """The multimodal projector's memory (--mmproj), on the device where llama-server puts it. Pure.
 
 tools/mtmd/clip.cpp (b11434): the projector's tensors go into one buffer of its backend
-(each padded to the buffer's alignment, as the model's are), and a compute buffer is
-reserved for the warm-up graph of one image of clip.vision.image_size pixels a side
-(`warmup with image size`, then `<buffer> compute buffer size = X MiB`). The backend is the
-lane's first device with --mmproj-offload (common/arg.cpp: -mmdev defaults to the first
---device), host RAM with --no-mmproj-offload. A projector on a device also reserves a host
-compute buffer for the graph's input, the image (f32 RGB): measured with RPC devices.
+(each padded to the buffer's alignment, as the model's are). Its compute buffer is ggml-alloc's
+high-water mark over clip's graph: reserved for a warm-up image, and grown by the scheduler when a
+larger image needs more. Each type's graph is rebuilt and the allocator replayed over it
+(shared/memory/graph_alloc.py and one module per family), for the warm-up image where the type
+resizes every image to it, and for the largest image the lane accepts where images keep their
+size (Qwen2-VL's family, Pixtral, MiniCPM-V). The backend is the lane's first device with
+--mmproj-offload (common/arg.cpp: -mmdev defaults to the first --device), host RAM with
+--no-mmproj-offload. A projector on a device also reserves a host compute buffer for the
+graph's input, the image (f32 RGB) or the audio's mel frames: measured with RPC devices.
 """
 
 from __future__ import annotations
