@@ -170,3 +170,13 @@ async def test_no_spares_when_switched_off_and_none_to_a_lane_that_is_away():
     assert away.held == 0
     await away.close()
     await off.close()
+
+
+def test_lane_spares_is_a_gateway_option_and_zero_switches_them_off():
+    from lanes.cli import build_parser
+    from lanes.online import gateway_settings
+
+    parser = build_parser()
+    assert gateway_settings(parser.parse_args(["gateway"])).lane_spares == 2
+    assert gateway_settings(parser.parse_args(["gateway", "--lane-spares", "0"])).lane_spares == 0
+    assert gateway_settings(parser.parse_args(["gateway", "--lane-spares", "5"])).lane_spares == 5
