@@ -8,6 +8,8 @@ import socket
 import threading
 import time
 
+import pytest
+
 from gateway.edge.lane_spares import Spares
 from gateway.edge.lane_stream import lane_address, open_stream
 from test_lane_stream import Scripted
@@ -139,6 +141,20 @@ async def test_a_spare_closed_as_the_request_is_written_is_sent_again_once():
     assert done == ["close", "answer"]  # then a new connection carried the request, once
     listener.close()
     await spares.close()
+
+
+async def test_a_request_refused_for_its_headers_closes_the_spare_it_was_given():
+    lane = Lane()
+    spares = Spares(per_lane=1, connect_timeout=1.0)
+    async with lane as url:
+        spares.refill(lane_address(url))
+        await _until(lambda: spares.held == 1)
+        spare = spares.take(lane_address(url))
+        with pytest.raises(ValueError, match="line break"):
+            await open_stream(url, "/v1/chat/completions", b"{}", {"X-Evil": "a\r\nHost: elsewhere"}, 1.0, spare)
+        await _until(lambda: lane.closed_idle == 1)  # closed by the gateway, nothing sent on it
+        assert lane.requests == [] and len(lane.accepted) == 1
+        await spares.close()
 
 
 async def test_spares_are_bounded_per_lane_and_closed_unused_after_their_time():

@@ -329,14 +329,19 @@ async def open_stream(
     `spare`: a connection opened to this lane ahead of time (gateway/edge/lane_spares.py); one the
     lane closed before it heard the request is replaced by a new connection, once."""
     host, port = lane_address(url)
+    authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        head = f"POST {path} HTTP/1.1\r\n{_head_line('Host', authority)}" + "".join(
+            _head_line(k, v) for k, v in headers.items() if k.lower() not in ("host", "content-length")
+        ) + f"Content-Length: {len(body)}\r\n\r\n"
+    except ValueError:  # a header with a line break: nothing is sent, and the spare is not kept open
+        if spare is not None:
+            spare.close()
+        raise
     if spare is not None and not spare.fresh():
         spare.close()
         spare = None
     stream = spare or await connect(host, port, connect_timeout)
-    authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    head = f"POST {path} HTTP/1.1\r\n{_head_line('Host', authority)}" + "".join(
-        _head_line(k, v) for k, v in headers.items() if k.lower() not in ("host", "content-length")
-    ) + f"Content-Length: {len(body)}\r\n\r\n"
     # Stamped before the write: the send wakes the lane, which may take the CPU from this process
     # for its whole prefill on a small host, and that is the lane's time, not the gateway's.
     stream.sent_at = time.perf_counter()
